@@ -1,0 +1,458 @@
+"""AttentionCall: the immutable description of one attention call and its validation gate.
+
+Owns the contract's ``attention_call_v1`` manifest and every check that must pass before any
+arithmetic. Defers the arithmetic to :mod:`refattn.engine` and the dropout stream to
+:mod:`refattn.dropout`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import KW_ONLY, dataclass, field
+from typing import Any, Literal, Protocol, runtime_checkable
+
+import numpy as np
+
+from refattn._checks import (
+    as_array,
+    check_bool,
+    check_broadcastable,
+    check_finite,
+    check_float64,
+    format_index,
+)
+from refattn.errors import RefAttnError
+
+__all__ = ["AttentionCall", "MultiplierSource", "float_record", "tensor_record"]
+
+AllMaskedRows = Literal["reject", "sanitize_then_zero_invalid_query"]
+ReturnedWeights = Literal["none", "pre_dropout", "post_dropout"]
+_POLICIES = ("reject", "sanitize_then_zero_invalid_query")
+_RETURNED = ("none", "pre_dropout", "post_dropout")
+
+
+@runtime_checkable
+class MultiplierSource(Protocol):
+    """A replayable dropout stream (e.g. :class:`refattn.dropout.Philox`).
+
+    ``multiplier(B, Hq, Q, K)`` returns the float64 Z of shape ``(B, Hq, Q, K)``;
+    ``manifest()`` returns a JSON-serialisable description (algorithm, seed, offset, p).
+    """
+
+    p: float
+
+    def multiplier(self, B: int, Hq: int, Q: int, K: int) -> np.ndarray: ...
+
+    def manifest(self) -> dict[str, Any]: ...
+
+
+def float_record(x: float) -> dict[str, str]:
+    """A float scalar as decimal and C99 hex text (exact and human-readable).
+
+    Examples
+    --------
+    >>> float_record(0.5)
+    {'decimal': '0.5', 'hex': '0x1.0000000000000p-1'}
+    """
+    x = float(x)
+    return {"decimal": repr(x), "hex": x.hex()}
+
+
+def tensor_record(x: np.ndarray, *, device: str = "cpu") -> dict[str, Any]:
+    """Shape, strides (in elements), dtype, device and contiguity of one tensor view.
+
+    Examples
+    --------
+    >>> tensor_record(np.zeros((2, 3)))["stride"]
+    [3, 1]
+    """
+    itemsize = x.itemsize or 1
+    return {
+        "shape": [int(n) for n in x.shape],
+        "stride": [int(s) // itemsize for s in x.strides],
+        "dtype": str(x.dtype),
+        "device": device,
+        "contiguous": bool(x.flags.c_contiguous),
+    }
+
+
+def _frozen_copy(x: np.ndarray) -> np.ndarray:
+    out = np.array(x, copy=True)
+    out.flags.writeable = False
+    return out
+
+
+def _float_input(name: str, x: object, ndim: int | None = None) -> np.ndarray:
+    arr = as_array(name, x)
+    check_float64(name, arr)
+    if ndim is not None and arr.ndim != ndim:
+        raise RefAttnError(
+            f"{name}: expected {ndim} axes, got {arr.ndim} (shape {list(arr.shape)})"
+        )
+    check_finite(name, arr)
+    return arr
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionCall:
+    """Frozen description of one scaled-dot-product attention call (``attention_call_v1``).
+
+    Validation runs at construction, before any arithmetic; every array is copied and made
+    read-only, so the call cannot change after it was checked.
+
+    Parameters
+    ----------
+    q : (B, Hq, Q, Dk) float64 ndarray
+        Queries, head-major.
+    k : (B, Hkv, K, Dk) float64 ndarray
+        Keys (physical storage: Hkv heads).
+    v : (B, Hkv, K, Dv) float64 ndarray
+        Values; value row j belongs to the same source row as key j.
+    visible : bool ndarray broadcastable to (B, Hq, Q, K), optional
+        True means the edge (query i reads key j) exists. Default: every edge exists.
+    query_valid : bool ndarray broadcastable to (B, 1, Q, 1), optional
+        Whether an output row is consumed. Rows with False get exactly zero output and
+        exactly zero gradient contributions.
+    bias : float64 ndarray broadcastable to (B, Hq, Q, K), optional
+        Finite preference added to the scaled scores before visibility is applied.
+    scale : float, optional
+        Positive finite multiplier alpha applied exactly once to ``q @ k^T``;
+        default ``Dk ** -0.5``.
+    head_map : (Hq,) integer ndarray, optional
+        Query head h reads kv head ``head_map[h]``; default grouped ``h // (Hq // Hkv)``.
+    dropout : float64 ndarray broadcastable to (B, Hq, Q, K), or MultiplierSource, optional
+        The realised dropout multiplier Z (any finite real; inverted dropout is 0 or
+        1/(1-p)), or a replayable stream that generates it.
+    all_masked_rows : {"reject", "sanitize_then_zero_invalid_query"}
+        Policy for rows with no legal key. A consumed row with no legal key is always an error.
+    returned_weights : {"none", "pre_dropout", "post_dropout"}
+        Which weights a caller asks for (recorded in the manifest).
+
+    Raises
+    ------
+    RefAttnError
+        On any violated invariant, naming the tensor, axis or index and the expectation.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> rng = np.random.default_rng(0)
+    >>> call = AttentionCall(rng.standard_normal((1, 2, 3, 4)), rng.standard_normal((1, 1, 5, 4)),
+    ...                      rng.standard_normal((1, 1, 5, 6)))
+    >>> call.axes
+    {'B': 1, 'Hq': 2, 'Hkv': 1, 'Q': 3, 'K': 5, 'Dk': 4, 'Dv': 6}
+    >>> call.head_map.tolist(), call.scale
+    ([0, 0], 0.5)
+    """
+
+    q: np.ndarray
+    k: np.ndarray
+    v: np.ndarray
+    _: KW_ONLY
+    visible: np.ndarray | None = None
+    query_valid: np.ndarray | None = None
+    bias: np.ndarray | None = None
+    scale: float | None = None
+    head_map: np.ndarray | None = None
+    dropout: np.ndarray | MultiplierSource | None = None
+    all_masked_rows: AllMaskedRows = "reject"
+    returned_weights: ReturnedWeights = "none"
+    ledger: dict[str, Any] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        try:
+            self._validate()
+        except RefAttnError as exc:
+            shapes = ", ".join(
+                f"{n}={list(np.shape(getattr(self, n)))}" for n in ("q", "k", "v")
+            )
+            raise RefAttnError(f"AttentionCall({shapes}): {exc}") from None
+
+    # -- validation gate ---------------------------------------------------------------
+    def _set(self, name: str, value: Any) -> None:
+        object.__setattr__(self, name, value)
+
+    def _validate(self) -> None:
+        q = _float_input("q", self.q, 4)
+        k = _float_input("k", self.k, 4)
+        v = _float_input("v", self.v, 4)
+        ledger = {"query": tensor_record(q), "key_physical": tensor_record(k),
+                  "value_physical": tensor_record(v)}
+        B, Hq, Q, Dk = q.shape
+        Bk, Hkv, K, Dk2 = k.shape
+        Bv, Hkv2, K2, _ = v.shape
+        for name, arr in (("q", q), ("k", k), ("v", v)):
+            if 0 in arr.shape:
+                raise RefAttnError(f"{name}: every axis must be non-empty, got {list(arr.shape)}")
+        if Bk != B or Bv != B:
+            raise RefAttnError(
+                f"k/v: batch axis B must equal q's B={B}, got k B={Bk}, v B={Bv} "
+                "(q, k, v never broadcast)"
+            )
+        if Dk2 != Dk:
+            raise RefAttnError(f"k: feature axis Dk={Dk2} must equal q's Dk={Dk}")
+        if Hkv2 != Hkv:
+            raise RefAttnError(f"v: head axis Hkv={Hkv2} must equal k's Hkv={Hkv}")
+        if K2 != K:
+            raise RefAttnError(
+                f"v: key axis K={K2} must equal k's K={K} (value row j pairs with key row j)"
+            )
+        full = (B, Hq, Q, K)
+        self._set("q", _frozen_copy(q))
+        self._set("k", _frozen_copy(k))
+        self._set("v", _frozen_copy(v))
+
+        # head_map
+        if self.head_map is None:
+            if Hq % Hkv != 0:
+                raise RefAttnError(
+                    f"head_map: default grouped mapping needs Hq % Hkv == 0, got Hq={Hq}, "
+                    f"Hkv={Hkv}; pass an explicit head_map"
+                )
+            hm = np.arange(Hq, dtype=np.int64) // (Hq // Hkv)
+            ledger["head_map_mode"] = "grouped"
+        else:
+            hm_in = as_array("head_map", self.head_map)
+            if hm_in.dtype.kind not in "iu" or hm_in.dtype == np.bool_:
+                raise RefAttnError(f"head_map: expected an integer array, got dtype {hm_in.dtype}")
+            if hm_in.shape != (Hq,):
+                raise RefAttnError(f"head_map: expected shape [Hq={Hq}], got {list(hm_in.shape)}")
+            bad = np.flatnonzero((hm_in < 0) | (hm_in >= Hkv))
+            if bad.size:
+                h = int(bad[0])
+                raise RefAttnError(
+                    f"head_map: entry h={h} is {int(hm_in[h])}, expected a kv head in [0, {Hkv})"
+                )
+            hm = hm_in.astype(np.int64)
+            ledger["head_map_mode"] = "explicit"
+        self._set("head_map", _frozen_copy(hm))
+
+        # scale: a multiplier, applied once
+        if self.scale is None:
+            scale = float(Dk) ** -0.5
+            ledger["scale_source"] = "default_dk_inverse_sqrt"
+        else:
+            if isinstance(self.scale, bool) or not isinstance(
+                self.scale, (int, float, np.integer, np.floating)
+            ):
+                raise RefAttnError(
+                    f"scale: expected a real number, got {type(self.scale).__name__}"
+                )
+            scale = float(self.scale)
+            if not np.isfinite(scale) or scale <= 0.0:
+                raise RefAttnError(f"scale: expected a positive finite multiplier, got {scale!r}")
+            ledger["scale_source"] = "explicit"
+        self._set("scale", scale)
+
+        # visibility and query validity
+        if self.visible is not None:
+            vis = as_array("visible", self.visible)
+            check_bool("visible", vis)
+            check_broadcastable("visible", vis, full, "B,Hq,Q,K")
+            ledger["visible"] = tensor_record(vis)
+            self._set("visible", _frozen_copy(vis))
+        if self.query_valid is not None:
+            qv = as_array("query_valid", self.query_valid)
+            check_bool("query_valid", qv)
+            check_broadcastable("query_valid", qv, (B, 1, Q, 1), "B,1,Q,1")
+            ledger["query_valid"] = tensor_record(qv)
+            self._set("query_valid", _frozen_copy(qv))
+
+        # finite bias
+        if self.bias is not None:
+            bias = as_array("bias", self.bias)
+            check_float64("bias", bias)
+            check_broadcastable("bias", bias, full, "B,Hq,Q,K")
+            check_finite("bias", bias)
+            ledger["bias"] = tensor_record(bias)
+            self._set("bias", _frozen_copy(bias))
+
+        # dropout multiplier
+        if self.dropout is not None and not isinstance(self.dropout, MultiplierSource):
+            z = as_array("dropout", self.dropout)
+            check_float64("dropout", z)
+            check_broadcastable("dropout", z, full, "B,Hq,Q,K")
+            check_finite("dropout", z)
+            ledger["dropout"] = tensor_record(z)
+            self._set("dropout", _frozen_copy(z))
+
+        if self.all_masked_rows not in _POLICIES:
+            raise RefAttnError(
+                f"all_masked_rows: expected one of {list(_POLICIES)}, got {self.all_masked_rows!r}"
+            )
+        if self.returned_weights not in _RETURNED:
+            raise RefAttnError(
+                f"returned_weights: expected one of {list(_RETURNED)}, "
+                f"got {self.returned_weights!r}"
+            )
+        self._check_rows()
+        self._set("ledger", ledger)
+
+    def _check_rows(self) -> None:
+        empty = ~self.visible_full().any(axis=-1)  # (B, Hq, Q)
+        if not empty.any():
+            return
+        consumed = np.broadcast_to(self.query_valid_full()[..., 0], empty.shape)  # (B, Hq, Q)
+        policy = self.all_masked_rows
+        bad = empty if policy == "reject" else empty & consumed
+        flat = np.flatnonzero(bad)
+        if flat.size:
+            idx = np.unravel_index(flat[0], bad.shape)
+            what = "" if policy == "reject" else " and its query_valid is True"
+            raise RefAttnError(
+                f"visible: row {format_index(idx, 'bhi')} has no legal key{what} under policy "
+                f"{policy!r} ({flat.size} such row(s))"
+            )
+
+    # -- derived views -----------------------------------------------------------------
+    @property
+    def axes(self) -> dict[str, int]:
+        """The logical axis sizes ``{B, Hq, Hkv, Q, K, Dk, Dv}``."""
+        B, Hq, Q, Dk = self.q.shape
+        _, Hkv, K, Dv = self.v.shape
+        return {"B": B, "Hq": Hq, "Hkv": Hkv, "Q": Q, "K": K, "Dk": Dk, "Dv": Dv}
+
+    @property
+    def score_shape(self) -> tuple[int, int, int, int]:
+        """``(B, Hq, Q, K)``."""
+        B, Hq, Q, _ = self.q.shape
+        return (B, Hq, Q, self.k.shape[2])
+
+    def visible_full(self) -> np.ndarray:
+        """Read-only (B, Hq, Q, K) bool view of the visibility (all True when absent)."""
+        if self.visible is None:
+            return np.broadcast_to(np.True_, self.score_shape)
+        return np.broadcast_to(self.visible, self.score_shape)
+
+    def query_valid_full(self) -> np.ndarray:
+        """Read-only (B, 1, Q, 1) bool view of query validity (all True when absent)."""
+        B, _, Q, _ = self.q.shape
+        if self.query_valid is None:
+            return np.broadcast_to(np.True_, (B, 1, Q, 1))
+        return np.broadcast_to(self.query_valid, (B, 1, Q, 1))
+
+    def multiplier_full(self) -> np.ndarray | None:
+        """The (B, Hq, Q, K) dropout multiplier Z, or None when dropout is off."""
+        if self.dropout is None:
+            return None
+        if isinstance(self.dropout, MultiplierSource):
+            z = np.asarray(self.dropout.multiplier(*self.score_shape))
+            if z.dtype != np.float64 or z.shape != self.score_shape:
+                raise RefAttnError(
+                    f"dropout: stream returned {z.dtype} {list(z.shape)}, expected float64 "
+                    f"{list(self.score_shape)}"
+                )
+            return z
+        return np.broadcast_to(self.dropout, self.score_shape)
+
+    # -- manifest ----------------------------------------------------------------------
+    def _dropout_manifest(self) -> dict[str, Any]:
+        base = {
+            "location": "probabilities_before_value_mixing",
+            "returned_weights": self.returned_weights,
+        }
+        if self.dropout is None:
+            return {**base, "training": False, "mode": "none", "p": 0.0,
+                    "rng_provenance": "none"}
+        if isinstance(self.dropout, MultiplierSource):
+            return {**base, "training": True, "mode": "stream", **self.dropout.manifest()}
+        return {**base, "training": True, "mode": "explicit_multiplier", "p": None,
+                "rng_provenance": "explicit_multiplier_tensor",
+                "shape": self.ledger["dropout"]["shape"]}
+
+    def manifest(
+        self,
+        *,
+        requested_backend: str = "numpy",
+        selected_backend: str = "unobserved",
+        materialization: dict[str, Any] | None = None,
+    ) -> dict[str, Any]:
+        """JSON-serialisable ``attention_call_v1`` manifest of this call.
+
+        Parameters
+        ----------
+        requested_backend, selected_backend : str
+            Backend identity; a :class:`~refattn.trace.Trace` fills in what actually ran.
+        materialization : dict, optional
+            Which logical objects received storage (default: scores and probabilities).
+
+        Returns
+        -------
+        dict
+            Axes, tensor ledger, visibility, bias, scale, numerical ledger, dropout,
+            backend and materialization. Contains no NaN or infinity.
+
+        Examples
+        --------
+        >>> import numpy as np, json
+        >>> ones = np.ones
+        >>> call = AttentionCall(ones((1, 1, 2, 4)), ones((1, 1, 3, 4)), ones((1, 1, 3, 2)))
+        >>> m = call.manifest()
+        >>> m["schema"], m["scale"]["value"]["decimal"], m["visibility"]["semantic_polarity"]
+        ('attention_call_v1', '0.5', 'true_means_legal')
+        >>> _ = json.dumps(m, allow_nan=False)
+        """
+        from refattn import __version__
+
+        led = self.ledger
+        Hkv = self.k.shape[1]
+        sanitized = int(
+            (~self.visible_full().any(axis=-1)).sum()
+        ) if self.all_masked_rows != "reject" else 0
+        out: dict[str, Any] = {
+            "schema": "attention_call_v1",
+            "axes": self.axes,
+            "tensors": {
+                "query": led["query"],
+                "key_physical": led["key_physical"],
+                "value_physical": led["value_physical"],
+                "head_map": {"shape": [int(self.head_map.shape[0])], "range": [0, Hkv],
+                             "mode": led["head_map_mode"],
+                             "values": [int(h) for h in self.head_map]},
+            },
+            "visibility": {
+                "semantic_polarity": "true_means_legal",
+                "shape": led["visible"]["shape"] if "visible" in led else None,
+                "all_legal": self.visible is None,
+                "query_valid_shape": led["query_valid"]["shape"] if "query_valid" in led else None,
+                "all_masked_row_policy": self.all_masked_rows,
+                "sanitized_rows": sanitized,
+                "applied": "after_finite_bias",
+            },
+            "bias": None if self.bias is None else {
+                "role": "finite_preference_only", "shape": led["bias"]["shape"],
+                "stride": led["bias"]["stride"],
+            },
+            "scale": {
+                "value": float_record(self.scale),
+                "source": led["scale_source"],
+                "placement": "post_qk_product",
+                "applied_times": 1,
+            },
+            "numerical": {
+                key: "float64" for key in (
+                    "qkv_storage_dtype", "score_accumulation_dtype",
+                    "softmax_accumulation_dtype", "probability_dtype",
+                    "value_accumulation_dtype", "output_dtype",
+                )
+            },
+            "dropout": self._dropout_manifest(),
+            "backend": {
+                "framework_revision": f"refattn {__version__}; numpy {np.__version__}",
+                "model_revision": None,
+                "entrypoint": "refattn.forward",
+                "requested_backend": requested_backend,
+                "selected_backend": selected_backend,
+                "device_arch": "cpu",
+                "autocast": False,
+                "deterministic": True,
+                "arithmetic_mode": "ieee754_binary64",
+                "is_causal": False,
+                "external_mask_kind": "none" if self.visible is None else "bool_true_means_legal",
+                "compile_state": "eager",
+            },
+            "materialization": materialization
+            or {"scores": True, "probabilities": True},
+        }
+        json.dumps(out, allow_nan=False)  # the manifest never carries NaN or infinity
+        return out

@@ -1,0 +1,1 @@
+"""Subcommands of the ``refattn`` command line, one module each."""

@@ -1,0 +1,27 @@
+"""``refattn golden``: generate a golden bundle for a named suite."""
+
+from __future__ import annotations
+
+import argparse
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    from refattn.suites import SUITES
+
+    p = sub.add_parser("golden", help="write golden fixture files (safetensors + manifest)")
+    p.add_argument("--out", required=True, help="bundle directory to write")
+    p.add_argument("--suite", default="contract", choices=sorted(SUITES),
+                   help="which suite of cases to write (default: contract)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from refattn.golden import write_bundle
+    from refattn.suites import build_suite
+
+    cases = build_suite(args.suite)
+    path = write_bundle(args.out, cases, suite=args.suite)
+    print(f"wrote {len(cases)} case(s) of suite {args.suite!r} to {path.parent} ({path.name})")
+    return 0

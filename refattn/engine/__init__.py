@@ -1,0 +1,136 @@
+"""Backend registry: one ``forward`` / ``backward`` interface over several engines.
+
+Owns backend lookup (lazy, by name) and the checks on ``grad_output``; the arithmetic lives
+in the backend modules (``reference`` is the NumPy oracle).
+"""
+
+from __future__ import annotations
+
+import importlib
+from types import ModuleType
+from typing import Any
+
+import numpy as np
+
+from refattn._checks import as_array, check_finite, check_float64, check_shape
+from refattn.call import AttentionCall
+from refattn.errors import RefAttnError
+from refattn.trace import Gradients, Trace
+
+__all__ = ["BACKENDS", "attention", "backward", "forward", "get_backend"]
+
+#: backend name -> module implementing ``forward(call, **options)`` and ``backward(trace, g)``
+BACKENDS: dict[str, str] = {
+    "numpy": "refattn.engine.reference",
+}
+
+
+def get_backend(name: str) -> ModuleType:
+    """Import and return the backend module registered under ``name``.
+
+    Examples
+    --------
+    >>> get_backend("numpy").__name__
+    'refattn.engine.reference'
+    """
+    if name not in BACKENDS:
+        raise RefAttnError(f"backend: unknown backend {name!r}; known backends: {sorted(BACKENDS)}")
+    try:
+        return importlib.import_module(BACKENDS[name])
+    except ImportError as exc:
+        raise RefAttnError(f"backend: {name!r} is not available here ({exc})") from None
+
+
+def forward(call: AttentionCall, *, backend: str = "numpy", **options: Any) -> Trace:
+    """Run the forward pass of ``call`` and return every canonical intermediate.
+
+    Parameters
+    ----------
+    call : AttentionCall
+        A validated call.
+    backend : str
+        A name in :data:`BACKENDS` (``"numpy"`` is the reference).
+    **options
+        Backend-specific options (e.g. ``materialize=False`` for streaming backends).
+
+    Returns
+    -------
+    Trace
+        scores, biased_scores, masked_scores : (B, Hq, Q, K); row_max, lse : (B, Hq, Q);
+        probs, dropout_multiplier, consumed : (B, Hq, Q, K); output : (B, Hq, Q, Dv).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import AttentionCall
+    >>> x = np.zeros((1, 1, 2, 4))
+    >>> t = forward(AttentionCall(x, x, np.ones((1, 1, 2, 3))))
+    >>> t.probs[0, 0].tolist(), t.output.shape
+    ([[0.5, 0.5], [0.5, 0.5]], (1, 1, 2, 3))
+    """
+    if not isinstance(call, AttentionCall):
+        raise RefAttnError(f"call: expected an AttentionCall, got {type(call).__name__}")
+    return get_backend(backend).forward(call, **options)
+
+
+def _check_grad_output(trace: Trace, grad_output: object) -> np.ndarray:
+    g = as_array("grad_output", grad_output)
+    check_float64("grad_output", g)
+    B, Hq, Q, _ = trace.call.q.shape
+    check_shape("grad_output", g, (B, Hq, Q, trace.call.v.shape[3]), "B,Hq,Q,Dv")
+    check_finite("grad_output", g)
+    return g
+
+
+def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
+    """Hand-written backward of the exact sampled forward program (no autograd).
+
+    Parameters
+    ----------
+    trace : Trace
+        The forward trace (its backend also runs the backward).
+    grad_output : (B, Hq, Q, Dv) float64 ndarray
+        G_O, the gradient of the loss with respect to ``trace.output``.
+
+    Returns
+    -------
+    Gradients
+        grad_q (B, Hq, Q, Dk), grad_k (B, Hkv, K, Dk), grad_v (B, Hkv, K, Dv), grad_bias
+        (shape of the bias), and the intermediates grad_consumed, grad_probs, row_dot (both
+        contractions) and grad_scores.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import AttentionCall
+    >>> rng = np.random.default_rng(1)
+    >>> q, k, v = (rng.standard_normal(s) for s in [(1, 2, 3, 4), (1, 1, 5, 4), (1, 1, 5, 2)])
+    >>> t = forward(AttentionCall(q, k, v))
+    >>> g = backward(t, np.ones((1, 2, 3, 2)))
+    >>> g.grad_k.shape, bool(np.allclose(g.row_dot, g.row_dot_output, rtol=1e-13))
+    ((1, 1, 5, 4), True)
+    """
+    if not isinstance(trace, Trace):
+        raise RefAttnError(f"trace: expected a Trace, got {type(trace).__name__}")
+    g = _check_grad_output(trace, grad_output)
+    return get_backend(trace.backend).backward(trace, g)
+
+
+def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, **kwargs: Any) -> np.ndarray:
+    """Output of scaled-dot-product attention; keywords as for :class:`AttentionCall`.
+
+    ``backend=`` selects the engine (default ``"numpy"``).
+
+    Returns
+    -------
+    (B, Hq, Q, Dv) float64 ndarray
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> v = np.arange(6.0).reshape(1, 1, 3, 2)
+    >>> attention(np.zeros((1, 1, 1, 2)), np.zeros((1, 1, 3, 2)), v).tolist()
+    [[[[2.0, 3.0]]]]
+    """
+    backend = kwargs.pop("backend", "numpy")
+    return forward(AttentionCall(q, k, v, **kwargs), backend=backend).output
