@@ -69,7 +69,7 @@ def check_finite(name: str, x: np.ndarray) -> None:
     idx = first_index(bad)
     if idx is not None:
         raise RefAttnError(
-            f"{name}: non-finite value {x[idx]!r} at index {format_index(idx)}; "
+            f"{name}: non-finite value {x[idx].item()!r} at index {format_index(idx)}; "
             "expected finite float64"
         )
 

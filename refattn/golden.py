@@ -213,17 +213,22 @@ def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: 
         On duplicate case ids.
     """
     out = Path(out)
-    entries: dict[str, Any] = {}
-    for case in cases:
-        if case.case_id in entries:
+    encoded: dict[str, tuple[bytes, dict[str, Any]]] = {}
+    for case in cases:  # compute everything first: a failing case writes nothing
+        if case.case_id in encoded:
             raise RefAttnError(f"case_id: duplicate case {case.case_id!r} in suite {suite!r}")
-        data, entry = _encode_case(case)
+        encoded[case.case_id] = _encode_case(case)
+    for data, entry in encoded.values():
         atomic_write(out / entry["file"], data)
-        entries[case.case_id] = entry
     manifest = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "suite": suite,
-                "generator": _generator(), "cases": entries}
+                "generator": _generator(),
+                "cases": {case_id: entry for case_id, (_, entry) in encoded.items()}}
     path = out / "manifest.json"
     atomic_write(path, _dump_json(manifest))
+    listed = {out / entry["file"] for _, entry in encoded.values()}
+    for stale in (out / "cases").glob("*.safetensors"):  # files of cases no longer in the suite
+        if stale not in listed:
+            stale.unlink()
     return path
 
 
