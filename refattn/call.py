@@ -22,6 +22,8 @@ from refattn._checks import (
     format_index,
 )
 from refattn.errors import RefAttnError
+from refattn.scale_placement import PLACEMENTS, ScalePlacement, placement_record
+from refattn.scores import Dot, ScoreFamily
 
 __all__ = ["AttentionCall", "MultiplierSource", "float_record", "tensor_record"]
 
@@ -127,6 +129,17 @@ class AttentionCall:
         Policy for rows with no legal key. A consumed row with no legal key is always an error.
     returned_weights : {"none", "pre_dropout", "post_dropout"}
         Which weights a caller asks for (recorded in the manifest).
+    score : ScoreFamily, optional
+        Compatibility family from :mod:`refattn.scores`: ``Dot()`` (default), ``Bilinear``,
+        ``Additive`` or ``Cosine``. Only dot has a default scale; the others need ``scale``.
+        Bilinear and additive allow ``k``'s feature width to differ from ``q``'s.
+    scale_placement : {"post", "q", "k", "split"}
+        Where alpha is applied (exactly once): after the product, on q, on k, or
+        ``sqrt(alpha)`` on each. Non-post placements need a family linear in q and k.
+    softcap : float, optional
+        ``c``: the scaled scores become ``c * tanh(s / c)`` before bias and visibility.
+    sink : (Hq,) float64 ndarray, optional
+        Per-head sink logit that joins every row's softmax denominator with no value row.
 
     Raises
     ------
@@ -157,6 +170,10 @@ class AttentionCall:
     dropout: np.ndarray | MultiplierSource | None = None
     all_masked_rows: AllMaskedRows = "reject"
     returned_weights: ReturnedWeights = "none"
+    score: ScoreFamily | None = None
+    scale_placement: ScalePlacement = "post"
+    softcap: float | None = None
+    sink: np.ndarray | None = None
     ledger: dict[str, Any] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
@@ -189,8 +206,16 @@ class AttentionCall:
                 f"k/v: batch axis B must equal q's B={B}, got k B={Bk}, v B={Bv} "
                 "(q, k, v never broadcast)"
             )
-        if Dk2 != Dk:
+        score = Dot() if self.score is None else self.score
+        if not isinstance(score, ScoreFamily):
+            raise RefAttnError(
+                f"score: expected a refattn.scores family (Dot, Bilinear, Additive, Cosine), "
+                f"got {type(score).__name__}"
+            )
+        if Dk2 != Dk and score.requires_equal_width:
             raise RefAttnError(f"k: feature axis Dk={Dk2} must equal q's Dk={Dk}")
+        score.check_call(Hq=Hq, Dq=Dk, Dk=Dk2)
+        self._set("score", score)
         if Hkv2 != Hkv:
             raise RefAttnError(f"v: head axis Hkv={Hkv2} must equal k's Hkv={Hkv}")
         if K2 != K:
@@ -229,6 +254,11 @@ class AttentionCall:
 
         # scale: a multiplier, applied once
         if self.scale is None:
+            if not score.has_default_scale:
+                raise RefAttnError(
+                    f"scale: the {score.name} score has no canonical multiplier; pass an "
+                    "explicit scale (Dk ** -0.5 belongs to dot attention only)"
+                )
             scale = float(Dk) ** -0.5
             ledger["scale_source"] = "default_dk_inverse_sqrt"
         else:
@@ -243,6 +273,7 @@ class AttentionCall:
                 raise RefAttnError(f"scale: expected a positive finite multiplier, got {scale!r}")
             ledger["scale_source"] = "explicit"
         self._set("scale", scale)
+        self._validate_modifiers(Hq)
 
         # visibility and query validity
         if self.visible is not None:
@@ -288,6 +319,31 @@ class AttentionCall:
         self._check_rows()
         self._set("ledger", ledger)
 
+    def _validate_modifiers(self, Hq: int) -> None:
+        """Scale placement, softcap and sink (the finite score modifiers)."""
+        if self.scale_placement not in PLACEMENTS:
+            raise RefAttnError(
+                f"scale_placement: expected one of {list(PLACEMENTS)}, "
+                f"got {self.scale_placement!r}"
+            )
+        if self.scale_placement != "post" and not self.score.linear_in_operands:
+            raise RefAttnError(
+                f"scale_placement: {self.scale_placement!r} moves alpha into an operand, which "
+                f"changes the {self.score.name} score (it is not linear in q and k); use 'post'"
+            )
+        if self.softcap is not None:
+            c = self.softcap
+            if isinstance(c, bool) or not isinstance(c, (int, float, np.integer, np.floating)):
+                raise RefAttnError(f"softcap: expected a real number, got {type(c).__name__}")
+            if not np.isfinite(float(c)) or float(c) <= 0.0:
+                raise RefAttnError(f"softcap: expected a positive finite cap, got {float(c)!r}")
+            self._set("softcap", float(c))
+        if self.sink is not None:
+            sink = _float_input("sink", self.sink, 1)
+            if sink.shape != (Hq,):
+                raise RefAttnError(f"sink: expected shape [Hq={Hq}], got {list(sink.shape)}")
+            self._set("sink", _frozen_copy(sink))
+
     def _check_rows(self) -> None:
         empty = ~self.visible_full().any(axis=-1)  # (B, Hq, Q)
         if not empty.any():
@@ -308,9 +364,13 @@ class AttentionCall:
     @property
     def axes(self) -> dict[str, int]:
         """The logical axis sizes ``{B, Hq, Hkv, Q, K, Dk, Dv}``."""
-        B, Hq, Q, Dk = self.q.shape
+        B, Hq, Q, Dq = self.q.shape
         _, Hkv, K, Dv = self.v.shape
-        return {"B": B, "Hq": Hq, "Hkv": Hkv, "Q": Q, "K": K, "Dk": Dk, "Dv": Dv}
+        Dk = self.k.shape[3]
+        axes = {"B": B, "Hq": Hq, "Hkv": Hkv, "Q": Q, "K": K, "Dk": Dk, "Dv": Dv}
+        if Dq != Dk:  # bilinear / additive scores may compare unequal widths
+            axes["Dq"] = Dq
+        return axes
 
     @property
     def score_shape(self) -> tuple[int, int, int, int]:
@@ -426,8 +486,16 @@ class AttentionCall:
             "scale": {
                 "value": float_record(self.scale),
                 "source": led["scale_source"],
-                "placement": "post_qk_product",
-                "applied_times": 1,
+                **placement_record(self.scale, self.scale_placement, width=self.q.shape[3]),
+            },
+            "score": self.score.manifest(),
+            "score_modifiers": {
+                "order": "scale, softcap, finite_bias, visibility, softmax_with_sink",
+                "softcap": None if self.softcap is None else float_record(self.softcap),
+                "sink": None if self.sink is None else {
+                    "shape": [int(self.sink.shape[0])], "has_value_row": False,
+                    "values": [float_record(x) for x in self.sink],
+                },
             },
             "numerical": {
                 key: "float64" for key in (

@@ -143,7 +143,7 @@ def _conventions(case: GoldenCase) -> dict[str, Any]:
         "all_masked_rows": call.all_masked_rows,
         "returned_weights": call.returned_weights,
         "scale": float_record(call.scale),
-        "scale_placement": "post",
+        "scale_placement": getattr(call, "scale_placement", "post"),
         "causal_alignment": "none",
         "window_convention": "none",
     }

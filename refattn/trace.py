@@ -12,7 +12,14 @@ import numpy as np
 
 from refattn.call import AttentionCall
 
-__all__ = ["FORWARD_NAMES", "GRADIENT_NAMES", "Gradients", "Trace"]
+__all__ = [
+    "FORWARD_NAMES",
+    "GRADIENT_NAMES",
+    "OPTIONAL_FORWARD_NAMES",
+    "OPTIONAL_GRADIENT_NAMES",
+    "Gradients",
+    "Trace",
+]
 
 FORWARD_NAMES = (
     "scores", "biased_scores", "masked_scores", "row_max", "lse", "probs",
@@ -22,6 +29,9 @@ GRADIENT_NAMES = (
     "grad_output", "grad_v", "grad_consumed", "grad_probs", "row_dot", "row_dot_output",
     "grad_scores", "grad_q", "grad_k", "grad_bias",
 )
+#: tensors that exist only when a score modifier is on (softcap, sink); None otherwise
+OPTIONAL_FORWARD_NAMES = ("softcap_input", "sink_probs")
+OPTIONAL_GRADIENT_NAMES = ("grad_softcap_input", "grad_sink")
 
 
 def _freeze(obj: Any) -> None:
@@ -29,6 +39,10 @@ def _freeze(obj: Any) -> None:
         value = getattr(obj, f.name)
         if isinstance(value, np.ndarray):
             value.flags.writeable = False
+        elif isinstance(value, dict):  # e.g. grad_score_params
+            for item in value.values():
+                if isinstance(item, np.ndarray):
+                    item.flags.writeable = False
 
 
 @dataclass(frozen=True, eq=False)
@@ -40,13 +54,15 @@ class Trace:
     call : AttentionCall
         The validated call this trace executes.
     scores : (B, Hq, Q, K) ndarray
-        ``alpha * q @ k_eff^T`` (alpha applied exactly once).
+        ``alpha * u`` with ``u`` the call's compatibility (``q @ k_eff^T`` for dot; alpha
+        applied exactly once, at the call's placement), then ``c * tanh(. / c)`` when a
+        softcap ``c`` is set.
     biased_scores : (B, Hq, Q, K) ndarray
         ``scores + bias``.
     masked_scores : (B, Hq, Q, K) ndarray
         ``biased_scores`` with -inf where not visible.
     row_max, lse : (B, Hq, Q) ndarray
-        Maximum and log-sum-exp over the legal support.
+        Maximum and log-sum-exp over the legal support (and the sink logit, when set).
     probs : (B, Hq, Q, K) ndarray
         Pre-dropout probabilities P; exactly 0 off the support.
     dropout_multiplier : (B, Hq, Q, K) ndarray
@@ -61,6 +77,11 @@ class Trace:
         The backend that produced the trace.
     materialized : dict
         Which logical objects received storage.
+    softcap_input : (B, Hq, Q, K) ndarray or None
+        The scaled scores before the softcap (None without a softcap).
+    sink_probs : (B, Hq, Q) ndarray or None
+        Probability mass taken by the sink logit (None without a sink); with a sink,
+        ``probs.sum(-1) + sink_probs == 1``.
     """
 
     call: AttentionCall
@@ -78,6 +99,8 @@ class Trace:
     materialized: dict[str, Any] = field(
         default_factory=lambda: {"scores": True, "probabilities": True}
     )
+    softcap_input: np.ndarray | None = None
+    sink_probs: np.ndarray | None = None
 
     def __post_init__(self) -> None:
         _freeze(self)
@@ -109,6 +132,16 @@ class Trace:
             if value is not None:
                 out[name] = value
         out["sanitized_rows"] = self.sanitized_rows
+        # score family parameters and modifiers appear only when the call uses them
+        score = getattr(call, "score", None)
+        for name, value in (score.parameters() if score is not None else {}).items():
+            out[f"score_{name}"] = value
+        if getattr(call, "sink", None) is not None:
+            out["sink"] = call.sink
+        for name in OPTIONAL_FORWARD_NAMES:
+            value = getattr(self, name)
+            if value is not None:
+                out[name] = value
         return out
 
     def manifest(self, requested_backend: str | None = None) -> dict[str, Any]:
@@ -144,6 +177,13 @@ class Gradients:
     grad_k : (B, Hkv, K, Dk) ndarray
     grad_bias : ndarray or None
         ``G_S`` summed to the bias's own broadcast shape.
+    grad_softcap_input : (B, Hq, Q, K) ndarray or None
+        Gradient with respect to the scaled scores before the softcap:
+        ``G_S * (1 - tanh(s / c) ** 2)`` (None without a softcap).
+    grad_sink : (Hq,) ndarray or None
+        ``-sum_{b,i} sink_probs * D`` (None without a sink).
+    grad_score_params : dict of str to ndarray or None
+        Gradients of the score family's own parameters (None for dot and cosine).
     """
 
     grad_output: np.ndarray
@@ -156,12 +196,21 @@ class Gradients:
     grad_q: np.ndarray
     grad_k: np.ndarray
     grad_bias: np.ndarray | None
+    grad_softcap_input: np.ndarray | None = None
+    grad_sink: np.ndarray | None = None
+    grad_score_params: dict[str, np.ndarray] | None = None
 
     def __post_init__(self) -> None:
         _freeze(self)
 
     def tensors(self) -> dict[str, np.ndarray]:
         """The materialised gradient tensors by canonical name."""
-        return {
+        out = {
             name: getattr(self, name) for name in GRADIENT_NAMES if getattr(self, name) is not None
         }
+        for name in OPTIONAL_GRADIENT_NAMES:
+            if getattr(self, name) is not None:
+                out[name] = getattr(self, name)
+        for name, value in (self.grad_score_params or {}).items():
+            out[f"grad_score_{name}"] = value
+        return out

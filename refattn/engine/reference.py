@@ -13,6 +13,8 @@ import numpy as np
 
 from refattn.call import AttentionCall
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
+from refattn.scale_placement import operand_multipliers
+from refattn.scores import Dot, ScoreFamily
 from refattn.trace import Gradients, Trace
 
 __all__ = ["backward", "backward_arrays", "forward", "forward_arrays"]
@@ -29,8 +31,15 @@ def forward_arrays(
     query_valid: np.ndarray,
     bias: np.ndarray | None = None,
     multiplier: np.ndarray | None = None,
+    score: ScoreFamily | None = None,
+    scale_placement: str = "post",
+    softcap: float | None = None,
+    sink: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """Dense forward over plain arrays (no validation; real or complex dtype).
+
+    Order: compatibility u (the score family) with alpha at its placement, softcap, finite
+    bias, visibility, softmax (the sink joins the denominator), dropout, value mixing.
 
     Parameters
     ----------
@@ -45,12 +54,22 @@ def forward_arrays(
     bias : ndarray broadcastable to (B, Hq, Q, K), optional
     multiplier : ndarray broadcastable to (B, Hq, Q, K), optional
         Dropout multiplier Z.
+    score : ScoreFamily, optional
+        Compatibility family (default :class:`~refattn.scores.Dot`).
+    scale_placement : {"post", "q", "k", "split"}
+        Where alpha is applied (see :mod:`refattn.scale_placement`).
+    softcap : float, optional
+        Cap c: ``scores = c * tanh(alpha u / c)``, before bias and visibility.
+    sink : (Hq,) ndarray, optional
+        Per-head sink logit in every row's denominator (no value row).
 
     Returns
     -------
     dict
         The canonical forward tensors plus ``sanitized_rows`` (B, Hq, Q): rows without a
-        legal key that received the temporary key 0 (callers guarantee those are unused).
+        legal key that received the temporary key 0 (callers guarantee those are unused);
+        ``softcap_input`` (B, Hq, Q, K) with a softcap and ``sink_probs`` (B, Hq, Q) with a
+        sink.
 
     Examples
     --------
@@ -66,8 +85,17 @@ def forward_arrays(
     k_eff = gather_heads(k, head_map)  # (B, Hq, K, Dk)
     v_eff = gather_heads(v, head_map)  # (B, Hq, K, Dv)
 
-    scores = q @ k_eff.swapaxes(-1, -2)  # (B, Hq, Q, K)
-    scores *= scale  # alpha applied exactly once, after the product
+    family = Dot() if score is None else score
+    mult = operand_multipliers(scale, scale_placement)  # alpha applied exactly once in total
+    q_s = q if mult.query == 1.0 else q * mult.query  # (B, Hq, Q, Dq) pre-scaled query
+    k_s = k_eff if mult.key == 1.0 else k_eff * mult.key  # (B, Hq, K, Dk) pre-scaled key
+    scores = family.compatibility(q_s, k_s)  # (B, Hq, Q, K) u; dot: q @ k_eff^T
+    if scale_placement == "post":
+        scores *= scale  # alpha applied exactly once, after the product
+    softcap_input = None
+    if softcap is not None:  # FlashAttention/ONNX order: cap the scaled scores, then mask
+        softcap_input = scores
+        scores = softcap * np.tanh(scores / softcap)  # (B, Hq, Q, K), in (-c, c)
     # finite preference first, then authoritative visibility: no bias can revive an edge
     biased = scores if bias is None else scores + bias  # (B, Hq, Q, K)
 
@@ -79,8 +107,14 @@ def forward_arrays(
     masked = np.where(vis, biased, -np.inf)  # (B, Hq, Q, K)
 
     row_max = masked.real.max(axis=-1)  # (B, Hq, Q), over the legal support only
+    if sink is not None:  # the sink logit is part of every row's support
+        sink_row = np.broadcast_to(sink[None, :, None], (B, Hq, Q))  # (B, Hq, Q)
+        row_max = np.maximum(row_max, sink_row.real)
     e = np.exp(masked - row_max[..., None])  # exactly 0 where masked (exp(-inf))
     denom = e.sum(axis=-1)  # (B, Hq, Q)
+    if sink is not None:
+        e_sink = np.exp(sink_row - row_max)  # (B, Hq, Q): denominator only, no value row
+        denom = denom + e_sink
     probs = e / denom[..., None]  # (B, Hq, Q, K)
     lse = row_max + np.log(denom)
 
@@ -89,7 +123,13 @@ def forward_arrays(
     output = consumed @ v_eff  # (B, Hq, Q, Dv)
     qv = np.broadcast_to(query_valid, (B, 1, Q, 1))
     output = np.where(qv, output, 0.0)  # unused rows are exactly zero
+    extra = {}
+    if softcap_input is not None:
+        extra["softcap_input"] = softcap_input
+    if sink is not None:
+        extra["sink_probs"] = e_sink / denom  # (B, Hq, Q)
     return {
+        **extra,
         "scores": scores,
         "biased_scores": biased,
         "masked_scores": masked,
@@ -114,25 +154,33 @@ def backward_arrays(
     scale: float,
     query_valid: np.ndarray,
     bias_shape: tuple[int, ...] | None,
+    score: ScoreFamily | None = None,
+    scale_placement: str = "post",
+    softcap: float | None = None,
+    sink: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
     """The contract's backward equations over plain arrays (no validation).
 
     Parameters
     ----------
     fwd : dict
-        Output of :func:`forward_arrays` (needs probs, dropout_multiplier, consumed, output).
+        Output of :func:`forward_arrays` (needs probs, dropout_multiplier, consumed, output;
+        also scores with a softcap and sink_probs with a sink).
     grad_output : (B, Hq, Q, Dv) ndarray
         G_O.
     q, k, v, head_map, scale, query_valid
         As for :func:`forward_arrays`.
     bias_shape : tuple or None
         Shape to which grad_bias is reduced (None: no bias).
+    score, scale_placement, softcap, sink
+        As for :func:`forward_arrays`.
 
     Returns
     -------
     dict
         grad_output, grad_v, grad_consumed, grad_probs, row_dot, row_dot_output, grad_scores,
-        grad_q, grad_k, grad_bias (None without a bias).
+        grad_q, grad_k, grad_bias (None without a bias); with a softcap grad_softcap_input,
+        with a sink grad_sink (Hq,), with a parametrised family grad_score_params.
 
     Examples
     --------
@@ -159,9 +207,25 @@ def backward_arrays(
     row_dot = (probs * grad_probs).sum(axis=-1)  # (B, Hq, Q)  D = sum_j P G_P
     row_dot_output = (g_o * fwd["output"]).sum(axis=-1)  # (B, Hq, Q)  D = sum_d G_O O
     grad_scores = probs * (grad_probs - row_dot[..., None])  # exactly 0 where P == 0
-    grad_q = (grad_scores @ k_eff) * scale  # (B, Hq, Q, Dk)
-    grad_k_eff = (grad_scores.swapaxes(-1, -2) @ q) * scale  # (B, Hq, K, Dk)
+    extra = {}
+    grad_scaled = grad_scores  # gradient w.r.t. alpha * u
+    if softcap is not None:
+        t = fwd["scores"] / softcap  # tanh(alpha u / c), (B, Hq, Q, K)
+        grad_scaled = grad_scores * (1.0 - t * t)
+        extra["grad_softcap_input"] = grad_scaled
+    family = Dot() if score is None else score
+    mult = operand_multipliers(scale, scale_placement)
+    q_s = q if mult.query == 1.0 else q * mult.query
+    k_s = k_eff if mult.key == 1.0 else k_eff * mult.key
+    sg = family.compatibility_backward(grad_scaled, q_s, k_s)  # linear in its cotangent
+    grad_q = sg.grad_q * (mult.query * mult.post)  # (B, Hq, Q, Dk); dot post: (G_S k) alpha
+    grad_k_eff = sg.grad_k * (mult.key * mult.post)  # (B, Hq, K, Dk)
+    if sg.params:
+        extra["grad_score_params"] = {n: g * mult.post for n, g in sg.params.items()}
+    if sink is not None:  # d lse / d sink = sink_probs; the sink carries no value row
+        extra["grad_sink"] = -(fwd["sink_probs"] * row_dot).sum(axis=(0, 2))  # (Hq,)
     return {
+        **extra,
         "grad_output": grad_output,
         "grad_v": sum_heads(grad_v_eff, head_map, Hkv),
         "grad_consumed": grad_consumed,
@@ -180,6 +244,10 @@ def _call_arrays(call: AttentionCall) -> dict:
         "head_map": call.head_map,
         "scale": call.scale,
         "query_valid": call.query_valid_full(),
+        "score": getattr(call, "score", None),
+        "scale_placement": getattr(call, "scale_placement", "post"),
+        "softcap": getattr(call, "softcap", None),
+        "sink": getattr(call, "sink", None),
     }
 
 
@@ -196,7 +264,7 @@ def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     """Reference backward of a trace (see :func:`refattn.backward`)."""
     call = trace.call
     fwd = {name: getattr(trace, name) for name in
-           ("probs", "dropout_multiplier", "consumed", "output")}
+           ("probs", "dropout_multiplier", "consumed", "output", "scores", "sink_probs")}
     grads = backward_arrays(
         fwd, grad_output, q=call.q, k=call.k, v=call.v,
         bias_shape=None if call.bias is None else call.bias.shape, **_call_arrays(call),

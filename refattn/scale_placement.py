@@ -1,0 +1,243 @@
+"""Scale placement: where the one logit multiplier alpha is applied, and the gate that checks it.
+
+Owns the four placements of the contract ("Scale placement and fused APIs") -- ``post``
+(``(q k^T) alpha``), ``q`` (``(alpha q) k^T``), ``k`` (``q (alpha k)^T``) and ``split``
+(``(sqrt(alpha) q)(sqrt(alpha) k)^T``) -- their manifest record, the declared tolerance under
+which they agree, and the "Scale-placement validation gate". Defers the arithmetic to
+:mod:`refattn.engine.reference` and the compatibility family to :mod:`refattn.scores`.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Literal, NamedTuple
+
+import numpy as np
+
+from refattn.errors import RefAttnError
+
+if TYPE_CHECKING:
+    from refattn.call import AttentionCall
+
+__all__ = [
+    "PLACEMENTS",
+    "PLACEMENT_ATOL",
+    "PLACEMENT_RTOL",
+    "OperandMultipliers",
+    "ScaleGateReport",
+    "ScalePlacement",
+    "operand_multipliers",
+    "placement_record",
+    "scale_gate",
+]
+
+ScalePlacement = Literal["post", "q", "k", "split"]
+PLACEMENTS: tuple[str, ...] = ("post", "q", "k", "split")
+_PLACEMENT_NAMES = {
+    "post": "post_qk_product",
+    "q": "pre_query",
+    "k": "pre_key",
+    "split": "split_sqrt_query_and_key",
+}
+
+#: Declared float64 tolerance under which the four placements agree (outputs and gradients
+#: of O(1) inputs). Pre-scaling rounds the operands, post-scaling rounds the accumulator, so
+#: the placements are not bitwise equal; the measured worst difference on the tests' random
+#: calls is below 1e-14, and every failure mode the gate exists for is above 1e-3.
+PLACEMENT_RTOL = 1e-12
+PLACEMENT_ATOL = 1e-12
+
+
+class OperandMultipliers(NamedTuple):
+    """Multipliers applied to the query, the key and the product (their product is alpha)."""
+
+    query: float
+    key: float
+    post: float
+
+
+def operand_multipliers(alpha: float, placement: ScalePlacement) -> OperandMultipliers:
+    """Where alpha goes for one placement; the multiplier is applied exactly once in total.
+
+    Examples
+    --------
+    >>> operand_multipliers(0.25, "split")
+    OperandMultipliers(query=0.5, key=0.5, post=1.0)
+    >>> operand_multipliers(0.25, "post")
+    OperandMultipliers(query=1.0, key=1.0, post=0.25)
+    """
+    match placement:
+        case "post":
+            return OperandMultipliers(1.0, 1.0, alpha)
+        case "q":
+            return OperandMultipliers(alpha, 1.0, 1.0)
+        case "k":
+            return OperandMultipliers(1.0, alpha, 1.0)
+        case "split":
+            root = math.sqrt(alpha)  # sqrt(alpha) on each side, NOT alpha on each side
+            return OperandMultipliers(root, root, 1.0)
+        case _:
+            raise RefAttnError(
+                f"scale_placement: expected one of {list(PLACEMENTS)}, got {placement!r}"
+            )
+
+
+def placement_record(alpha: float, placement: ScalePlacement, *, width: int) -> dict[str, Any]:
+    """Manifest fields for the multiplier's placement.
+
+    ``width`` is the feature width Dk; the record's ``width`` is Dk when alpha is exactly
+    ``Dk ** -0.5`` and None otherwise (an explicit, non-canonical multiplier).
+
+    Examples
+    --------
+    >>> r = placement_record(0.5, "split", width=4)
+    >>> r["placement"], r["width"], r["operand_multipliers"]["query"]["decimal"]
+    ('split_sqrt_query_and_key', 4, '0.7071067811865476')
+    """
+    from refattn.call import float_record  # lazy: call.py imports this module
+
+    m = operand_multipliers(alpha, placement)
+    return {
+        "placement": _PLACEMENT_NAMES[placement],
+        "requested_placement": placement,
+        "semantics": "multiplicative_inverse_temperature",
+        "effective_logit_multiplier": float_record(alpha),
+        "operand_multipliers": {"query": float_record(m.query), "key": float_record(m.key),
+                                "post": float_record(m.post)},
+        "applied_times": 1,
+        "width": int(width) if float(width) ** -0.5 == alpha else None,
+    }
+
+
+@dataclass(frozen=True)
+class ScaleGateReport:
+    """What the scale-placement gate checked and the worst output difference it saw.
+
+    Attributes
+    ----------
+    checks : tuple of str
+        The manifest assertions that held.
+    max_abs_error : float
+        Largest ``|candidate - eager|`` over the output.
+    worst_index : tuple of int
+        Where it occurs, (b, h, i, d).
+    """
+
+    checks: tuple[str, ...]
+    max_abs_error: float
+    worst_index: tuple[int, ...]
+
+
+def _manifest_failures(
+    m: dict[str, Any], who: str, *, alpha: float, width: int | None
+) -> list[str]:
+    scale = m["scale"]
+    fails = []
+    family = m.get("score", {}).get("family", "dot")
+    if family != "dot":
+        fails.append(f"{who}: compatibility family is {family!r}, the gate compares 'dot'")
+    if scale.get("semantics") != "multiplicative_inverse_temperature":
+        fails.append(f"{who}: scale semantics {scale.get('semantics')!r} is not a multiplier")
+    got = float(scale["effective_logit_multiplier"]["decimal"])
+    if got != alpha:
+        fails.append(f"{who}: effective logit multiplier {got!r} != configured alpha {alpha!r}")
+    if scale.get("applied_times") != 1:
+        fails.append(f"{who}: multiplier applied {scale.get('applied_times')} times, expected 1")
+    if width is not None and scale.get("width") != width:
+        fails.append(
+            f"{who}: scale width is {scale.get('width')!r} (alpha={got!r} is not Dk**-0.5 "
+            f"for Dk={width}); expected the query width {width}"
+        )
+    return fails
+
+
+def scale_gate(
+    call: AttentionCall,
+    candidate_output: np.ndarray,
+    *,
+    configured_alpha: float,
+    candidate_manifest: dict[str, Any] | None = None,
+    width_override: bool = False,
+    atol: float = PLACEMENT_ATOL,
+    rtol: float = PLACEMENT_RTOL,
+) -> ScaleGateReport:
+    """The contract's "Scale-placement validation gate" for one eager/fused comparison.
+
+    Asserts on ``call``'s manifest (and the candidate's, when given) that the family is dot,
+    the scale is a multiplicative inverse temperature equal to ``configured_alpha``, applied
+    exactly once, of width ``Dk`` (unless ``width_override``); then compares the candidate's
+    output with the eager post-scaled reference output of ``call`` under ``atol``/``rtol``.
+
+    Parameters
+    ----------
+    call : AttentionCall
+        The configured (eager) call; its placement may be any of :data:`PLACEMENTS`.
+    candidate_output : (B, Hq, Q, Dv) float64 ndarray
+        Output of the implementation under test (a fused kernel, another placement...).
+    configured_alpha : float
+        The multiplier the model contract specifies.
+    candidate_manifest : dict, optional
+        The candidate's ``attention_call_v1`` manifest, checked like the call's.
+    width_override : bool
+        A checkpoint overrides the canonical ``Dk ** -0.5`` (skip the width check).
+    atol, rtol : float
+        Declared tolerance (default :data:`PLACEMENT_ATOL`, :data:`PLACEMENT_RTOL`).
+
+    Returns
+    -------
+    ScaleGateReport
+
+    Raises
+    ------
+    RefAttnError
+        Listing every failed assertion (double scaling, d_model instead of d_k, a denominator
+        read as a multiplier, mismatched configured scales, output outside tolerance).
+
+    Examples
+    --------
+    >>> from refattn import AttentionCall, forward
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal((1, 2, 3, 4)) for _ in range(3))
+    >>> fused = forward(AttentionCall(q, k, v, scale_placement="split")).output
+    >>> scale_gate(AttentionCall(q, k, v), fused, configured_alpha=0.5).checks[-1]
+    'output_within_tolerance'
+    """
+    from refattn.call import AttentionCall
+    from refattn.engine import forward
+
+    width = None if width_override else call.q.shape[-1]
+    fails = _manifest_failures(call.manifest(), "call", alpha=configured_alpha, width=width)
+    if candidate_manifest is not None:
+        fails += _manifest_failures(candidate_manifest, "candidate", alpha=configured_alpha,
+                                    width=width)
+    if fails:
+        raise RefAttnError("scale gate: " + "; ".join(fails))
+
+    eager_call = AttentionCall(
+        call.q, call.k, call.v, visible=call.visible, query_valid=call.query_valid,
+        bias=call.bias, scale=call.scale, head_map=call.head_map, dropout=call.dropout,
+        all_masked_rows=call.all_masked_rows, softcap=call.softcap, sink=call.sink,
+    )  # the same call, post-scaled: the eager reference of the contract's gate
+    eager = forward(eager_call, backend="numpy").output
+    cand = np.asarray(candidate_output)
+    if cand.dtype != np.float64 or cand.shape != eager.shape:
+        raise RefAttnError(
+            f"candidate_output: expected float64 {list(eager.shape)}, "
+            f"got {cand.dtype} {list(cand.shape)}"
+        )
+    err = np.abs(cand - eager)
+    worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(err)), err.shape))
+    excess = err - (atol + rtol * np.abs(eager))
+    if not np.all(excess <= 0.0):  # NaN in the candidate fails too
+        bad = tuple(int(i) for i in np.unravel_index(int(np.nanargmax(excess)), err.shape))
+        raise RefAttnError(
+            f"scale gate: candidate output differs from the eager reference at {bad}: "
+            f"{cand[bad]!r} vs {eager[bad]!r} (atol={atol}, rtol={rtol}); a double-applied, "
+            "mis-sized or inverted multiplier changes the model"
+        )
+    checks = ("compatibility_family_dot", "multiplicative_inverse_temperature",
+              "effective_multiplier_equals_configured", "applied_exactly_once")
+    if width is not None:
+        checks += ("scale_width_equals_dk",)
+    return ScaleGateReport((*checks, "output_within_tolerance"), float(err[worst]), worst)
