@@ -1,0 +1,215 @@
+"""`refattn verify`: checksums, recomputation, gradient check and the schema-version gate."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+import refattn
+from refattn import RefAttnError
+from refattn.cli import main
+from refattn.golden import SCHEMA_VERSION, write_bundle
+from refattn.suites import build_suite
+from refattn.verify import READERS, check_schema, gradient_check, verify
+
+CASE = "gqa_broadcast_bias_cross"
+
+
+@pytest.fixture(scope="module")
+def pristine(tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("bundle")
+    write_bundle(out, build_suite("contract"), suite="contract")
+    return out
+
+
+@pytest.fixture
+def bundle(pristine, tmp_path) -> Path:
+    out = tmp_path / "b"
+    shutil.copytree(pristine, out)
+    return out
+
+
+def _file(bundle: Path, case: str = CASE) -> Path:
+    return bundle / "cases" / f"{case}.safetensors"
+
+
+def _tensor_span(path: Path, name: str) -> tuple[int, int]:
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    start, stop = json.loads(data[8 : 8 + n])[name]["data_offsets"]
+    return 8 + n + start, 8 + n + stop
+
+
+def _problems(report):
+    return [(p.case_id, p.tensor, p.stage) for p in report.all_problems]
+
+
+def test_pristine_bundle_passes_bit_identically(pristine, capsys):
+    r = verify(pristine)
+    assert r.passed, r.format()
+    assert all(c.bit_identical for c in r.cases)
+    assert all(c.gradcheck_error is not None and c.gradcheck_error < 1e-6 for c in r.cases)
+    assert {"q", "k", "v", "bias"} <= set(next(c for c in r.cases if c.case_id == CASE)
+                                           .gradcheck_inputs)
+    assert main(["verify", str(pristine)]) == 0
+    out = capsys.readouterr().out
+    assert CASE in out and out.rstrip().endswith("PASS")
+
+
+def test_tampered_byte_names_case_and_tensor(bundle, capsys):
+    path = _file(bundle)
+    start, _ = _tensor_span(path, "grad_k")
+    data = bytearray(path.read_bytes())
+    data[start + 3] ^= 0x01  # one bit of one float
+    path.write_bytes(bytes(data))
+    r = verify(bundle)
+    assert not r.passed
+    assert _problems(r) == [(CASE, "grad_k", "tensor")]
+    assert "sha256 mismatch" in r.all_problems[0].reason
+    assert main(["verify", str(bundle)]) == 1
+    out = capsys.readouterr().out
+    assert f"FAIL case={CASE} tensor=grad_k [tensor]" in out
+
+
+def test_truncated_file(bundle):
+    path = _file(bundle)
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    header = json.loads(data[8 : 8 + n])
+    last = max((k for k in header if k != "__metadata__"),
+               key=lambda k: header[k]["data_offsets"][1])
+    path.write_bytes(data[:-1])
+    r = verify(bundle)
+    assert _problems(r) == [(CASE, last, "tensor")]
+    assert "truncated" in r.all_problems[0].reason
+    # a file cut inside its header
+    path.write_bytes(data[:20])
+    r = verify(bundle)
+    assert [(p.tensor, p.stage) for p in r.all_problems] == [(None, "file")]
+    assert "truncated" in r.all_problems[0].reason
+
+
+def test_missing_tensor(bundle):
+    from safetensors.numpy import load as st_load
+    from safetensors.numpy import save
+
+    path = _file(bundle)
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(data[8 : 8 + n])["__metadata__"]
+    tensors = st_load(data)
+    del tensors["row_dot"]
+    path.write_bytes(save(tensors, metadata=meta))
+    r = verify(bundle)
+    assert (CASE, "row_dot", "tensor") in _problems(r)
+    assert any("missing tensor" in p.reason for p in r.all_problems)
+
+
+def test_header_only_change_and_unlisted_file(bundle):
+    path = _file(bundle)
+    data = bytearray(path.read_bytes())
+    n = int.from_bytes(data[:8], "little")
+    assert data[8 + n - 1 : 8 + n] == b" "  # safetensors pads its JSON header with spaces
+    data[8 + n - 1] = ord("\n")  # still valid JSON, every tensor byte unchanged
+    path.write_bytes(bytes(data))
+    shutil.copy(_file(bundle, "all_dropped_row"), bundle / "cases" / "stray.safetensors")
+    r = verify(bundle)
+    assert sorted(_problems(r), key=str) == sorted([(None, None, "bundle"),
+                                                    (CASE, None, "file")], key=str)
+    assert "stray.safetensors" in r.problems[0].reason
+    assert "header" in next(p for p in r.all_problems if p.case_id == CASE).reason
+
+
+def _rewrite(bundle: Path, case: str, mutate) -> None:
+    """Change stored tensors and re-seal every checksum (a consistent but wrong file)."""
+    from safetensors.numpy import load as st_load
+    from safetensors.numpy import save
+
+    from refattn.golden import tensor_sha256
+
+    path = _file(bundle, case)
+    data = path.read_bytes()
+    n = int.from_bytes(data[:8], "little")
+    meta = json.loads(json.loads(data[8 : 8 + n])["__metadata__"]["refattn"])
+    tensors = st_load(data)
+    mutate(tensors)
+    meta["tensors"] = {k: tensor_sha256(v) for k, v in sorted(tensors.items())}
+    new = save(tensors, metadata={"refattn": json.dumps(meta, sort_keys=True,
+                                                         separators=(",", ":"))})
+    path.write_bytes(new)
+    mpath = bundle / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    entry = manifest["cases"][case]
+    entry["sha256"] = hashlib.sha256(new).hexdigest()
+    for k, v in tensors.items():
+        entry["tensors"][k]["sha256"] = tensor_sha256(v)
+    mpath.write_text(json.dumps(manifest))
+
+
+def test_wrong_gradient_is_caught_by_recompute_and_gradcheck(bundle):
+    def scale_grad_k(t):
+        t["grad_k"] = t["grad_k"] * 1.001
+
+    _rewrite(bundle, CASE, scale_grad_k)
+    r = verify(bundle)
+    got = _problems(r)
+    assert (CASE, "grad_k", "recompute") in got
+    assert (CASE, "grad_k", "gradcheck") in got
+    assert all(p[0] == CASE for p in got)
+    # the gradient check alone also names it
+    r = verify(bundle, recompute=False)
+    assert _problems(r) == [(CASE, "grad_k", "gradcheck")]
+
+
+def test_wrong_forward_value_is_caught_by_recompute(bundle):
+    def shift_lse(t):
+        t["lse"] = t["lse"] + 1e-9
+
+    _rewrite(bundle, "all_dropped_row", shift_lse)
+    r = verify(bundle, gradcheck=False)
+    assert _problems(r) == [("all_dropped_row", "lse", "recompute")]
+
+
+def test_gradient_check_detects_each_wrong_input():
+    call = build_suite("contract")[4].call  # GQA + broadcast bias
+    rng = np.random.default_rng(3)
+    g_o = rng.standard_normal((2, 4, 3, 3))
+    grads = refattn.backward(refattn.forward(call), g_o).tensors()
+    assert all(c.passed for c in gradient_check(call, g_o, grads))
+    for name in ("q", "k", "v", "bias"):
+        wrong = dict(grads)
+        wrong[f"grad_{name}"] = grads[f"grad_{name}"] * 1.0001
+        checks = {c.name: c.passed for c in gradient_check(call, g_o, wrong)}
+        assert checks == {n: n != name for n in ("q", "k", "v", "bias")}
+
+
+# -- schema version ----------------------------------------------------------------------
+
+def test_schema_version_gate(bundle):
+    assert SCHEMA_VERSION.split(".")[0] == "1" and sorted(READERS) == [1]
+    base = {"schema": "refattn_golden", "cases": {}}
+    assert check_schema({**base, "schema_version": "1.0"})["cases"] == {}
+    assert check_schema({**base, "schema_version": "1.9"})["cases"] == {}  # additive minor
+    for bad, match in (("2.0", "major 2"), ("0.9", "major 0"), ("one", "MAJOR.MINOR"),
+                       ("1", "MAJOR.MINOR")):
+        with pytest.raises(RefAttnError, match=match):
+            check_schema({**base, "schema_version": bad})
+    with pytest.raises(RefAttnError, match="schema_version is missing"):
+        check_schema(base)
+    with pytest.raises(RefAttnError, match="schema is"):
+        check_schema({"schema": "other", "schema_version": "1.0", "cases": {}})
+    # a bundle from a future major version is refused by the command (exit 2, one line)
+    mpath = bundle / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    manifest["schema_version"] = "2.0"
+    mpath.write_text(json.dumps(manifest))
+    assert main(["verify", str(bundle)]) == 2
+    # and a newer minor version still verifies
+    manifest["schema_version"] = "1.1"
+    mpath.write_text(json.dumps(manifest))
+    assert verify(bundle).passed
