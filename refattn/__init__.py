@@ -29,6 +29,7 @@ __version__ = "0.1.0"
 from refattn.call import AttentionCall
 from refattn.engine import attention, backward, forward
 from refattn.errors import RefAttnError, RefAttnWarning
+from refattn.source_identity import check_source_identity
 from refattn.trace import Gradients, Trace
 
 __all__ = [
@@ -40,5 +41,6 @@ __all__ = [
     "__version__",
     "attention",
     "backward",
+    "check_source_identity",
     "forward",
 ]
