@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
 
+from refattn._checks import first_index
 from refattn.errors import RefAttnError
 
 if TYPE_CHECKING:
@@ -227,15 +228,16 @@ def scale_gate(
             f"got {cand.dtype} {list(cand.shape)}"
         )
     err = np.abs(cand - eager)
-    worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(err)), err.shape))
-    excess = err - (atol + rtol * np.abs(eager))
-    if not np.all(excess <= 0.0):  # NaN in the candidate fails too
-        bad = tuple(int(i) for i in np.unravel_index(int(np.nanargmax(excess)), err.shape))
+    outside = ~(err <= atol + rtol * np.abs(eager))  # NaN in the candidate fails too
+    bad = first_index(outside)
+    if bad is not None:
         raise RefAttnError(
             f"scale gate: candidate output differs from the eager reference at {bad}: "
-            f"{cand[bad]!r} vs {eager[bad]!r} (atol={atol}, rtol={rtol}); a double-applied, "
-            "mis-sized or inverted multiplier changes the model"
+            f"{float(cand[bad])!r} vs {float(eager[bad])!r} (atol={atol}, rtol={rtol}; "
+            f"{int(outside.sum())} element(s) outside); a double-applied, mis-sized or "
+            "inverted multiplier changes the model"
         )
+    worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(err)), err.shape))
     checks = ("compatibility_family_dot", "multiplicative_inverse_temperature",
               "effective_multiplier_equals_configured", "applied_exactly_once")
     if width is not None:
