@@ -154,6 +154,54 @@ class CaseSpec:
             case _:
                 raise RefAttnError(f"{self.case_id}: unknown dropout mode {mode!r} in manifest")
 
+    @property
+    def scale_placement(self) -> str:
+        """The requested placement of alpha: ``post``, ``q``, ``k`` or ``split``."""
+        return self.call_manifest["scale"].get("requested_placement", "post")
+
+    @property
+    def softcap(self) -> float | None:
+        record = (self.call_manifest.get("score_modifiers") or {}).get("softcap")
+        return None if record is None else float.fromhex(record["hex"])
+
+    @property
+    def score_family_name(self) -> str:
+        return (self.call_manifest.get("score") or {}).get("family", "dot")
+
+    def score_family(self) -> Any:
+        """The :mod:`refattn.scores` family of the call, parameters read from the tensors."""
+        from refattn import scores
+
+        m = self.call_manifest.get("score") or {"family": "dot"}
+        t = self.tensors
+
+        def param(name: str) -> np.ndarray:
+            if f"score_{name}" not in t:
+                raise RefAttnError(f"{self.case_id}: tensor 'score_{name}' is missing")
+            return t[f"score_{name}"]
+
+        match m["family"]:
+            case "dot":
+                return scores.Dot()
+            case "bilinear":
+                return scores.Bilinear(param("W"))
+            case "additive":
+                return scores.Additive(param("Wq"), param("Wk"), param("b"), param("v"),
+                                       max_workspace_elements=int(m["max_workspace_elements"]))
+            case "cosine":
+                return scores.Cosine(eps=float.fromhex(m["eps"]["hex"]))
+            case other:
+                raise RefAttnError(f"{self.case_id}: unknown score family {other!r}")
+
+    def relation(self) -> Any:
+        """The :class:`~refattn.visibility.VisibilityRelation` the call was built from, or None."""
+        record = self.call_manifest["visibility"].get("relation")
+        if record is None:
+            return None
+        from refattn.visibility import VisibilityRelation
+
+        return VisibilityRelation.from_manifest(record)
+
     def to_call(self) -> AttentionCall:
         """Rebuild the :class:`~refattn.AttentionCall`, including the recorded input strides.
 
@@ -173,9 +221,19 @@ class CaseSpec:
         bias_record = self.call_manifest.get("bias") or {}
         if bias is not None and "stride" in bias_record:
             bias = with_strides(bias, bias_record["stride"])
+        extra: dict[str, Any] = {}
+        if self.score_family_name != "dot" or "score" in self.call_manifest:
+            extra["score"] = self.score_family()
+        if self.scale_placement != "post":
+            extra["scale_placement"] = self.scale_placement
+        if self.softcap is not None:
+            extra["softcap"] = self.softcap
+        if "sink" in t:
+            extra["sink"] = t["sink"]
+        relation = self.relation()
         return AttentionCall(
             q, k, v,
-            visible=t.get("visible"),
+            visible=t.get("visible") if relation is None else relation,
             query_valid=t.get("query_valid"),
             bias=bias,
             scale=None if self.scale_is_default else self.scale,
@@ -183,6 +241,7 @@ class CaseSpec:
             dropout=self._dropout_argument(),
             all_masked_rows=self.all_masked_rows,
             returned_weights=self.returned_weights,
+            **extra,
         )
 
     def to_golden_case(self) -> GoldenCase:

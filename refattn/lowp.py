@@ -16,38 +16,19 @@ import numpy as np
 
 from refattn.case_spec import CaseSpec
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
-from refattn.errors import RefAttnError
 from refattn.tolerances import round_to
 
 __all__ = ["MODELLED", "naive_lowp"]
 
-#: canonical tensors the naive lower-precision reference produces
+#: canonical tensors the naive lower-precision reference produces (when the case has them),
+#: besides the score family's ``score_<name>`` parameters and ``grad_score_<name>`` gradients
 MODELLED = (
-    "q", "k", "v", "bias", "scores", "biased_scores", "masked_scores", "row_max", "lse",
-    "probs", "dropout_multiplier", "consumed", "output", "grad_output", "grad_v",
-    "grad_consumed", "grad_probs", "row_dot", "row_dot_output", "grad_scores", "grad_q",
-    "grad_k", "grad_bias",
+    "q", "k", "v", "bias", "sink", "softcap_input", "scores", "biased_scores",
+    "masked_scores", "row_max", "lse", "probs", "sink_probs", "dropout_multiplier", "consumed",
+    "output", "grad_output", "grad_v", "grad_consumed", "grad_probs", "row_dot",
+    "row_dot_output", "grad_scores", "grad_softcap_input", "grad_q", "grad_k", "grad_bias",
+    "grad_sink",
 )
-
-
-def _check_supported(spec: CaseSpec) -> None:
-    m = spec.call_manifest
-    placement = m["scale"].get("placement", "post_qk_product")
-    family = (m.get("score") or {}).get("family", "dot")
-    modifiers = m.get("score_modifiers") or {}
-    unmodelled = [
-        f"{what}={value!r}" for what, value, ok in (
-            ("scale placement", placement, placement == "post_qk_product"),
-            ("score family", family, family == "dot"),
-            ("softcap", modifiers.get("softcap"), modifiers.get("softcap") is None),
-            ("sink", modifiers.get("sink"), modifiers.get("sink") is None),
-        ) if not ok
-    ]
-    if unmodelled:
-        raise RefAttnError(
-            f"{spec.case_id}: the naive lower-precision reference does not model "
-            + ", ".join(unmodelled)
-        )
 
 
 def naive_lowp(spec: CaseSpec, dtype: np.dtype) -> dict[str, np.ndarray]:
@@ -78,7 +59,6 @@ def naive_lowp(spec: CaseSpec, dtype: np.dtype) -> dict[str, np.ndarray]:
     """
     from threadpoolctl import threadpool_limits
 
-    _check_supported(spec)
     dtype = np.dtype(dtype)
     with threadpool_limits(limits=1):
         out = _naive(spec, dtype)
@@ -86,20 +66,36 @@ def naive_lowp(spec: CaseSpec, dtype: np.dtype) -> dict[str, np.ndarray]:
 
 
 def _naive(spec: CaseSpec, dtype: np.dtype) -> dict[str, Any]:
+    from refattn.scale_placement import operand_multipliers
+
     t = spec.tensors
 
-    def r(x: np.ndarray) -> np.ndarray:  # round an op's float32 result to the storage dtype
+    def r(x: Any) -> np.ndarray:  # round an op's float32 result to the storage dtype
         return round_to(x, dtype)
 
     f32 = np.float32
-    scale = f32(spec.scale)
+    alpha = spec.scale
+    mult = operand_multipliers(alpha, spec.scale_placement)  # alpha applied once in total
     head_map = np.asarray(t["head_map"])
     q, k, v = r(t["q"]), r(t["k"]), r(t["v"])
     k_eff = gather_heads(k, head_map)  # (B, Hq, K, Dk)
     v_eff = gather_heads(v, head_map)  # (B, Hq, K, Dv)
     res: dict[str, Any] = {"q": q, "k": k, "v": v}
 
-    scores = r(r(q @ k_eff.swapaxes(-1, -2)) * scale)  # (B, Hq, Q, K), post-product scale
+    family = spec.score_family()
+    params = {n: r(a) for n, a in family.parameters().items()}
+    if params:
+        family = family.with_arrays(**params)
+        res.update({f"score_{n}": a for n, a in params.items()})
+    q_s = q if mult.query == 1.0 else r(q * f32(mult.query))  # (B, Hq, Q, Dq) pre-scaled
+    k_s = k_eff if mult.key == 1.0 else r(k_eff * f32(mult.key))  # (B, Hq, K, Dk)
+    scores = r(family.compatibility(q_s, k_s))  # (B, Hq, Q, K) u
+    if mult.post != 1.0:
+        scores = r(scores * f32(mult.post))  # post-product scale
+    cap = spec.softcap
+    if cap is not None:
+        res["softcap_input"] = scores
+        scores = r(f32(cap) * r(np.tanh(r(scores / f32(cap)))))
     res["scores"] = scores
     biased = scores
     if "bias" in t:
@@ -111,8 +107,17 @@ def _naive(spec: CaseSpec, dtype: np.dtype) -> dict[str, Any]:
     masked = np.where(vis, biased, f32(-np.inf))  # (B, Hq, Q, K)
     res["masked_scores"] = masked
     row_max = masked.max(axis=-1)  # (B, Hq, Q), exact in any dtype
+    sink = None
+    if "sink" in t:
+        sink = np.broadcast_to(r(t["sink"])[None, :, None], row_max.shape)  # (B, Hq, Q)
+        res["sink"] = r(t["sink"])
+        row_max = np.maximum(row_max, sink)
     e = r(np.exp(r(masked - row_max[..., None])))  # exactly 0 off the support
     denom = r(e.sum(axis=-1, dtype=f32))  # (B, Hq, Q)
+    if sink is not None:
+        e_sink = r(np.exp(r(sink - row_max)))
+        denom = r(denom + e_sink)
+        res["sink_probs"] = r(e_sink / denom)
     probs = r(e / denom[..., None])
     res.update(row_max=row_max, lse=r(row_max + r(np.log(denom))), probs=probs)
     z = r(spec.multiplier_full())
@@ -130,6 +135,17 @@ def _naive(spec: CaseSpec, dtype: np.dtype) -> dict[str, Any]:
     grad_probs = r(grad_consumed * z)
     row_dot = r((r(probs * grad_probs)).sum(axis=-1, dtype=f32))  # (B, Hq, Q)
     grad_scores = r(probs * r(grad_probs - row_dot[..., None]))
+    grad_scaled = grad_scores  # gradient w.r.t. alpha * u
+    if cap is not None:
+        th = r(scores / f32(cap))
+        grad_scaled = r(grad_scores * r(f32(1.0) - r(th * th)))
+        res["grad_softcap_input"] = grad_scaled
+    sg = family.compatibility_backward(grad_scaled, q_s, k_s)
+    grad_q = r(r(sg.grad_q) * f32(mult.query * mult.post))
+    grad_k_eff = r(r(sg.grad_k) * f32(mult.key * mult.post))
+    res.update({f"grad_score_{n}": r(r(g) * f32(mult.post)) for n, g in sg.params.items()})
+    if sink is not None:
+        res["grad_sink"] = r(-(r(res["sink_probs"] * row_dot)).sum(axis=(0, 2), dtype=f32))
     res.update(
         grad_output=g_in,
         grad_v=r(sum_heads(r(consumed.swapaxes(-1, -2) @ g_o), head_map, Hkv)),
@@ -138,8 +154,8 @@ def _naive(spec: CaseSpec, dtype: np.dtype) -> dict[str, Any]:
         row_dot=row_dot,
         row_dot_output=r((r(g_o * output)).sum(axis=-1, dtype=f32)),
         grad_scores=grad_scores,
-        grad_q=r(r(grad_scores @ k_eff) * scale),
-        grad_k=r(sum_heads(r(r(grad_scores.swapaxes(-1, -2) @ q) * scale), head_map, Hkv)),
+        grad_q=grad_q,
+        grad_k=r(sum_heads(grad_k_eff, head_map, Hkv)),
     )
     if "bias" in t:
         res["grad_bias"] = r(reduce_to_shape(grad_scores, t["bias"].shape))

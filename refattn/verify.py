@@ -319,8 +319,9 @@ class GradCheck:
 
 def gradient_check(call: Any, grad_output: np.ndarray, grads: Mapping[str, np.ndarray], *,
                    seed: int = 0, rtol: float = 1e-6) -> list[GradCheck]:
-    """Check ``grads`` (grad_q, grad_k, grad_v, grad_bias, grad_sink) of ``call`` by finite
-    differences of ``L = sum(output * grad_output)`` along one random direction per input.
+    """Check ``grads`` (grad_q, grad_k, grad_v, grad_bias, grad_sink, grad_score_<param>) of
+    ``call`` by finite differences of ``L = sum(output * grad_output)`` along one random
+    direction per input.
 
     The directional derivative ``dL/dt`` of ``L(x + t u)`` is estimated by two central
     differences (:func:`gradcheck.central_difference`, steps h and h/2) combined by Richardson
@@ -356,21 +357,30 @@ def gradient_check(call: Any, grad_output: np.ndarray, grads: Mapping[str, np.nd
 
     rng = np.random.default_rng(seed)
     base_scores = forward(call).scores
+    family = getattr(call, "score", None)
+    inputs = [(name, getattr(call, name, None), f"grad_{name}") for name in _DIFFERENTIABLE]
+    if family is not None:
+        inputs += [(f"score_{n}", a, f"grad_score_{n}") for n, a in family.parameters().items()]
+
+    def perturbed(name: str, x: np.ndarray) -> Any:
+        if name.startswith("score_"):
+            return dataclasses.replace(call, score=family.with_arrays(**{name[6:]: x}))
+        return dataclasses.replace(call, **{name: x})
+
     out: list[GradCheck] = []
-    for name in _DIFFERENTIABLE:
-        x0 = getattr(call, name, None)
-        g = grads.get(f"grad_{name}")
-        if x0 is None or g is None:
+    for name, x_in, grad_name in inputs:
+        g = grads.get(grad_name)
+        if x_in is None or g is None:
             continue
-        x0 = np.array(x0, dtype=np.float64)
+        x0 = np.array(x_in, dtype=np.float64)
         u = rng.standard_normal(x0.shape)
 
         def loss(t: float, name: str = name, x0: np.ndarray = x0, u: np.ndarray = u) -> float:
-            trace = forward(dataclasses.replace(call, **{name: x0 + t * u}))
+            trace = forward(perturbed(name, x0 + t * u))
             return float(np.sum(trace.output * grad_output))
 
-        # step: move the finite scores by about 1e-3 (linear in q, k and bias)
-        probe = forward(dataclasses.replace(call, **{name: x0 + u})).scores
+        # step: move the finite scores by about 1e-3 (linear in q, k and bias for dot)
+        probe = forward(perturbed(name, x0 + u)).scores
         fin = np.isfinite(probe) & np.isfinite(base_scores)
         move = float(np.max(np.abs(probe - base_scores)[fin])) if fin.any() else 0.0
         h = 1e-3 / move if move > 1e-12 else 1e-3 * max(1.0, float(np.max(np.abs(x0))))
