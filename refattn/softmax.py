@@ -195,7 +195,7 @@ def reconstruct_probs(
     bad = ~np.isfinite(saved)
     if bad.any():
         idx = np.unravel_index(np.flatnonzero(bad)[0], saved.shape)
-        raise RefAttnError(f"lse: row {_row_text(idx)} is {saved[idx]!r}; expected finite")
+        raise RefAttnError(f"lse: row {_row_text(idx)} is {float(saved[idx])!r}; expected finite")
     return np.exp(np.where(vis, s, -np.inf) - saved[..., None])  # exactly 0 where excluded
 
 
@@ -362,7 +362,7 @@ def block_online_normalizer(row: np.ndarray, block: int | Sequence[int]) -> Norm
     bad = np.flatnonzero(~np.isfinite(r))
     if bad.size:
         j = int(bad[0])
-        raise RefAttnError(f"row: legal score {r[j]!r} at key {j}; expected a finite score")
+        raise RefAttnError(f"row: legal score {float(r[j])!r} at key {j}; expected a finite score")
     if r.size == 0:
         raise RefAttnError("row: softmax support is empty (no legal score)")
     state: NormalizerState | None = None  # validity branch: no state before the first tile
@@ -402,7 +402,7 @@ def _probability_vector(p: object, *, sum_tol: float = 1e-10) -> np.ndarray:
     bad = np.flatnonzero(~np.isfinite(arr) | (arr < 0.0))
     if bad.size:
         j = int(bad[0])
-        raise RefAttnError(f"p: entry {j} is {arr[j]!r}; expected a finite probability >= 0")
+        raise RefAttnError(f"p: entry {j} is {float(arr[j])!r}; expected a finite probability >= 0")
     total = float(arr.sum())
     if abs(total - 1.0) > sum_tol:
         raise RefAttnError(f"p: entries sum to {total!r}; expected 1 within {sum_tol}")
@@ -564,7 +564,7 @@ def entropy(p: np.ndarray) -> np.ndarray:
     bad = ~np.isfinite(arr) | (arr < 0.0)
     if bad.any():
         idx = np.unravel_index(np.flatnonzero(bad)[0], arr.shape)
-        raise RefAttnError(f"p: entry {tuple(int(i) for i in idx)} is {arr[idx]!r}; "
+        raise RefAttnError(f"p: entry {tuple(int(i) for i in idx)} is {float(arr[idx])!r}; "
                            "expected a finite probability >= 0")
     safe = np.where(arr > 0.0, arr, 1.0)  # log(1) = 0 stands in for 0 log 0
     return 0.0 - (arr * np.log(safe)).sum(axis=-1)  # 0.0 - x: no -0.0 for one-hot rows
@@ -716,7 +716,7 @@ def diagnostics(
     if bad.any():
         idx = np.unravel_index(np.flatnonzero(bad)[0], p.shape)
         raise RefAttnError(f"probs: row {_row_text(idx[:-1])}, key {int(idx[-1])} is "
-                           f"{p[idx]!r}; expected a finite probability >= 0")
+                           f"{float(p[idx])!r}; expected a finite probability >= 0")
     if visible is None:
         vis = np.broadcast_to(np.True_, p.shape)
     else:
@@ -728,8 +728,8 @@ def diagnostics(
     leak = ~vis & (p != 0.0)
     if leak.any():
         idx = np.unravel_index(np.flatnonzero(leak)[0], p.shape)
-        raise RefAttnError(f"probs: row {_row_text(idx[:-1])} puts {p[idx]!r} on excluded key "
-                           f"{int(idx[-1])}; P must be exactly 0 off the support")
+        raise RefAttnError(f"probs: row {_row_text(idx[:-1])} puts {float(p[idx])!r} on "
+                           f"excluded key {int(idx[-1])}; P must be exactly 0 off the support")
     n_legal = vis.sum(axis=-1)  # (...)
     empty = n_legal == 0
     if empty.any():
