@@ -24,6 +24,7 @@ from refattn._checks import (
 from refattn.errors import RefAttnError
 from refattn.scale_placement import PLACEMENTS, ScalePlacement, placement_record
 from refattn.scores import Dot, ScoreFamily
+from refattn.visibility import VisibilityRelation
 
 __all__ = ["AttentionCall", "MultiplierSource", "float_record", "tensor_record"]
 
@@ -110,8 +111,11 @@ class AttentionCall:
         Keys (physical storage: Hkv heads).
     v : (B, Hkv, K, Dv) float64 ndarray
         Values; value row j belongs to the same source row as key j.
-    visible : bool ndarray broadcastable to (B, Hq, Q, K), optional
-        True means the edge (query i reads key j) exists. Default: every edge exists.
+    visible : bool ndarray broadcastable to (B, Hq, Q, K), or VisibilityRelation, optional
+        True means the edge (query i reads key j) exists. Default: every edge exists. A
+        :class:`~refattn.visibility.VisibilityRelation` is compiled once to its dense
+        relation (stored here) and kept in ``relation``; the manifest then records its
+        layout, alignment, window convention and head sharing.
     query_valid : bool ndarray broadcastable to (B, 1, Q, 1), optional
         Whether an output row is consumed. Rows with False get exactly zero output and
         exactly zero gradient contributions.
@@ -175,6 +179,7 @@ class AttentionCall:
     softcap: float | None = None
     sink: np.ndarray | None = None
     ledger: dict[str, Any] = field(init=False, repr=False)
+    relation: VisibilityRelation | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         try:
@@ -276,6 +281,9 @@ class AttentionCall:
         self._validate_modifiers(Hq)
 
         # visibility and query validity
+        if isinstance(self.visible, VisibilityRelation):
+            self._set("relation", self.visible)
+            self._set("visible", self.visible.dense())  # (B|1, H|1, Q, K)
         if self.visible is not None:
             vis = as_array("visible", self.visible)
             check_bool("visible", vis)
@@ -420,6 +428,13 @@ class AttentionCall:
                 "rng_provenance": "explicit_multiplier_tensor",
                 "shape": self.ledger["dropout"]["shape"]}
 
+    def _relation_manifest(self) -> dict[str, Any]:
+        if self.relation is None:
+            return {}
+        rel = self.relation.manifest()
+        return {key: rel[key] for key in
+                ("layout", "alignment", "window_convention", "head_sharing")} | {"relation": rel}
+
     def manifest(
         self,
         *,
@@ -478,6 +493,7 @@ class AttentionCall:
                 "all_masked_row_policy": self.all_masked_rows,
                 "sanitized_rows": sanitized,
                 "applied": "after_finite_bias",
+                **self._relation_manifest(),
             },
             "bias": None if self.bias is None else {
                 "role": "finite_preference_only", "shape": led["bias"]["shape"],
