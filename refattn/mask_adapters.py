@@ -304,7 +304,7 @@ def from_additive_bias(bias: Any) -> np.ndarray:
     blocked = arr == -np.inf
     idx = first_index(~(legal | blocked))
     if idx is not None:
-        value = arr[idx]
+        value = float(arr[idx])
         if np.isfinite(value) and value < 0:
             why = ("a finite negative value is ambiguous (a soft preference or a large-negative "
                    "sentinel?); visibility needs exactly -inf")
