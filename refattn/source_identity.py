@@ -97,7 +97,7 @@ row (j=1) is labelled 2; K and V were reordered under different index maps
         shapes = {"key": list(keys.shape), **{n: list(a.shape) for n, a in named.items()}}
         raise RefAttnError(f"source identity: label shapes do not broadcast: {shapes}") from None
     k_full = np.broadcast_to(keys, shape)
-    letters = "bhj"[-len(shape):] if len(shape) <= 3 else None
+    letters = {1: "j", 2: "bj", 3: "bhj"}.get(len(shape))  # (K,), (B, K), (B, Hkv, K)
     for name, labels in named.items():
         full = np.broadcast_to(labels, shape)
         same = np.asarray(k_full == full)
