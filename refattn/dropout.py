@@ -37,7 +37,7 @@ import numpy as np
 from refattn.errors import RefAttnError
 from refattn.philox import philox4x32_10
 
-__all__ = ["ALGORITHM", "MAPPING", "MAPPING_VERSION", "Philox", "philox4x32_10"]
+__all__ = ["ALGORITHM", "MAPPING", "MAPPING_VERSION", "Philox", "from_manifest", "philox4x32_10"]
 
 ALGORITHM = "philox4x32-10"
 MAPPING_VERSION = "refattn-philox-dropout-v1"
@@ -301,3 +301,20 @@ class Philox:
             return cls(p, int(manifest["seed"]), offset=int(manifest["offset"]))
         except (KeyError, TypeError, ValueError) as exc:
             raise RefAttnError(f"dropout manifest: cannot rebuild the stream ({exc})") from None
+
+
+def from_manifest(record: dict[str, Any]) -> Philox:
+    """Rebuild the stream recorded in a manifest's dropout section (``mode == "stream"``).
+
+    Extra keys of the call manifest (location, training, ...) are ignored; the algorithm and
+    mapping version must match this module's.
+
+    Examples
+    --------
+    >>> import numpy as np, refattn
+    >>> x = np.zeros((1, 1, 2, 4))
+    >>> call = refattn.AttentionCall(x, x, x, dropout=Philox(0.5, 2**40 + 1))
+    >>> from_manifest(call.manifest()["dropout"])
+    Philox(p=0.5, seed=1099511627777, offset=0)
+    """
+    return Philox.from_manifest(record)
