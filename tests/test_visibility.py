@@ -177,6 +177,14 @@ def test_per_head_windows_give_a_head_axis():
         assert np.array_equal(vis[0, h], single[0, 0])
 
 
+def test_per_head_right_bounds():
+    pos = np.arange(4)[None]
+    vis = compile_visibility(pos, pos, None, window=(0, np.array([0, 2])))
+    assert vis.shape == (1, 2, 4, 4)
+    assert np.array_equal(vis[0, 0], np.eye(4, dtype=bool))
+    assert np.array_equal(vis[0, 1], np.triu(np.tril(np.ones((4, 4), bool), k=2)))
+
+
 def test_per_head_prefix():
     pos = np.arange(4)[None]
     vis = compile_visibility(pos, pos, None, prefix_length=np.array([[1, 3]]))
@@ -311,7 +319,8 @@ REJECTIONS = [
      r"pass both or neither \(got only k_segment\)"),
     (lambda: compile_visibility(P.astype(float), P, None),
      "q_pos: expected an integer array, got dtype float64"),
-    (lambda: compile_visibility(np.arange(3), P, None), r"q_pos: expected shape \[B,Q\], got \[3\]"),
+    (lambda: compile_visibility(np.arange(3), P, None),
+     r"q_pos: expected shape \[B,Q\], got \[3\]"),
     (lambda: compile_visibility(P, np.zeros((2, 3), int), None),
      "k_pos: batch axis B=2 must equal q_pos's B=1"),
     (lambda: compile_visibility(np.zeros((1, 0), int), P, None),

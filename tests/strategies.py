@@ -1,0 +1,102 @@
+"""Hypothesis strategies for generated refattn inputs (the one module that holds them).
+
+Functions take keyword-only bounds with small defaults. Sections are owned by the feature that
+uses them; add new ones with small edits.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import numpy as np
+from hypothesis import strategies as st
+
+# -- visibility (issue 3) ---------------------------------------------------------------------
+
+
+@st.composite
+def bool_relations(
+    draw: st.DrawFn,
+    *,
+    max_batch: int = 2,
+    max_heads: int = 3,
+    max_q: int = 6,
+    max_k: int = 6,
+    broadcast: bool = True,
+) -> np.ndarray:
+    """A (B|1, H|1, Q, K) bool array with arbitrary truth values (True = visible)."""
+    B = draw(st.integers(1, max_batch))
+    H = draw(st.integers(1, max_heads))
+    Q = draw(st.integers(1, max_q))
+    K = draw(st.integers(1, max_k))
+    if broadcast:
+        B = draw(st.sampled_from([1, B]))
+        H = draw(st.sampled_from([1, H]))
+    density = draw(st.sampled_from([0.0, 0.3, 0.7, 1.0]))
+    seed = draw(st.integers(0, 2**32 - 1))
+    return np.random.default_rng(seed).random((B, H, Q, K)) < density
+
+
+@st.composite
+def visibility_inputs(
+    draw: st.DrawFn,
+    *,
+    max_batch: int = 2,
+    max_heads: int = 3,
+    max_q: int = 6,
+    max_k: int = 6,
+    max_pos: int = 8,
+) -> dict[str, Any]:
+    """Keyword arguments for ``compile_visibility`` / ``relation`` (always a valid request).
+
+    Covers key padding, causal, two-sided segments, prefix (shared or per head, never with
+    causal) and windows (None sides, per-head bounds).
+    """
+    B = draw(st.integers(1, max_batch))
+    Q = draw(st.integers(1, max_q))
+    K = draw(st.integers(1, max_k))
+    ints = st.integers(-2, max_pos)
+    q_pos = np.array(draw(st.lists(st.lists(ints, min_size=Q, max_size=Q),
+                                   min_size=B, max_size=B)), dtype=np.int64)
+    k_pos = np.array(draw(st.lists(st.lists(ints, min_size=K, max_size=K),
+                                   min_size=B, max_size=B)), dtype=np.int64)
+    key_valid = np.array(draw(st.lists(st.lists(st.booleans(), min_size=K, max_size=K),
+                                       min_size=B, max_size=B)), dtype=bool)
+    kwargs: dict[str, Any] = {"q_pos": q_pos, "k_pos": k_pos, "key_valid": key_valid}
+    per_head = max_heads > 1 and draw(st.booleans())
+    H = draw(st.integers(2, max_heads)) if per_head else 1
+    if draw(st.booleans()):
+        segs = st.integers(0, 2)
+        kwargs["q_segment"] = np.array(draw(st.lists(st.lists(segs, min_size=Q, max_size=Q),
+                                                     min_size=B, max_size=B)), dtype=np.int64)
+        kwargs["k_segment"] = np.array(draw(st.lists(st.lists(segs, min_size=K, max_size=K),
+                                                     min_size=B, max_size=B)), dtype=np.int64)
+    topology = draw(st.sampled_from(["bidirectional", "causal", "prefix"]))
+    if topology == "causal":
+        kwargs["causal"] = True
+    elif topology == "prefix":
+        shape = (B, H) if per_head else (B,)
+        kwargs["prefix_length"] = np.array(
+            draw(st.lists(st.integers(0, max_pos), min_size=int(np.prod(shape)),
+                          max_size=int(np.prod(shape))))
+        ).reshape(shape)
+    if per_head or draw(st.booleans()):
+        def side() -> Any:
+            kinds = ["none", "int", "heads", "heads"] if per_head else ["none", "int"]
+            kind = draw(st.sampled_from(kinds))
+            if kind == "none":
+                return None
+            if kind == "int":
+                return draw(st.integers(0, 4))
+            return np.array(draw(st.lists(st.integers(0, 4), min_size=H, max_size=H)))
+        left, right = side(), side()
+        if left is None and right is None:
+            left = draw(st.integers(0, 4))
+        kwargs["window"] = (left, right)
+    return kwargs
+
+
+@st.composite
+def packed_lengths(draw: st.DrawFn, *, max_segments: int = 4, max_len: int = 5) -> list[int]:
+    """Example lengths for packing (each >= 1)."""
+    return draw(st.lists(st.integers(1, max_len), min_size=1, max_size=max_segments))
