@@ -1,11 +1,37 @@
 """gradcheck: an autograd-free gradient checker for any NumPy function.
 
-This first version provides central differences; the full checker (complex step, Richardson
-extrapolation, directional mode, reports) builds on it.
+``check_vjp(fn, vjp, inputs)`` compares a hand-written vector-Jacobian product with numeric
+derivatives (complex step when ``fn`` is complex-safe, else Richardson central differences),
+element by element (``mode="full"``) or along random signed Gaussian directions
+(``mode="directional"``), with tolerances built from the numeric error estimate; it returns a
+:class:`Report` that explains every failure. ``assert_gradients`` is the pytest form;
+``taylor_test`` and ``attention_identities`` are second opinions; :mod:`gradcheck.attention`
+exposes refattn's own forward/backward as ``fn``/``vjp``.
+
+Examples
+--------
+>>> import numpy as np
+>>> fn = lambda w, x: np.tanh(x @ w)
+>>> vjp = lambda g, w, x: {"w": x.T @ (g * (1 - np.tanh(x @ w) ** 2))}
+>>> rng = np.random.default_rng(0)
+>>> inputs = {"w": rng.standard_normal((3, 2)), "x": rng.standard_normal((4, 3))}
+>>> check_vjp(fn, vjp, inputs, wrt=["w"]).passed
+True
 """
 
 from __future__ import annotations
 
+from gradcheck.api import GradientCheckError, assert_gradients, check_vjp
 from gradcheck.finite_difference import central_difference
+from gradcheck.report import InputReport, Report, ScaleFit, Worst
 
-__all__ = ["central_difference"]
+__all__ = [
+    "GradientCheckError",
+    "InputReport",
+    "Report",
+    "ScaleFit",
+    "Worst",
+    "assert_gradients",
+    "central_difference",
+    "check_vjp",
+]

@@ -1,0 +1,192 @@
+"""refattn's attention as ``fn``/``vjp`` over named inputs q, k, v, bias, for gradcheck.
+
+Owns the adapter: ``fn`` runs :func:`refattn.engine.reference.forward_arrays` (complex-safe,
+so the exact complex-step method applies) with everything but the checked inputs frozen from
+the call, including the realised dropout multiplier Z (a stream is replayed once); ``vjp``
+rebuilds the call, runs the forward and then the backward under test (``refattn.backward``
+by default, or any ``backward(trace, grad_output)``). Also declares attention's known null
+directions (a constant shift of every key, of a bias row along the key axis). Defers the
+checking itself to :func:`gradcheck.check_vjp`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+import refattn
+from gradcheck.api import check_vjp
+from gradcheck.report import Report
+from refattn.call import AttentionCall
+from refattn.engine.reference import forward_arrays
+from refattn.errors import RefAttnError
+from refattn.trace import Gradients, Trace
+
+__all__ = ["AttentionProblem", "attention_problem", "check_attention"]
+
+Backward = Callable[[Trace, np.ndarray], Gradients | Mapping[str, np.ndarray]]
+Projector = Callable[[np.ndarray], np.ndarray]
+INPUTS = ("q", "k", "v", "bias")
+
+
+def _key_shift(a: np.ndarray) -> np.ndarray:
+    # (B, Hkv, K, Dk): adding one vector c to every key adds q_i . c to a whole score row
+    return a.mean(axis=2, keepdims=True)
+
+
+def _bias_row_shift(a: np.ndarray) -> np.ndarray:
+    # (..., K): a constant added along the key axis shifts a whole score row
+    return a.mean(axis=-1, keepdims=True)
+
+
+def _all_null(a: np.ndarray) -> np.ndarray:
+    # (..., 1): a bias broadcast over keys shifts whole rows only; softmax ignores it
+    return a
+
+
+@dataclass(frozen=True, eq=False)
+class AttentionProblem:
+    """One attention call exposed as ``fn``/``vjp`` for :func:`gradcheck.check_vjp`.
+
+    Attributes
+    ----------
+    call : AttentionCall
+        The frozen call (visibility, query validity, scale, head map, Z, policy).
+    fn : callable
+        ``fn(q, k, v[, bias]) -> (B, Hq, Q, Dv) ndarray`` (accepts complex arrays).
+    vjp : callable
+        ``vjp(grad_output, q, k, v[, bias]) -> {"q", "k", "v"[, "bias"]}`` from the backward
+        under test.
+    inputs : dict of str to ndarray
+        The call's q, k, v (and bias when it has one).
+    null_space : dict of str to callable
+        Projectors on the known null directions (k: key shift; bias: row shift).
+    """
+
+    call: AttentionCall
+    fn: Callable[..., np.ndarray]
+    vjp: Callable[..., dict[str, np.ndarray]]
+    inputs: dict[str, np.ndarray]
+    null_space: dict[str, Projector]
+
+    def check(self, **options: Any) -> Report:
+        """:func:`gradcheck.check_vjp` on this problem (options passed through)."""
+        return check_vjp(self.fn, self.vjp, self.inputs, null_space=self.null_space, **options)
+
+
+def _as_dict(grads: Gradients | Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
+    if isinstance(grads, Gradients):
+        grads = grads.tensors()
+    if not isinstance(grads, Mapping):
+        raise RefAttnError(
+            f"backward: expected Gradients or a mapping, got {type(grads).__name__}"
+        )
+    return {n: grads[f"grad_{n}"] for n in INPUTS if grads.get(f"grad_{n}") is not None}
+
+
+def attention_problem(
+    call: AttentionCall,
+    *,
+    backward: Backward | None = None,
+    wrt: Sequence[str] | None = None,
+) -> AttentionProblem:
+    """Expose ``call``'s forward and a backward as ``fn``/``vjp`` over q, k, v, bias.
+
+    Parameters
+    ----------
+    call : AttentionCall
+    backward : callable, optional
+        ``backward(trace, grad_output) -> Gradients`` (or a mapping with ``grad_q``,
+        ``grad_k``, ``grad_v``, ``grad_bias``). Default :func:`refattn.backward`.
+    wrt : sequence of str, optional
+        Subset of ``("q", "k", "v", "bias")`` to expose (default: all present).
+
+    Returns
+    -------
+    AttentionProblem
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (rng.standard_normal(s) for s in [(1, 2, 3, 4), (1, 1, 5, 4), (1, 1, 5, 2)])
+    >>> problem = attention_problem(AttentionCall(q, k, v))
+    >>> sorted(problem.inputs), problem.check().passed
+    (['k', 'q', 'v'], True)
+    """
+    if not isinstance(call, AttentionCall):
+        raise RefAttnError(f"call: expected an AttentionCall, got {type(call).__name__}")
+    names = [n for n in INPUTS if getattr(call, n) is not None]
+    if wrt is not None:
+        unknown = [n for n in wrt if n not in names]
+        if unknown:
+            raise RefAttnError(f"wrt: {unknown} not among the call's inputs {names}")
+        names = [n for n in names if n in wrt]
+    frozen = {
+        "head_map": call.head_map,
+        "scale": call.scale,
+        "visible": call.visible_full(),
+        "query_valid": call.query_valid_full(),
+        "multiplier": call.multiplier_full(),  # the realised Z: a stream is replayed once
+    }
+    run_backward = refattn.backward if backward is None else backward
+
+    def current(kw: Mapping[str, np.ndarray]) -> dict[str, Any]:
+        return {n: kw.get(n, getattr(call, n)) for n in INPUTS}
+
+    def fn(**kw: np.ndarray) -> np.ndarray:
+        a = current(kw)
+        return forward_arrays(a["q"], a["k"], a["v"], bias=a["bias"], **frozen)["output"]
+
+    def vjp(grad_output: np.ndarray, **kw: np.ndarray) -> dict[str, np.ndarray]:
+        changed = {n: x for n, x in kw.items() if x is not getattr(call, n)}
+        trial = dataclasses.replace(call, **changed) if changed else call
+        grads = _as_dict(run_backward(refattn.forward(trial), grad_output))
+        return {n: grads[n] for n in names if n in grads}
+
+    null: dict[str, Projector] = {}
+    if "k" in names:
+        null["k"] = _key_shift
+    if "bias" in names:
+        null["bias"] = _all_null if call.bias.shape[-1] == 1 else _bias_row_shift
+    inputs = {n: getattr(call, n) for n in names}
+    return AttentionProblem(call, fn, vjp, inputs, null)
+
+
+def check_attention(
+    call: AttentionCall,
+    *,
+    grad_output: np.ndarray | None = None,
+    backward: Backward | None = None,
+    wrt: Sequence[str] | None = None,
+    **options: Any,
+) -> Report:
+    """Check a backward (default :func:`refattn.backward`) of ``call`` with gradcheck.
+
+    Parameters
+    ----------
+    call : AttentionCall
+    grad_output : (B, Hq, Q, Dv) float64 ndarray, optional
+        G_O (default: Gaussian from the seed).
+    backward : callable, optional
+        The backward under test (see :func:`attention_problem`).
+    wrt : sequence of str, optional
+    **options
+        Passed to :func:`gradcheck.check_vjp` (mode, method, seed, directions, ...).
+
+    Returns
+    -------
+    Report
+
+    Examples
+    --------
+    >>> from refattn.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call
+    >>> r = check_attention(loop6_call(), grad_output=LOOP6_GRAD_OUTPUT)
+    >>> r.passed, r.inputs["q"].method
+    (True, 'complex_step')
+    """
+    problem = attention_problem(call, backward=backward, wrt=wrt)
+    return problem.check(grad_output=grad_output, **options)
