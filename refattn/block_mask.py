@@ -31,7 +31,10 @@ class BlockMask:
     """Block-sparse description of a relation (the layout of FlexAttention's ``BlockMask``).
 
     Query rows are cut into blocks of ``q_block`` rows and key rows into blocks of
-    ``kv_block`` rows; the last block of an axis may be shorter (it covers what is left).
+    ``kv_block`` rows; the last block of an axis may be shorter (it covers what is left) and is
+    classified on its real extent. FlexAttention instead pads Q and K up to block multiples and
+    counts the padding as invisible, so there a ragged last block is never "full"; when Q and K
+    are multiples of the block sizes the two agree block for block.
 
     Attributes
     ----------
