@@ -49,6 +49,7 @@ MAPPING = (
 
 _U32 = 1 << 32
 _MAX_P = 1.0 - 2.0**-33  # smallest p whose threshold would be 2**32 (does not fit in 32 bits)
+_CHUNK_CALLS = 1 << 18  # Philox calls generated at once (bounds the uint64 temporaries)
 
 
 def _integer(name: str, value: object, upper: int) -> int:
@@ -138,20 +139,31 @@ class Philox:
         return np.array([self.seed & 0xFFFFFFFF, self.seed >> 32], dtype=np.uint32)
 
     def _keep(self, bh: np.ndarray, i0: int, i1: int, j0: int, j1: int) -> np.ndarray:
-        """keep for rows ``bh`` (flat b*Hq+h), queries [i0, i1), keys [j0, j1): (n, Qt, Kt)."""
+        """keep for rows ``bh`` (flat b*Hq+h), queries [i0, i1), keys [j0, j1): (n, Qt, Kt).
+
+        Generated in chunks of at most ``_CHUNK_CALLS`` Philox calls (bounded temporaries); every
+        element depends only on its own coordinates, so chunking cannot change the result.
+        """
         n = bh.shape[0]
+        keep = np.zeros((n, i1 - i0, j1 - j0), dtype=bool)
         if n == 0 or i1 == i0 or j1 == j0:
-            return np.zeros((n, i1 - i0, j1 - j0), dtype=bool)
+            return keep
         g0, g1 = j0 >> 2, (j1 + 3) >> 2  # the Philox calls whose words cover [j0, j1)
-        counter = np.empty((n, i1 - i0, g1 - g0, 4), dtype=np.uint32)  # (n, Qt, G, 4)
-        counter[..., 0] = np.arange(g0, g1, dtype=np.uint32)  # j >> 2
-        counter[..., 1] = np.arange(i0, i1, dtype=np.uint32)[:, None]  # i
-        counter[..., 2] = bh.astype(np.uint32)[:, None, None]  # b * Hq + h
-        counter[..., 3] = self.offset
-        words = philox4x32_10(counter, self.key)  # (n, Qt, G, 4): word j & 3 of call j >> 2
-        words = words.reshape(n, i1 - i0, 4 * (g1 - g0))  # column c is key 4 * g0 + c
-        words = words[..., j0 - 4 * g0 : j1 - 4 * g0]  # (n, Qt, Kt)
-        return words >= np.uint32(self.threshold)  # integer compare, no floats
+        rows_per_chunk = max(1, _CHUNK_CALLS // (g1 - g0))  # query rows per chunk
+        for r0 in range(0, n * (i1 - i0), rows_per_chunk):  # flat (bh, i) row index
+            r1 = min(r0 + rows_per_chunk, n * (i1 - i0))
+            flat = np.arange(r0, r1, dtype=np.int64)
+            counter = np.empty((r1 - r0, g1 - g0, 4), dtype=np.uint32)  # (rows, G, 4)
+            counter[..., 0] = np.arange(g0, g1, dtype=np.uint32)  # j >> 2
+            counter[..., 1] = (i0 + flat % (i1 - i0)).astype(np.uint32)[:, None]  # i
+            counter[..., 2] = bh[flat // (i1 - i0)].astype(np.uint32)[:, None]  # b * Hq + h
+            counter[..., 3] = self.offset
+            words = philox4x32_10(counter, self.key)  # (rows, G, 4): word j & 3 of call j >> 2
+            words = words.reshape(r1 - r0, 4 * (g1 - g0))  # column c is key 4 * g0 + c
+            words = words[:, j0 - 4 * g0 : j1 - 4 * g0]  # (rows, Kt)
+            # integer compare, no floats
+            keep.reshape(-1, j1 - j0)[r0:r1] = words >= np.uint32(self.threshold)
+        return keep
 
     def keep_block(
         self, b: int, h: int, i0: int, i1: int, j0: int, j1: int, *, Hq: int

@@ -191,3 +191,13 @@ def test_attention_call_with_a_stream_runs_forward_and_backward_and_records_it()
     assert (drop["algorithm"], drop["seed"], drop["offset"], drop["p"]) == (
         "philox4x32-10", str(SEED), "4", 0.25)
     assert drop["mapping_version"] == MAPPING_VERSION
+
+
+@pytest.mark.parametrize("chunk", [1, 3, 7, 64])
+def test_chunked_generation_equals_one_shot_generation(monkeypatch, chunk):
+    stream = Philox(0.4, SEED, offset=2)
+    whole = stream.keep_mask(2, 3, 5, 13)
+    monkeypatch.setattr("refattn.dropout._CHUNK_CALLS", chunk)
+    np.testing.assert_array_equal(stream.keep_mask(2, 3, 5, 13), whole)
+    np.testing.assert_array_equal(stream.keep_block(1, 2, 1, 4, 3, 11, Hq=3),
+                                  whole[1, 2, 1:4, 3:11])
