@@ -379,11 +379,13 @@ def gradient_check(call: Any, grad_output: np.ndarray, grads: Mapping[str, np.nd
             trace = forward(perturbed(name, x0 + t * u))
             return float(np.sum(trace.output * grad_output))
 
-        # step: move the finite scores by about 1e-3 (linear in q, k and bias for dot)
-        probe = forward(perturbed(name, x0 + u)).scores
+        # step: move the finite scores by about 1e-3, from their local sensitivity (a tiny
+        # probe step stays inside any clamp region, e.g. the cosine score's zero-norm floor)
+        t0 = 1e-8 * max(1.0, float(np.max(np.abs(x0))))
+        probe = forward(perturbed(name, x0 + t0 * u)).scores
         fin = np.isfinite(probe) & np.isfinite(base_scores)
-        move = float(np.max(np.abs(probe - base_scores)[fin])) if fin.any() else 0.0
-        h = 1e-3 / move if move > 1e-12 else 1e-3 * max(1.0, float(np.max(np.abs(x0))))
+        move = float(np.max(np.abs(probe - base_scores)[fin])) / t0 if fin.any() else 0.0
+        h = 1e-3 / move if move > 1e-6 else 1e-3 * max(1.0, float(np.max(np.abs(x0))))
 
         def d(step: float, loss: Any = loss) -> float:
             return float(central_difference(lambda t: loss(float(t[0])), np.zeros(1),

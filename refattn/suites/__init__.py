@@ -16,6 +16,7 @@ __all__ = ["SUITES", "build_suite"]
 #: suite name -> "module:function" returning list[GoldenCase]
 SUITES: dict[str, str] = {
     "contract": "refattn.suites.contract:cases",
+    "conformance": "refattn.suites.conformance:cases",
 }
 
 
