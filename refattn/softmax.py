@@ -98,7 +98,8 @@ def _stable(s: np.ndarray, vis: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     """Subtract-max on validated input: (probs, row_max, denominator)."""
     masked = np.where(vis, s, -np.inf)  # (..., K): excluded entries leave the reduction
     row_max = masked.max(axis=-1)  # (...,) finite: the support is non-empty
-    e = np.exp(masked - row_max[..., None])  # (..., K) in (0, 1]; exactly 0 where excluded
+    with np.errstate(over="ignore", under="ignore"):  # a gap beyond -1.8e308 is exp(-inf) = 0
+        e = np.exp(masked - row_max[..., None])  # (..., K) in [0, 1]; exactly 0 where excluded
     denom = e.sum(axis=-1)  # (...,) in [1, K]
     return e / denom[..., None], row_max, denom
 
@@ -196,7 +197,8 @@ def reconstruct_probs(
     if bad.any():
         idx = np.unravel_index(np.flatnonzero(bad)[0], saved.shape)
         raise RefAttnError(f"lse: row {_row_text(idx)} is {float(saved[idx])!r}; expected finite")
-    return np.exp(np.where(vis, s, -np.inf) - saved[..., None])  # exactly 0 where excluded
+    with np.errstate(over="ignore", under="ignore"):
+        return np.exp(np.where(vis, s, -np.inf) - saved[..., None])  # exactly 0 where excluded
 
 
 class NaiveSoftmax(NamedTuple):
@@ -371,7 +373,8 @@ def block_online_normalizer(row: np.ndarray, block: int | Sequence[int]) -> Norm
         tile = r[start : start + size]  # (size,)
         start += size
         m_tile = float(tile.max())
-        tile_state = NormalizerState(m_tile, float(np.exp(tile - m_tile).sum()))
+        with np.errstate(over="ignore", under="ignore"):  # gaps below -1.8e308 give exp 0
+            tile_state = NormalizerState(m_tile, float(np.exp(tile - m_tile).sum()))
         state = tile_state if state is None else merge_states(state, tile_state)
     assert state is not None  # the row is non-empty (checked above)
     return state
@@ -390,7 +393,8 @@ def probabilities_from_state(row: np.ndarray, state: NormalizerState) -> np.ndar
     [0.5, 0.5]
     """
     r = _legal_row(row)
-    return np.exp(r - state.max) / state.sum
+    with np.errstate(over="ignore", under="ignore"):
+        return np.exp(r - state.max) / state.sum
 
 
 # -- curvature ---------------------------------------------------------------------------------
@@ -599,10 +603,17 @@ def entropy_slope(
     """
     a = _check_alpha(alpha)
     s, vis = _rows(scores, visible)
-    p = _stable(a * s, vis)[0]  # (..., K); a * s is finite on legal entries
-    # shift by the row max first (Var is shift-invariant): equal legal scores give exactly 0
+    with np.errstate(over="ignore"):
+        tempered = np.where(vis, a * s, 0.0)  # (..., K)
+    if not np.isfinite(tempered).all():
+        raise RefAttnError(f"alpha: alpha * scores overflows for alpha = {a!r}")
+    p = _stable(tempered, vis)[0]  # (..., K)
+    # shift by the row max first (Var is shift-invariant): equal legal scores give exactly 0;
+    # keys whose probability underflowed to 0 contribute nothing, as in the float64 P itself
     masked = np.where(vis, s, -np.inf)
-    shifted = np.where(vis, s - masked.max(axis=-1, keepdims=True), 0.0)  # (..., K)
+    with np.errstate(over="ignore"):
+        gap = masked - masked.max(axis=-1, keepdims=True)  # (..., K), <= 0 on the support
+    shifted = np.where(vis & (p > 0.0), gap, 0.0)
     mean = (p * shifted).sum(axis=-1)  # E_p[s] - max
     var = (p * (shifted - mean[..., None]) ** 2).sum(axis=-1)  # Var_p(s), two-pass
     return -a * var

@@ -315,3 +315,21 @@ def test_reconstruction_from_lse_obeys_the_derived_bound(s):
     p = softmax(s)
     err = np.abs(reconstruct_probs(s, lse) - p)
     assert (err <= _reconstruction_bound(s, vis, lse) * p).all()
+
+
+def test_extreme_finite_rows_need_no_warnings():
+    import warnings
+
+    x = np.array([1e308, -1e308, 0.0])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # an overflowing gap is exp(-inf) = 0, not an accident
+        assert softmax(x).tolist() == [1.0, 0.0, 0.0]
+        assert float(logsumexp(x)) == 1e308
+        assert reconstruct_probs(x, logsumexp(x)).tolist() == [1.0, 0.0, 0.0]
+        assert limiting_distribution(x).tolist() == [1.0, 0.0, 0.0]
+        assert float(entropy_slope(x, 1.0)) == 0.0
+        assert bool(naive_softmax(x).overflow)
+        from refattn.softmax import block_online_normalizer, online_normalizer
+        assert online_normalizer(x) == block_online_normalizer(x, 1) == (1e308, 1.0)
+    with pytest.raises(RefAttnError, match="alpha \\* scores overflows"):
+        entropy_slope(x, 2.0)
