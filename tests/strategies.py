@@ -100,3 +100,35 @@ def visibility_inputs(
 def packed_lengths(draw: st.DrawFn, *, max_segments: int = 4, max_len: int = 5) -> list[int]:
     """Example lengths for packing (each >= 1)."""
     return draw(st.lists(st.integers(1, max_len), min_size=1, max_size=max_segments))
+
+
+# -- softmax rows (issue 4) -------------------------------------------------------------------
+
+
+def score_rows(*, max_k: int = 8, bound: float = 30.0) -> st.SearchStrategy[np.ndarray]:
+    """One finite float64 score row (K,) of 1..max_k legal keys in [-bound, bound]."""
+    return st.lists(st.floats(-bound, bound, allow_nan=False), min_size=1, max_size=max_k).map(
+        lambda xs: np.array(xs, dtype=np.float64)
+    )
+
+
+def dyadic_score_rows(*, max_k: int = 8) -> st.SearchStrategy[np.ndarray]:
+    """Rows of multiples of 2**-20 in [-64, 64]: shifting them by an integer up to 2**20 and
+    subtracting their max are exact, so translation can be tested bit for bit."""
+    return st.lists(st.integers(-(2**26), 2**26), min_size=1, max_size=max_k).map(
+        lambda xs: np.array(xs, dtype=np.float64) * 2.0**-20
+    )
+
+
+@st.composite
+def rows_and_partitions(
+    draw: st.DrawFn, *, max_k: int = 24, bound: float = 700.0
+) -> tuple[np.ndarray, list[int]]:
+    """A finite row (K,) (|score| <= bound, so native exponentials may overflow) and tile sizes
+    (positive, summing to K) of an arbitrary partition of it."""
+    k = draw(st.integers(1, max_k))
+    row = np.array(draw(st.lists(st.floats(-bound, bound, allow_nan=False), min_size=k,
+                                 max_size=k)))
+    cuts = sorted(set(draw(st.lists(st.integers(1, k - 1), max_size=k - 1)))) if k > 1 else []
+    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, k], strict=True)]
+    return row, sizes

@@ -28,36 +28,23 @@ from refattn.softmax import (
     reconstruct_probs,
     softmax,
 )
+from tests.strategies import dyadic_score_rows, score_rows
 
 EPS = np.finfo(np.float64).eps
 CONTRACT_ROW = np.array([1000.0, 999.0, 998.0])
 CONTRACT_PROBS = [0.66524096, 0.24472847, 0.09003057]  # published to 8 decimals
 
 
-def rows(*, max_k: int = 8, bound: float = 30.0) -> st.SearchStrategy[np.ndarray]:
-    """Finite float64 score rows of 1..max_k legal keys."""
-    return st.lists(st.floats(-bound, bound, allow_nan=False), min_size=1, max_size=max_k).map(
-        lambda xs: np.array(xs, dtype=np.float64)
-    )
-
-
-def dyadic_rows(*, max_k: int = 8) -> st.SearchStrategy[np.ndarray]:
-    """Rows of multiples of 2**-20 in [-64, 64]: shifting them by an integer is exact."""
-    return st.lists(st.integers(-(2**26), 2**26), min_size=1, max_size=max_k).map(
-        lambda xs: np.array(xs, dtype=np.float64) * 2.0**-20
-    )
-
-
 # -- translation --------------------------------------------------------------------------------
 @settings(max_examples=60, deadline=None)
-@given(s=dyadic_rows(), c=st.integers(-(2**20), 2**20))
+@given(s=dyadic_score_rows(), c=st.integers(-(2**20), 2**20))
 def test_translation_is_bitwise_when_the_shift_is_exact(s, c):
     # s + c and (s_j + c) - max(s + c) are exact here, so the coordinates are identical
     assert softmax(s + float(c)).tobytes() == softmax(s).tobytes()
 
 
 @settings(max_examples=60, deadline=None)
-@given(s=rows(), c=st.floats(-1e3, 1e3, allow_nan=False))
+@given(s=score_rows(), c=st.floats(-1e3, 1e3, allow_nan=False))
 def test_translation_within_the_rounding_of_the_shift(s, c):
     p, shifted = softmax(s), softmax(s + c)
     # each shifted logit is off by at most ulp(|s| + |c|) / 2 -> relative change in p of
@@ -70,7 +57,7 @@ def test_translation_within_the_rounding_of_the_shift(s, c):
 
 # -- partition gradient ----------------------------------------------------------------------------
 @settings(max_examples=25, deadline=None)
-@given(s=rows(bound=5.0))
+@given(s=score_rows(bound=5.0))
 def test_finite_difference_of_logsumexp_is_softmax(s):
     g = central_difference(lambda x: float(logsumexp(x)), s, eps=1e-6)
     # truncation ~ eps_h**2 * |A'''| <= 1e-12; cancellation ~ eps * |A| / eps_h <= 2e-9
@@ -87,7 +74,7 @@ def test_masked_keys_have_zero_partition_gradient():
 
 # -- curvature -----------------------------------------------------------------------------------
 @settings(max_examples=25, deadline=None)
-@given(s=rows(bound=5.0).filter(lambda r: r.size >= 2))
+@given(s=score_rows(bound=5.0).filter(lambda r: r.size >= 2))
 def test_jacobian_matches_finite_differences_and_is_psd_with_null_ones(s):
     p = softmax(s)
     J = jacobian(p)
@@ -133,7 +120,7 @@ def test_check_jacobian_rejects_a_wrong_jacobian():
 
 # -- temperature ---------------------------------------------------------------------------------
 @settings(max_examples=30, deadline=None)
-@given(s=rows(bound=4.0).filter(lambda r: r.size >= 2))
+@given(s=score_rows(bound=4.0).filter(lambda r: r.size >= 2))
 def test_entropy_is_non_increasing_in_inverse_temperature(s):
     alphas = np.linspace(0.0, 6.0, 61)
     H = np.array([float(entropy(softmax(a * s))) for a in alphas])
@@ -308,7 +295,7 @@ def test_loop6_fixture_probabilities_reconstruct_from_saved_lse():
 
 
 @settings(max_examples=30, deadline=None)
-@given(s=rows(bound=40.0))
+@given(s=score_rows(bound=40.0))
 def test_reconstruction_from_lse_obeys_the_derived_bound(s):
     vis = np.ones(s.shape, bool)
     lse = logsumexp(s)

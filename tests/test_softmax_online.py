@@ -18,19 +18,9 @@ from refattn.softmax import (
     probabilities_from_state,
     softmax,
 )
+from tests.strategies import rows_and_partitions
 
 EPS = np.finfo(np.float64).eps
-
-
-@st.composite
-def row_and_partition(draw, *, max_k: int = 24, bound: float = 700.0):
-    """A finite row (scores up to +-700, so native exponentials can overflow) and a partition."""
-    k = draw(st.integers(1, max_k))
-    row = np.array(draw(st.lists(st.floats(-bound, bound, allow_nan=False), min_size=k,
-                                 max_size=k)))
-    cuts = sorted(set(draw(st.lists(st.integers(1, k - 1), max_size=k - 1)))) if k > 1 else []
-    sizes = [b - a for a, b in zip([0, *cuts], [*cuts, k], strict=True)]
-    return row, sizes
 
 
 def safe_reference(row: np.ndarray) -> NormalizerState:
@@ -51,7 +41,7 @@ def test_contract_row_online_and_block_match_the_published_probabilities():
 
 
 @settings(max_examples=80, deadline=None)
-@given(case=row_and_partition())
+@given(case=rows_and_partitions())
 def test_scalar_and_block_states_equal_the_safe_reference(case):
     row, sizes = case
     ref = safe_reference(row)
@@ -65,7 +55,7 @@ def test_scalar_and_block_states_equal_the_safe_reference(case):
 
 
 @settings(max_examples=40, deadline=None)
-@given(case=row_and_partition(), width=st.integers(1, 30))
+@given(case=rows_and_partitions(), width=st.integers(1, 30))
 def test_fixed_width_tiles_equal_explicit_partitions(case, width):
     row, _ = case
     sizes = [min(width, row.size - s) for s in range(0, row.size, width)]
