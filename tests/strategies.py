@@ -132,3 +132,21 @@ def rows_and_partitions(
     cuts = sorted(set(draw(st.lists(st.integers(1, k - 1), max_size=k - 1)))) if k > 1 else []
     sizes = [b - a for a, b in zip([0, *cuts], [*cuts, k], strict=True)]
     return row, sizes
+
+
+# -- dropout stream tiles (issue 4) -----------------------------------------------------------
+
+
+@st.composite
+def score_shapes_and_tiles(
+    draw: st.DrawFn, *, max_batch: int = 2, max_heads: int = 3, max_q: int = 6, max_k: int = 13
+) -> tuple[tuple[int, int, int, int], tuple[int, int, int, int, int, int]]:
+    """A (B, Hq, Q, K) shape and one tile (b, h, i0, i1, j0, j1) inside it; tiles may be empty
+    and are in general not aligned to the 4-key groups of one Philox call."""
+    B, Hq = draw(st.integers(1, max_batch)), draw(st.integers(1, max_heads))
+    Q, K = draw(st.integers(1, max_q)), draw(st.integers(1, max_k))
+    b, h = draw(st.integers(0, B - 1)), draw(st.integers(0, Hq - 1))
+    i0 = draw(st.integers(0, Q))
+    j0 = draw(st.integers(0, K))
+    tile = (b, h, i0, draw(st.integers(i0, Q)), j0, draw(st.integers(j0, K)))
+    return (B, Hq, Q, K), tile
