@@ -301,6 +301,21 @@ def test_cli_mask_reports_empty_rows_and_errors(capsys):
     assert "prefix_length with causal=True" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("argv,message", [
+    (["mask"], "--q/--k: give at least one of them (or --lengths)"),
+    (["mask", "--q", "2", "--q-start", "3", "--causal", "upper_left"],
+     "--q-start: explicit positions replace --causal ALIGNMENT; pass one of them"),
+    (["mask", "--lengths", "2,3", "--q", "4"], "--lengths: packed Q and K are the total length 5"),
+    (["mask", "--lengths", "2,3", "--causal", "lower_right"],
+     "--lengths: packed examples use per-example positions"),
+    (["mask", "--lengths", "2,0"], "lengths: entry 1 is 0"),
+    (["mask", "--q", "3", "--window", "none", "none"], "window: (None, None) restricts nothing"),
+])
+def test_cli_mask_rejections(argv, message, capsys):
+    assert main(argv) == 2
+    assert f"refattn mask: error: {message}" in capsys.readouterr().err
+
+
 # -- every rejection, with its message ------------------------------------------------------
 P = np.arange(3)[None]
 S = np.array([[0, 0, 1]])

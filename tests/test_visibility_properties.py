@@ -123,6 +123,31 @@ def test_tiles_and_manifest_reproduce_the_dense_relation(kw, data):
     assert np.array_equal(again.dense(), dense)
 
 
+def kernel_edge(a, b: int, h: int, i: int, j: int) -> bool:
+    """The KernelArguments formula, element by element (what a compiled tile kernel runs)."""
+    p, r = a.q_pos[b, i], a.k_pos[b, j]
+    P = a.prefix_length[b, h]
+    topo = (a.topology == 0 or (a.topology == 1 and r <= p)
+            or (a.topology == 2 and ((p < P and r < P) or (p >= P and r <= p))))
+    return bool(a.key_valid[b, j]
+                and (not a.has_segments or a.q_segment[b, i] == a.k_segment[b, j])
+                and topo
+                and (a.left[h] < 0 or p - r <= a.left[h])
+                and (a.right[h] < 0 or r - p <= a.right[h]))
+
+
+@SETTINGS
+@given(visibility_inputs())
+def test_kernel_arguments_reproduce_the_relation(kw):
+    rel = relation(**kw)
+    args = rel.kernel_arguments()
+    dense = rel.dense()
+    B, H = dense.shape[:2]
+    assert args.prefix_length.shape == (B, H) and args.left.shape == args.right.shape == (H,)
+    for b, h, i, j in np.ndindex(dense.shape):
+        assert dense[b, h, i, j] == kernel_edge(args, b, h, i, j)
+
+
 def _components(kw: dict) -> list[np.ndarray]:
     """Each declared rule compiled alone (the others left unrestricted)."""
     base = {"q_pos": kw["q_pos"], "k_pos": kw["k_pos"], "key_valid": None}
