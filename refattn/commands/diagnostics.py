@@ -101,6 +101,17 @@ def summarize(path: str | Path, *, k: int = 2) -> dict[str, Any]:
     ------
     RefAttnError
         If the file fails its checks or holds no probabilities.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from refattn.golden import write_bundle
+    >>> from refattn.suites.contract import cases
+    >>> with tempfile.TemporaryDirectory() as out:
+    ...     _ = write_bundle(out, cases()[:1], suite="contract")
+    ...     s = summarize(f"{out}/cases/loop6_two_query_training_trace.safetensors")
+    >>> s["consumed"], s["overall"]["n_legal"], round(s["overall"]["max_probability"]["max"], 6)
+    (2, {'min': 2, 'max': 3}, 0.753474)
     """
     from refattn.errors import RefAttnError
     from refattn.golden import load
