@@ -9,7 +9,7 @@ fixed-shape arrays for compiled tile kernels). Defers the constructors to
 
 from __future__ import annotations
 
-from dataclasses import KW_ONLY, dataclass
+from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Literal, NamedTuple
 
 import numpy as np
@@ -113,7 +113,8 @@ class VisibilityRelation:
     k_pos : (B, K) int64 ndarray
         Key coordinates in the same frame as ``q_pos``.
     key_valid : (B, K) bool ndarray
-        Whether key row j may contribute to any query (True = valid); None means all valid.
+        Whether key row j may contribute to any query (True = valid); None at construction
+        means every key is valid.
     causal : bool
         ``r <= p``. Not allowed together with ``prefix_length``.
     q_segment, k_segment : (B, Q) and (B, K) int64 ndarray, or None
@@ -156,6 +157,7 @@ class VisibilityRelation:
     layout: Layout | None = None
     alignment: Alignment | None = None
     window_convention: WindowConvention | None = "excludes_query"
+    _heads: int = field(init=False, repr=False, default=1)
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -265,7 +267,7 @@ class VisibilityRelation:
     @property
     def heads(self) -> int:
         """Size of the head axis of the relation: 1 when every head shares it."""
-        return self._heads  # type: ignore[attr-defined]
+        return self._heads
 
     @property
     def shape(self) -> tuple[int, int, int, int]:
