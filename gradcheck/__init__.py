@@ -22,16 +22,25 @@ True
 from __future__ import annotations
 
 from gradcheck.api import GradientCheckError, assert_gradients, check_vjp
+from gradcheck.attention import attention_problem, check_attention
 from gradcheck.finite_difference import central_difference
+from gradcheck.identities import IdentityReport, attention_identities
 from gradcheck.report import InputReport, Report, ScaleFit, Worst
+from gradcheck.taylor import TaylorReport, taylor_test
 
 __all__ = [
     "GradientCheckError",
+    "IdentityReport",
     "InputReport",
     "Report",
     "ScaleFit",
+    "TaylorReport",
     "Worst",
     "assert_gradients",
+    "attention_identities",
+    "attention_problem",
     "central_difference",
+    "check_attention",
     "check_vjp",
+    "taylor_test",
 ]

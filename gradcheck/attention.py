@@ -1,12 +1,15 @@
-"""refattn's attention as ``fn``/``vjp`` over named inputs q, k, v, bias, for gradcheck.
+"""refattn's attention as ``fn``/``vjp`` over named inputs, for gradcheck.
 
 Owns the adapter: ``fn`` runs :func:`refattn.engine.reference.forward_arrays` (complex-safe,
 so the exact complex-step method applies) with everything but the checked inputs frozen from
-the call, including the realised dropout multiplier Z (a stream is replayed once); ``vjp``
-rebuilds the call, runs the forward and then the backward under test (``refattn.backward``
-by default, or any ``backward(trace, grad_output)``). Also declares attention's known null
-directions (a constant shift of every key, of a bias row along the key axis). Defers the
-checking itself to :func:`gradcheck.check_vjp`.
+the call, including the realised dropout multiplier Z (a stream is replayed once), the score
+family, scale placement and softcap; ``vjp`` rebuilds the call, runs the forward and then the
+backward under test (``refattn.backward`` by default, or any ``backward(trace,
+grad_output)``). Differentiable inputs: ``q``, ``k``, ``v``, ``bias``, ``sink`` and
+``score_<name>`` for a score family's parameters. Also declares attention's known null
+directions (a constant shift of every key when the score is linear in k and there is no
+softcap or sink; a constant shift of a bias row along the key axis when there is no sink).
+Defers the checking itself to :func:`gradcheck.check_vjp`.
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ __all__ = ["AttentionProblem", "attention_problem", "check_attention"]
 
 Backward = Callable[[Trace, np.ndarray], Gradients | Mapping[str, np.ndarray]]
 Projector = Callable[[np.ndarray], np.ndarray]
-INPUTS = ("q", "k", "v", "bias")
+INPUTS = ("q", "k", "v", "bias", "sink")
 
 
 def _key_shift(a: np.ndarray) -> np.ndarray:
@@ -85,7 +88,19 @@ def _as_dict(grads: Gradients | Mapping[str, np.ndarray]) -> dict[str, np.ndarra
         raise RefAttnError(
             f"backward: expected Gradients or a mapping, got {type(grads).__name__}"
         )
-    return {n: grads[f"grad_{n}"] for n in INPUTS if grads.get(f"grad_{n}") is not None}
+    out = {n: grads[f"grad_{n}"] for n in INPUTS if grads.get(f"grad_{n}") is not None}
+    for name, value in grads.items():  # grad_score_<param> (Gradients.tensors() spelling)
+        if name.startswith("grad_score_") and value is not None:
+            out[name[len("grad_"):]] = value
+    return out
+
+
+def _differentiable(call: AttentionCall) -> dict[str, np.ndarray]:
+    out = {n: getattr(call, n) for n in INPUTS if getattr(call, n, None) is not None}
+    score = getattr(call, "score", None)
+    if score is not None:
+        out.update({f"score_{n}": np.asarray(a) for n, a in score.parameters().items()})
+    return out
 
 
 def attention_problem(
@@ -94,16 +109,17 @@ def attention_problem(
     backward: Backward | None = None,
     wrt: Sequence[str] | None = None,
 ) -> AttentionProblem:
-    """Expose ``call``'s forward and a backward as ``fn``/``vjp`` over q, k, v, bias.
+    """Expose ``call``'s forward and a backward as ``fn``/``vjp`` over its inputs.
 
     Parameters
     ----------
     call : AttentionCall
     backward : callable, optional
         ``backward(trace, grad_output) -> Gradients`` (or a mapping with ``grad_q``,
-        ``grad_k``, ``grad_v``, ``grad_bias``). Default :func:`refattn.backward`.
+        ``grad_k``, ``grad_v``, ``grad_bias``, ...). Default :func:`refattn.backward`.
     wrt : sequence of str, optional
-        Subset of ``("q", "k", "v", "bias")`` to expose (default: all present).
+        Subset of the differentiable inputs (``q``, ``k``, ``v``, ``bias``, ``sink``,
+        ``score_<name>``) to expose (default: all present).
 
     Returns
     -------
@@ -119,40 +135,58 @@ def attention_problem(
     """
     if not isinstance(call, AttentionCall):
         raise RefAttnError(f"call: expected an AttentionCall, got {type(call).__name__}")
-    names = [n for n in INPUTS if getattr(call, n) is not None]
+    available = _differentiable(call)
+    names = list(available)
     if wrt is not None:
-        unknown = [n for n in wrt if n not in names]
+        unknown = [n for n in wrt if n not in available]
         if unknown:
             raise RefAttnError(f"wrt: {unknown} not among the call's inputs {names}")
         names = [n for n in names if n in wrt]
-    frozen = {
+    score = getattr(call, "score", None)
+    frozen: dict[str, Any] = {
         "head_map": call.head_map,
         "scale": call.scale,
         "visible": call.visible_full(),
         "query_valid": call.query_valid_full(),
         "multiplier": call.multiplier_full(),  # the realised Z: a stream is replayed once
     }
+    for opt in ("scale_placement", "softcap"):
+        if hasattr(call, opt):
+            frozen[opt] = getattr(call, opt)
     run_backward = refattn.backward if backward is None else backward
 
-    def current(kw: Mapping[str, np.ndarray]) -> dict[str, Any]:
-        return {n: kw.get(n, getattr(call, n)) for n in INPUTS}
+    def split(kw: Mapping[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
+        direct = {n: kw.get(n, getattr(call, n, None)) for n in INPUTS}
+        params = {n[len("score_"):]: x for n, x in kw.items() if n.startswith("score_")}
+        return direct, params
 
     def fn(**kw: np.ndarray) -> np.ndarray:
-        a = current(kw)
-        return forward_arrays(a["q"], a["k"], a["v"], bias=a["bias"], **frozen)["output"]
+        a, params = split(kw)
+        extra: dict[str, Any] = {}
+        if score is not None:
+            extra["score"] = score.with_arrays(**params) if params else score
+        if a["sink"] is not None:
+            extra["sink"] = a["sink"]
+        return forward_arrays(a["q"], a["k"], a["v"], bias=a["bias"], **frozen,
+                              **extra)["output"]
 
     def vjp(grad_output: np.ndarray, **kw: np.ndarray) -> dict[str, np.ndarray]:
-        changed = {n: x for n, x in kw.items() if x is not getattr(call, n)}
+        _, params = split(kw)
+        changed = {n: kw[n] for n in INPUTS if n in kw and kw[n] is not getattr(call, n)}
+        if params:
+            changed["score"] = dataclasses.replace(score, **params)  # validated copy
         trial = dataclasses.replace(call, **changed) if changed else call
         grads = _as_dict(run_backward(refattn.forward(trial), grad_output))
         return {n: grads[n] for n in names if n in grads}
 
+    linear_score = score is None or bool(getattr(score, "linear_in_operands", False))
+    no_sink = getattr(call, "sink", None) is None
     null: dict[str, Projector] = {}
-    if "k" in names:
+    if "k" in names and linear_score and no_sink and getattr(call, "softcap", None) is None:
         null["k"] = _key_shift
-    if "bias" in names:
+    if "bias" in names and no_sink:
         null["bias"] = _all_null if call.bias.shape[-1] == 1 else _bias_row_shift
-    inputs = {n: getattr(call, n) for n in names}
+    inputs = {n: available[n] for n in names}
     return AttentionProblem(call, fn, vjp, inputs, null)
 
 

@@ -8,9 +8,11 @@ backend (or a given ``backward``) and the tolerance-free softmax Jacobian to a c
 
 Identities (S = scores = alpha Q K^T without bias, P = probs, Z = multiplier):
 
-- ``row_sum_grad_scores``: sum_j G_S[i, j] = 0 on every row.
-- ``key_sum_grad_k``: sum_j G_K[j] = 0 (a constant key shift is invisible).
-- ``euler_q_k_s``: <G_Q, Q> = <G_K, K> = <G_S, S> (scores are bilinear in q and k).
+- ``row_sum_grad_scores``: sum_j G_S[i, j] = 0 on every row (= D_i * sink_prob_i with a sink).
+- ``key_sum_grad_k``: sum_j G_K[j] = 0 (a constant key shift is invisible; with a sink it
+  equals alpha sum_i D_i sink_prob_i q_i). Dot scores without softcap only.
+- ``euler_q_k_s``: <G_Q, Q> = <G_K, K> = <G_S, S> (scores are bilinear in q and k; with a
+  softcap, G_S and S are taken before the cap). Dot scores only.
 - ``value_output``: <G_V, V> = <G_O, O> (the output is linear in v).
 - ``bias_reduction``: grad_bias has the bias's shape and is G_S summed over its broadcast axes.
 - ``linearity``: backward(2 G_O) = 2 backward(G_O) bit for bit; backward(G_O + G) =
@@ -20,7 +22,10 @@ Identities (S = scores = alpha Q K^T without bias, P = probs, Z = multiplier):
   exactly zero P (masked), G_S and output.
 - ``repeat_bitwise``: running the backward again reproduces every bit.
 - ``softmax_jacobian``: on sampled rows the softmax Jacobian (by complex step) is symmetric,
-  positive semi-definite, has J 1 = 0, and G_S = J G_P.
+  positive semi-definite, has J 1 = 0 (= p * sink_prob with a sink), and G_S = J G_P.
+
+An identity that does not hold for the call's configuration (another score family) is
+listed as not applicable.
 """
 
 from __future__ import annotations
@@ -70,6 +75,11 @@ class IdentityCheck:
     tolerance: float
     where: str
     detail: str
+    applicable: bool = True
+
+
+def _not_applicable(name: str, why: str) -> IdentityCheck:
+    return IdentityCheck(name, True, 0.0, 0.0, 0.0, "-", f"not applicable: {why}", False)
 
 
 @dataclass(frozen=True, eq=False)
@@ -96,7 +106,8 @@ class IdentityReport:
 
     def __str__(self) -> str:
         head = "PASSED" if self.passed else f"FAILED ({', '.join(self.failed)})"
-        rows = [(c.name, "ok" if c.passed else "FAIL", f"{c.ratio:.3g}", f"{c.residual:.3g}",
+        rows = [(c.name, ("ok" if c.applicable else "n/a") if c.passed else "FAIL",
+                 f"{c.ratio:.3g}", f"{c.residual:.3g}",
                  f"{c.tolerance:.3g}", c.where, c.detail) for c in self.checks]
         cols = ("identity", "", "res/tol", "residual", "tolerance", "worst at", "checks")
         widths = [max(len(cols[i]), *(len(r[i]) for r in rows)) for i in range(len(cols))]
@@ -195,29 +206,51 @@ def attention_identities(
     D = grads.row_dot  # (B, Hq, Q)
     checks: list[IdentityCheck] = []
     rows = "bhi"
+    family = getattr(call, "score", None)
+    dot = family is None or getattr(family, "name", "dot") == "dot"
+    softcap = getattr(call, "softcap", None)
+    sink_probs = getattr(trace, "sink_probs", None)
+    # with a sink the row's key probabilities sum to 1 - sink_prob: sum_j G_S = D * sink_prob
+    expected = np.zeros_like(D) if sink_probs is None else D * sink_probs  # (B, Hq, Q)
 
     # row magnitude of G_S = P (G_P - D): the rounding scale of its row sum
-    m = (P * (np.abs(G_P) + np.abs(D)[..., None])).sum(-1)  # (B, Hq, Q)
-    checks.append(_worst("row_sum_grad_scores", G_S.sum(-1), ulps * EPS * m, rows,
-                         "sum_j G_S[i, j] = 0 on every row"))
+    m = (P * (np.abs(G_P) + np.abs(D)[..., None])).sum(-1) + np.abs(expected)  # (B, Hq, Q)
+    what = "sum_j G_S[i, j] = 0" if sink_probs is None else "sum_j G_S[i, j] = D_i sink_i"
+    checks.append(_worst("row_sum_grad_scores", G_S.sum(-1) - expected, ulps * EPS * m, rows,
+                         f"{what} on every row"))
 
-    # key sum of G_K: alpha sum_i (row sum of G_S) q_i, plus rounding of the products
-    per_head = alpha * ((np.abs(G_S).sum(-1) + m)[..., None] * np.abs(call.q)).sum(axis=2)
-    bound = sum_heads(per_head[:, :, None, :], call.head_map, Hkv)[:, :, 0, :]  # (B, Hkv, Dk)
-    checks.append(_worst("key_sum_grad_k", grads.grad_k.sum(axis=2), ulps * EPS * bound, "bgd",
-                         "sum_j G_K[j] = 0 (a constant key shift does not change the output)"))
+    if dot and softcap is None:
+        # key sum of G_K: alpha sum_i (row sum of G_S) q_i, plus rounding of the products
+        want_h = alpha * (expected[..., None] * call.q).sum(axis=2)  # (B, Hq, Dk)
+        want = sum_heads(want_h[:, :, None, :], call.head_map, Hkv)[:, :, 0, :]  # (B, Hkv, Dk)
+        per_head = alpha * ((np.abs(G_S).sum(-1) + m)[..., None] * np.abs(call.q)).sum(axis=2)
+        bound = sum_heads(per_head[:, :, None, :], call.head_map, Hkv)[:, :, 0, :]
+        checks.append(_worst("key_sum_grad_k", grads.grad_k.sum(axis=2) - want,
+                             ulps * EPS * bound, "bgd",
+                             "sum_j G_K[j] = 0 (a constant key shift does not change the "
+                             "output)" if sink_probs is None else
+                             "sum_j G_K[j] = alpha sum_i D_i sink_i q_i"))
+    else:
+        checks.append(_not_applicable("key_sum_grad_k", "a softcap or a non-dot score family"))
 
-    # Euler: every contraction equals sum_ij G_S S; rounding scale alpha sum |G_S| |q||k|
-    scale = alpha * float((np.abs(G_S) * (np.abs(call.q) @ np.abs(k_eff).swapaxes(-1, -2))).sum())
-    gs_s = float((G_S * S).sum())
-    gq_q = float((grads.grad_q * call.q).sum())
-    gk_k = float((grads.grad_k * call.k).sum())
-    res = np.array([abs(gq_q - gs_s), abs(gk_k - gs_s)])
-    c = _worst("euler_q_k_s", res, ulps * EPS * scale, None,
-               f"<G_Q,Q> = <G_K,K> = <G_S,S> (here {gq_q:.10g}, {gk_k:.10g}, {gs_s:.10g})")
-    where = "<G_Q,Q>" if res[0] >= res[1] else "<G_K,K>"
-    checks.append(IdentityCheck(c.name, c.passed, c.ratio, c.residual, c.tolerance, where,
-                                c.detail))
+    if dot:
+        # Euler: every contraction equals sum_ij G_S S (before a softcap); rounding scale
+        # alpha sum |G_S| |q||k|
+        g_e = G_S if softcap is None else grads.grad_softcap_input
+        s_e = S if softcap is None else trace.softcap_input
+        scale = alpha * float(
+            (np.abs(g_e) * (np.abs(call.q) @ np.abs(k_eff).swapaxes(-1, -2))).sum())
+        gs_s = float((g_e * s_e).sum())
+        gq_q = float((grads.grad_q * call.q).sum())
+        gk_k = float((grads.grad_k * call.k).sum())
+        res = np.array([abs(gq_q - gs_s), abs(gk_k - gs_s)])
+        c = _worst("euler_q_k_s", res, ulps * EPS * scale, None,
+                   f"<G_Q,Q> = <G_K,K> = <G_S,S> (here {gq_q:.10g}, {gk_k:.10g}, {gs_s:.10g})")
+        where = "<G_Q,Q>" if res[0] >= res[1] else "<G_K,K>"
+        checks.append(IdentityCheck(c.name, c.passed, c.ratio, c.residual, c.tolerance, where,
+                                    c.detail))
+    else:
+        checks.append(_not_applicable("euler_q_k_s", f"the {family.name} score family"))
 
     # <G_V, V> = <G_O, O>
     bound_v = float((np.abs(trace.consumed) * (np.abs(g_o) @ np.abs(v_eff).swapaxes(-1, -2))).sum())
@@ -299,13 +332,17 @@ def attention_identities(
         "repeat_bitwise", not bad, 0.0 if not bad else np.inf, 0.0, 0.0,
         ", ".join(bad) or "-", "a second backward(G_O) reproduces every bit"))
 
-    checks.append(_softmax_jacobian(trace, G_S, G_P, live, max_rows=max_rows, ulps=ulps))
+    checks.append(_softmax_jacobian(trace, G_S, G_P, live, max_rows=max_rows, ulps=ulps,
+                                    sink=getattr(call, "sink", None)))
     return IdentityReport(tuple(checks))
 
 
 def _softmax_jacobian(trace: Trace, G_S: np.ndarray, G_P: np.ndarray, live: np.ndarray, *,
-                      max_rows: int, ulps: float) -> IdentityCheck:
-    """Sampled rows: J by complex step is symmetric PSD, J 1 = 0, and G_S = J G_P."""
+                      max_rows: int, ulps: float, sink: np.ndarray | None) -> IdentityCheck:
+    """Sampled rows: J by complex step is symmetric PSD, J 1 = 0, and G_S = J G_P.
+
+    With a sink logit in the denominator (held fixed), ``J 1 = p * sink_prob``.
+    """
     flat = np.flatnonzero(live)
     if flat.size == 0:
         return IdentityCheck("softmax_jacobian", True, 0.0, 0.0, 0.0, "-", "no consumed rows")
@@ -317,17 +354,22 @@ def _softmax_jacobian(trace: Trace, G_S: np.ndarray, G_P: np.ndarray, live: np.n
         idx = np.unravel_index(int(f), live.shape)
         s = trace.masked_scores[idx]  # (K,) -inf off the support
         sc = s[None, :] + eye  # (K, K): row j perturbs key j
-        e = np.exp(sc - s.max())
-        p = e / e.sum(-1, keepdims=True)
+        top = s.max() if sink is None else max(s.max(), float(sink[idx[1]]))
+        e = np.exp(sc - top)
+        denom = e.sum(-1, keepdims=True)
+        if sink is not None:
+            denom = denom + np.exp(float(sink[idx[1]]) - top)  # the sink logit, held fixed
+        p = e / denom
         jt = p.imag / CS_STEP  # jt[j, i] = d p_i / d s_j  (J transposed)
         pr = trace.probs[idx]
+        j1 = 0.0 if sink is None else pr * (1.0 - pr.sum())  # J 1 = p (1 - sum p)
         pmax = float(pr.max())
         gp, gs = G_P[idx], G_S[idx]
         parts = {
             "symmetric": (np.abs(jt - jt.T).max(), ulps * EPS * pmax),
             "psd": (max(0.0, -float(np.linalg.eigvalsh((jt + jt.T) / 2).min())),
                     ulps * EPS * pmax),
-            "J1=0": (np.abs(jt.sum(0)).max(), ulps * EPS * pmax),
+            "J1=0": (np.abs(jt.sum(0) - j1).max(), ulps * EPS * pmax),
             "G_S=J G_P": (np.abs(gs - jt @ gp).max(),
                           ulps * EPS * float((pr * np.abs(gp)).sum() + pmax * np.abs(gp).max())),
         }

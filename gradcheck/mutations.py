@@ -8,6 +8,7 @@ it). Defers the correct equations to :func:`refattn.engine.reference.backward_ar
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 
@@ -51,10 +52,7 @@ class Mutation:
 
 
 def _grads(trace: Trace, grad_output: np.ndarray, **changes: np.ndarray | None) -> Gradients:
-    g = reference_backward(trace, grad_output).tensors()
-    g.setdefault("grad_bias", None)
-    g.update(changes)
-    return Gradients(**g)
+    return dataclasses.replace(reference_backward(trace, grad_output), **changes)
 
 
 def _from_scores(trace: Trace, gs: np.ndarray, *, scale: float) -> dict[str, np.ndarray]:
