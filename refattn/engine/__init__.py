@@ -22,6 +22,7 @@ __all__ = ["BACKENDS", "attention", "backward", "forward", "get_backend"]
 #: backend name -> module implementing ``forward(call, **options)`` and ``backward(trace, g)``
 BACKENDS: dict[str, str] = {
     "numpy": "refattn.engine.reference",
+    "numba": "refattn.engine.numba_backend",
 }
 
 
