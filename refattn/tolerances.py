@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -30,6 +30,7 @@ __all__ = [
     "resolve_dtype",
     "round_to",
     "rounding_floor",
+    "ulp",
 ]
 
 #: precision names the reference-relative rule accepts
@@ -93,31 +94,71 @@ def round_to(x: np.ndarray, dtype: np.dtype) -> np.ndarray:
     """
     if dtype == np.float64:
         return np.asarray(x, dtype=np.float64)
-    return np.asarray(x).astype(dtype).astype(np.float32)
+    with np.errstate(over="ignore"):  # beyond the dtype's range is +-inf, as in the dtype
+        return np.asarray(x).astype(dtype).astype(np.float32)
+
+
+def ulp(x: float, dtype: np.dtype) -> float:
+    """Spacing of ``dtype``'s numbers at magnitude ``|x|`` (bfloat16 included).
+
+    Examples
+    --------
+    >>> ulp(1.0, np.dtype(np.float32)) == 2.0 ** -23, ulp(0.3, resolve_dtype("bfloat16"))
+    (True, 0.001953125)
+    """
+    dtype = np.dtype(dtype)
+    if dtype.name == "bfloat16":
+        import ml_dtypes
+
+        info: Any = ml_dtypes.finfo(dtype)
+    else:
+        info = np.finfo(dtype)
+    x = abs(float(x))
+    exponent = max(int(np.floor(np.log2(x))), int(info.minexp)) if x > 0 else int(info.minexp)
+    return float(2.0 ** (exponent - int(info.nmant)))
 
 
 def rounding_floor(g: np.ndarray, dtype: np.dtype, *, shift: float = 0.3,
-                   factor: float = 2.0) -> float:
-    """``factor * max|fl(g + shift - shift) - g|`` evaluated in ``dtype`` over finite entries.
+                   factor: float = 2.0, mode: str = "bound") -> float:
+    """The floor of the reference-relative rule, evaluated in ``dtype`` over finite entries.
 
-    This is the absolute slack that a value of the golden's magnitude cannot avoid after one
-    round trip through ``dtype`` (FlashAttention's ``fwd_atol``).
+    ``mode="realized"`` is FlashAttention's ``fwd_atol`` literally:
+    ``factor * max|fl(g + shift - shift) - g|``. Its value depends on which numbers a tensor
+    happens to hold: a small tensor can land close to representable values and get a floor
+    far below the rounding error its magnitude allows (an eager PyTorch run of the very same
+    naive algorithm then fails on a 16-element gradient). ``mode="bound"`` (the default)
+    never goes below the literal floor and also allows one unit in the last place of the
+    largest magnitude: ``factor * max(max|fl(g + shift - shift) - g|, ulp(max|g| + shift))``.
 
     Examples
     --------
     >>> g = np.array([0.1, -0.7, np.inf])
     >>> rounding_floor(g, np.dtype(np.float64)) < 1e-15
     True
-    >>> 1e-3 < rounding_floor(g, resolve_dtype("bfloat16")) < 1e-2
+    >>> bf16 = resolve_dtype("bfloat16")
+    >>> 1e-3 < rounding_floor(g, bf16, mode="realized") <= rounding_floor(g, bf16) < 2e-2
+    True
+    >>> rounding_floor(np.zeros(3), np.dtype(np.float32), mode="realized")
+    0.0
+    >>> rounding_floor(np.zeros(3), np.dtype(np.float32)) == 2 * 2.0 ** -25
     True
     """
     g = np.asarray(g, dtype=np.float64)
-    finite = g[np.isfinite(g)]
+    with np.errstate(over="ignore"):
+        fits = np.isfinite(g) & np.isfinite(g.astype(dtype))  # representable magnitudes only
+    finite = g[fits]
     if finite.size == 0:
         return 0.0
     x = finite.astype(dtype)
     y = (x + np.asarray(shift, dtype=dtype)) - np.asarray(shift, dtype=dtype)  # in dtype
-    return float(factor * np.max(np.abs(y.astype(np.float64) - finite)))
+    realized = float(np.max(np.abs(y.astype(np.float64) - finite)))
+    match mode:
+        case "realized":
+            return float(factor * realized)
+        case "bound":
+            return float(factor * max(realized, ulp(np.max(np.abs(finite)) + shift, dtype)))
+        case _:
+            raise RefAttnError(f"floor mode: expected 'bound' or 'realized', got {mode!r}")
 
 
 def _is_gradient(name: str) -> bool:
@@ -137,6 +178,10 @@ class Tolerances:
         tensors such as output and lse; 3 for gradients).
     floor_factor, floor_shift : float
         The floor ``floor_factor * max|fl(g + floor_shift - floor_shift) - g|``.
+    floor_mode : {"bound", "realized"}
+        ``"realized"`` uses that maximum literally; ``"bound"`` (default) never lets it fall
+        below one unit in the last place of ``max|g| + floor_shift`` (see
+        :func:`rounding_floor`).
     k_overrides : mapping of str to float
         Per-tensor multipliers that replace ``k_forward`` / ``k_gradient``.
     float64_overrides : mapping of str to (atol, rtol)
@@ -157,6 +202,7 @@ class Tolerances:
     k_gradient: float = 3.0
     floor_factor: float = 2.0
     floor_shift: float = 0.3
+    floor_mode: Literal["bound", "realized"] = "bound"
     k_overrides: Mapping[str, float] = field(default_factory=dict)
     float64_overrides: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
@@ -167,6 +213,10 @@ class Tolerances:
                 raise RefAttnError(
                     f"tolerances: {name} must be a finite number >= 0, got {value!r}"
                 )
+        if self.floor_mode not in ("bound", "realized"):
+            raise RefAttnError(
+                f"tolerances: floor_mode must be 'bound' or 'realized', got {self.floor_mode!r}"
+            )
 
     def k_for(self, name: str) -> float:
         """The reference-error multiplier of tensor ``name``."""

@@ -189,8 +189,13 @@ def test_rounding_floor_matches_its_definition():
         dtype = resolve_dtype(name)
         x = g.astype(dtype)
         y = (x + dtype.type(0.3)) - dtype.type(0.3)
-        expected = 2 * np.abs(y.astype(np.float64) - g).max()
-        assert rounding_floor(g, dtype) == expected > 0
+        realized = np.abs(y.astype(np.float64) - g).max()
+        assert rounding_floor(g, dtype, mode="realized") == 2 * realized > 0
+        # the default never goes below one ulp of max|g| + 0.3 = 3.3, nor below the literal
+        spacing = {"float32": 2.0 ** -22, "float16": 2.0 ** -9, "bfloat16": 2.0 ** -6}[name]
+        assert rounding_floor(g, dtype) == 2 * max(realized, spacing)
+    assert rounding_floor(np.zeros(4), resolve_dtype("float16"), mode="realized") == 0.0
+    assert rounding_floor(np.zeros(4), resolve_dtype("float16")) == 2 * 2.0 ** -12
 
 
 def test_precision_inference_and_errors(spec):

@@ -212,10 +212,9 @@ def _to_torch(x: np.ndarray, precision: str, *, grad: bool = False) -> Any:
     x = np.asarray(x)
     if x.dtype == np.bool_ or x.dtype.kind in "iu":
         return torch.from_numpy(np.array(x))
-    if precision == "bfloat16":
-        bits = np.ascontiguousarray(x).astype(resolve_dtype("bfloat16")).view(np.int16)
+    if precision == "bfloat16":  # numpy has no bfloat16: move the bits, keep the layout
+        bits = x.astype(resolve_dtype("bfloat16"), order="K").view(np.int16)
         t = torch.from_numpy(bits).view(torch.bfloat16)
-        t = t.as_strided(t.shape, t.stride())
     else:
         t = torch.from_numpy(np.array(x.astype(resolve_dtype(precision), order="K")))
     return t.requires_grad_(grad)
