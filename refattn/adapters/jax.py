@@ -1,0 +1,320 @@
+"""JAX adapter: one golden case through ``jax.nn.dot_product_attention``.
+
+Owns the lowering of a case's semantic call to JAX's functional attention: BTNH layout (the
+head-major refattn tensors are transposed, values unchanged), x64 enabled for float64 runs,
+the boolean ``mask`` in JAX polarity (True takes part), the finite bias as ``bias``, an
+explicit ``scale``, native grouped heads (query head h reads kv head h // G) or an explicit
+expansion for any other head map, and ``is_causal`` / ``local_window_size`` only where the
+support they generate (upper-left triangle, windows over positions 0..T-1 and 0..S-1) equals
+the call's relation exactly; anything else travels as an explicit mask. Gradients come from
+``jax.vjp``.
+
+Version-scoped numerical fact (jax ``_dot_product_attention_core``): the XLA implementation
+always evaluates the softmax in float32, also for float64 inputs, so a float64 JAX run is
+compared under the float32 reference-relative rule and its manifest records
+``softmax_accumulation_dtype: float32``.
+
+jax is imported inside functions only. The lowering decisions (:func:`call_arguments`,
+:func:`ineligible`) are pure numpy and need no jax. Defers the verdict to
+:mod:`refattn.compare`.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from refattn.adapters import AdapterResult, semantic_limits
+from refattn.case_spec import CaseSpec
+from refattn.errors import RefAttnError
+from refattn.tolerances import precision_name, resolve_dtype
+
+__all__ = ["JaxArguments", "call_arguments", "ineligible", "native_support", "run"]
+
+
+def _jax() -> Any:
+    try:
+        import jax
+    except ImportError:
+        raise RefAttnError(
+            "jax adapter: JAX is not installed (pip install 'refattn[compare]')"
+        ) from None
+    return jax
+
+
+def ineligible(spec: CaseSpec) -> str | None:
+    """Why ``jax.nn.dot_product_attention`` cannot express ``spec`` exactly, or None.
+
+    Examples
+    --------
+    >>> from refattn.case_spec import case_spec
+    >>> from refattn.suites import build_suite
+    >>> ineligible(case_spec(build_suite("contract")[4]))
+    'Dk != Dv (value must have the shape of key)'
+    """
+    lim = semantic_limits(spec)
+    if lim["family"] != "dot":
+        return f"score family {lim['family']!r} (dot_product_attention computes dot products)"
+    if lim["softcap"]:
+        return "softcap (not an argument of jax.nn.dot_product_attention)"
+    if lim["sink"]:
+        return "sink logit (not an argument of jax.nn.dot_product_attention)"
+    if lim["dropout"]:
+        return "dropout multiplier (jax.nn.dot_product_attention has no dropout)"
+    if not lim["equal_kv_width"]:
+        return "Dk != Dv (value must have the shape of key)"
+    return None
+
+
+def native_support(T: int, S: int, *, is_causal: bool,
+                   window: tuple[int, int] | None) -> np.ndarray:
+    """The (T, S) support that ``is_causal`` and ``local_window_size`` generate in JAX.
+
+    Causal is the upper-left triangle ``j <= i``; a window ``(l, r)`` keeps
+    ``i - l <= j <= i + r`` over positions ``0..T-1`` and ``0..S-1``.
+
+    Examples
+    --------
+    >>> native_support(2, 3, is_causal=True, window=None).astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0]]
+    >>> native_support(3, 3, is_causal=False, window=(1, 0)).astype(int).tolist()
+    [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
+    """
+    i = np.arange(T)[:, None]
+    j = np.arange(S)[None, :]
+    out = np.ones((T, S), bool)
+    if is_causal:
+        out &= j <= i
+    if window is not None:
+        left, right = window
+        out &= (i <= j + left) & (i >= j - right)
+    return out
+
+
+@dataclass(frozen=True)
+class JaxArguments:
+    """How a case is lowered to ``jax.nn.dot_product_attention``.
+
+    Attributes
+    ----------
+    mask : bool
+        An explicit boolean mask (JAX polarity: True takes part) is passed.
+    is_causal : bool
+    local_window_size : (int, int) or None
+    scale : float
+        Explicit ``scale=`` (alpha, or 1.0 when alpha was moved into q/k).
+    query_multiplier, key_multiplier : float
+        Scale placement: multipliers applied to q and k before the call.
+    expand_kv : bool
+        K/V expanded to Hq heads by ``head_map`` (any map other than grouped h // G).
+    """
+
+    mask: bool
+    is_causal: bool
+    local_window_size: tuple[int, int] | None
+    scale: float
+    query_multiplier: float
+    key_multiplier: float
+    expand_kv: bool
+
+
+def _window_candidates(spec: CaseSpec) -> list[tuple[bool, tuple[int, int] | None]]:
+    out: list[tuple[bool, tuple[int, int] | None]] = [(True, None)]
+    record = spec.call_manifest["visibility"].get("relation") or {}
+    w = record.get("window")
+    if w is not None and all(isinstance(x, int) or x is None for x in (w["left"], w["right"])):
+        big = max(spec.axes["Q"], spec.axes["K"])
+        window = (big if w["left"] is None else w["left"], big if w["right"] is None
+                  else w["right"])
+        out += [(True, window), (False, window)]
+    return out
+
+
+def call_arguments(spec: CaseSpec, *, native: Literal["explicit", "auto"] = "explicit"
+                   ) -> JaxArguments:
+    """The lowering of ``spec`` (pure decision; no jax needed).
+
+    ``native="auto"`` replaces the mask by ``is_causal`` and/or ``local_window_size`` only
+    when the support they generate equals the call's whole relation and there is no
+    Policy-3 sanitised row; a lower-right or cache-position relation over Q != K never
+    becomes ``is_causal`` (JAX's triangle is upper-left).
+
+    Examples
+    --------
+    >>> from refattn.case_spec import case_spec
+    >>> from refattn.suites.conformance import CASES
+    >>> call_arguments(case_spec(CASES["causal_square"]()), native="auto").is_causal
+    True
+    >>> call_arguments(case_spec(CASES["causal_lower_right_q3_k7"]()), native="auto").is_causal
+    False
+    """
+    from refattn.scale_placement import operand_multipliers
+
+    if native not in ("explicit", "auto"):
+        raise RefAttnError(f"native: expected 'explicit' or 'auto', got {native!r}")
+    a = spec.axes
+    mult = operand_multipliers(spec.scale, spec.scale_placement)
+    expand = spec.head_map_mode != "grouped"
+    vis = spec.visible_full(sanitized=True)
+    is_causal, window, mask = False, None, not bool(vis.all())
+    sanitized = bool(spec.tensors.get("sanitized_rows", np.zeros(1, bool)).any())
+    if native == "auto" and mask and not sanitized:
+        for causal, win in _window_candidates(spec):
+            support = native_support(a["Q"], a["K"], is_causal=causal, window=win)
+            if np.array_equal(vis, np.broadcast_to(support, vis.shape)):
+                is_causal, window, mask = causal, win, False
+                break
+    return JaxArguments(mask, is_causal, window, float(mult.post), float(mult.query),
+                        float(mult.key), expand)
+
+
+def _x64(enabled: bool) -> Any:
+    if not enabled:
+        return contextlib.nullcontext()
+    try:
+        from jax.experimental import enable_x64
+    except ImportError:  # newer jax: global switch
+        _jax().config.update("jax_enable_x64", True)
+        return contextlib.nullcontext()
+    return enable_x64(True)
+
+
+def run(spec: CaseSpec, *, dtype: Any = "float64", native: Literal["explicit", "auto"] =
+        "explicit", implementation: Literal["xla", "cudnn"] | None = None) -> AdapterResult:
+    """Run ``spec`` through ``jax.nn.dot_product_attention`` in ``dtype``; gradients by vjp.
+
+    Parameters
+    ----------
+    spec : CaseSpec
+    dtype : {"float64", "float32", "float16", "bfloat16"}
+        Input dtype (float64 runs with x64 enabled).
+    native : {"explicit", "auto"}
+        Always pass an explicit mask, or use ``is_causal`` / ``local_window_size`` where they
+        reproduce the relation exactly (see :func:`call_arguments`).
+    implementation : {"xla", "cudnn"} or None
+        The request recorded as ``requested_backend`` (None: ``auto``).
+
+    Returns
+    -------
+    AdapterResult
+        ``output``, ``grad_q``, ``grad_k``, ``grad_v`` (and ``grad_bias``) in refattn's
+        head-major layout; ``precision`` is float32 for float64 inputs (JAX's softmax runs in
+        float32).
+
+    Examples
+    --------
+    >>> from refattn.case_spec import case_spec
+    >>> from refattn.suites.conformance import CASES
+    >>> spec = case_spec(CASES["causal_square"]())
+    >>> res = run(spec)  # doctest: +SKIP
+    >>> res.compare(spec).passed  # doctest: +SKIP
+    True
+    """
+    reason = ineligible(spec)
+    if reason is not None:
+        raise RefAttnError(f"{spec.case_id}: jax.nn.dot_product_attention cannot run this "
+                           f"case: {reason}")
+    precision = precision_name(resolve_dtype(dtype))
+    jax = _jax()
+    args = call_arguments(spec, native=native)
+    with _x64(precision == "float64"):
+        return _run(spec, precision, args, implementation, jax)
+
+
+def _run(spec: CaseSpec, precision: str, args: JaxArguments, implementation: Any,
+         jax: Any) -> AdapterResult:
+    import jax.numpy as jnp
+
+    np_dtype = resolve_dtype(precision)
+    t = spec.tensors
+
+    def arr(x: np.ndarray) -> Any:  # rounded once, from float64, to the run's dtype
+        return jnp.asarray(np.ascontiguousarray(np.asarray(x).astype(np_dtype)))
+
+    def btnh(x: np.ndarray) -> np.ndarray:  # (B, H, T, D) -> (B, T, H, D)
+        return np.asarray(x).transpose(0, 2, 1, 3)
+
+    head_map = np.asarray(t["head_map"])
+    k_np, v_np = t["k"], t["v"]
+    if args.expand_kv:  # explicit head map: K/V per query head
+        k_np, v_np = k_np[:, head_map], v_np[:, head_map]
+    q, k, v = arr(btnh(t["q"])), arr(btnh(k_np)), arr(btnh(v_np))
+    bias = arr(t["bias"]) if "bias" in t else None
+    mask = jnp.asarray(np.ascontiguousarray(spec.visible_full(sanitized=True))) \
+        if args.mask else None
+    query_valid = jnp.asarray(np.ascontiguousarray(spec.query_valid_full()))  # (B, 1, Q, 1)
+    g_o = arr(btnh(t["grad_output"]))  # (B, Q, Hq, Dv)
+    qm = jnp.asarray(args.query_multiplier, dtype=q.dtype)
+    km = jnp.asarray(args.key_multiplier, dtype=q.dtype)
+
+    def attend(q: Any, k: Any, v: Any, bias: Any) -> Any:
+        if args.query_multiplier != 1.0:
+            q = q * qm
+        if args.key_multiplier != 1.0:
+            k = k * km
+        out = jax.nn.dot_product_attention(
+            q, k, v, bias, mask, scale=args.scale, is_causal=args.is_causal,
+            local_window_size=args.local_window_size, implementation=implementation,
+        )  # (B, Q, Hq, Dv)
+        valid = jnp.transpose(query_valid, (0, 2, 1, 3))  # (B, Q, 1, 1)
+        return jnp.where(valid, out, jnp.zeros((), out.dtype))  # unused rows are zero
+
+    primals = (q, k, v) if bias is None else (q, k, v, bias)
+    out, vjp = jax.vjp(lambda *p: attend(*p) if bias is not None else attend(*p, None),
+                       *primals)
+    grads = vjp(g_o)
+    lowered = jax.jit(lambda *p: attend(*p) if bias is not None else attend(*p, None)
+                      ).lower(*primals).as_text()
+    selected = "cudnn" if "cudnn" in lowered.lower() else "xla"
+
+    def head_major(x: Any) -> np.ndarray:
+        return np.asarray(x).transpose(0, 2, 1, 3)
+
+    def kv_grad(x: Any) -> np.ndarray:
+        g = head_major(x)  # (B, Hkv or Hq, K, D)
+        if not args.expand_kv:
+            return g
+        out = np.zeros((g.shape[0], t["k"].shape[1], *g.shape[2:]), dtype=g.dtype)
+        for h, kv in enumerate(head_map):  # sum the query heads that share a kv head
+            out[:, kv] += g[:, h]
+        return out
+
+    tensors = {"output": head_major(out), "grad_q": head_major(grads[0]),
+               "grad_k": kv_grad(grads[1]), "grad_v": kv_grad(grads[2])}
+    if bias is not None:
+        tensors["grad_bias"] = np.asarray(grads[3])
+    effective = "float32" if precision == "float64" else precision
+    manifest = copy.deepcopy(dict(spec.call_manifest))
+    manifest["numerical"] = {
+        "qkv_storage_dtype": precision,
+        "score_accumulation_dtype": "float64" if precision == "float64" else "float32",
+        "softmax_accumulation_dtype": "float32",
+        "probability_dtype": precision,
+        "value_accumulation_dtype": "backend_internal",
+        "output_dtype": precision,
+    }
+    manifest["backend"] = {
+        "framework_revision": f"jax {jax.__version__}",
+        "model_revision": None,
+        "entrypoint": "jax.nn.dot_product_attention",
+        "requested_backend": implementation or "auto",
+        "selected_backend": selected,
+        "device_arch": jax.devices()[0].platform,
+        "autocast": False,
+        "deterministic": True,
+        "arithmetic_mode": f"{precision} inputs; softmax in float32",
+        "is_causal": args.is_causal,
+        "external_mask_kind": "jax_bool_true_takes_part" if args.mask else "none",
+        "local_window_size": None if args.local_window_size is None
+        else list(args.local_window_size),
+        "compile_state": "eager (vjp); jit lowering inspected",
+    }
+    manifest["dropout"] = {**manifest["dropout"], "training": False, "p": 0.0}
+    manifest["materialization"] = {"scores": "backend_internal",
+                                   "probabilities": "backend_internal"}
+    return AdapterResult(spec.case_id, "jax.dot_product_attention", effective, tensors,
+                         manifest)
