@@ -36,6 +36,7 @@ from gradcheck.methods import (
     complex_safety,
     complex_step_jvp,
     exact_direction,
+    pooled_errors,
 )
 from gradcheck.report import InputReport, Report, Worst, quantiles, scale_fit
 from refattn._checks import as_array, check_finite, check_float64, first_index, format_index
@@ -348,18 +349,21 @@ def check_vjp(
 def _full_columns(checker: _Checker, name: str, v: np.ndarray) -> dict[str, Any]:
     """Every element's numeric derivative ``<v, J e_i>`` with estimate and column norm."""
     x = checker.inputs[name]
-    num, err, norm = (np.zeros(x.shape) for _ in range(3))
-    kinks = []
+    num, err, norm, wabs = (np.zeros(x.shape) for _ in range(4))
+    kinks, projections = [], []
     for i in range(x.size):
         idx = np.unravel_index(i, x.shape)
         raw = np.zeros(x.shape)
         raw[idx] = max(abs(float(x[idx])), 1.0)  # per-element step eps^(1/3) * max(|x|, 1)
         w = exact_direction(x, raw, step=checker.step, levels=checker.levels)
         p = checker.jvp(name, w).project(v)
+        projections.append(p)
         wi = float(w[idx])
-        num[idx], err[idx], norm[idx] = p.value / wi, p.error / abs(wi), p.norm / abs(wi)
+        num[idx], norm[idx], wabs[idx] = p.value / wi, p.norm / abs(wi), abs(wi)
         if p.kink:
             kinks.append(tuple(int(j) for j in idx))
+    # rounding noise pooled over every column of this input (same fn, same neighbourhood)
+    err = pooled_errors(projections).reshape(x.shape) / np.where(wabs > 0, wabs, 1.0)
     col_rms = float(np.sqrt(np.mean(norm**2))) if norm.size else 0.0
     return {"numeric": num, "error": err, "norm": norm, "kinks": tuple(kinks),
             "col_rms": col_rms, "w": None}
@@ -372,8 +376,8 @@ def _directional_columns(
     """``<v_r, J w_r>`` for each round's direction, with estimates and norms."""
     x = checker.inputs[name]
     rounds = len(cotangents)
-    num, err, norm, wnorm = (np.zeros(rounds) for _ in range(4))
-    ws, kinks, skipped = [], [], []
+    num, norm, wnorm = (np.zeros(rounds) for _ in range(3))
+    ws, kinks, skipped, projections = [], [], [], []
     for r, v in enumerate(cotangents):
         if r == 0:
             w = dirs[0]
@@ -386,9 +390,11 @@ def _directional_columns(
             skipped.append(r)
         j = first if (r == 0 and first is not None) else checker.jvp(name, w)
         p = j.project(v)
-        num[r], err[r], norm[r], wnorm[r] = p.value, p.error, p.norm, np.linalg.norm(w)
+        projections.append(p)
+        num[r], norm[r], wnorm[r] = p.value, p.norm, np.linalg.norm(w)
         if p.kink:
             kinks.append(r)
+    err = pooled_errors(projections)  # rounding noise pooled over the rounds
     ok = wnorm > 0
     col_rms = float(np.sqrt(np.mean((norm[ok] / wnorm[ok]) ** 2))) if ok.any() else 0.0
     return {"numeric": num, "error": err, "norm": norm, "kinks": tuple(kinks),

@@ -9,8 +9,11 @@ tolerance is built from these estimates, to :mod:`gradcheck.api`.
 - Central differences with Richardson extrapolation over the ascending steps
   ``h_k = step * 2**k`` (``step`` about ``eps**(1/3)``; the per-element scale
   ``max(|x|, 1)`` lives in the direction ``w``). The error estimate is the spread between the
-  two highest Richardson orders plus the rounding noise ``eps * |f| / h`` carried through the
-  extrapolation weights. A *kink* is flagged where the central difference moves more between
+  two highest Richardson orders plus the rounding noise carried through the extrapolation
+  weights: the larger of an a-priori ``eps * |f| / h`` and an empirical level, pooled over
+  many columns or directions (:func:`pooled_errors`), from the combination of the levels that
+  annihilates the derivative and every truncation term (pure noise; three levels or more). A
+  *kink* is flagged where the central difference moves more between
   the two smallest steps than between the two largest, i.e. the error grows as the step
   shrinks, which no smooth function does (a kink, a ``where`` edge, a clamp) once the change
   is above the rounding noise.
@@ -36,6 +39,8 @@ __all__ = [
     "complex_safety",
     "complex_step_jvp",
     "exact_direction",
+    "noise_weights",
+    "pooled_errors",
     "richardson_weights",
 ]
 
@@ -70,6 +75,28 @@ def richardson_weights(levels: int) -> np.ndarray:
         f = 4.0**m
         table = [(f * table[k] - table[k + 1]) / (f - 1.0) for k in range(len(table) - 1)]
     return table[0]
+
+
+def noise_weights(levels: int) -> np.ndarray | None:
+    """Weights ``a_k`` with ``sum_k a_k D(step * 2**k)`` free of f' and every truncation term.
+
+    What is left is rounding noise; the weights are scaled so that its standard deviation is
+    that of ``D(step)``'s own noise (noise of ``D(h)`` grows like ``1/h``). None below three
+    levels (two levels cannot separate noise from the ``h**2`` term).
+
+    Examples
+    --------
+    >>> a = noise_weights(3)
+    >>> h2 = np.array([1.0, 4.0, 16.0])
+    >>> round(float(a.sum()), 12), round(float(a @ h2), 12)
+    (0.0, 0.0)
+    """
+    if levels < 3:
+        return None
+    h2 = 4.0 ** np.arange(levels)
+    vander = np.vstack([h2**m for m in range(levels - 1)])  # (levels - 1, levels)
+    a = np.linalg.svd(vander)[2][-1]  # null vector: kills 1, h^2, ..., h^(2(levels-2))
+    return a / np.sqrt(np.sum(a**2 * 4.0 ** -np.arange(levels)))
 
 
 def exact_direction(
@@ -109,7 +136,7 @@ def exact_direction(
     p0 = step * w
     mag = np.abs(x) + np.abs(p0) * 2.0 ** (levels - 1)
     _, e = np.frexp(mag)  # mag < 2**e; floats below 2**e on this grid are representable
-    grid = np.ldexp(1.0, e - 53)
+    grid = np.ldexp(1.0, np.maximum(e - 53, -1074))  # never below the smallest subnormal
     return (np.round(p0 / grid) * grid) / step
 
 
@@ -122,7 +149,14 @@ class Projection:
     value : float
         ``<v, J w>``.
     error : float
-        Error estimate ``sum_j |v_j| e_j`` from the elementwise estimate ``e``.
+        Error estimate ``sum_j |v_j| e_j`` from the elementwise estimate ``e``
+        (``spread + noise``, before pooling).
+    spread : float
+        The Richardson spread part of ``error``.
+    noise : float
+        The a-priori rounding part of ``error`` (through the extrapolation weights).
+    noise_sample : float
+        One empirical sample of the same rounding term (0 when unavailable), for pooling.
     norm : float
         ``||J w||_2`` (the tolerance scale, with ``||v||``).
     kink : bool
@@ -133,6 +167,29 @@ class Projection:
     error: float
     norm: float
     kink: bool
+    spread: float = 0.0
+    noise: float = 0.0
+    noise_sample: float = 0.0
+
+
+def pooled_errors(projections: list[Projection]) -> np.ndarray:
+    """Error estimates with the rounding term pooled over comparisons of one input.
+
+    The rounding noise of ``fn`` near x does not depend on the perturbed element, so the
+    root-mean-square of the empirical noise samples of every column (or direction) is a
+    robust level; each comparison gets ``spread + max(a-priori noise, pooled level)``.
+
+    Examples
+    --------
+    >>> ps = [Projection(1.0, 0.2, 1.0, False, 0.1, 0.1, s) for s in (0.3, 0.0)]
+    >>> pooled_errors(ps).round(4).tolist()
+    [0.3121, 0.3121]
+    """
+    if not projections:
+        return np.zeros(0)
+    samples = np.array([p.noise_sample for p in projections])
+    level = float(np.sqrt(np.mean(samples**2)))
+    return np.array([p.spread + max(p.noise, level) for p in projections])
 
 
 @dataclass(frozen=True, eq=False)
@@ -153,6 +210,10 @@ class Jvp:
         The plain central differences ``D(h_k)`` (empty for complex step).
     noise : (out) ndarray or None
         The a-priori rounding noise of ``D(h_0)`` (central only).
+    amplification : float
+        How the extrapolation weights amplify the noise of ``D(h_0)``.
+    noise_sample : (out) ndarray or None
+        An empirical sample of the extrapolated value's rounding error (three levels or more).
     """
 
     value: np.ndarray
@@ -161,6 +222,8 @@ class Jvp:
     steps: tuple[float, ...]
     levels: tuple[np.ndarray, ...] = ()
     noise: np.ndarray | None = None
+    amplification: float = 1.0
+    noise_sample: np.ndarray | None = None
 
     def project(self, v: np.ndarray) -> Projection:
         """Contract with cotangent ``v`` (same shape as the output); flags kinks.
@@ -174,13 +237,19 @@ class Jvp:
         av = np.abs(v).ravel()
         value = float(v.ravel() @ self.value.ravel())
         error = float(av @ self.error.ravel())
-        kink = False
+        kink, noise, sample = False, 0.0, 0.0
+        if self.noise is not None:
+            noise = self.amplification * float(av @ self.noise.ravel())
+        if self.noise_sample is not None:
+            sample = abs(float(v.ravel() @ self.noise_sample.ravel()))
         if len(self.levels) >= 3 and self.noise is not None:
             s = [float(v.ravel() @ d.ravel()) for d in self.levels[:3]]
             d_small, d_large = s[1] - s[0], s[2] - s[1]
-            noise = float(av @ self.noise.ravel())
-            kink = abs(d_small) > 0.5 * abs(d_large) and abs(d_small) > KINK_NOISE * noise
-        return Projection(value, error, float(np.linalg.norm(self.value)), bool(kink))
+            # a-priori noise only: the empirical sample is itself inflated by a kink
+            level = noise / self.amplification
+            kink = abs(d_small) > 0.5 * abs(d_large) and abs(d_small) > KINK_NOISE * level
+        return Projection(value, error, float(np.linalg.norm(self.value)), bool(kink),
+                          max(error - noise, 0.0), noise, sample)
 
 
 def _with(inputs: Mapping[str, np.ndarray], name: str, x: np.ndarray) -> dict[str, np.ndarray]:
@@ -248,8 +317,12 @@ def central_jvp(
     else:
         spread = np.zeros_like(value)
     error = spread + amplification * noise
+    a = noise_weights(levels)
+    sample = None
+    if a is not None:  # pure rounding noise, scaled like the extrapolated value's
+        sample = amplification * sum(ak * d for ak, d in zip(a, diffs, strict=True))
     return Jvp(np.asarray(value, dtype=np.float64), error, "central", tuple(steps),
-               tuple(diffs), noise)
+               tuple(diffs), noise, amplification, sample)
 
 
 class NotComplexSafe(Exception):
@@ -364,11 +437,19 @@ def complex_safety(
         cd_norm + float(np.linalg.norm(cs.value))
     )
     agreement = diff / budget if budget > 0 else (0.0 if diff == 0 else np.inf)
+    kinked = cd.project(np.ones_like(cd.value)).kink
     if not np.any(cs.value) and cd_norm > safety * float(np.linalg.norm(cd.error)):
         return ComplexSafety(
             False,
             "complex step not used: the imaginary part vanished while the central difference "
             "is non-zero (abs, .real, a cast, or a value-dependent where)",
+            agreement, cd, cs,
+        )
+    if agreement > safety and kinked:
+        return ComplexSafety(
+            True,
+            "complex step (the agreement test was inconclusive: central differences are "
+            "non-smooth along the test direction, a kink or a where-edge inside the steps)",
             agreement, cd, cs,
         )
     if agreement > safety:

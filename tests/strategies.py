@@ -150,3 +150,51 @@ def score_shapes_and_tiles(
     j0 = draw(st.integers(0, K))
     tile = (b, h, i0, draw(st.integers(i0, Q)), j0, draw(st.integers(j0, K)))
     return (B, Hq, Q, K), tile
+
+
+# -- gradient-checked attention calls (issue 5) -----------------------------------------------
+
+
+@st.composite
+def attention_calls(
+    draw: st.DrawFn,
+    *,
+    max_batch: int = 2,
+    max_kv_heads: int = 2,
+    max_group: int = 2,
+    max_len: int = 4,
+    max_width: int = 4,
+) -> Any:
+    """A small random :class:`refattn.AttentionCall` for element-wise gradient checks.
+
+    Varies B, Hkv, the GQA group, Q != K, Dk != Dv, the value scale of q/k (peaked or flat
+    rows), an optional bias (full or broadcast over B and Q), an optional random visibility
+    (every row keeps at least one legal key) and an optional explicit dropout multiplier with
+    dropped legal edges. Sizes stay tiny so full mode checks every element quickly.
+    """
+    from refattn import AttentionCall
+
+    B = draw(st.integers(1, max_batch))
+    Hkv = draw(st.integers(1, max_kv_heads))
+    Hq = Hkv * draw(st.integers(1, max_group))
+    Q, K = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+    Dk, Dv = draw(st.integers(1, max_width)), draw(st.integers(1, max_width))
+    seed = draw(st.integers(0, 2**32 - 1))
+    spread = draw(st.sampled_from([0.3, 1.0, 3.0]))  # flat, typical and peaked rows
+    rng = np.random.default_rng(seed)
+    q = spread * rng.standard_normal((B, Hq, Q, Dk))
+    k = spread * rng.standard_normal((B, Hkv, K, Dk))
+    v = rng.standard_normal((B, Hkv, K, Dv))
+    kw: dict[str, Any] = {}
+    bias = draw(st.sampled_from(["none", "full", "broadcast"]))
+    if bias == "full":
+        kw["bias"] = rng.standard_normal((B, Hq, Q, K))
+    elif bias == "broadcast":
+        kw["bias"] = rng.standard_normal((1, Hq, 1, K))
+    if draw(st.booleans()):
+        vis = rng.random((B, Hq, Q, K)) < 0.7
+        vis[..., rng.integers(0, K)] = True  # every row keeps a legal key
+        kw["visible"] = vis
+    if draw(st.booleans()):
+        kw["dropout"] = (rng.random((B, Hq, Q, K)) >= 0.25) / 0.75  # inverted, p = 0.25
+    return AttentionCall(q, k, v, **kw)
