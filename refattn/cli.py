@@ -15,7 +15,7 @@ from refattn.errors import RefAttnError
 __all__ = ["main"]
 
 #: subcommand modules under refattn.commands, in help order
-COMMANDS = ("golden", "mask", "diagnostics")
+COMMANDS = ("golden", "verify", "compare", "mask", "diagnostics")
 
 
 def build_parser() -> argparse.ArgumentParser:
