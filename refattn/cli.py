@@ -15,7 +15,7 @@ from refattn.errors import RefAttnError
 __all__ = ["main"]
 
 #: subcommand modules under refattn.commands, in help order
-COMMANDS = ("golden", "verify", "compare", "mask", "diagnostics")
+COMMANDS = ("golden", "verify", "compare", "mask", "diagnostics", "gradcheck")
 
 
 def build_parser() -> argparse.ArgumentParser:
