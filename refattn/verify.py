@@ -122,9 +122,12 @@ class CaseResult:
     bit_identical : bool or None
         Whether the recomputation reproduced every stored tensor bit for bit.
     gradcheck_error : float or None
-        Largest relative directional-derivative mismatch (None: skipped).
+        Largest error/tolerance of the gradient check (<= 1 passes; None: skipped).
     gradcheck_inputs : tuple of str
-        Inputs whose gradient was checked.
+        Inputs whose stored gradient was checked.
+    gradcheck_method : str
+        ``check_vjp full`` / ``check_vjp directional`` (gradcheck's checker) or
+        ``central_difference`` (the fallback).
     problems : tuple of Problem
     """
 
@@ -134,6 +137,7 @@ class CaseResult:
     bit_identical: bool | None = None
     gradcheck_error: float | None = None
     gradcheck_inputs: tuple[str, ...] = ()
+    gradcheck_method: str = ""
     problems: tuple[Problem, ...] = ()
 
     @property
@@ -151,7 +155,8 @@ class CaseResult:
         if any(p.stage in ("recompute", "manifest") for p in self.problems):
             recompute = "FAIL " + recompute
         grad = "skipped" if self.gradcheck_error is None else (
-            f"{self.gradcheck_error:.1e} ({','.join(self.gradcheck_inputs)})")
+            f"{self.gradcheck_error:.1e} {self.gradcheck_method.split()[-1]} "
+            f"({','.join(self.gradcheck_inputs)})")
         if any(p.stage == "gradcheck" for p in self.problems):
             grad = "FAIL " + grad
         return (f"{self.case_id:<44} {integrity:<5} {self.tensors_checked:>3}  {recompute:<22} "
@@ -182,7 +187,7 @@ class VerifyReport:
             f"bundle {self.directory}: suite {self.suite!r}, schema {self.schema_version}, "
             f"{len(self.cases)} case(s)",
             f"{'case':<44} {'files':<5} {'sha':>3}  {'recompute':<22} "
-            f"{'gradcheck (rel err)':<28} result",
+            f"{'gradcheck (err/tol)':<28} result",
         ]
         lines += [c.line() for c in self.cases]
         lines += [str(p) for p in self.all_problems]
@@ -401,6 +406,51 @@ def gradient_check(call: Any, grad_output: np.ndarray, grads: Mapping[str, np.nd
     return out
 
 
+def _check_stored_gradients(case: Any, spec: Any, *, seed: int
+                            ) -> tuple[float, tuple[str, ...], str, list[Problem]]:
+    """Check the file's gradients (for its own grad_output) with gradcheck's ``check_vjp``
+    (complex step; every element when small, else along one random direction), or with
+    :func:`gradient_check` when that checker is not available."""
+    stored = {n: t for n, t in spec.tensors.items()
+              if n.startswith("grad_") and n != "grad_output"}
+    try:
+        from gradcheck.attention import check_attention
+    except ImportError:
+        checks = gradient_check(case.call, case.grad_output, stored, seed=seed)
+        found = [
+            Problem(spec.case_id, f"grad_{c.name}", "gradcheck",
+                    f"directional derivative {c.analytic:.17g} vs finite difference "
+                    f"{c.numeric:.17g} (relative error {c.relative_error:.2e} > "
+                    f"{c.tolerance:.0e})")
+            for c in checks if not c.passed
+        ]
+        score = max((c.relative_error / c.tolerance for c in checks), default=0.0)
+        return score, tuple(c.name for c in checks), "central_difference", found
+
+    def backward(trace: Any, grad_output: np.ndarray) -> Mapping[str, np.ndarray]:
+        if not np.array_equal(grad_output, case.grad_output):
+            raise RefAttnError("the file's gradients answer only its own grad_output")
+        return stored
+
+    # directional mode may use only the one cotangent the file stores
+    report = check_attention(case.call, grad_output=case.grad_output, backward=backward,
+                             mode="auto", directions=1, seed=seed)
+    found = []
+    for name, r in report.inputs.items():
+        if r.passed:
+            continue
+        w = r.worst
+        where = "" if w is None else (
+            f": analytic {w.analytic:.17g} vs numeric {w.numeric:.17g} at "
+            f"{w.index if w.index is not None else f'direction {w.direction}'} "
+            f"(error/tolerance {w.ratio:.3g})")
+        found.append(Problem(spec.case_id, f"grad_{name}", "gradcheck",
+                             f"{r.problem or 'gradient disagrees with ' + r.method}{where}"))
+    score = max((r.worst.ratio for r in report.inputs.values() if r.worst is not None),
+                default=0.0)
+    return score, tuple(report.inputs), f"check_vjp {report.mode}", found
+
+
 # -- the bundle ----------------------------------------------------------------------------
 def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manifest: Any, *,
                  recompute: bool, gradcheck: bool) -> CaseResult:
@@ -425,23 +475,17 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
             problems += found
         except RefAttnError as exc:
             problems.append(Problem(case_id, None, "recompute", str(exc)))
+    method = ""
     if gradcheck:
         try:
             case = case or spec.to_golden_case()
-            checks = gradient_check(case.call, case.grad_output, spec.tensors,
-                                    seed=zlib.crc32(case_id.encode()))
-            inputs = tuple(c.name for c in checks)
-            grad_err = max((c.relative_error for c in checks), default=0.0)
-            problems += [
-                Problem(case_id, f"grad_{c.name}", "gradcheck",
-                        f"directional derivative {c.analytic:.17g} vs finite difference "
-                        f"{c.numeric:.17g} (relative error {c.relative_error:.2e} > "
-                        f"{c.tolerance:.0e})")
-                for c in checks if not c.passed
-            ]
+            grad_err, inputs, method, found = _check_stored_gradients(
+                case, spec, seed=zlib.crc32(case_id.encode()))
+            problems += found
         except RefAttnError as exc:
             problems.append(Problem(case_id, None, "gradcheck", str(exc)))
-    return CaseResult(case_id, checked, max_err, identical, grad_err, inputs, tuple(problems))
+    return CaseResult(case_id, checked, max_err, identical, grad_err, inputs, method,
+                      tuple(problems))
 
 
 def verify(directory: str | os.PathLike, *, recompute: bool = True,
