@@ -198,3 +198,82 @@ def attention_calls(
     if draw(st.booleans()):
         kw["dropout"] = (rng.random((B, Hq, Q, K)) >= 0.25) / 0.75  # inverted, p = 0.25
     return AttentionCall(q, k, v, **kw)
+
+
+# -- engine backends: every call feature at once (issue 8) ------------------------------------
+
+
+@st.composite
+def engine_calls(
+    draw: st.DrawFn,
+    *,
+    max_batch: int = 2,
+    max_heads: int = 4,
+    max_len: int = 12,
+    max_width: int = 5,
+) -> Any:
+    """A random dot-score :class:`refattn.AttentionCall` touching every feature a backend reads.
+
+    Visibility is absent, a dense (possibly broadcast) mask, or a
+    :class:`~refattn.visibility.VisibilityRelation` (from :func:`visibility_inputs`, so causal,
+    prefix, segments, per-head windows and key padding); GQA is grouped or an explicit
+    ``head_map``; bias is absent or one of several broadcast shapes; dropout is absent, an
+    explicit multiplier (full or broadcast) or a :class:`refattn.dropout.Philox` stream; rows
+    without a legal key get ``sanitize_then_zero_invalid_query`` and an unused query, and
+    other rows may be unused too.
+    """
+    from refattn import AttentionCall
+    from refattn.dropout import Philox
+    from refattn.visibility import relation
+
+    kind = draw(st.sampled_from(["all", "dense", "relation"]))
+    rel = None
+    if kind == "relation":
+        rel = relation(**draw(visibility_inputs(max_batch=max_batch, max_heads=max_heads,
+                                                max_q=max_len, max_k=max_len)))
+        B, H_rel, Q, K = rel.shape
+    else:
+        B, H_rel = draw(st.integers(1, max_batch)), 1
+        Q, K = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+    Hq = H_rel if H_rel > 1 else draw(st.integers(1, max_heads))
+    Hkv = draw(st.sampled_from([d for d in range(1, Hq + 1) if Hq % d == 0]))
+    Dk, Dv = draw(st.integers(1, max_width)), draw(st.integers(1, max_width))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    spread = draw(st.sampled_from([0.3, 1.0, 4.0]))  # flat, typical and peaked rows
+    q = spread * rng.standard_normal((B, Hq, Q, Dk))
+    k = spread * rng.standard_normal((B, Hkv, K, Dk))
+    v = rng.standard_normal((B, Hkv, K, Dv))
+    kw: dict[str, Any] = {}
+    if draw(st.booleans()):
+        kw["head_map"] = rng.integers(0, Hkv, Hq)
+    full = (B, Hq, Q, K)
+    if kind == "relation":
+        kw["visible"] = rel
+        legal = np.broadcast_to(rel.dense(), full)
+    elif kind == "dense":
+        shape = draw(st.sampled_from([full, (B, 1, Q, K), (1, Hq, Q, K), (Q, K), (B, 1, 1, K)]))
+        kw["visible"] = rng.random(shape) < draw(st.sampled_from([0.3, 0.8]))
+        legal = np.broadcast_to(kw["visible"], full)
+    else:
+        legal = np.ones(full, dtype=bool)
+    empty = ~legal.any(axis=-1)  # (B, Hq, Q)
+    used = rng.random((B, Q)) < draw(st.sampled_from([0.7, 1.0]))
+    if empty.any():
+        kw["all_masked_rows"] = "sanitize_then_zero_invalid_query"
+        used &= ~empty.any(axis=1)
+    kw["query_valid"] = used[:, None, :, None]
+    bias = draw(st.sampled_from(["none", "full", "heads", "keys", "qk", "rows"]))
+    shapes = {"full": full, "heads": (1, Hq, 1, K), "keys": (B, 1, 1, K), "qk": (Q, K),
+              "rows": (B, Hq, Q, 1)}
+    if bias != "none":
+        kw["bias"] = rng.standard_normal(shapes[bias])
+    dropout = draw(st.sampled_from(["none", "full", "broadcast", "philox"]))
+    if dropout == "full":
+        kw["dropout"] = (rng.random(full) >= 0.3) / 0.7
+    elif dropout == "broadcast":
+        kw["dropout"] = rng.uniform(-1.0, 2.0, (1, 1, Q, K))  # any finite real is allowed
+    elif dropout == "philox":
+        kw["dropout"] = Philox(draw(st.sampled_from([0.0, 0.1, 0.5, 0.9])),
+                               draw(st.integers(0, 2**64 - 1)),
+                               offset=draw(st.integers(0, 2**32 - 1)))
+    return AttentionCall(q, k, v, **kw)

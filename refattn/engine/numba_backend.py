@@ -68,11 +68,13 @@ def _check_supported(call: AttentionCall) -> None:
         )
     for attr, default in _DEFAULT_MODIFIERS:
         value = getattr(call, attr, default)
-        if value is not default and value != default:
-            raise RefAttnError(
-                f"{attr}: the numba backend supports only {default!r}, got {value!r}; "
-                "use backend='numpy'"
-            )
+        if value is None if default is None else value == default:
+            continue
+        shown = "an array" if isinstance(value, np.ndarray) else repr(value)
+        raise RefAttnError(
+            f"{attr}: the numba backend supports only {default!r}, got {shown}; "
+            "use backend='numpy'"
+        )
 
 
 def _block(name: str, value: Any, default: int, n: int) -> int:
@@ -239,7 +241,7 @@ def _stream_forward(call: AttentionCall, block_q: Any, block_k: Any) -> Trace:
     sanitized = np.zeros((B, Hq, Q), dtype=bool)
     nqb = -(-Q // BQ)
     tiles = np.zeros((B * Hq * nqb, 2), dtype=np.int64)
-    with single_thread_blas():
+    with single_thread_blas(), numba.parallel_chunksize(1):  # tasks dealt dynamically
         _stream_forward_kernel(
             ro(call.q), ro(call.k), ro(call.v), ro(call.head_map), call.scale, tv,
             call.bias is not None, strided(call.bias, full, np.float64), drop, z_op,
@@ -260,8 +262,19 @@ def _stream_forward(call: AttentionCall, block_q: Any, block_k: Any) -> Trace:
     )
 
 
+def _task_threads() -> int:
+    """Threads the backward's task layout is sized for (numba's current thread count)."""
+    return numba.get_num_threads()
+
+
 def _partition(call: AttentionCall, nkb: int) -> tuple[bool, bool, int, int]:
-    """(split_b, split_h, C, Cb): task layout so that no two tasks write one element."""
+    """(split_b, split_h, C, Cb): task layout so that no two tasks write one element.
+
+    Tasks split B and Hq unless a bias broadcast over that axis would collect its gradient
+    from two tasks; when that leaves fewer task groups than threads, each group's key blocks
+    are dealt round-robin to C chunks (chunk-partial dQ and row sums, added in chunk order).
+    The layout depends on the thread count, so results are bit-identical for a fixed one.
+    """
     B, Hq = call.q.shape[:2]
     split_b = split_h = True
     Kb = 1
@@ -270,7 +283,7 @@ def _partition(call: AttentionCall, nkb: int) -> tuple[bool, bool, int, int]:
         split_b = Bb == B or B == 1  # a bias shared across b collects from every b
         split_h = Hb == Hq or Hq == 1
     groups = (B if split_b else 1) * (Hq if split_h else 1)
-    threads = numba.get_num_threads()
+    threads = _task_threads()
     C = 1 if groups >= threads else min(nkb, math.ceil(threads / groups))
     Cb = C if call.bias is not None and Kb == 1 and C > 1 else 1
     return split_b, split_h, C, Cb
@@ -301,7 +314,7 @@ def _stream_backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     gbias = np.zeros((Cb, *gshape))
     ntasks = (B if split_b else 1) * (Hq if split_h else 1) * C
     tiles = np.zeros((ntasks, 2), dtype=np.int64)
-    with single_thread_blas():
+    with single_thread_blas(), numba.parallel_chunksize(1):  # tasks dealt dynamically
         _stream_backward_kernel(
             ro(call.q), ro(call.k), ro(call.v), ro(call.head_map), call.scale, tv,
             call.bias is not None, strided(call.bias, full, np.float64), drop, z_op, ro(g_o),

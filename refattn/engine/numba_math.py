@@ -14,7 +14,7 @@ from llvmlite import ir
 from numba import njit, types
 from numba.extending import intrinsic
 
-__all__ = ["exp_shift", "row_dot", "row_sum"]
+__all__ = ["exp1", "exp_shift", "row_dot", "row_max", "row_sum"]
 
 _LOG2E = 1.4426950408889634
 # fdlibm's split of ln 2: the high part has enough trailing zero bits that k * LN2_HI is exact
@@ -142,3 +142,30 @@ def row_dot(x, y, n):
         tail += x[j] * y[j]
         j += 1
     return (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) + tail
+
+
+@njit(cache=True)
+def row_max(x, n):
+    """``max(x[:n])`` (-inf for n == 0) with eight interleaved maxima (exact in any order).
+
+    Examples
+    --------
+    >>> row_max(np.array([1.0, -np.inf, 3.0, 2.0]), 4)
+    3.0
+    """
+    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = -np.inf
+    j = 0
+    while j + 8 <= n:
+        m0 = max(m0, x[j])
+        m1 = max(m1, x[j + 1])
+        m2 = max(m2, x[j + 2])
+        m3 = max(m3, x[j + 3])
+        m4 = max(m4, x[j + 4])
+        m5 = max(m5, x[j + 5])
+        m6 = max(m6, x[j + 6])
+        m7 = max(m7, x[j + 7])
+        j += 8
+    while j < n:
+        m0 = max(m0, x[j])
+        j += 1
+    return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))

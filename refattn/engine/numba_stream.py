@@ -29,9 +29,10 @@ from numba import njit, prange
 
 from refattn.engine.numba_blas import gemm
 from refattn.engine.numba_math import exp1, exp_shift, row_dot, row_sum
+from refattn.engine.numba_math import row_max as max_of_row
 from refattn.engine.numba_operands import at
 from refattn.engine.numba_philox import philox_row
-from refattn.engine.numba_tiles import FULL, INVISIBLE, classify, tile_mask
+from refattn.engine.numba_tiles import FULL, INVISIBLE, PARTIAL, classify, tile_mask
 
 __all__ = ["stream_backward", "stream_forward"]
 
@@ -53,6 +54,32 @@ def _multiplier_row(z, drop, zdense, b, h, Hq, i, j0, n):
     else:
         for j in range(n):
             z[j] = at(zdense[0], zdense[1], b, h, i, j0 + j)
+
+
+@njit(cache=True, inline="always")
+def _tile_class(mask, tv, b, h, i0, bq, j0, bk):
+    """INVISIBLE, PARTIAL (``mask`` filled) or FULL, exactly: block bounds first, then the
+    element mask of a tile the bounds could not decide."""
+    cls = classify(tv, b, h, i0, i0 + bq, j0, j0 + bk)
+    if cls == PARTIAL:
+        n = tile_mask(mask, tv, b, h, i0, i0 + bq, j0, j0 + bk)
+        if n == 0:
+            return INVISIBLE
+        if n == bq * bk:
+            return FULL
+    return cls
+
+
+@njit(cache=True, inline="always")
+def _bias_and_mask(row, n, has_bias, bias, b, h, i, j0, cls, mask_row):
+    """``row[j] += bias`` (the finite preference), then -inf where not visible."""
+    for j in range(n):
+        x = row[j]
+        if has_bias:
+            x += at(bias[0], bias[1], b, h, i, j0 + j)
+        if cls != FULL and not mask_row[j]:
+            x = -np.inf  # visibility after the bias: no bias revives an edge
+        row[j] = x
 
 
 @njit(cache=True, parallel=True)
@@ -107,29 +134,20 @@ def stream_forward(q, k, v, head_map, scale, tv, has_bias, bias, drop, zdense, q
         for jb in range(nkb):
             j0 = jb * BK
             bk = min(BK, K - j0)
-            cls = classify(tv, b, h, i0, i0 + bq, j0, j0 + bk)
+            cls = _tile_class(mask, tv, b, h, i0, bq, j0, bk)
             if cls == INVISIBLE:
                 skipped += 1
                 continue
             done += 1
-            if cls != FULL:
-                tile_mask(mask, tv, b, h, i0, i0 + bq, j0, j0 + bk)
-            # s = q_i @ k_j^T: (bq, Dk) x (Dk, bk)
-            gemm(fptr, False, True, bq, bk, Dk, 1.0, _addr(q, b, h, i0), Dk,
+            # s = alpha * (q_i @ k_j^T): (bq, Dk) x (Dk, bk); BLAS applies alpha to the sum
+            gemm(fptr, False, True, bq, bk, Dk, scale, _addr(q, b, h, i0), Dk,
                  _addr(k, b, hk, j0), Dk, 0.0, s.ctypes.data, BK)
             for r in range(bq):
                 i = i0 + r
                 row = s[r]
-                mx = -np.inf
-                for j in range(bk):
-                    x = row[j] * scale  # alpha applied once, then the finite bias
-                    if has_bias:
-                        x += at(bias[0], bias[1], b, h, i, j0 + j)
-                    if cls != FULL and not mask[r, j]:
-                        x = -np.inf  # visibility after the bias: no bias revives an edge
-                    row[j] = x
-                    mx = max(mx, x)
-                m_new = max(m[r], mx)
+                if has_bias or cls != FULL:
+                    _bias_and_mask(row, bk, has_bias, bias, b, h, i, j0, cls, mask[r])
+                m_new = max(m[r], max_of_row(row, bk))
                 if m_new == -np.inf:  # nothing legal in this row so far
                     for j in range(bk):
                         row[j] = 0.0
@@ -235,14 +253,12 @@ def stream_backward(q, k, v, head_map, scale, tv, has_bias, bias, drop, zdense, 
                     for ib in range(nqb):
                         i0 = ib * BQ
                         bq = min(BQ, Q - i0)
-                        cls = classify(tv, b, h, i0, i0 + bq, j0, j0 + bk)
+                        cls = _tile_class(mask, tv, b, h, i0, bq, j0, bk)
                         if cls == INVISIBLE:
                             skipped += 1
                             continue
                         done += 1
-                        if cls != FULL:
-                            tile_mask(mask, tv, b, h, i0, i0 + bq, j0, j0 + bk)
-                        gemm(fptr, False, True, bq, bk, Dk, 1.0, _addr(q, b, h, i0), Dk,
+                        gemm(fptr, False, True, bq, bk, Dk, scale, _addr(q, b, h, i0), Dk,
                              _addr(k, b, hk, j0), Dk, 0.0, p.ctypes.data, BK)
                         # G_Pdrop = dO_i @ v_j^T: (bq, Dv) x (Dv, bk)
                         gemm(fptr, False, True, bq, bk, Dv, 1.0, _addr(g_o, b, h, i0), Dv,
@@ -250,13 +266,9 @@ def stream_backward(q, k, v, head_map, scale, tv, has_bias, bias, drop, zdense, 
                         for r in range(bq):
                             i = i0 + r
                             row = p[r]
-                            for j in range(bk):
-                                x = row[j] * scale
-                                if has_bias:
-                                    x += at(bias[0], bias[1], b, h, i, j0 + j)
-                                if cls != FULL and not mask[r, j]:
-                                    x = -np.inf
-                                row[j] = x
+                            if has_bias or cls != FULL:
+                                _bias_and_mask(row, bk, has_bias, bias, b, h, i, j0, cls,
+                                               mask[r])
                             exp_shift(row, bk, lse[b, h, i])  # P = exp(x - lse)
                             if drop_mode != DROP_NONE:
                                 zr = zt[r]
