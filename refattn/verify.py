@@ -406,16 +406,29 @@ def gradient_check(call: Any, grad_output: np.ndarray, grads: Mapping[str, np.nd
     return out
 
 
-def _check_stored_gradients(case: Any, spec: Any, *, seed: int
+GradcheckMethod = Literal["auto", "check_vjp", "central_difference"]
+
+
+def _check_stored_gradients(case: Any, spec: Any, *, seed: int, method: GradcheckMethod
                             ) -> tuple[float, tuple[str, ...], str, list[Problem]]:
     """Check the file's gradients (for its own grad_output) with gradcheck's ``check_vjp``
     (complex step; every element when small, else along one random direction), or with
-    :func:`gradient_check` when that checker is not available."""
+    :func:`gradient_check` (``central_difference``, also the fallback of ``auto`` when
+    ``check_vjp`` is not available)."""
+    if method not in ("auto", "check_vjp", "central_difference"):
+        raise RefAttnError(f"gradcheck method: expected 'auto', 'check_vjp' or "
+                           f"'central_difference', got {method!r}")
     stored = {n: t for n, t in spec.tensors.items()
               if n.startswith("grad_") and n != "grad_output"}
-    try:
-        from gradcheck.attention import check_attention
-    except ImportError:
+    check_attention = None
+    if method != "central_difference":
+        try:
+            from gradcheck.attention import check_attention
+        except ImportError:
+            if method == "check_vjp":
+                raise RefAttnError("gradcheck method 'check_vjp': gradcheck.attention is not "
+                                   "available") from None
+    if check_attention is None:
         checks = gradient_check(case.call, case.grad_output, stored, seed=seed)
         found = [
             Problem(spec.case_id, f"grad_{c.name}", "gradcheck",
@@ -453,7 +466,7 @@ def _check_stored_gradients(case: Any, spec: Any, *, seed: int
 
 # -- the bundle ----------------------------------------------------------------------------
 def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manifest: Any, *,
-                 recompute: bool, gradcheck: bool) -> CaseResult:
+                 recompute: bool, gradcheck: bool, method: GradcheckMethod) -> CaseResult:
     from refattn.case_spec import case_spec
     from refattn.golden import load
 
@@ -475,21 +488,21 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
             problems += found
         except RefAttnError as exc:
             problems.append(Problem(case_id, None, "recompute", str(exc)))
-    method = ""
+    grad_method = ""
     if gradcheck:
         try:
             case = case or spec.to_golden_case()
-            grad_err, inputs, method, found = _check_stored_gradients(
-                case, spec, seed=zlib.crc32(case_id.encode()))
+            grad_err, inputs, grad_method, found = _check_stored_gradients(
+                case, spec, seed=zlib.crc32(case_id.encode()), method=method)
             problems += found
         except RefAttnError as exc:
             problems.append(Problem(case_id, None, "gradcheck", str(exc)))
-    return CaseResult(case_id, checked, max_err, identical, grad_err, inputs, method,
+    return CaseResult(case_id, checked, max_err, identical, grad_err, inputs, grad_method,
                       tuple(problems))
 
 
 def verify(directory: str | os.PathLike, *, recompute: bool = True,
-           gradcheck: bool = True) -> VerifyReport:
+           gradcheck: bool = True, gradcheck_method: GradcheckMethod = "auto") -> VerifyReport:
     """Verify every case of the bundle in ``directory``.
 
     Parameters
@@ -499,7 +512,11 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
     recompute : bool
         Rebuild each call, recompute it with the engine and compare (float64 rule).
     gradcheck : bool
-        Check each case's stored gradients by finite differences.
+        Check each case's stored gradients against numeric derivatives.
+    gradcheck_method : {"auto", "check_vjp", "central_difference"}
+        ``check_vjp``: gradcheck's checker (complex step, element by element for small
+        cases); ``central_difference``: :func:`gradient_check` along one random direction
+        per input; ``auto``: the first when available.
 
     Returns
     -------
@@ -517,6 +534,9 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
     >>> r.passed, [c.bit_identical for c in r.cases]
     (True, [True, True])
     """
+    if gradcheck_method not in ("auto", "check_vjp", "central_difference"):
+        raise RefAttnError(f"gradcheck method: expected 'auto', 'check_vjp' or "
+                           f"'central_difference', got {gradcheck_method!r}")
     directory = Path(directory)
     mpath = directory / "manifest.json"
     try:
@@ -528,7 +548,7 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
     manifest = check_schema(raw)
     results = [
         _verify_case(directory, case_id, entry, manifest, recompute=recompute,
-                     gradcheck=gradcheck)
+                     gradcheck=gradcheck, method=gradcheck_method)
         for case_id, entry in sorted(manifest["cases"].items())
     ]
     listed = {Path(e.get("file", "")).name for e in manifest["cases"].values()}

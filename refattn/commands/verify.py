@@ -17,6 +17,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="skip recomputing each case with the engine")
     p.add_argument("--no-gradcheck", action="store_true",
                    help="skip the finite-difference check of each case's backward")
+    p.add_argument("--gradcheck-method", default="auto",
+                   choices=("auto", "check_vjp", "central_difference"),
+                   help="gradient checker (default: gradcheck.check_vjp when available)")
     p.set_defaults(func=run)
 
 
@@ -24,6 +27,6 @@ def run(args: argparse.Namespace) -> int:
     from refattn.verify import verify
 
     report = verify(args.directory, recompute=not args.no_recompute,
-                    gradcheck=not args.no_gradcheck)
+                    gradcheck=not args.no_gradcheck, gradcheck_method=args.gradcheck_method)
     print(report.format())
     return 0 if report.passed else 1
