@@ -300,13 +300,13 @@ def check_vjp(
                            levels=levels)
         dirs[n].append(w0)
         if method == "auto":
-            verdict = complex_safety(checker.fn, inputs, n, w0, step=step, levels=levels,
+            verdict = complex_safety(checker.fn, inputs, n, w0, step=step,
                                      rounding_ulps=rounding_ulps)
             checker.methods[n] = "complex_step" if verdict.safe else "central"
             method_note[n] = verdict.reason
             chosen = verdict.complex if verdict.safe else verdict.central
-            if chosen is not None:
-                first[n] = chosen
+            if chosen is not None and (verdict.safe or len(chosen.steps) == levels):
+                first[n] = chosen  # reused as round 0 (a fallback only at the same levels)
             if verdict.central is not None and verdict.central.project(cotangents[0]).kink:
                 notes.append(f"{n}: the central difference along the safety-test direction "
                              "is non-smooth (error grows as the step shrinks)")
@@ -383,7 +383,8 @@ def _directional_columns(
             w = dirs[0]
         else:
             w = direction(x, seed=seed, name=name, round_=r, null_projector=null,
-                          step=checker.step, levels=checker.levels)
+                          step=checker.step, levels=checker.levels,
+                          exact=checker.methods[name] != "complex_step")
             dirs.append(w)
         ws.append(w)
         if not np.any(w):  # the input's every direction is null: nothing to compare

@@ -54,12 +54,14 @@ def direction(
     null_projector: Projector | None = None,
     step: float = CD_STEP,
     levels: int = 3,
+    exact: bool = True,
 ) -> np.ndarray:
     """A signed Gaussian direction for input ``x``, free of its known null directions.
 
     ``w = u * max(|x|, 1)`` with ``u`` standard normal (signed: never concentrated on the
     all-ones direction the way non-negative uniform directions are), minus its projection on
-    the declared null space, then rounded by :func:`~gradcheck.methods.exact_direction`.
+    the declared null space, then (``exact=True``, needed by central differences only)
+    rounded by :func:`~gradcheck.methods.exact_direction`.
 
     Parameters
     ----------
@@ -70,6 +72,8 @@ def direction(
         ``P(w)``: the component of ``w`` along directions in which the function is constant.
     step, levels
         Central-difference settings the direction must be exact for.
+    exact : bool
+        Round for exact central-difference steps (complex step does not need it).
 
     Returns
     -------
@@ -87,7 +91,7 @@ def direction(
     raw = u * np.maximum(np.abs(x), 1.0)
     if null_projector is not None:
         raw = raw - np.broadcast_to(null_projector(raw), raw.shape)
-    return exact_direction(x, raw, step=step, levels=levels)
+    return exact_direction(x, raw, step=step, levels=levels) if exact else raw
 
 
 def bisect(
