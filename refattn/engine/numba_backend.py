@@ -3,8 +3,9 @@
 ``refattn.forward(call, backend="numba")`` computes the same full :class:`~refattn.trace.Trace`
 as the NumPy reference: GEMMs on multi-threaded BLAS, the per-row work (scale, bias,
 visibility, max, exp, normalise, multiplier) fused in parallel numba kernels, no needless
-temporaries (``biased_scores`` is ``scores`` without a bias, ``consumed`` is ``probs`` without
-dropout, and the all-ones multiplier is a broadcast view). ``refattn.backward`` on it likewise.
+temporaries (like the reference: ``biased_scores`` is ``scores`` without a bias,
+``masked_scores`` is ``biased_scores`` without a mask, ``consumed`` is ``probs`` without
+dropout, and the all-ones multiplier is a broadcast view). ``refattn.backward`` likewise.
 
 ``refattn.forward(call, backend="numba", materialize=False)`` streams: a tiled online softmax
 that saves only output, row max and lse ``(B, Hq, Q)``; its backward recomputes P per tile from
@@ -129,7 +130,7 @@ def _dense_forward(call: AttentionCall) -> Trace:
     scores = q @ k_eff.swapaxes(-1, -2)  # (B, Hq, Q, K); scaled in place by the row kernel
     has_bias = call.bias is not None
     biased = np.empty_like(scores) if has_bias else scores
-    masked = np.empty_like(scores)
+    masked = biased if call.visible is None else np.empty_like(scores)  # every edge legal
     probs = np.empty_like(scores)
     z_trace, z_op = _dense_multiplier(call, full)
     consumed = probs if z_op is None else np.empty_like(scores)
@@ -149,12 +150,15 @@ def _dense_forward(call: AttentionCall) -> Trace:
         lse=lse, probs=probs, dropout_multiplier=z_trace, consumed=consumed, output=output,
         sanitized_rows=sanitized, backend="numba",
         materialized={"scores": True, "probabilities": True, "mode": "dense",
-                      "aliases": _aliases(has_bias, z_op is not None)},
+                      "aliases": _aliases(has_bias, call.visible is not None,
+                                          z_op is not None)},
     )
 
 
-def _aliases(has_bias: bool, has_drop: bool) -> list[str]:
+def _aliases(has_bias: bool, has_vis: bool, has_drop: bool) -> list[str]:
     out = [] if has_bias else ["biased_scores is scores (no bias)"]
+    if not has_vis:
+        out += ["masked_scores is biased_scores (every edge legal)"]
     if not has_drop:
         out += ["consumed is probs (no dropout)", "dropout_multiplier is a broadcast 1.0"]
     return out

@@ -20,6 +20,19 @@ from refattn.trace import Gradients, Trace
 __all__ = ["backward", "backward_arrays", "forward", "forward_arrays"]
 
 
+def _core(x: np.ndarray) -> np.ndarray:
+    """The un-broadcast part of a view: every stride-0 axis sliced to length 1."""
+    return x[tuple(slice(None, 1) if n == 0 else slice(None) for n in x.strides)]
+
+
+def _into(ufunc: np.ufunc, a: np.ndarray, b: np.ndarray | complex) -> np.ndarray:
+    """``ufunc(a, b)``, written into ``a`` when that keeps its dtype and shape (else a new
+    array: complex-step inputs can promote a real ``a``). ``a`` must be a temporary."""
+    if np.result_type(a, b) == a.dtype and np.broadcast_shapes(a.shape, np.shape(b)) == a.shape:
+        return ufunc(a, b, out=a)
+    return ufunc(a, b)
+
+
 def forward_arrays(
     q: np.ndarray,
     k: np.ndarray,
@@ -69,7 +82,9 @@ def forward_arrays(
         The canonical forward tensors plus ``sanitized_rows`` (B, Hq, Q): rows without a
         legal key that received the temporary key 0 (callers guarantee those are unused);
         ``softcap_input`` (B, Hq, Q, K) with a softcap and ``sink_probs`` (B, Hq, Q) with a
-        sink.
+        sink. No needless copies: without a bias ``biased_scores`` is ``scores``, with every
+        edge legal ``masked_scores`` is ``biased_scores``, and without dropout ``consumed`` is
+        ``probs`` and ``dropout_multiplier`` a read-only broadcast of 1.0.
 
     Examples
     --------
@@ -100,26 +115,33 @@ def forward_arrays(
     biased = scores if bias is None else scores + bias  # (B, Hq, Q, K)
 
     vis = np.broadcast_to(visible, full)
+    all_legal = bool(_core(vis).all())  # every edge legal (read without the broadcast)
     sanitized = ~vis.any(axis=-1)  # (B, Hq, Q) rows with an empty legal support
     if sanitized.any():
         vis = vis.copy()
         vis[..., 0] |= sanitized  # temporary legal key for unused rows only (Policy 3)
-    masked = np.where(vis, biased, -np.inf)  # (B, Hq, Q, K)
+    # with every edge legal the select is the identity: masked_scores is biased_scores
+    masked = biased if all_legal else np.where(vis, biased, -np.inf)  # (B, Hq, Q, K)
 
     row_max = masked.real.max(axis=-1)  # (B, Hq, Q), over the legal support only
     if sink is not None:  # the sink logit is part of every row's support
         sink_row = np.broadcast_to(sink[None, :, None], (B, Hq, Q))  # (B, Hq, Q)
         row_max = np.maximum(row_max, sink_row.real)
-    e = np.exp(masked - row_max[..., None])  # exactly 0 where masked (exp(-inf))
+    e = masked - row_max[..., None]  # (B, Hq, Q, K)
+    np.exp(e, out=e)  # exactly 0 where masked (exp(-inf))
     denom = e.sum(axis=-1)  # (B, Hq, Q)
     if sink is not None:
         e_sink = np.exp(sink_row - row_max)  # (B, Hq, Q): denominator only, no value row
         denom = denom + e_sink
-    probs = e / denom[..., None]  # (B, Hq, Q, K)
+    probs = _into(np.divide, e, denom[..., None])  # (B, Hq, Q, K), e's storage reused
     lse = row_max + np.log(denom)
 
-    z = np.ones(full) if multiplier is None else np.broadcast_to(multiplier, full)
-    consumed = probs * z  # (B, Hq, Q, K)
+    if multiplier is None:  # no dropout: Z == 1 (one stored value) and P * Z is P itself
+        z = np.broadcast_to(np.float64(1.0), full)
+        consumed = probs
+    else:
+        z = np.ascontiguousarray(np.broadcast_to(multiplier, full))
+        consumed = probs * z  # (B, Hq, Q, K)
     output = consumed @ v_eff  # (B, Hq, Q, Dv)
     qv = np.broadcast_to(query_valid, (B, 1, Q, 1))
     output = np.where(qv, output, 0.0)  # unused rows are exactly zero
@@ -136,7 +158,7 @@ def forward_arrays(
         "row_max": row_max,
         "lse": lse,
         "probs": probs,
-        "dropout_multiplier": np.ascontiguousarray(z),
+        "dropout_multiplier": z,
         "consumed": consumed,
         "output": output,
         "sanitized_rows": sanitized,
@@ -203,10 +225,16 @@ def backward_arrays(
 
     grad_v_eff = consumed.swapaxes(-1, -2) @ g_o  # (B, Hq, K, Dv) = Pdrop^T G_O
     grad_consumed = g_o @ v_eff.swapaxes(-1, -2)  # (B, Hq, Q, K)  = G_O V^T
-    grad_probs = grad_consumed * z  # G_P: the fixed multiplier gates the direct gradient
-    row_dot = (probs * grad_probs).sum(axis=-1)  # (B, Hq, Q)  D = sum_j P G_P
+    # G_P: the fixed multiplier gates the direct gradient (Z == 1: G_P is G_Pdrop itself)
+    grad_probs = grad_consumed if bool((_core(z) == 1.0).all()) else grad_consumed * z
+    work = probs * grad_probs  # (B, Hq, Q, K)
+    row_dot = work.sum(axis=-1)  # (B, Hq, Q)  D = sum_j P G_P
     row_dot_output = (g_o * fwd["output"]).sum(axis=-1)  # (B, Hq, Q)  D = sum_d G_O O
-    grad_scores = probs * (grad_probs - row_dot[..., None])  # exactly 0 where P == 0
+    if np.result_type(grad_probs, row_dot) == work.dtype:  # reuse work's storage
+        grad_scores = np.subtract(grad_probs, row_dot[..., None], out=work)
+    else:
+        grad_scores = grad_probs - row_dot[..., None]
+    grad_scores = _into(np.multiply, grad_scores, probs)  # P (G_P - D): exactly 0 where P == 0
     extra = {}
     grad_scaled = grad_scores  # gradient w.r.t. alpha * u
     if softcap is not None:
