@@ -199,7 +199,7 @@ class TensorReport:
     nonfinite_mismatches : int
         Positions whose class (finite, NaN, +inf, -inf) differs.
     reference_error : float or None
-        ``max|naive_lp - g|`` (reference-relative rule only).
+        ``max|naive_lp - g|`` over the naive routes (reference-relative rule only).
     ratio : float or None
         ``max_abs_error / reference_error``.
     top_relative : tuple of RelativeError
@@ -350,7 +350,7 @@ def _exact(name: str, c: np.ndarray, g: np.ndarray) -> TensorReport:
 
 
 def _numeric(name: str, c_in: np.ndarray, g: np.ndarray, *, precision: str,
-             tol: Tolerances, naive: Mapping[str, np.ndarray] | None,
+             tol: Tolerances, naive: Mapping[str, Mapping[str, np.ndarray]] | None,
              dtype: np.dtype) -> TensorReport:
     c = c_in.astype(np.float64)  # exact widening of every supported float dtype
     # in a lower precision a finite golden value beyond the dtype's range is expected as +-inf
@@ -384,12 +384,14 @@ def _numeric(name: str, c_in: np.ndarray, g: np.ndarray, *, precision: str,
             wflat, bound, margin = None, 0.0, 0.0
     else:
         rule = "reference_relative"
-        if naive is None or name not in naive:
+        if not naive or any(name not in lp for lp in naive.values()):
             return TensorReport(name, rule, False, f"no naive {precision} reference for "
                                 f"{name!r}; cannot apply the reference-relative rule", g.shape)
-        lp = naive[name]
-        fin = np.isfinite(lp) & np.isfinite(g)
-        ref_err = float(np.max(np.abs(lp[fin] - g[fin]))) if fin.any() else 0.0
+        ref_err = 0.0
+        for lp in naive.values():  # the yardstick: the worst legitimate naive route
+            fin = np.isfinite(lp[name]) & np.isfinite(g)
+            if fin.any():
+                ref_err = max(ref_err, float(np.max(np.abs(lp[name][fin] - g[fin]))))
         floor = rounding_floor(g, dtype, shift=tol.floor_shift, factor=tol.floor_factor,
                                mode=tol.floor_mode)
         bound = tol.k_for(name) * ref_err + floor
@@ -510,7 +512,7 @@ def compare(
     precision = precision_name(resolve_dtype(dtype)) if dtype is not None else (
         _infer_precision(cand))
     lp_dtype = resolve_dtype(precision)
-    naive = None
+    naive: dict[str, dict[str, np.ndarray]] | None = None
     if precision in LOWER_PRECISIONS and cand:
         if spec is None:
             raise RefAttnError(
@@ -520,7 +522,7 @@ def compare(
             )
         from refattn.lowp import naive_lowp
 
-        naive = naive_lowp(spec, lp_dtype)
+        naive = {route: naive_lowp(spec, lp_dtype, route=route) for route in tol.naive_routes}
     rows: list[TensorReport] = []
     for name in sorted(cand, key=_order_key):
         c = cand[name]

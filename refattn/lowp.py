@@ -16,9 +16,15 @@ import numpy as np
 
 from refattn.case_spec import CaseSpec
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
+from refattn.errors import RefAttnError
 from refattn.tolerances import round_to
 
-__all__ = ["MODELLED", "naive_lowp"]
+__all__ = ["MODELLED", "ROUTES", "naive_lowp"]
+
+#: saved-state routes of the naive backward (the contract's "Training state saved by the local
+#: operation"): keep the probabilities, or keep the row log-partition L and recompute
+#: P = exp(S - L) with D = sum(G_O * O), as FlashAttention's backward does
+ROUTES = ("stored_probs", "lse_recompute")
 
 #: canonical tensors the naive lower-precision reference produces (when the case has them),
 #: besides the score family's ``score_<name>`` parameters and ``grad_score_<name>`` gradients
@@ -31,7 +37,8 @@ MODELLED = (
 )
 
 
-def naive_lowp(spec: CaseSpec, dtype: np.dtype) -> dict[str, np.ndarray]:
+def naive_lowp(spec: CaseSpec, dtype: np.dtype, *, route: str = "stored_probs"
+               ) -> dict[str, np.ndarray]:
     """Forward and backward of ``spec`` in ``dtype`` (each op in float32, rounded to dtype).
 
     Parameters
@@ -40,6 +47,10 @@ def naive_lowp(spec: CaseSpec, dtype: np.dtype) -> dict[str, np.ndarray]:
         The golden case (its float64 inputs are rounded to ``dtype`` first).
     dtype : numpy dtype
         float32, float16 or ml_dtypes.bfloat16.
+    route : {"stored_probs", "lse_recompute"}
+        Saved state of the backward: the forward's probabilities, or the row log-partition
+        with ``P = exp(S - L)`` recomputed in ``dtype`` and ``D = sum(G_O * O)`` (the
+        FlashAttention backward). The forward tensors are the same for both.
 
     Returns
     -------
@@ -56,16 +67,22 @@ def naive_lowp(spec: CaseSpec, dtype: np.dtype) -> dict[str, np.ndarray]:
     >>> err = np.abs(lp["output"] - spec.tensors["output"]).max()
     >>> bool(0 < err < 1e-6)
     True
+    >>> rec = naive_lowp(spec, np.dtype(np.float32), route="lse_recompute")
+    >>> bool(np.array_equal(rec["output"], lp["output"])), bool(0 < np.abs(rec["grad_q"]
+    ...     - spec.tensors["grad_q"]).max() < 1e-6)
+    (True, True)
     """
     from threadpoolctl import threadpool_limits
 
+    if route not in ROUTES:
+        raise RefAttnError(f"route: expected one of {list(ROUTES)}, got {route!r}")
     dtype = np.dtype(dtype)
     with threadpool_limits(limits=1):
-        out = _naive(spec, dtype)
+        out = _naive(spec, dtype, route)
     return {name: np.asarray(x, dtype=np.float64) for name, x in out.items()}
 
 
-def _naive(spec: CaseSpec, dtype: np.dtype) -> dict[str, Any]:
+def _naive(spec: CaseSpec, dtype: np.dtype, route: str) -> dict[str, Any]:
     from refattn.scale_placement import operand_multipliers
 
     t = spec.tensors
@@ -117,9 +134,11 @@ def _naive(spec: CaseSpec, dtype: np.dtype) -> dict[str, Any]:
     if sink is not None:
         e_sink = r(np.exp(r(sink - row_max)))
         denom = r(denom + e_sink)
-        res["sink_probs"] = r(e_sink / denom)
+        sink_probs = r(e_sink / denom)  # (B, Hq, Q)
+        res["sink_probs"] = sink_probs
     probs = r(e / denom[..., None])
-    res.update(row_max=row_max, lse=r(row_max + r(np.log(denom))), probs=probs)
+    lse = r(row_max + r(np.log(denom)))
+    res.update(row_max=row_max, lse=lse, probs=probs)
     z = r(spec.multiplier_full())
     consumed = r(probs * z)
     qv = spec.query_valid_full()  # (B, 1, Q, 1)
@@ -131,9 +150,18 @@ def _naive(spec: CaseSpec, dtype: np.dtype) -> dict[str, Any]:
     g_in = r(t["grad_output"])
     g_o = np.where(qv, g_in, f32(0.0))
     Hkv = k.shape[1]
+    row_dot_output = r((r(g_o * output)).sum(axis=-1, dtype=f32))  # (B, Hq, Q)
+    if route == "lse_recompute":  # P from the saved log-partition, in dtype
+        probs = r(np.exp(r(masked - lse[..., None])))  # exactly 0 off the support
+        consumed = r(probs * z)
+        if sink is not None:
+            sink_probs = r(np.exp(r(sink - lse)))  # (B, Hq, Q)
     grad_consumed = r(g_o @ v_eff.swapaxes(-1, -2))  # (B, Hq, Q, K)
     grad_probs = r(grad_consumed * z)
-    row_dot = r((r(probs * grad_probs)).sum(axis=-1, dtype=f32))  # (B, Hq, Q)
+    if route == "lse_recompute":
+        row_dot = row_dot_output  # D = sum(G_O * O)
+    else:
+        row_dot = r((r(probs * grad_probs)).sum(axis=-1, dtype=f32))  # D = sum(P * G_P)
     grad_scores = r(probs * r(grad_probs - row_dot[..., None]))
     grad_scaled = grad_scores  # gradient w.r.t. alpha * u
     if cap is not None:
@@ -145,14 +173,14 @@ def _naive(spec: CaseSpec, dtype: np.dtype) -> dict[str, Any]:
     grad_k_eff = r(r(sg.grad_k) * f32(mult.key * mult.post))
     res.update({f"grad_score_{n}": r(r(g) * f32(mult.post)) for n, g in sg.params.items()})
     if sink is not None:
-        res["grad_sink"] = r(-(r(res["sink_probs"] * row_dot)).sum(axis=(0, 2), dtype=f32))
+        res["grad_sink"] = r(-(r(sink_probs * row_dot)).sum(axis=(0, 2), dtype=f32))
     res.update(
         grad_output=g_in,
         grad_v=r(sum_heads(r(consumed.swapaxes(-1, -2) @ g_o), head_map, Hkv)),
         grad_consumed=grad_consumed,
         grad_probs=grad_probs,
         row_dot=row_dot,
-        row_dot_output=r((r(g_o * output)).sum(axis=-1, dtype=f32)),
+        row_dot_output=row_dot_output,
         grad_scores=grad_scores,
         grad_q=grad_q,
         grad_k=r(sum_heads(grad_k_eff, head_map, Hkv)),

@@ -182,6 +182,11 @@ class Tolerances:
         ``"realized"`` uses that maximum literally; ``"bound"`` (default) never lets it fall
         below one unit in the last place of ``max|g| + floor_shift`` (see
         :func:`rounding_floor`).
+    naive_routes : tuple of str
+        Saved-state routes of the naive reference (:data:`refattn.lowp.ROUTES`); the
+        reference error is the largest over them. ``"stored_probs"`` keeps P for the
+        backward; ``"lse_recompute"`` keeps the log-partition and recomputes P, with
+        ``D = sum(G_O * O)``, as FlashAttention-style kernels legitimately do.
     k_overrides : mapping of str to float
         Per-tensor multipliers that replace ``k_forward`` / ``k_gradient``.
     float64_overrides : mapping of str to (atol, rtol)
@@ -203,6 +208,7 @@ class Tolerances:
     floor_factor: float = 2.0
     floor_shift: float = 0.3
     floor_mode: Literal["bound", "realized"] = "bound"
+    naive_routes: tuple[str, ...] = ("stored_probs", "lse_recompute")
     k_overrides: Mapping[str, float] = field(default_factory=dict)
     float64_overrides: Mapping[str, tuple[float, float]] = field(default_factory=dict)
 
@@ -213,6 +219,12 @@ class Tolerances:
                 raise RefAttnError(
                     f"tolerances: {name} must be a finite number >= 0, got {value!r}"
                 )
+        if not self.naive_routes or not set(self.naive_routes) <= {"stored_probs",
+                                                                   "lse_recompute"}:
+            raise RefAttnError(
+                f"tolerances: naive_routes must name 'stored_probs' and/or 'lse_recompute', "
+                f"got {self.naive_routes!r}"
+            )
         if self.floor_mode not in ("bound", "realized"):
             raise RefAttnError(
                 f"tolerances: floor_mode must be 'bound' or 'realized', got {self.floor_mode!r}"
