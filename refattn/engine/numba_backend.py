@@ -32,12 +32,7 @@ import numpy as np
 
 from refattn.call import AttentionCall
 from refattn.engine.numba_blas import dgemm_address, single_thread_blas
-from refattn.engine.numba_kernels import (
-    dense_backward_rows,
-    dense_forward_rows,
-    rows_dot,
-    zero_unused_rows,
-)
+from refattn.engine.numba_kernels import dense_backward_rows, dense_forward_rows
 from refattn.engine.numba_operands import Strided, ro, strided
 from refattn.engine.numba_philox import philox_fill, philox_params
 from refattn.engine.numba_stream import DROP_DENSE, DROP_NONE, DROP_PHILOX
@@ -88,6 +83,12 @@ def _block(name: str, value: Any, default: int, n: int) -> int:
 
 def _query_valid(call: AttentionCall) -> np.ndarray:
     return ro(call.query_valid_full()[:, 0, :, 0])  # (B, Q)
+
+
+def _zero_unused_rows(x: np.ndarray, call: AttentionCall) -> None:
+    """In place: rows of a (B, Hq, Q, D) array whose query is unused become exactly +0.0."""
+    if call.query_valid is not None:
+        np.copyto(x, 0.0, where=~call.query_valid_full())
 
 
 def _is_philox(source: object) -> bool:
@@ -144,7 +145,7 @@ def _dense_forward(call: AttentionCall) -> Trace:
         probs, consumed, row_max, lse, sanitized,
     )
     output = consumed @ v_eff  # (B, Hq, Q, Dv)
-    zero_unused_rows(output, _query_valid(call))
+    _zero_unused_rows(output, call)
     return Trace(
         call=call, scores=scores, biased_scores=biased, masked_scores=masked, row_max=row_max,
         lse=lse, probs=probs, dropout_multiplier=z_trace, consumed=consumed, output=output,
@@ -172,7 +173,7 @@ def _dense_backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     k_eff = gather_heads(k, call.head_map)
     v_eff = gather_heads(v, call.head_map)
     g_o = np.array(grad_output, dtype=np.float64, order="C")  # (B, Hq, Q, Dv)
-    zero_unused_rows(g_o, _query_valid(call))  # unused rows consume nothing
+    _zero_unused_rows(g_o, call)  # unused rows consume nothing
     grad_v_eff = trace.consumed.swapaxes(-1, -2) @ g_o  # (B, Hq, K, Dv) = Pdrop^T G_O
     grad_consumed = g_o @ v_eff.swapaxes(-1, -2)  # (B, Hq, Q, K) = G_O V^T
     has_drop = call.dropout is not None
@@ -304,9 +305,8 @@ def _stream_backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     drop, z_op, _ = _stream_dropout(call, full)
     tv = tile_visibility(full, visible=call.visible, relation=getattr(call, "relation", None))
     g_o = np.array(grad_output, dtype=np.float64, order="C")  # (B, Hq, Q, Dv)
-    zero_unused_rows(g_o, _query_valid(call))
-    dvec = np.empty((B, Hq, Q))
-    rows_dot(g_o, ro(trace.output), dvec)  # D = sum_d G_O O (needed before any dS)
+    _zero_unused_rows(g_o, call)
+    dvec = (g_o * trace.output).sum(axis=-1)  # (B, Hq, Q) D = sum_d G_O O, before any dS
     nkb = -(-K // BK)
     split_b, split_h, C, Cb = _partition(call, nkb)
     dq = np.zeros((C if C > 1 else 1, B, Hq, Q, Dk))

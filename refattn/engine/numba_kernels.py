@@ -19,9 +19,7 @@ from numba import njit, prange
 from refattn.engine.numba_math import exp_shift, row_dot, row_sum
 from refattn.engine.numba_operands import at
 
-__all__ = [
-    "dense_backward_rows", "dense_forward_rows", "rows_dot", "zero_unused_rows",
-]
+__all__ = ["dense_backward_rows", "dense_forward_rows"]
 
 
 @njit(cache=True, parallel=True)
@@ -83,18 +81,6 @@ def dense_forward_rows(scores, scale, has_bias, bias, biased, has_vis, visible, 
 
 
 @njit(cache=True, parallel=True)
-def zero_unused_rows(x, query_valid):
-    """``x[b, :, i, :] = 0.0`` where ``query_valid[b, i]`` is False (x is (B, Hq, Q, D))."""
-    B, Hq, Q, _ = x.shape
-    for row in prange(B * Hq * Q):
-        bh = row // Q
-        i = row - bh * Q
-        b = bh // Hq
-        if not query_valid[b, i]:
-            x[b, bh - b * Hq, i, :] = 0.0
-
-
-@njit(cache=True, parallel=True)
 def dense_backward_rows(grad_consumed, has_drop, z, grad_probs, probs, g_o, output, row_dot_p,
                         row_dot_o, grad_scores):
     """Fused row pass of the dense backward (rows in parallel).
@@ -131,22 +117,3 @@ def dense_backward_rows(grad_consumed, has_drop, z, grad_probs, probs, g_o, outp
         for j in range(K):
             gs[j] = p[j] * (gp[j] - d)  # exactly 0 where P == 0
 
-
-@njit(cache=True, parallel=True)
-def rows_dot(x, y, out):
-    """``out[b, h, i] = sum_d x[b, h, i, d] * y[b, h, i, d]`` (rows in parallel).
-
-    Examples
-    --------
-    >>> out = np.empty((1, 1, 2))
-    >>> rows_dot(np.ones((1, 1, 2, 3)), np.arange(6.0).reshape(1, 1, 2, 3), out)
-    >>> out.tolist()
-    [[[3.0, 12.0]]]
-    """
-    B, Hq, Q, D = x.shape
-    for row in prange(B * Hq * Q):
-        bh = row // Q
-        i = row - bh * Q
-        b = bh // Hq
-        h = bh - b * Hq
-        out[b, h, i] = row_dot(x[b, h, i], y[b, h, i], D)
