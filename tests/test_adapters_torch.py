@@ -306,3 +306,16 @@ def test_generated_calls_every_path(call):
         for dtype in ("float64", "bfloat16"):
             report = adapter.run(spec, path, dtype=dtype).compare(spec)
             assert report.passed, f"{path} {dtype}\n{report.format()}"
+
+
+def test_compare_takes_torch_tensors_directly(specs):
+    spec = specs["bias_full"]
+    tc = adapter.case_tensors(spec, dtype="float64")
+    out = F.scaled_dot_product_attention(tc.q, tc.k, tc.v, attn_mask=tc.bias,
+                                         scale=spec.scale)  # a tensor that requires grad
+    assert compare({"output": out}, spec).passed
+    tb = adapter.case_tensors(spec, dtype="bfloat16")
+    out_bf16 = F.scaled_dot_product_attention(tb.q, tb.k, tb.v, attn_mask=tb.bias,
+                                              scale=spec.scale)
+    report = compare({"output": out_bf16}, spec)
+    assert report.precision == "bfloat16" and report.passed

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+
 import numpy as np
 import pytest
 
@@ -267,3 +269,36 @@ def test_compare_command(tmp_path, capsys):
     out = capsys.readouterr().out
     assert "FAIL output" in out and "(0, 0, 1, 1)" in out
     assert main(["compare", str(case), str(bad), "--atol", "1e-5"]) == 0
+    # a bundle written by a future major schema version is refused (exit 2, one line)
+    mpath = tmp_path / "b" / "manifest.json"
+    manifest = json.loads(mpath.read_text())
+    manifest["schema_version"] = "2.0"
+    mpath.write_text(json.dumps(manifest))
+    assert main(["compare", str(case), str(good)]) == 2
+    assert "schema_version '2.0'" in capsys.readouterr().err
+
+
+def test_candidates_through_dlpack_and_array_protocols(spec):
+    class OnlyDLPack:
+        def __init__(self, a):
+            self.a = a
+
+        def __dlpack__(self, **kw):
+            return self.a.__dlpack__(**kw)
+
+        def __dlpack_device__(self):
+            return self.a.__dlpack_device__()
+
+    class OnlyArray:
+        def __init__(self, a):
+            self.a = a
+
+        def __array__(self, dtype=None, copy=None):
+            return self.a
+
+    out = spec.tensors["output"]
+    assert compare({"output": OnlyDLPack(np.array(out))}, spec).passed
+    assert compare({"output": OnlyArray(np.array(out))}, spec).passed
+    bad = np.array(out)
+    bad[0, 0, 0, 0] += 1.0
+    assert not compare({"output": OnlyDLPack(bad)}, spec).passed

@@ -31,12 +31,14 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    import json
     from dataclasses import replace
 
     from refattn.compare import compare, read_candidate
     from refattn.errors import RefAttnError
     from refattn.golden import load
     from refattn.tolerances import Tolerances
+    from refattn.verify import check_schema
 
     golden = Path(args.golden)
     if golden.is_dir():
@@ -49,7 +51,14 @@ def run(args: argparse.Namespace) -> int:
                          ("floor_factor", args.floor_factor)):
         if value is not None:
             tol = replace(tol, **{field: value})
-    report = compare(read_candidate(args.candidate), load(golden), dtype=args.dtype,
-                     tolerances=tol)
+    manifest = None
+    mpath = golden.parent.parent / "manifest.json"
+    if mpath.is_file():  # the bundle's schema version must be one this refattn reads
+        try:
+            manifest = check_schema(json.loads(mpath.read_text()))
+        except json.JSONDecodeError as exc:
+            raise RefAttnError(f"{mpath}: manifest is not valid JSON ({exc})") from None
+    report = compare(read_candidate(args.candidate), load(golden, manifest=manifest),
+                     dtype=args.dtype, tolerances=tol)
     print(report.format())
     return 0 if report.passed else 1
