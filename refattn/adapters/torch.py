@@ -228,6 +228,7 @@ def case_tensors(spec: CaseSpec, *, dtype: Any = "float64", requires_grad: bool 
     --------
     >>> from refattn.case_spec import case_spec
     >>> from refattn.suites import build_suite
+    >>> import pytest; _ = pytest.importorskip("torch")  # optional stack
     >>> t = case_tensors(case_spec(build_suite("contract")[4]), dtype="bfloat16")
     >>> str(t.q.dtype), tuple(t.k.shape), t.q.requires_grad
     ('torch.bfloat16', (2, 2, 6, 5), True)
@@ -598,6 +599,7 @@ def run(spec: CaseSpec, path: Path = "sdpa", *, dtype: Any = "float64",
     --------
     >>> from refattn.case_spec import case_spec
     >>> from refattn.suites import build_suite
+    >>> import pytest; _ = pytest.importorskip("torch")  # optional stack
     >>> spec = case_spec(build_suite("contract")[4])
     >>> res = run(spec, "sdpa")
     >>> res.compare(spec).passed, res.manifest["backend"]["selected_backend"]
