@@ -302,3 +302,20 @@ def test_candidates_through_dlpack_and_array_protocols(spec):
     bad = np.array(out)
     bad[0, 0, 0, 0] += 1.0
     assert not compare({"output": OnlyDLPack(bad)}, spec).passed
+
+
+def test_core_and_adapters_import_no_optional_stack():
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    code = (
+        "import sys, refattn, refattn.compare, refattn.verify, refattn.lowp, "
+        "refattn.adapters, refattn.adapters.torch, refattn.adapters.jax, "
+        "refattn.suites.conformance, refattn.cli; refattn.cli.build_parser(); "
+        "print(sorted(m for m in ('torch', 'jax', 'ml_dtypes') if m in sys.modules))"
+    )
+    root = Path(__file__).resolve().parents[1]
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, check=True, env={"PYTHONPATH": str(root), "PATH": ""})
+    assert out.stdout.strip() == "[]"
