@@ -8,8 +8,9 @@ backward under test (``refattn.backward`` by default, or any ``backward(trace,
 grad_output)``). Differentiable inputs: ``q``, ``k``, ``v``, ``bias``, ``sink`` and
 ``score_<name>`` for a score family's parameters. Also declares attention's known null
 directions (a constant shift of every key when the score is linear in k and there is no
-softcap or sink; a constant shift of a bias row along the key axis when there is no sink).
-Defers the checking itself to :func:`gradcheck.check_vjp`.
+softcap or sink; a constant shift of a bias row along the key axis when there is no sink) and
+the magnitudes of the terms the backward sums (:func:`rounding_scales`), which bound its own
+rounding. Defers the checking itself to :func:`gradcheck.check_vjp`.
 """
 
 from __future__ import annotations
@@ -25,11 +26,12 @@ import refattn
 from gradcheck.api import check_vjp
 from gradcheck.report import Report
 from refattn.call import AttentionCall
+from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
 from refattn.engine.reference import forward_arrays
 from refattn.errors import RefAttnError
 from refattn.trace import Gradients, Trace
 
-__all__ = ["AttentionProblem", "attention_problem", "check_attention"]
+__all__ = ["AttentionProblem", "attention_problem", "check_attention", "rounding_scales"]
 
 Backward = Callable[[Trace, np.ndarray], Gradients | Mapping[str, np.ndarray]]
 Projector = Callable[[np.ndarray], np.ndarray]
@@ -51,6 +53,53 @@ def _all_null(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def rounding_scales(trace: Trace, grad_output: np.ndarray) -> dict[str, np.ndarray]:
+    """Magnitudes of the terms each backward tensor sums: ``eps`` times them bounds rounding.
+
+    ``G_S = P (G_P - D)`` cancels when one key dominates a row (``G_P_j ~ D``), so its
+    rounding is set by ``P (|G_P| + |D|)``, not by ``|G_S|``; G_Q, G_K and the bias gradient
+    inherit that through their sums. In a saturated softmax the exact gradients can lie far
+    below this floor, where no float64 backward resolves them.
+
+    Parameters
+    ----------
+    trace : Trace
+        A forward trace with probabilities (the reference backend's).
+    grad_output : (B, Hq, Q, Dv) ndarray
+
+    Returns
+    -------
+    dict
+        ``grad_probs``, ``grad_scores`` (B, Hq, Q, K); ``grad_v`` like v; ``grad_q``,
+        ``grad_k`` like q, k (dot scores only); ``grad_bias`` like the bias (when present).
+
+    Examples
+    --------
+    >>> from refattn.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call
+    >>> s = rounding_scales(refattn.forward(loop6_call()), LOOP6_GRAD_OUTPUT)
+    >>> sorted(s), s["grad_q"].shape
+    (['grad_k', 'grad_probs', 'grad_q', 'grad_scores', 'grad_v'], (1, 1, 2, 2))
+    """
+    call = trace.call
+    hm, Hkv = call.head_map, call.k.shape[1]
+    g_o = np.abs(np.where(call.query_valid_full(), grad_output, 0.0))  # (B, Hq, Q, Dv)
+    v_eff = np.abs(gather_heads(call.v, hm))  # (B, Hq, K, Dv)
+    P = np.abs(trace.probs)  # (B, Hq, Q, K)
+    g_p = (g_o @ v_eff.swapaxes(-1, -2)) * np.abs(trace.dropout_multiplier)  # |G_P| terms
+    d = (P * g_p).sum(-1)  # (B, Hq, Q) |D| terms
+    g_s = P * (g_p + d[..., None])  # (B, Hq, Q, K)
+    out = {"grad_probs": g_p, "grad_scores": g_s,
+           "grad_v": sum_heads(np.abs(trace.consumed).swapaxes(-1, -2) @ g_o, hm, Hkv)}
+    score = getattr(call, "score", None)
+    if score is None or getattr(score, "name", "dot") == "dot":
+        alpha = call.scale  # the whole multiplier, wherever it is placed
+        out["grad_q"] = alpha * (g_s @ np.abs(gather_heads(call.k, hm)))
+        out["grad_k"] = sum_heads(alpha * (g_s.swapaxes(-1, -2) @ np.abs(call.q)), hm, Hkv)
+    if call.bias is not None:
+        out["grad_bias"] = reduce_to_shape(g_s, call.bias.shape)
+    return out
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionProblem:
     """One attention call exposed as ``fn``/``vjp`` for :func:`gradcheck.check_vjp`.
@@ -68,6 +117,9 @@ class AttentionProblem:
         The call's q, k, v (and bias when it has one).
     null_space : dict of str to callable
         Projectors on the known null directions (k: key shift; bias: row shift).
+    term_scale : callable
+        ``term_scale(grad_output, **inputs) -> {name: magnitudes}`` from
+        :func:`rounding_scales` (the vjp's own rounding bound).
     """
 
     call: AttentionCall
@@ -75,10 +127,12 @@ class AttentionProblem:
     vjp: Callable[..., dict[str, np.ndarray]]
     inputs: dict[str, np.ndarray]
     null_space: dict[str, Projector]
+    term_scale: Callable[..., dict[str, np.ndarray]] | None = None
 
     def check(self, **options: Any) -> Report:
         """:func:`gradcheck.check_vjp` on this problem (options passed through)."""
-        return check_vjp(self.fn, self.vjp, self.inputs, null_space=self.null_space, **options)
+        return check_vjp(self.fn, self.vjp, self.inputs, null_space=self.null_space,
+                         term_scale=self.term_scale, **options)
 
 
 def _as_dict(grads: Gradients | Mapping[str, np.ndarray]) -> dict[str, np.ndarray]:
@@ -170,14 +224,20 @@ def attention_problem(
         return forward_arrays(a["q"], a["k"], a["v"], bias=a["bias"], **frozen,
                               **extra)["output"]
 
-    def vjp(grad_output: np.ndarray, **kw: np.ndarray) -> dict[str, np.ndarray]:
+    def rebuilt(kw: Mapping[str, np.ndarray]) -> AttentionCall:
         _, params = split(kw)
         changed = {n: kw[n] for n in INPUTS if n in kw and kw[n] is not getattr(call, n)}
         if params:
             changed["score"] = dataclasses.replace(score, **params)  # validated copy
-        trial = dataclasses.replace(call, **changed) if changed else call
-        grads = _as_dict(run_backward(refattn.forward(trial), grad_output))
+        return dataclasses.replace(call, **changed) if changed else call
+
+    def vjp(grad_output: np.ndarray, **kw: np.ndarray) -> dict[str, np.ndarray]:
+        grads = _as_dict(run_backward(refattn.forward(rebuilt(kw)), grad_output))
         return {n: grads[n] for n in names if n in grads}
+
+    def term_scale(grad_output: np.ndarray, **kw: np.ndarray) -> dict[str, np.ndarray]:
+        scales = rounding_scales(refattn.forward(rebuilt(kw)), grad_output)
+        return {n: scales[f"grad_{n}"] for n in names if f"grad_{n}" in scales}
 
     linear_score = score is None or bool(getattr(score, "linear_in_operands", False))
     no_sink = getattr(call, "sink", None) is None
@@ -187,7 +247,7 @@ def attention_problem(
     if "bias" in names and no_sink:
         null["bias"] = _all_null if call.bias.shape[-1] == 1 else _bias_row_shift
     inputs = {n: available[n] for n in names}
-    return AttentionProblem(call, fn, vjp, inputs, null)
+    return AttentionProblem(call, fn, vjp, inputs, null, term_scale)
 
 
 def check_attention(

@@ -11,7 +11,7 @@ import pytest
 from hypothesis import HealthCheck, given, settings
 
 import refattn
-from gradcheck import attention_identities, central_difference, check_attention
+from gradcheck import attention_identities, central_difference, check_attention, check_vjp
 from gradcheck.attention import attention_problem
 from refattn import AttentionCall
 from refattn.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call
@@ -218,3 +218,18 @@ def test_generated_calls_pass_gradcheck(call):
     trace = refattn.forward(call)
     ids = attention_identities(trace, refattn.backward(trace, np.ones(trace.output.shape)))
     assert ids.passed, str(ids)
+
+
+def test_saturated_softmax_below_the_rounding_floor_is_not_called_wrong():
+    # shrunk by hypothesis: a 55-nat score gap puts the exact q/k gradients near 1e-24, far
+    # below the rounding of G_S = P (G_P - D) (terms of size 1); no float64 backward
+    # resolves them, so only the term-magnitude bound (rounding_scales) judges them fairly
+    call = AttentionCall(np.array([[[[6.12275736]]]]),
+                         np.array([[[[-7.66699509], [1.25429654]]]]),
+                         np.array([[[[-0.56776961], [-0.45264929]]]]))
+    report = check_attention(call, mode="full")
+    assert report.passed, str(report)
+    assert abs(report.inputs["q"].numeric).max() < 1e-20
+    problem = attention_problem(call)
+    blind = check_vjp(problem.fn, problem.vjp, problem.inputs, mode="full")
+    assert "q" in blind.failed  # without the term magnitudes the tiny gradient looks wrong
