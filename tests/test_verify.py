@@ -256,3 +256,26 @@ def test_generated_calls_round_trip_through_a_bundle(call):
         r = verify(d, gradcheck_method="central_difference")
         assert r.passed, r.format()
         assert r.cases[0].bit_identical
+
+
+def test_recompute_with_another_backend(pristine, capsys):
+    pytest.importorskip("numba")
+    r = verify(pristine, backend="numba", gradcheck=False)
+    assert r.passed, r.format()
+    assert all(c.recompute_error is not None and c.recompute_error < 1e-12 for c in r.cases)
+    assert main(["verify", str(pristine), "--backend", "numba", "--no-gradcheck"]) == 0
+    capsys.readouterr()
+    with pytest.raises(RefAttnError, match="unknown backend"):
+        verify(pristine, backend="cuda")
+
+
+def test_cases_another_backend_cannot_run_are_noted_not_failed(tmp_path):
+    pytest.importorskip("numba")
+    from refattn.suites.conformance import CASES
+
+    write_bundle(tmp_path, [CASES["softcap_5"](), CASES["bias_full"]()], suite="mixed")
+    r = verify(tmp_path, backend="numba", gradcheck=False)
+    assert r.passed
+    noted = {c.case_id: c.notes for c in r.cases}
+    assert noted["bias_full"] == () and "softcap" in noted["softcap_5"][0]
+    assert "note case=softcap_5" in r.format()

@@ -20,6 +20,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gradcheck-method", default="auto",
                    choices=("auto", "check_vjp", "central_difference"),
                    help="gradient checker (default: gradcheck.check_vjp when available)")
+    p.add_argument("--backend", default="numpy",
+                   help="engine backend of the recomputation (default: numpy, bit for bit)")
     p.set_defaults(func=run)
 
 
@@ -27,6 +29,7 @@ def run(args: argparse.Namespace) -> int:
     from refattn.verify import verify
 
     report = verify(args.directory, recompute=not args.no_recompute,
-                    gradcheck=not args.no_gradcheck, gradcheck_method=args.gradcheck_method)
+                    gradcheck=not args.no_gradcheck, gradcheck_method=args.gradcheck_method,
+                    backend=args.backend)
     print(report.format())
     return 0 if report.passed else 1
