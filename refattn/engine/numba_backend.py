@@ -46,8 +46,8 @@ from refattn.trace import FORWARD_NAMES, Gradients, Trace
 __all__ = ["BLOCK_K", "BLOCK_Q", "backward", "forward"]
 
 #: default streaming tile: query rows x key rows
-BLOCK_Q = 128
-BLOCK_K = 128
+BLOCK_Q = 256
+BLOCK_K = 256
 
 _STREAM_SAVED = ("output", "row_max", "lse", "sanitized_rows")
 # (attribute, default) pairs of score modifiers this backend does not implement

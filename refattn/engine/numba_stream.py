@@ -239,9 +239,10 @@ def stream_backward(q, k, v, head_map, scale, tv, has_bias, bias, drop, zdense, 
         cb = c if gbias.shape[0] > 1 else 0
         p = np.empty((BQ, BK))  # P, recomputed
         gs = np.empty((BQ, BK))  # G_Pdrop, then dS in place
-        pz = np.empty((BQ, BK))  # P * Z
+        nz = BQ if drop_mode != DROP_NONE else 1  # dropout buffers only with dropout
+        pz = np.empty((nz, BK))  # P * Z
+        zt = np.empty((nz, BK))  # Z
         mask = np.empty((BQ, BK), dtype=np.bool_)
-        zt = np.empty((BQ, BK))
         done = 0
         skipped = 0
         for b in range(tb if split_b else 0, tb + 1 if split_b else B):
