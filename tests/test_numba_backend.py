@@ -14,12 +14,15 @@ compared exactly. Streaming uses ``D = sum(G_O * O)``, known before any tile (th
 
 from __future__ import annotations
 
+from unittest import mock
+
 import numpy as np
 import pytest
 from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 import refattn
+from refattn.engine import numba_backend
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
 from refattn.suites import SUITES, build_suite
 from tests.strategies import engine_calls
@@ -150,7 +153,9 @@ def test_generated_calls_dense(call, seed):
 
 @_SETTINGS
 @given(call=engine_calls(), seed=st.integers(0, 2**32 - 1), block_q=st.integers(1, 7),
-       block_k=st.integers(1, 9))
-def test_generated_calls_streaming(call, seed, block_q, block_k):
+       block_k=st.integers(1, 9), sub=st.sampled_from([1, 2, 3, 1000]))
+def test_generated_calls_streaming(call, seed, block_q, block_k, sub):
     g = np.random.default_rng(seed).standard_normal((*call.q.shape[:3], call.v.shape[3]))
-    compare(call, g, materialize=False, block_q=block_q, block_k=block_k)
+    # sub < tile: the (tile x D) products run as several sub-GEMMs, as at full size
+    with mock.patch.object(numba_backend, "_sub_block", lambda call: sub):
+        compare(call, g, materialize=False, block_q=block_q, block_k=block_k)

