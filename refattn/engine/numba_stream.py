@@ -17,9 +17,10 @@ then uses its unpacked small-matrix kernels, about 20% faster on these shapes); 
 products stay whole tiles, which the packed kernels run fastest. Every task owns the rows it
 writes (key blocks are dealt round-robin to chunks; chunk-partial dQ and row sums are added in
 chunk order afterwards), and each thread reuses one tile workspace, so results are
-bit-identical run to run for a fixed thread count. Fully invisible tiles are skipped before any arithmetic. Defers BLAS
-to :mod:`~refattn.engine.numba_blas`, visibility to :mod:`~refattn.engine.numba_tiles`, the
-dropout stream to :mod:`~refattn.engine.numba_philox` and the row primitives to
+bit-identical run to run for a fixed thread count. Fully invisible tiles are skipped before any
+arithmetic. Defers BLAS to :mod:`~refattn.engine.numba_blas`, visibility to
+:mod:`~refattn.engine.numba_tiles`, the dropout stream to :mod:`~refattn.engine.numba_philox`
+and the row primitives to
 :mod:`~refattn.engine.numba_math`. BLAS must be pinned to one thread around these kernels.
 """
 
