@@ -21,7 +21,7 @@ LOOP6 = "loop6_two_query_training_trace"
 @pytest.fixture(scope="module")
 def bundle(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("golden")
-    assert main(["golden", "--out", str(out)]) == 0
+    assert main(["golden", "--out", str(out), "--suite", "contract"]) == 0
     return out
 
 
@@ -31,7 +31,7 @@ def _tree_digest(root: Path) -> dict[str, str]:
 
 
 def test_two_runs_are_byte_identical(bundle, tmp_path):
-    assert main(["golden", "--out", str(tmp_path)]) == 0
+    assert main(["golden", "--out", str(tmp_path), "--suite", "contract"]) == 0
     assert _tree_digest(tmp_path) == _tree_digest(bundle)
 
 
@@ -140,3 +140,10 @@ def test_unknown_suite_is_a_clean_cli_error(tmp_path, capsys):
     with pytest.raises(SystemExit):
         main(["golden", "--out", str(tmp_path), "--suite", "nope"])
     assert "invalid choice" in capsys.readouterr().err
+
+
+def test_default_suite_is_the_conformance_suite_with_the_contract_fixtures(tmp_path):
+    assert main(["golden", "--out", str(tmp_path)]) == 0
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["suite"] == "conformance"
+    assert {LOOP6, "loop7_cross_attention_padded_source"} <= set(manifest["cases"])

@@ -12,8 +12,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
     p = sub.add_parser("golden", help="write golden fixture files (safetensors + manifest)")
     p.add_argument("--out", required=True, help="bundle directory to write")
-    p.add_argument("--suite", default="contract", choices=sorted(SUITES),
-                   help="which suite of cases to write (default: contract)")
+    p.add_argument("--suite", default="conformance", choices=sorted(SUITES),
+                   help="which suite of cases to write (default: conformance)")
     p.set_defaults(func=run)
 
 
