@@ -247,3 +247,20 @@ print(json.dumps({k.__name__: [sum(k.stats.cache_hits.values()),
         runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
     for name, (hits, misses) in runs[1].items():
         assert (hits, misses) == (1, 0), (name, hits, misses)
+
+
+def test_a_batch_shared_relation_applies_to_every_batch_row():
+    rng = np.random.default_rng(9)
+    q, k, v = _qkv(rng, B=3, Hq=2, Hkv=2, Q=7, K=12)
+    call = refattn.AttentionCall(q, k, v, visible=causal(7, 12, alignment="lower_right"))
+    assert call.relation.shape[0] == 1
+    g = rng.standard_normal((3, 2, 7, 3))
+    ref = refattn.forward(call)
+    rg = refattn.backward(ref, g)
+    t = refattn.forward(call, backend="numba", materialize=False, block_q=3, block_k=5)
+    assert t.materialized["visibility"] == "coordinates"
+    got = refattn.backward(t, g)
+    np.testing.assert_allclose(t.output, ref.output, rtol=0, atol=1e-13)
+    for name in ("grad_q", "grad_k", "grad_v"):
+        np.testing.assert_allclose(getattr(got, name), getattr(rg, name), rtol=0, atol=1e-12)
+    assert json.loads(json.dumps(refattn.forward(call, backend="numba").manifest()))
