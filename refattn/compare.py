@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from refattn._checks import format_index
+from refattn._checks import as_array, first_index, format_index
 from refattn.case_spec import CaseSpec, case_spec
 from refattn.errors import RefAttnError
 from refattn.golden import GoldenCase, LoadedCase
@@ -87,10 +87,7 @@ def as_numpy(name: str, x: Any) -> np.ndarray:
             return np.from_dlpack(x)
         except (TypeError, RuntimeError, BufferError):
             pass
-    try:
-        return np.asarray(x)
-    except Exception as exc:
-        raise RefAttnError(f"{name}: cannot be read as an array ({exc})") from None
+    return as_array(name, x)
 
 
 _ST_DTYPES = {
@@ -340,7 +337,7 @@ def _exact(name: str, c: np.ndarray, g: np.ndarray) -> TensorReport:
     n = int(diff.sum())
     if n == 0:
         return TensorReport(name, "exact", True, None, g.shape, compared=g.size)
-    first = _idx(int(np.flatnonzero(diff)[0]), g.shape)
+    first = first_index(diff)
     return TensorReport(
         name, "exact", False, f"{n} element(s) differ; first at {format_index(first)}",
         g.shape, compared=g.size, worst_index=first, worst_candidate=float(c[first]),
@@ -361,18 +358,19 @@ def _numeric(name: str, c_in: np.ndarray, g: np.ndarray, *, precision: str,
     nan_mm = int((np.isnan(c) != np.isnan(g)).sum())
     nonfinite_mm = int(class_diff.sum())
     both = (cls_c == 0) & (cls_g == 0)
+    g_both = np.where(both, g, 0.0)  # finite golden values, 0 elsewhere
     with np.errstate(invalid="ignore"):
-        err = np.where(both, np.abs(c - np.where(both, g, 0.0)), 0.0)
+        err = np.where(both, np.abs(c - g_both), 0.0)
     compared = int(both.sum())
     reasons: list[str] = []
     if nonfinite_mm:
-        first = _idx(int(np.flatnonzero(class_diff)[0]), g.shape)
+        first = first_index(class_diff)
         reasons.append(f"non-finite positions differ at {nonfinite_mm} element(s), first "
                        f"{format_index(first)}: {c[first]!r} vs {g[first]!r}")
     ref_err = ratio = None
     if precision == "float64":
         atol, rtol = tol.float64_for(name)
-        allowed = atol + rtol * np.abs(np.where(both, g, 0.0))
+        allowed = atol + rtol * np.abs(g_both)
         viol = np.where(both, err - allowed, -np.inf)
         failing = viol > 0
         rule = "float64"
@@ -403,8 +401,7 @@ def _numeric(name: str, c_in: np.ndarray, g: np.ndarray, *, precision: str,
         ratio = max_err / ref_err if ref_err > 0 else (0.0 if max_err == 0 else float("inf"))
     n_fail = int(failing.sum())
     if n_fail:
-        limit = (f"atol {tol.float64_for(name)[0]:g} + rtol {tol.float64_for(name)[1]:g}*|g|"
-                 if precision == "float64" else
+        limit = (f"atol {atol:g} + rtol {rtol:g}*|g|" if precision == "float64" else
                  f"{tol.k_for(name):g} * naive {precision} error {ref_err:.3e} + floor")
         reasons.append(f"{n_fail} of {compared} element(s) exceed {limit}; worst error "
                        f"{max_err:.3e} over bound {bound:.3e} by {margin:.3e}")
