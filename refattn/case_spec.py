@@ -255,21 +255,10 @@ class CaseSpec:
 
 def _stream_from_manifest(record: Mapping[str, Any]) -> Any:
     """Rebuild a replayable dropout stream from its manifest record."""
-    algorithm = str(record.get("algorithm", "")).lower()
-    if "philox" in algorithm:
-        try:
-            from refattn import dropout as dropout_module
-        except ImportError:
-            raise RefAttnError(
-                f"dropout: stream {record.get('algorithm')!r} needs refattn.dropout"
-            ) from None
-        factory = getattr(dropout_module, "from_manifest", None)
-        if factory is not None:
-            return factory(dict(record))
-        kwargs = {"seed": int(record["seed"])}
-        if "offset" in record:
-            kwargs["offset"] = int(record["offset"])
-        return dropout_module.Philox(float(record["p"]), **kwargs)
+    if "philox" in str(record.get("algorithm", "")).lower():
+        from refattn.dropout import from_manifest
+
+        return from_manifest(dict(record))
     raise RefAttnError(f"dropout: cannot rebuild stream {record.get('algorithm')!r}")
 
 
