@@ -23,7 +23,13 @@ from typing import NamedTuple
 
 import numpy as np
 
-from refattn._checks import as_array, check_bool, check_broadcastable, check_float64
+from refattn._checks import (
+    as_array,
+    check_bool,
+    check_broadcastable,
+    check_float64,
+    first_index,
+)
 from refattn.errors import RefAttnError
 
 __all__ = [
@@ -55,6 +61,17 @@ def _row_text(row: tuple[int, ...]) -> str:
     return "(" + ", ".join(str(int(i)) for i in row) + ")" if row else "() (the only row)"
 
 
+def _support(visible: object | None, shape: tuple[int, ...]) -> np.ndarray:
+    """``visible`` (None: every key legal) validated and broadcast to the scores' ``shape``."""
+    if visible is None:
+        return np.broadcast_to(np.True_, shape)
+    v = as_array("visible", visible)
+    check_bool("visible", v)
+    letters = ",".join([f"axis{n}" for n in range(len(shape) - 1)] + ["K"])
+    check_broadcastable("visible", v, shape, letters)
+    return np.broadcast_to(v, shape)
+
+
 def _rows(scores: object, visible: object | None, name: str = "scores") -> tuple[
     np.ndarray, np.ndarray
 ]:
@@ -63,18 +80,11 @@ def _rows(scores: object, visible: object | None, name: str = "scores") -> tuple
     check_float64(name, s)
     if s.ndim == 0:
         raise RefAttnError(f"{name}: expected at least one axis (..., K), got a scalar")
-    if visible is None:
-        vis = np.broadcast_to(np.True_, s.shape)
-    else:
-        v = as_array("visible", visible)
-        check_bool("visible", v)
-        letters = ",".join([f"axis{n}" for n in range(s.ndim - 1)] + ["K"])
-        check_broadcastable("visible", v, s.shape, letters)
-        vis = np.broadcast_to(v, s.shape)
+    vis = _support(visible, s.shape)
     # policy before arithmetic: every legal score must be finite
     bad = vis & ~np.isfinite(s)
-    if bad.any():
-        idx = np.unravel_index(np.flatnonzero(bad)[0], s.shape)
+    idx = first_index(bad)
+    if idx is not None:
         value = s[idx]
         kind = "NaN" if np.isnan(value) else ("+inf" if value > 0 else "-inf")
         hint = (" (-inf may only encode an entry that visible excludes)" if kind == "-inf"
@@ -85,8 +95,8 @@ def _rows(scores: object, visible: object | None, name: str = "scores") -> tuple
             f"({int(bad.sum())} such entr{'y' if bad.sum() == 1 else 'ies'})"
         )
     empty = ~vis.any(axis=-1)
-    if empty.any():
-        idx = np.unravel_index(np.flatnonzero(empty)[0], empty.shape)
+    idx = first_index(empty)
+    if idx is not None:
         raise RefAttnError(
             f"visible: row {_row_text(idx)} has an empty legal support; softmax over no key "
             f"is undefined ({int(empty.sum())} such row(s))"
@@ -193,9 +203,8 @@ def reconstruct_probs(
     if saved.shape != s.shape[:-1]:
         raise RefAttnError(f"lse: expected shape {list(s.shape[:-1])} (one per row), got "
                            f"{list(saved.shape)}")
-    bad = ~np.isfinite(saved)
-    if bad.any():
-        idx = np.unravel_index(np.flatnonzero(bad)[0], saved.shape)
+    idx = first_index(~np.isfinite(saved))
+    if idx is not None:
         raise RefAttnError(f"lse: row {_row_text(idx)} is {float(saved[idx])!r}; expected finite")
     with np.errstate(over="ignore", under="ignore"):
         return np.exp(np.where(vis, s, -np.inf) - saved[..., None])  # exactly 0 where excluded
@@ -565,9 +574,8 @@ def entropy(p: np.ndarray) -> np.ndarray:
     check_float64("p", arr)
     if arr.ndim == 0:
         raise RefAttnError("p: expected at least one axis (..., K), got a scalar")
-    bad = ~np.isfinite(arr) | (arr < 0.0)
-    if bad.any():
-        idx = np.unravel_index(np.flatnonzero(bad)[0], arr.shape)
+    idx = first_index(~np.isfinite(arr) | (arr < 0.0))
+    if idx is not None:
         raise RefAttnError(f"p: entry {tuple(int(i) for i in idx)} is {float(arr[idx])!r}; "
                            "expected a finite probability >= 0")
     safe = np.where(arr > 0.0, arr, 1.0)  # log(1) = 0 stands in for 0 log 0
@@ -723,32 +731,21 @@ def diagnostics(
     check_float64("probs", p)
     if p.ndim == 0:
         raise RefAttnError("probs: expected at least one axis (..., K), got a scalar")
-    bad = ~np.isfinite(p) | (p < 0.0)
-    if bad.any():
-        idx = np.unravel_index(np.flatnonzero(bad)[0], p.shape)
+    idx = first_index(~np.isfinite(p) | (p < 0.0))
+    if idx is not None:
         raise RefAttnError(f"probs: row {_row_text(idx[:-1])}, key {int(idx[-1])} is "
                            f"{float(p[idx])!r}; expected a finite probability >= 0")
-    if visible is None:
-        vis = np.broadcast_to(np.True_, p.shape)
-    else:
-        v = as_array("visible", visible)
-        check_bool("visible", v)
-        check_broadcastable("visible", v, p.shape,
-                            ",".join([f"axis{n}" for n in range(p.ndim - 1)] + ["K"]))
-        vis = np.broadcast_to(v, p.shape)
-    leak = ~vis & (p != 0.0)
-    if leak.any():
-        idx = np.unravel_index(np.flatnonzero(leak)[0], p.shape)
+    vis = _support(visible, p.shape)
+    idx = first_index(~vis & (p != 0.0))
+    if idx is not None:
         raise RefAttnError(f"probs: row {_row_text(idx[:-1])} puts {float(p[idx])!r} on "
                            f"excluded key {int(idx[-1])}; P must be exactly 0 off the support")
     n_legal = vis.sum(axis=-1)  # (...)
-    empty = n_legal == 0
-    if empty.any():
-        idx = np.unravel_index(np.flatnonzero(empty)[0], empty.shape)
+    idx = first_index(n_legal == 0)
+    if idx is not None:
         raise RefAttnError(f"visible: row {_row_text(idx)} has an empty legal support")
-    off = np.abs(p.sum(axis=-1) - 1.0) > sum_tol
-    if off.any():
-        idx = np.unravel_index(np.flatnonzero(off)[0], off.shape)
+    idx = first_index(np.abs(p.sum(axis=-1) - 1.0) > sum_tol)
+    if idx is not None:
         raise RefAttnError(f"probs: row {_row_text(idx)} sums to {float(p[idx].sum())!r}; "
                            f"expected 1 within {sum_tol} (pre-dropout probabilities)")
 
