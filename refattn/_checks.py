@@ -20,6 +20,7 @@ __all__ = [
     "check_float64",
     "check_shape",
     "first_index",
+    "float64_input",
     "format_index",
 ]
 
@@ -72,6 +73,30 @@ def check_finite(name: str, x: np.ndarray) -> None:
             f"{name}: non-finite value {x[idx].item()!r} at index {format_index(idx)}; "
             "expected finite float64"
         )
+
+
+def float64_input(name: str, x: object, ndim: int | tuple[int, ...] | None = None) -> np.ndarray:
+    """Read ``x`` as a finite float64 array with ``ndim`` axes (or one of them); never cast.
+
+    Examples
+    --------
+    >>> float64_input("w", np.zeros((2, 3)), (2, 3)).shape
+    (2, 3)
+    >>> float64_input("w", np.zeros(3), 2)
+    Traceback (most recent call last):
+        ...
+    refattn.errors.RefAttnError: w: expected 2 axes, got 1 (shape [3])
+    """
+    arr = as_array(name, x)
+    check_float64(name, arr)
+    allowed = (ndim,) if isinstance(ndim, int) else ndim
+    if allowed is not None and arr.ndim not in allowed:
+        want = " or ".join(str(n) for n in allowed)
+        raise RefAttnError(
+            f"{name}: expected {want} axes, got {arr.ndim} (shape {list(arr.shape)})"
+        )
+    check_finite(name, arr)
+    return arr
 
 
 def check_shape(name: str, x: np.ndarray, expected: Sequence[int], letters: str) -> None:

@@ -19,6 +19,9 @@ from refattn._checks import (
     check_broadcastable,
     check_finite,
     check_float64,
+    check_shape,
+    first_index,
+    float64_input,
     format_index,
 )
 from refattn.errors import RefAttnError
@@ -83,17 +86,6 @@ def _frozen_copy(x: np.ndarray) -> np.ndarray:
     out = np.array(x, copy=True)
     out.flags.writeable = False
     return out
-
-
-def _float_input(name: str, x: object, ndim: int | None = None) -> np.ndarray:
-    arr = as_array(name, x)
-    check_float64(name, arr)
-    if ndim is not None and arr.ndim != ndim:
-        raise RefAttnError(
-            f"{name}: expected {ndim} axes, got {arr.ndim} (shape {list(arr.shape)})"
-        )
-    check_finite(name, arr)
-    return arr
 
 
 @dataclass(frozen=True, eq=False)
@@ -195,9 +187,9 @@ class AttentionCall:
         object.__setattr__(self, name, value)
 
     def _validate(self) -> None:
-        q = _float_input("q", self.q, 4)
-        k = _float_input("k", self.k, 4)
-        v = _float_input("v", self.v, 4)
+        q = float64_input("q", self.q, 4)
+        k = float64_input("k", self.k, 4)
+        v = float64_input("v", self.v, 4)
         ledger = {"query": tensor_record(q), "key_physical": tensor_record(k),
                   "value_physical": tensor_record(v)}
         B, Hq, Q, Dk = q.shape
@@ -217,8 +209,6 @@ class AttentionCall:
                 f"score: expected a refattn.scores family (Dot, Bilinear, Additive, Cosine), "
                 f"got {type(score).__name__}"
             )
-        if Dk2 != Dk and score.requires_equal_width:
-            raise RefAttnError(f"k: feature axis Dk={Dk2} must equal q's Dk={Dk}")
         score.check_call(Hq=Hq, Dq=Dk, Dk=Dk2)
         self._set("score", score)
         if Hkv2 != Hkv:
@@ -245,8 +235,7 @@ class AttentionCall:
             hm_in = as_array("head_map", self.head_map)
             if hm_in.dtype.kind not in "iu" or hm_in.dtype == np.bool_:
                 raise RefAttnError(f"head_map: expected an integer array, got dtype {hm_in.dtype}")
-            if hm_in.shape != (Hq,):
-                raise RefAttnError(f"head_map: expected shape [Hq={Hq}], got {list(hm_in.shape)}")
+            check_shape("head_map", hm_in, (Hq,), "Hq")
             bad = np.flatnonzero((hm_in < 0) | (hm_in >= Hkv))
             if bad.size:
                 h = int(bad[0])
@@ -347,9 +336,8 @@ class AttentionCall:
                 raise RefAttnError(f"softcap: expected a positive finite cap, got {float(c)!r}")
             self._set("softcap", float(c))
         if self.sink is not None:
-            sink = _float_input("sink", self.sink, 1)
-            if sink.shape != (Hq,):
-                raise RefAttnError(f"sink: expected shape [Hq={Hq}], got {list(sink.shape)}")
+            sink = float64_input("sink", self.sink, 1)
+            check_shape("sink", sink, (Hq,), "Hq")
             self._set("sink", _frozen_copy(sink))
 
     def _check_rows(self) -> None:
@@ -359,13 +347,12 @@ class AttentionCall:
         consumed = np.broadcast_to(self.query_valid_full()[..., 0], empty.shape)  # (B, Hq, Q)
         policy = self.all_masked_rows
         bad = empty if policy == "reject" else empty & consumed
-        flat = np.flatnonzero(bad)
-        if flat.size:
-            idx = np.unravel_index(flat[0], bad.shape)
+        idx = first_index(bad)
+        if idx is not None:
             what = "" if policy == "reject" else " and its query_valid is True"
             raise RefAttnError(
                 f"visible: row {format_index(idx, 'bhi')} has no legal key{what} under policy "
-                f"{policy!r} ({flat.size} such row(s))"
+                f"{policy!r} ({int(bad.sum())} such row(s))"
             )
 
     # -- derived views -----------------------------------------------------------------

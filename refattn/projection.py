@@ -21,7 +21,7 @@ from typing import Any
 
 import numpy as np
 
-from refattn._checks import as_array, check_finite, check_float64
+from refattn._checks import float64_input
 from refattn.call import AttentionCall
 from refattn.errors import RefAttnError
 from refattn.trace import Gradients, Trace
@@ -46,19 +46,8 @@ def linear_weight_to_equation(weight: np.ndarray) -> np.ndarray:
     >>> linear_weight_to_equation(np.arange(6.0).reshape(2, 3)).shape
     (3, 2)
     """
-    w = _array("weight", weight, 2)
+    w = float64_input("weight", weight, 2)
     return np.ascontiguousarray(w.T)
-
-
-def _array(name: str, x: object, ndim: int) -> np.ndarray:
-    arr = as_array(name, x)
-    check_float64(name, arr)
-    if arr.ndim != ndim:
-        raise RefAttnError(
-            f"{name}: expected {ndim} axes, got {arr.ndim} (shape {list(arr.shape)})"
-        )
-    check_finite(name, arr)
-    return arr
 
 
 def _split_heads(x: np.ndarray, heads: int) -> np.ndarray:
@@ -198,8 +187,8 @@ def project_attention(
     """
     from refattn.engine import forward
 
-    x = _array("x", x, 3)
-    src = x if memory is None else _array("memory", memory, 3)
+    x = float64_input("x", x, 3)
+    src = x if memory is None else float64_input("memory", memory, 3)
     if src.shape[0] != x.shape[0]:
         raise RefAttnError(f"memory: batch B={src.shape[0]} must equal x's B={x.shape[0]}")
     Hq = int(num_heads)
@@ -213,7 +202,7 @@ def project_attention(
         ("w_k", w_k, src, src_name, Hkv, "b_k", b_k),
         ("w_v", w_v, src, src_name, Hkv, "b_v", b_v),
     ):
-        w = _array(name, w, 2)
+        w = float64_input(name, w, 2)
         if w.shape[0] != stream.shape[2]:
             raise RefAttnError(
                 f"{name}: input axis {w.shape[0]} must equal {s_name}'s width {stream.shape[2]} "
@@ -225,7 +214,7 @@ def project_attention(
                 f"{name}: output width {w.shape[1]} is not divisible by {heads} heads"
             )
         if b is not None:
-            b = _array(b_name, b, 1)
+            b = float64_input(b_name, b, 1)
             if b.shape != (w.shape[1],):
                 raise RefAttnError(f"{b_name}: expected shape [{w.shape[1]}], got {list(b.shape)}")
         weights[name], weights[b_name] = w, b

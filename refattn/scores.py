@@ -23,7 +23,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from refattn._checks import as_array, check_finite, check_float64
+from refattn._checks import float64_input
 from refattn.errors import RefAttnError
 
 __all__ = [
@@ -54,15 +54,7 @@ class ScoreGradients(NamedTuple):
 
 
 def _param(name: str, x: object, ndim: tuple[int, ...]) -> np.ndarray:
-    arr = as_array(name, x)
-    check_float64(name, arr)
-    if arr.ndim not in ndim:
-        want = " or ".join(str(n) for n in ndim)
-        raise RefAttnError(
-            f"{name}: expected {want} axes, got {arr.ndim} (shape {list(arr.shape)})"
-        )
-    check_finite(name, arr)
-    out = np.array(arr, copy=True)
+    out = np.array(float64_input(name, x, ndim), copy=True)
     out.flags.writeable = False
     return out
 
