@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn.call import float_record
 from refattn.errors import RefAttnError
 from refattn.philox import philox4x32_10
 
@@ -291,8 +292,7 @@ class Philox:
             "p": self.p,
             "p_hex": self.p.hex(),
             "threshold": str(self.threshold),
-            "keep_multiplier": {"decimal": repr(self.keep_multiplier),
-                                "hex": self.keep_multiplier.hex()},
+            "keep_multiplier": float_record(self.keep_multiplier),
             "rng_provenance": "philox4x32-10 counter stream, replayed by coordinates",
         }
 

@@ -21,8 +21,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from refattn._checks import as_array, check_finite, check_float64
+from refattn._checks import as_array, check_finite, check_float64, first_index
 from refattn.dropout import Philox
+from refattn.dropout_variants import drop_probability
 from refattn.errors import RefAttnError
 
 __all__ = [
@@ -87,14 +88,10 @@ def _row_inputs(probs: object, rho: object, values: object | None) -> tuple[
         raise RefAttnError(f"probs: expected one row of legal probabilities (n,), got "
                            f"{list(p.shape)}")
     check_finite("probs", p)
-    if (p < 0).any():
-        j = int(np.flatnonzero(p < 0)[0])
-        raise RefAttnError(f"probs: entry {j} is {float(p[j])!r}; expected >= 0")
-    if isinstance(rho, bool) or not isinstance(rho, (int, float, np.integer, np.floating)):
-        raise RefAttnError(f"rho: expected a real dropout probability, got {type(rho).__name__}")
-    r = float(rho)
-    if not 0.0 <= r < 1.0:
-        raise RefAttnError(f"rho: expected a dropout probability in [0, 1), got {r!r}")
+    idx = first_index(p < 0)
+    if idx is not None:
+        raise RefAttnError(f"probs: entry {idx[0]} is {float(p[idx])!r}; expected >= 0")
+    r = drop_probability(rho)
     if values is None:
         v = np.ones((p.size, 1))
     else:
@@ -104,6 +101,12 @@ def _row_inputs(probs: object, rho: object, values: object | None) -> tuple[
             raise RefAttnError(f"values: expected shape [n={p.size}, Dv], got {list(v.shape)}")
         check_finite("values", v)
     return p, r, v
+
+
+def _draws(draws: object) -> int:
+    if isinstance(draws, bool) or not isinstance(draws, (int, np.integer)) or draws < 2:
+        raise RefAttnError(f"draws: expected an integer >= 2, got {draws!r}")
+    return int(draws)
 
 
 def analytic_moments(
@@ -175,8 +178,7 @@ def standard_errors(
     >>> round(se.row_sum_mean, 6)
     0.000612
     """
-    if isinstance(draws, bool) or not isinstance(draws, (int, np.integer)) or draws < 2:
-        raise RefAttnError(f"draws: expected an integer >= 2, got {draws!r}")
+    n_draws = _draws(draws)
     p, r, v = _row_inputs(probs, rho, values)
     s = r / (1.0 - r)
     k4 = r + r**4 / (1.0 - r) ** 3  # E[(Z - 1)^4]
@@ -196,7 +198,7 @@ def standard_errors(
     fourth_r = k4 * float((p2 * p2).sum()) + 3.0 * s * s * (float(p2.sum()) ** 2
                                                             - float((p2 * p2).sum()))
     q = r ** p.size
-    n = float(draws)
+    n = float(n_draws)
     return DropoutMoments(
         row_sum_mean=math.sqrt(var_r / n),
         row_sum_var=math.sqrt(max(fourth_r - var_r * var_r, 0.0) / n),
@@ -241,10 +243,9 @@ def monte_carlo_moments(
     >>> bool(abs(m.row_sum_mean - 1.0) < 0.1)
     True
     """
-    if isinstance(draws, bool) or not isinstance(draws, (int, np.integer)) or draws < 2:
-        raise RefAttnError(f"draws: expected an integer >= 2, got {draws!r}")
+    n_draws = _draws(draws)
     p, r, v = _row_inputs(probs, rho, values)
-    z = Philox(r, seed, offset).multiplier(int(draws), 1, 1, p.size)[:, 0, 0, :]  # (N, n)
+    z = Philox(r, seed, offset).multiplier(n_draws, 1, 1, p.size)[:, 0, 0, :]  # (N, n)
     pz = z * p  # (N, n): consumed weights of each draw
     row_sum = pz.sum(axis=1)  # (N,)
     out = pz @ v  # (N, Dv)

@@ -33,7 +33,7 @@ from typing import Literal, get_args
 
 import numpy as np
 
-from refattn._checks import as_array, check_bool, check_float64
+from refattn._checks import as_array, check_bool, check_float64, first_index
 from refattn.errors import RefAttnError
 
 __all__ = [
@@ -42,6 +42,7 @@ __all__ = [
     "Variant",
     "VariantExpectation",
     "apply_variant",
+    "drop_probability",
     "enumerate_keep_masks",
     "expected_weights",
 ]
@@ -51,7 +52,16 @@ VARIANTS: tuple[str, ...] = get_args(Variant)
 _MAX_ENUMERATED = 20
 
 
-def _rho(rho: object) -> float:
+def drop_probability(rho: object) -> float:
+    """``rho`` as a float dropout probability in [0, 1) (bool, non-real and NaN rejected).
+
+    Examples
+    --------
+    >>> drop_probability(1)
+    Traceback (most recent call last):
+        ...
+    refattn.errors.RefAttnError: rho: expected a dropout probability in [0, 1), got 1.0
+    """
     if isinstance(rho, bool) or not isinstance(rho, (int, float, np.integer, np.floating)):
         raise RefAttnError(f"rho: expected a real dropout probability, got {type(rho).__name__}")
     r = float(rho)
@@ -91,7 +101,7 @@ def apply_variant(
     check_float64("probs", p)
     m = as_array("keep", keep)
     check_bool("keep", m)
-    r = _rho(rho)
+    r = drop_probability(rho)
     try:
         p, m = np.broadcast_arrays(p, m)
     except ValueError:
@@ -139,7 +149,7 @@ def enumerate_keep_masks(n: int, rho: float) -> KeepMaskDistribution:
     """
     if isinstance(n, bool) or not isinstance(n, (int, np.integer)) or not 1 <= n <= _MAX_ENUMERATED:
         raise RefAttnError(f"n: expected an integer in [1, {_MAX_ENUMERATED}], got {n!r}")
-    r = _rho(rho)
+    r = drop_probability(rho)
     masks = np.array(list(itertools.product([False, True], repeat=int(n))), dtype=bool)
     kept = masks.sum(axis=1)
     probability = (1.0 - r) ** kept * r ** (int(n) - kept)
@@ -209,8 +219,11 @@ def expected_weights(
     check_float64("probs", p)
     if p.ndim != 1:
         raise RefAttnError(f"probs: expected one row (n,), got shape {list(p.shape)}")
-    if not np.isfinite(p).all() or (p < 0).any():
-        raise RefAttnError("probs: expected finite probabilities >= 0")
+    idx = first_index(~np.isfinite(p) | (p < 0))
+    if idx is not None:
+        raise RefAttnError(
+            f"probs: entry {idx[0]} is {float(p[idx])!r}; expected a finite probability >= 0"
+        )
     dist = enumerate_keep_masks(p.size, rho)
     w = apply_variant(p, dist.masks, rho, variant=variant)  # (2**n, n)
     expected = dist.probability @ w  # (n,)
