@@ -20,7 +20,7 @@ import tempfile
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -31,6 +31,7 @@ from refattn.trace import Gradients, Trace
 __all__ = [
     "SCHEMA",
     "SCHEMA_VERSION",
+    "Computed",
     "GoldenCase",
     "LoadedCase",
     "atomic_write",
@@ -116,8 +117,23 @@ def atomic_write(path: Path, data: bytes) -> None:
         raise
 
 
-def compute(case: GoldenCase) -> tuple[Trace, Gradients]:
-    """Forward and backward of a case on the reference backend, BLAS pinned to one thread."""
+class Computed(NamedTuple):
+    """Forward trace and gradients of one golden case."""
+
+    trace: Trace
+    grads: Gradients
+
+
+def compute(case: GoldenCase) -> Computed:
+    """Forward and backward of a case on the reference backend, BLAS pinned to one thread.
+
+    Examples
+    --------
+    >>> from refattn.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call
+    >>> result = compute(GoldenCase("loop6", loop6_call(), LOOP6_GRAD_OUTPUT, "Loop 6"))
+    >>> result.trace.output.shape, result.grads.grad_q.shape
+    ((1, 1, 2, 2), (1, 1, 2, 2))
+    """
     from threadpoolctl import threadpool_limits
 
     from refattn.engine import backward, forward
@@ -125,12 +141,12 @@ def compute(case: GoldenCase) -> tuple[Trace, Gradients]:
     with threadpool_limits(limits=1):
         trace = forward(case.call, backend="numpy")
         grads = backward(trace, case.grad_output)
-    return trace, grads
+    return Computed(trace, grads)
 
 
 def _case_tensors(trace: Trace, grads: Gradients) -> dict[str, np.ndarray]:
     tensors = {**trace.tensors(), **grads.tensors()}
-    if trace.call.dropout is not None and not hasattr(trace.call.dropout, "manifest"):
+    if isinstance(trace.call.dropout, np.ndarray):  # explicit Z, not a MultiplierSource
         tensors["dropout"] = trace.call.dropout  # the multiplier as given (pre-broadcast)
     return {name: np.ascontiguousarray(t) for name, t in tensors.items()}
 
@@ -143,7 +159,7 @@ def _conventions(case: GoldenCase) -> dict[str, Any]:
         "all_masked_rows": call.all_masked_rows,
         "returned_weights": call.returned_weights,
         "scale": float_record(call.scale),
-        "scale_placement": getattr(call, "scale_placement", "post"),
+        "scale_placement": call.scale_placement,
         "causal_alignment": "none",
         "window_convention": "none",
     }

@@ -133,10 +133,9 @@ class Trace:
                 out[name] = value
         out["sanitized_rows"] = self.sanitized_rows
         # score family parameters and modifiers appear only when the call uses them
-        score = getattr(call, "score", None)
-        for name, value in (score.parameters() if score is not None else {}).items():
+        for name, value in call.score.parameters().items():
             out[f"score_{name}"] = value
-        if getattr(call, "sink", None) is not None:
+        if call.sink is not None:
             out["sink"] = call.sink
         for name in OPTIONAL_FORWARD_NAMES:
             value = getattr(self, name)

@@ -13,7 +13,7 @@ import numpy as np
 
 from refattn.call import AttentionCall
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
-from refattn.scale_placement import operand_multipliers
+from refattn.scale_placement import OperandMultipliers, operand_multipliers
 from refattn.scores import Dot, ScoreFamily
 from refattn.trace import Gradients, Trace
 
@@ -31,6 +31,19 @@ def _into(ufunc: np.ufunc, a: np.ndarray, b: np.ndarray | complex) -> np.ndarray
     if np.result_type(a, b) == a.dtype and np.broadcast_shapes(a.shape, np.shape(b)) == a.shape:
         return ufunc(a, b, out=a)
     return ufunc(a, b)
+
+
+def _scaled_operands(
+    q: np.ndarray, k_eff: np.ndarray, scale: float, scale_placement: str
+) -> tuple[np.ndarray, np.ndarray, OperandMultipliers]:
+    """q and k_eff with alpha's operand share applied (unchanged when it is 1).
+
+    Returns ``(q_s, k_s, mult)``: q_s (B, Hq, Q, Dq), k_s (B, Hq, K, Dk) and the multipliers.
+    """
+    mult = operand_multipliers(scale, scale_placement)  # alpha applied exactly once in total
+    q_s = q if mult.query == 1.0 else q * mult.query
+    k_s = k_eff if mult.key == 1.0 else k_eff * mult.key
+    return q_s, k_s, mult
 
 
 def forward_arrays(
@@ -101,9 +114,7 @@ def forward_arrays(
     v_eff = gather_heads(v, head_map)  # (B, Hq, K, Dv)
 
     family = Dot() if score is None else score
-    mult = operand_multipliers(scale, scale_placement)  # alpha applied exactly once in total
-    q_s = q if mult.query == 1.0 else q * mult.query  # (B, Hq, Q, Dq) pre-scaled query
-    k_s = k_eff if mult.key == 1.0 else k_eff * mult.key  # (B, Hq, K, Dk) pre-scaled key
+    q_s, k_s, _ = _scaled_operands(q, k_eff, scale, scale_placement)  # pre-scaled operands
     scores = family.compatibility(q_s, k_s)  # (B, Hq, Q, K) u; dot: q @ k_eff^T
     if scale_placement == "post":
         scores *= scale  # alpha applied exactly once, after the product
@@ -242,9 +253,7 @@ def backward_arrays(
         grad_scaled = grad_scores * (1.0 - t * t)
         extra["grad_softcap_input"] = grad_scaled
     family = Dot() if score is None else score
-    mult = operand_multipliers(scale, scale_placement)
-    q_s = q if mult.query == 1.0 else q * mult.query
-    k_s = k_eff if mult.key == 1.0 else k_eff * mult.key
+    q_s, k_s, mult = _scaled_operands(q, k_eff, scale, scale_placement)
     sg = family.compatibility_backward(grad_scaled, q_s, k_s)  # linear in its cotangent
     grad_q = sg.grad_q * (mult.query * mult.post)  # (B, Hq, Q, Dk); dot post: (G_S k) alpha
     grad_k_eff = sg.grad_k * (mult.key * mult.post)  # (B, Hq, K, Dk)
@@ -272,10 +281,10 @@ def _call_arrays(call: AttentionCall) -> dict:
         "head_map": call.head_map,
         "scale": call.scale,
         "query_valid": call.query_valid_full(),
-        "score": getattr(call, "score", None),
-        "scale_placement": getattr(call, "scale_placement", "post"),
-        "softcap": getattr(call, "softcap", None),
-        "sink": getattr(call, "sink", None),
+        "score": call.score,
+        "scale_placement": call.scale_placement,
+        "softcap": call.softcap,
+        "sink": call.sink,
     }
 
 
