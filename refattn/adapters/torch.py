@@ -67,12 +67,6 @@ def _torch() -> Any:
     return torch
 
 
-def _torch_dtype(precision: str) -> Any:
-    torch = _torch()
-    return {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,
-            "bfloat16": torch.bfloat16}[precision]
-
-
 # -- decisions (pure; no torch needed) -------------------------------------------------------
 @dataclass(frozen=True)
 class SdpaArguments:
@@ -353,7 +347,7 @@ def _kv_heads(tc: TorchCase, k: Any, v: Any, expand: bool) -> tuple[Any, Any]:
     return k.index_select(1, tc.head_map), v.index_select(1, tc.head_map)  # (B, Hq, K, D)
 
 
-def _finish(spec: CaseSpec, tc: TorchCase, out: Any) -> Any:
+def _finish(tc: TorchCase, out: Any) -> Any:
     """Zero unused query rows (query_valid False), as the contract's output does."""
     return out.masked_fill(~tc.query_valid, 0.0)  # (B, Hq, Q, Dv)
 
@@ -401,7 +395,7 @@ def _run_sdpa(spec: CaseSpec, precision: str, *, backend: Backend, gqa: Any,
             )
         except RuntimeError as exc:
             raise RefAttnError(f"torch sdpa ({backend}): {exc}") from None
-    out = _finish(spec, tc, out)
+    out = _finish(tc, out)
     selected = _observed(spy.ops)
     grads = _backward(tc, out)
     tensors = {"output": out, **grads}
@@ -417,12 +411,12 @@ def _run_sdpa(spec: CaseSpec, precision: str, *, backend: Backend, gqa: Any,
                          {n: _numpy(x) for n, x in tensors.items()}, manifest)
 
 
-def _scores_eager(spec: CaseSpec, tc: TorchCase, precision: str) -> tuple[Any, Any]:
+def _scores_eager(spec: CaseSpec, tc: TorchCase, k_eff: Any) -> Any:
+    """(B, Hq, Q, K) scores of the case's family, scale placement applied."""
     from refattn.scale_placement import operand_multipliers
 
     torch = _torch()
     mult = operand_multipliers(spec.scale, spec.scale_placement)
-    k_eff, _ = _kv_heads(tc, tc.k, tc.v, True)
     q = tc.q if mult.query == 1.0 else tc.q * mult.query  # (B, Hq, Q, Dq)
     k = k_eff if mult.key == 1.0 else k_eff * mult.key  # (B, Hq, K, Dk)
     p = tc.score_params
@@ -444,15 +438,15 @@ def _scores_eager(spec: CaseSpec, tc: TorchCase, precision: str) -> tuple[Any, A
             u = qn @ kn.transpose(-1, -2)
         case other:
             raise RefAttnError(f"torch eager: unknown score family {other!r}")
-    return (u * mult.post if mult.post != 1.0 else u), k_eff
+    return u * mult.post if mult.post != 1.0 else u
 
 
 def _run_eager(spec: CaseSpec, precision: str) -> AdapterResult:
     torch = _torch()
     tc = case_tensors(spec, dtype=precision)
-    _, v_eff = _kv_heads(tc, tc.k, tc.v, True)
+    k_eff, v_eff = _kv_heads(tc, tc.k, tc.v, True)  # (B, Hq, K, Dk), (B, Hq, K, Dv)
     keep: dict[str, Any] = {}
-    scores, _ = _scores_eager(spec, tc, precision)  # (B, Hq, Q, K)
+    scores = _scores_eager(spec, tc, k_eff)  # (B, Hq, Q, K)
     if spec.softcap is not None:
         keep["softcap_input"] = scores
         scores = spec.softcap * torch.tanh(scores / spec.softcap)
@@ -473,7 +467,7 @@ def _run_eager(spec: CaseSpec, precision: str) -> AdapterResult:
         probs = torch.softmax(masked, dim=-1)
         sink_probs = None
     consumed = probs * tc.multiplier  # the golden dropout multiplier, injected
-    out = _finish(spec, tc, consumed @ v_eff)  # (B, Hq, Q, Dv)
+    out = _finish(tc, consumed @ v_eff)  # (B, Hq, Q, Dv)
     for x in (biased, probs, consumed, keep.get("softcap_input")):
         if x is not None:
             x.retain_grad()  # their gradients are canonical tensors too
@@ -547,7 +541,7 @@ def _run_mha(spec: CaseSpec, precision: str, *, need_weights: bool) -> AdapterRe
             static_k=k_eff.reshape(B * Hq, K, D), static_v=v_eff.reshape(B * Hq, K, D),
             average_attn_weights=False,
         )
-    out = _finish(spec, tc, out.reshape(Q, B, Hq, D).permute(1, 2, 0, 3))
+    out = _finish(tc, out.reshape(Q, B, Hq, D).permute(1, 2, 0, 3))
     selected = _observed(spy.ops)
     if need_weights and selected == "math":
         selected = "mha_explicit_softmax"
