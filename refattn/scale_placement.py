@@ -10,7 +10,7 @@ which they agree, and the "Scale-placement validation gate". Defers the arithmet
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import TYPE_CHECKING, Any, Literal, NamedTuple
 
 import numpy as np
@@ -204,7 +204,6 @@ def scale_gate(
     >>> scale_gate(AttentionCall(q, k, v), fused, configured_alpha=0.5).checks[-1]
     'output_within_tolerance'
     """
-    from refattn.call import AttentionCall
     from refattn.engine import forward
 
     width = None if width_override else call.q.shape[-1]
@@ -215,11 +214,7 @@ def scale_gate(
     if fails:
         raise RefAttnError("scale gate: " + "; ".join(fails))
 
-    eager_call = AttentionCall(
-        call.q, call.k, call.v, visible=call.visible, query_valid=call.query_valid,
-        bias=call.bias, scale=call.scale, head_map=call.head_map, dropout=call.dropout,
-        all_masked_rows=call.all_masked_rows, softcap=call.softcap, sink=call.sink,
-    )  # the same call, post-scaled: the eager reference of the contract's gate
+    eager_call = replace(call, scale_placement="post")  # the contract's eager reference
     eager = forward(eager_call, backend="numpy").output
     cand = np.asarray(candidate_output)
     if cand.dtype != np.float64 or cand.shape != eager.shape:
