@@ -16,7 +16,10 @@ from typing import Any
 import numpy as np
 
 from refattn._checks import as_array, format_index
+from refattn.call import AttentionCall
+from refattn.engine import forward
 from refattn.errors import RefAttnError
+from refattn.trace import Trace
 
 __all__ = [
     "LabelledRows",
@@ -175,8 +178,13 @@ def take_rows(rows: LabelledRows, index: np.ndarray) -> LabelledRows:
 
 
 def labelled_attention(
-    q: np.ndarray, keys: LabelledRows, values: LabelledRows, **call_options: Any
-) -> Any:
+    q: np.ndarray,
+    keys: LabelledRows,
+    values: LabelledRows,
+    *,
+    backend: str = "numpy",
+    **call_options: Any,
+) -> Trace:
     """Check source identity, then run the call: the oracle with row labels carried beside.
 
     Parameters
@@ -186,8 +194,10 @@ def labelled_attention(
         K rows, (B, Hkv, K, Dk), with labels.
     values : LabelledRows
         V rows, (B, Hkv, K, Dv), with labels.
+    backend : str
+        Engine backend (default ``"numpy"``).
     **call_options
-        Keywords for :class:`~refattn.AttentionCall` (and ``backend=``).
+        Keywords for :class:`~refattn.AttentionCall`.
 
     Returns
     -------
@@ -204,9 +214,5 @@ def labelled_attention(
     >>> labelled_attention(np.zeros((1, 1, 1, 2)), kv, kv).output.ravel().tolist()
     [0.5, 0.5]
     """
-    from refattn.call import AttentionCall
-    from refattn.engine import forward
-
     check_source_identity(keys.label_grid(), values.label_grid())
-    backend = call_options.pop("backend", "numpy")
     return forward(AttentionCall(q, keys.values, values.values, **call_options), backend=backend)

@@ -117,10 +117,12 @@ def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     return get_backend(trace.backend).backward(trace, g)
 
 
-def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, **kwargs: Any) -> np.ndarray:
+def attention(
+    q: np.ndarray, k: np.ndarray, v: np.ndarray, *, backend: str = "numpy", **kwargs: Any
+) -> np.ndarray:
     """Output of scaled-dot-product attention; keywords as for :class:`AttentionCall`.
 
-    ``backend=`` selects the engine (default ``"numpy"``).
+    ``backend`` selects the engine (default ``"numpy"``).
 
     Returns
     -------
@@ -133,5 +135,4 @@ def attention(q: np.ndarray, k: np.ndarray, v: np.ndarray, **kwargs: Any) -> np.
     >>> attention(np.zeros((1, 1, 1, 2)), np.zeros((1, 1, 3, 2)), v).tolist()
     [[[[2.0, 3.0]]]]
     """
-    backend = kwargs.pop("backend", "numpy")
     return forward(AttentionCall(q, k, v, **kwargs), backend=backend).output
