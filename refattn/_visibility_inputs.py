@@ -19,6 +19,7 @@ __all__ = [
     "WindowBound",
     "frozen",
     "head_count",
+    "int_array",
     "int_coordinates",
     "key_validity",
     "prefix_lengths",
@@ -40,7 +41,14 @@ def _is_int_scalar(x: Any) -> bool:
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
-def _int_array(name: str, x: object) -> np.ndarray:
+def int_array(name: str, x: object) -> np.ndarray:
+    """``x`` as int64 when it holds integers that fit (no float, bool or wrapping uint64).
+
+    Examples
+    --------
+    >>> int_array("lengths", np.array([3, 4], dtype=np.uint8)).tolist()
+    [3, 4]
+    """
     arr = as_array(name, x)
     if arr.dtype.kind not in "iu":
         raise RefAttnError(f"{name}: expected an integer array, got dtype {arr.dtype}")
@@ -59,7 +67,7 @@ def int_coordinates(
     >>> int_coordinates("q_pos", [[0, 1]], (1, 2), "B,Q").dtype
     dtype('int64')
     """
-    arr = _int_array(name, x)
+    arr = int_array(name, x)
     if shape is None:
         if arr.ndim != 2:
             raise RefAttnError(f"{name}: expected shape [{letters}], got {list(arr.shape)}")
@@ -80,7 +88,7 @@ def key_validity(x: object, shape: tuple[int, int]) -> np.ndarray:
 
 def prefix_lengths(x: object, B: int) -> np.ndarray:
     """``prefix_length`` as (B,) or (B, H) non-negative int64 (a scalar is shared by rows)."""
-    arr = _int_array("prefix_length", x)
+    arr = int_array("prefix_length", x)
     if arr.ndim == 0:
         arr = np.broadcast_to(arr, (B,))
     if arr.ndim not in (1, 2) or arr.shape[0] != B:
@@ -109,7 +117,7 @@ def _window_side(name: str, x: object) -> WindowBound:
         raise RefAttnError(
             f"window: {name} bound must be an int, None or an (H,) int array, got {x!r}"
         )
-    arr = _int_array(f"window {name}", x)
+    arr = int_array(f"window {name}", x)
     if arr.ndim != 1 or arr.size == 0:
         raise RefAttnError(
             f"window: per-head {name} bounds must have shape [H], got {list(arr.shape)}"

@@ -17,6 +17,7 @@ import numpy as np
 
 from refattn._checks import as_array, check_bool
 from refattn.errors import RefAttnError
+from refattn.mask_render import as4
 from refattn.visibility import VisibilityRelation
 
 __all__ = ["ABSENT", "FULL", "PARTIAL", "BlockMask", "block_mask_to_dense", "to_block_mask"]
@@ -150,7 +151,7 @@ def to_block_mask(visible: Any, block_size: Any = 128) -> BlockMask:
         check_bool("visible", vis)
         if vis.ndim not in (2, 4):
             raise RefAttnError(f"visible: expected [Q,K] or [B,H,Q,K], got {list(vis.shape)}")
-        vis = vis.reshape((1,) * (4 - vis.ndim) + vis.shape).copy()
+        vis = as4(vis).copy()
         vis.flags.writeable = False
         shape = vis.shape
         qs, ks = _starts(shape[2], q_block), _starts(shape[3], kv_block)

@@ -24,7 +24,8 @@ from refattn._checks import (
     format_index,
 )
 from refattn.errors import RefAttnError
-from refattn.packing import _cu_seqlens
+from refattn.mask_render import as4, dense_relation
+from refattn.packing import _cu_seqlens, segments_from_cu_seqlens
 from refattn.visibility import VisibilityRelation, causal
 
 __all__ = [
@@ -60,28 +61,12 @@ POLARITY: dict[str, str] = {
 }
 
 
-def _relation_and_dense(visible: Any) -> tuple[VisibilityRelation | None, np.ndarray]:
-    if isinstance(visible, VisibilityRelation):
-        return visible, visible.dense()
-    arr = as_array("visible", visible)
-    check_bool("visible", arr)
-    if not 2 <= arr.ndim <= 4:
-        raise RefAttnError(
-            f"visible: expected [Q,K], [H,Q,K] or [B,H,Q,K] axes, got shape {list(arr.shape)}"
-        )
-    return None, arr
-
-
-def _as4(arr: np.ndarray) -> np.ndarray:
-    return arr.reshape((1,) * (4 - arr.ndim) + arr.shape)
-
-
 def _check_rows(vis: np.ndarray, policy: RowPolicy) -> None:
     if policy == "allow":
         return
     if policy != "reject":
         raise RefAttnError(f"all_masked_rows: expected 'reject' or 'allow', got {policy!r}")
-    empty = ~_as4(vis).any(axis=-1)  # (B, H, Q)
+    empty = ~as4(vis).any(axis=-1)  # (B, H, Q)
     idx = first_index(empty)
     if idx is not None:
         raise RefAttnError(
@@ -118,7 +103,7 @@ def to_sdpa_bool(
     >>> to_sdpa_bool(np.array([[True, False], [True, True]])).tolist()
     [[True, False], [True, True]]
     """
-    _, vis = _relation_and_dense(visible)
+    vis = dense_relation("visible", visible)
     if score_shape is not None:
         check_broadcastable("visible", vis, score_shape, "B,Hq,Q,K")
     _check_rows(vis, all_masked_rows)
@@ -169,13 +154,13 @@ def to_mha_attn_mask(
     >>> to_mha_attn_mask(np.tril(np.ones((3, 3), bool)), num_heads=2).astype(int).tolist()
     [[0, 1, 1], [0, 0, 1], [0, 0, 0]]
     """
-    _, vis = _relation_and_dense(visible)
+    vis = dense_relation("visible", visible)
     if vis.ndim == 3:
         raise RefAttnError(
             f"visible: a 3-axis relation {list(vis.shape)} is ambiguous here; pass [Q,K] or "
             "[B,H,Q,K]"
         )
-    vis = _as4(vis)
+    vis = as4(vis)
     B, H, Q, K = vis.shape
     if H not in (1, num_heads):
         raise RefAttnError(f"visible: head axis has size {H}, expected 1 or num_heads={num_heads}")
@@ -239,7 +224,7 @@ def to_key_padding_mask(visible: Any, *, all_masked_rows: RowPolicy = "reject") 
     >>> to_key_padding_mask(vis).tolist()
     [[False, False, True]]
     """
-    _, vis = _relation_and_dense(visible)
+    vis = dense_relation("visible", visible)
     if vis.ndim != 4:
         raise RefAttnError(
             f"visible: expected [B,H,Q,K] (e.g. [B,1,1,K]) axes, got {list(vis.shape)}"
@@ -282,7 +267,7 @@ def to_additive_bias(visible: Any, *, all_masked_rows: RowPolicy = "reject") -> 
     >>> to_additive_bias(np.array([[True, False]])).tolist()
     [[0.0, -inf]]
     """
-    _, vis = _relation_and_dense(visible)
+    vis = dense_relation("visible", visible)
     _check_rows(vis, all_masked_rows)
     return np.where(vis, 0.0, -np.inf)
 
@@ -367,8 +352,8 @@ def from_cu_seqlens(
             "causal: varlen causal blocks must be square (cu_seqlens_k == cu_seqlens_q); "
             "rectangular causal alignment is ambiguous here"
         )
-    seg_q = np.repeat(np.arange(cu_q.size - 1), np.diff(cu_q))  # (Q,)
-    seg_k = np.repeat(np.arange(cu_k.size - 1), np.diff(cu_k))  # (K,)
+    seg_q = segments_from_cu_seqlens(cu_q).segment_ids  # (Q,)
+    seg_k = segments_from_cu_seqlens(cu_k).segment_ids  # (K,)
     vis = seg_q[:, None] == seg_k[None, :]  # (Q, K) block-diagonal
     if causal:
         vis &= np.arange(cu_k[-1])[None, :] <= np.arange(cu_q[-1])[:, None]
@@ -400,10 +385,10 @@ def to_cu_seqlens(visible: Any) -> VarlenLowering:
     >>> low.cu_seqlens_q.tolist(), low.causal, low.max_seqlen_q
     ([0, 3, 7, 12, 16], True, 5)
     """
-    _, vis = _relation_and_dense(visible)
+    vis = dense_relation("visible", visible)
     if vis.ndim == 3:
         raise RefAttnError(f"visible: expected [Q,K] or [1,1,Q,K], got {list(vis.shape)}")
-    vis4 = _as4(vis)
+    vis4 = as4(vis)
     if vis4.shape[:2] != (1, 1):
         raise RefAttnError(
             f"visible: cu_seqlens describes one packed row shared by all heads; expected "
@@ -491,9 +476,11 @@ def to_sdpa_causal(
     """
     if mode not in ("auto", "flag"):
         raise RefAttnError(f"mode: expected 'auto' or 'flag', got {mode!r}")
-    rel, vis = _relation_and_dense(visible)
+    rel = visible if isinstance(visible, VisibilityRelation) else None
+    vis = dense_relation("visible", visible)
     Q, K = vis.shape[-2:]
-    diff = first_index(_as4(vis) != _upper_left(Q, K))
+    vis4 = as4(vis)
+    diff = first_index(vis4 != _upper_left(Q, K))
     if diff is None:
         _check_rows(vis, all_masked_rows)
         return SdpaCausal(True, None)
@@ -506,7 +493,7 @@ def to_sdpa_causal(
             )
         raise RefAttnError(
             f"visible: differs from the upper-left causal relation that is_causal=True means "
-            f"at edge {format_index(diff, 'bhij')} (visible={bool(_as4(vis)[diff])}); "
+            f"at edge {format_index(diff, 'bhij')} (visible={bool(vis4[diff])}); "
             "pass the explicit mask (mode='auto')"
         )
     return SdpaCausal(False, to_sdpa_bool(vis, all_masked_rows=all_masked_rows))

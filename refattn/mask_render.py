@@ -1,6 +1,7 @@
 """Visibility diagnostics: rows with no legal key, and the contract's q\\k text matrix.
 
-Owns inspection of an already-built dense relation; defers building relations to
+Owns inspection of an already-built dense relation, and reading a relation or bool array as
+one (:func:`dense_relation`, :func:`as4`, shared with the adapters); defers building relations to
 :mod:`refattn.visibility` and enforcing an all-masked-row policy to the adapters and
 :class:`refattn.AttentionCall`.
 """
@@ -14,8 +15,9 @@ import numpy as np
 
 from refattn._checks import as_array, check_bool
 from refattn.errors import RefAttnError
+from refattn.visibility_relation import VisibilityRelation
 
-__all__ = ["EmptyRow", "empty_rows", "render"]
+__all__ = ["EmptyRow", "as4", "dense_relation", "empty_rows", "render"]
 
 
 class EmptyRow(NamedTuple):
@@ -26,8 +28,15 @@ class EmptyRow(NamedTuple):
     i: int
 
 
-def _dense4(name: str, visible: Any) -> np.ndarray:
-    if hasattr(visible, "dense") and callable(visible.dense):
+def dense_relation(name: str, visible: Any) -> np.ndarray:
+    """A relation's :meth:`~VisibilityRelation.dense`, or a checked bool array (shape kept).
+
+    Examples
+    --------
+    >>> dense_relation("visible", np.eye(2, dtype=bool)).shape
+    (2, 2)
+    """
+    if isinstance(visible, VisibilityRelation):
         return visible.dense()
     arr = as_array(name, visible)
     check_bool(name, arr)
@@ -35,6 +44,11 @@ def _dense4(name: str, visible: Any) -> np.ndarray:
         raise RefAttnError(
             f"{name}: expected [Q,K], [H,Q,K] or [B,H,Q,K] axes, got shape {list(arr.shape)}"
         )
+    return arr
+
+
+def as4(arr: np.ndarray) -> np.ndarray:
+    """View of a 2- to 4-axis relation with size-1 leading axes added: (B, H, Q, K)."""
     return arr.reshape((1,) * (4 - arr.ndim) + arr.shape)
 
 
@@ -56,7 +70,7 @@ def empty_rows(visible: Any) -> list[EmptyRow]:
     >>> empty_rows(np.array([[True, False], [False, False]]))
     [EmptyRow(b=0, h=0, i=1)]
     """
-    vis = _dense4("visible", visible)
+    vis = as4(dense_relation("visible", visible))
     none = ~vis.any(axis=-1)  # (B, H, Q)
     return [EmptyRow(int(b), int(h), int(i)) for b, h, i in zip(*np.nonzero(none), strict=True)]
 

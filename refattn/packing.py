@@ -14,6 +14,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from refattn._checks import as_array, check_float64
+from refattn._visibility_inputs import int_array
 from refattn.errors import RefAttnError
 
 __all__ = [
@@ -62,9 +63,7 @@ class Packed(NamedTuple):
 
 
 def _lengths(x: object) -> np.ndarray:
-    arr = as_array("lengths", x)
-    if arr.dtype.kind not in "iu":
-        raise RefAttnError(f"lengths: expected an integer array, got dtype {arr.dtype}")
+    arr = int_array("lengths", x)
     if arr.ndim != 1 or arr.size == 0:
         raise RefAttnError(f"lengths: expected a non-empty 1-D array, got shape {list(arr.shape)}")
     bad = np.flatnonzero(arr < 1)
@@ -73,7 +72,7 @@ def _lengths(x: object) -> np.ndarray:
         raise RefAttnError(
             f"lengths: entry {s} is {int(arr[s])}; every packed example needs at least one token"
         )
-    return arr.astype(np.int64)
+    return arr
 
 
 def cu_seqlens_from_lengths(lengths: Any) -> np.ndarray:
@@ -93,14 +92,11 @@ def cu_seqlens_from_lengths(lengths: Any) -> np.ndarray:
     >>> cu_seqlens_from_lengths([3, 4, 5, 4]).tolist()
     [0, 3, 7, 12, 16]
     """
-    lengths = _lengths(lengths)
-    return np.concatenate([[0], np.cumsum(lengths)]).astype(np.int64)
+    return np.concatenate([[0], np.cumsum(_lengths(lengths))])  # int64: lengths are int64
 
 
 def _cu_seqlens(x: object) -> np.ndarray:
-    cu = as_array("cu_seqlens", x)
-    if cu.dtype.kind not in "iu":
-        raise RefAttnError(f"cu_seqlens: expected an integer array, got dtype {cu.dtype}")
+    cu = int_array("cu_seqlens", x)
     if cu.ndim != 1 or cu.size < 2:
         raise RefAttnError(
             f"cu_seqlens: expected a 1-D array of at least 2 offsets, got shape {list(cu.shape)}"
@@ -114,7 +110,7 @@ def _cu_seqlens(x: object) -> np.ndarray:
             f"cu_seqlens: must be strictly increasing, got {int(cu[s])} then {int(cu[s + 1])} "
             f"at entries {s}, {s + 1} (every example needs at least one token)"
         )
-    return cu.astype(np.int64)
+    return cu
 
 
 def segments_from_cu_seqlens(cu_seqlens: Any) -> PackedSegments:

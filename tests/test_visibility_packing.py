@@ -189,6 +189,11 @@ PACKING_REJECTIONS = [
      r"length: 3 is shorter than the longest example \(4\)"),
     (lambda: pair_counts(np.array([], dtype=np.int64)),
      r"lengths: expected a non-empty 1-D array, got shape \[0\]"),
+    # a uint64 beyond int64 must be refused, not wrapped to a negative length / offset
+    (lambda: cu_seqlens_from_lengths(np.array([2**64 - 1, 2], dtype=np.uint64)),
+     "lengths: value 18446744073709551615 does not fit in int64"),
+    (lambda: segments_from_cu_seqlens(np.array([0, 2**63], dtype=np.uint64)),
+     "cu_seqlens: value 9223372036854775808 does not fit in int64"),
 ]
 
 
