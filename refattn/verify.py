@@ -19,7 +19,7 @@ import zlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, get_args
 
 import numpy as np
 
@@ -33,6 +33,7 @@ __all__ = [
     "VerifyReport",
     "check_schema",
     "gradient_check",
+    "read_manifest",
     "verify",
 ]
 
@@ -92,6 +93,23 @@ def check_schema(manifest: Mapping[str, Any]) -> dict[str, Any]:
     if not isinstance(out.get("cases"), Mapping):
         raise RefAttnError("manifest: 'cases' is missing or not an object")
     return out
+
+
+def read_manifest(path: str | os.PathLike) -> dict[str, Any]:
+    """Parse a bundle's ``manifest.json`` (schema not yet checked: see :func:`check_schema`).
+
+    Raises
+    ------
+    RefAttnError
+        Naming the file when it cannot be read or is not valid JSON.
+    """
+    path = Path(path)
+    try:
+        return json.loads(path.read_text())
+    except OSError as exc:
+        raise RefAttnError(f"{path}: cannot read the bundle manifest ({exc.strerror})") from None
+    except json.JSONDecodeError as exc:
+        raise RefAttnError(f"{path}: manifest is not valid JSON ({exc})") from None
 
 
 @dataclass(frozen=True)
@@ -426,6 +444,12 @@ def gradient_check(call: Any, grad_output: np.ndarray, grads: Mapping[str, np.nd
 
 
 GradcheckMethod = Literal["auto", "check_vjp", "central_difference"]
+_METHODS: tuple[str, ...] = get_args(GradcheckMethod)
+
+
+def _check_method(method: str) -> None:
+    if method not in _METHODS:
+        raise RefAttnError(f"gradcheck method: expected one of {list(_METHODS)}, got {method!r}")
 
 
 def _check_stored_gradients(case: Any, spec: Any, *, seed: int, method: GradcheckMethod
@@ -434,9 +458,7 @@ def _check_stored_gradients(case: Any, spec: Any, *, seed: int, method: Gradchec
     (complex step; every element when small, else along one random direction), or with
     :func:`gradient_check` (``central_difference``, also the fallback of ``auto`` when
     ``check_vjp`` is not available)."""
-    if method not in ("auto", "check_vjp", "central_difference"):
-        raise RefAttnError(f"gradcheck method: expected 'auto', 'check_vjp' or "
-                           f"'central_difference', got {method!r}")
+    _check_method(method)
     stored = {n: t for n, t in spec.tensors.items()
               if n.startswith("grad_") and n != "grad_output"}
     check_attention = None
@@ -566,17 +588,9 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
 
     if backend not in BACKENDS:
         raise RefAttnError(f"backend: unknown backend {backend!r}; known: {sorted(BACKENDS)}")
-    if gradcheck_method not in ("auto", "check_vjp", "central_difference"):
-        raise RefAttnError(f"gradcheck method: expected 'auto', 'check_vjp' or "
-                           f"'central_difference', got {gradcheck_method!r}")
+    _check_method(gradcheck_method)
     directory = Path(directory)
-    mpath = directory / "manifest.json"
-    try:
-        raw = json.loads(mpath.read_text())
-    except OSError as exc:
-        raise RefAttnError(f"{mpath}: cannot read the bundle manifest ({exc.strerror})") from None
-    except json.JSONDecodeError as exc:
-        raise RefAttnError(f"{mpath}: manifest is not valid JSON ({exc})") from None
+    raw = read_manifest(directory / "manifest.json")
     manifest = check_schema(raw)
     results = [
         _verify_case(directory, case_id, entry, manifest, recompute=recompute,

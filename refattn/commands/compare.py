@@ -31,14 +31,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    import json
     from dataclasses import replace
 
     from refattn.compare import compare, read_candidate
     from refattn.errors import RefAttnError
     from refattn.golden import load
     from refattn.tolerances import Tolerances
-    from refattn.verify import check_schema
+    from refattn.verify import check_schema, read_manifest
 
     golden = Path(args.golden)
     if golden.is_dir():
@@ -54,10 +53,7 @@ def run(args: argparse.Namespace) -> int:
     manifest = None
     mpath = golden.parent.parent / "manifest.json"
     if mpath.is_file():  # the bundle's schema version must be one this refattn reads
-        try:
-            manifest = check_schema(json.loads(mpath.read_text()))
-        except json.JSONDecodeError as exc:
-            raise RefAttnError(f"{mpath}: manifest is not valid JSON ({exc})") from None
+        manifest = check_schema(read_manifest(mpath))
     report = compare(read_candidate(args.candidate), load(golden, manifest=manifest),
                      dtype=args.dtype, tolerances=tol)
     print(report.format())
