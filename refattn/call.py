@@ -88,6 +88,16 @@ def _frozen_copy(x: np.ndarray) -> np.ndarray:
     return out
 
 
+def _positive_real(name: str, x: object, what: str) -> float:
+    """A positive finite real number (bool and strings are rejected, not converted)."""
+    if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
+        raise RefAttnError(f"{name}: expected a real number, got {type(x).__name__}")
+    value = float(x)
+    if not np.isfinite(value) or value <= 0.0:
+        raise RefAttnError(f"{name}: expected a positive finite {what}, got {value!r}")
+    return value
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionCall:
     """Frozen description of one scaled-dot-product attention call (``attention_call_v1``).
@@ -256,15 +266,7 @@ class AttentionCall:
             scale = float(Dk) ** -0.5
             ledger["scale_source"] = "default_dk_inverse_sqrt"
         else:
-            if isinstance(self.scale, bool) or not isinstance(
-                self.scale, (int, float, np.integer, np.floating)
-            ):
-                raise RefAttnError(
-                    f"scale: expected a real number, got {type(self.scale).__name__}"
-                )
-            scale = float(self.scale)
-            if not np.isfinite(scale) or scale <= 0.0:
-                raise RefAttnError(f"scale: expected a positive finite multiplier, got {scale!r}")
+            scale = _positive_real("scale", self.scale, "multiplier")
             ledger["scale_source"] = "explicit"
         self._set("scale", scale)
         self._validate_modifiers(Hq)
@@ -329,12 +331,7 @@ class AttentionCall:
                 f"changes the {self.score.name} score (it is not linear in q and k); use 'post'"
             )
         if self.softcap is not None:
-            c = self.softcap
-            if isinstance(c, bool) or not isinstance(c, (int, float, np.integer, np.floating)):
-                raise RefAttnError(f"softcap: expected a real number, got {type(c).__name__}")
-            if not np.isfinite(float(c)) or float(c) <= 0.0:
-                raise RefAttnError(f"softcap: expected a positive finite cap, got {float(c)!r}")
-            self._set("softcap", float(c))
+            self._set("softcap", _positive_real("softcap", self.softcap, "cap"))
         if self.sink is not None:
             sink = float64_input("sink", self.sink, 1)
             check_shape("sink", sink, (Hq,), "Hq")
