@@ -243,7 +243,7 @@ class AttentionCall:
             ledger["head_map_mode"] = "grouped"
         else:
             hm_in = as_array("head_map", self.head_map)
-            if hm_in.dtype.kind not in "iu" or hm_in.dtype == np.bool_:
+            if hm_in.dtype.kind not in "iu":  # bool is kind "b": rejected too
                 raise RefAttnError(f"head_map: expected an integer array, got dtype {hm_in.dtype}")
             check_shape("head_map", hm_in, (Hq,), "Hq")
             bad = np.flatnonzero((hm_in < 0) | (hm_in >= Hkv))
