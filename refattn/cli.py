@@ -19,7 +19,13 @@ COMMANDS = ("golden", "verify", "compare", "mask", "diagnostics", "gradcheck")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    """The argument parser with every registered subcommand."""
+    """The argument parser with every registered subcommand.
+
+    Examples
+    --------
+    >>> build_parser().parse_args(["golden", "--out", "bundle"]).suite
+    'conformance'
+    """
     from refattn import __version__
 
     parser = argparse.ArgumentParser(
