@@ -56,15 +56,14 @@ _DEFAULT_MODIFIERS = (("scale_placement", "post"), ("softcap", None), ("sink", N
 
 
 def _check_supported(call: AttentionCall) -> None:
-    score = getattr(call, "score", None)
-    name = getattr(score, "name", "dot") if score is not None else "dot"
+    name = call.score.name  # the gate sets Dot() when no score is given
     if name != "dot":
         raise RefAttnError(
             f"score: the numba backend implements the dot score only, got {name!r}; "
             "use backend='numpy'"
         )
     for attr, default in _DEFAULT_MODIFIERS:
-        value = getattr(call, attr, default)
+        value = getattr(call, attr)
         if value is None if default is None else value == default:
             continue
         shown = "an array" if isinstance(value, np.ndarray) else repr(value)
@@ -116,7 +115,7 @@ def _dense_multiplier(call: AttentionCall, full: tuple[int, ...]) -> tuple[Any, 
         return np.broadcast_to(source, full), strided(source, full, np.float64)
     if isinstance(source, Philox):
         z = np.empty(full)
-        philox_fill(z, full[1], *philox_params(source))  # bit-identical to source.multiplier
+        philox_fill(z, *philox_params(source))  # bit-identical to source.multiplier
     else:
         z = call.multiplier_full()
     return z, strided(z, full, np.float64)
@@ -238,8 +237,7 @@ def _stream_forward(call: AttentionCall, block_q: Any, block_k: Any) -> Trace:
     BQ = _block("block_q", block_q, BLOCK_Q, Q)
     BK = _block("block_k", block_k, BLOCK_K, K)
     drop, z_op, drop_kind = _stream_dropout(call, full)
-    relation = getattr(call, "relation", None)
-    tv = tile_visibility(full, visible=call.visible, relation=relation)
+    tv = tile_visibility(full, visible=call.visible, relation=call.relation)
     out = np.zeros((B, Hq, Q, call.v.shape[3]))
     lse = np.empty((B, Hq, Q))
     row_max = np.empty((B, Hq, Q))
@@ -292,7 +290,7 @@ def _partition(call: AttentionCall, nkb: int) -> tuple[bool, bool, int, int]:
     groups = (B if split_b else 1) * (Hq if split_h else 1)
     threads = _task_threads()
     C = 1 if groups >= threads else min(nkb, math.ceil(threads / groups))
-    Cb = C if call.bias is not None and Kb == 1 and C > 1 else 1
+    Cb = C if call.bias is not None and Kb == 1 else 1
     return split_b, split_h, C, Cb
 
 
@@ -305,13 +303,13 @@ def _stream_backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     BQ = int(trace.materialized["block_q"])
     BK = int(trace.materialized["block_k"])
     drop, z_op, _ = _stream_dropout(call, full)
-    tv = tile_visibility(full, visible=call.visible, relation=getattr(call, "relation", None))
+    tv = tile_visibility(full, visible=call.visible, relation=call.relation)
     g_o = np.array(grad_output, dtype=np.float64, order="C")  # (B, Hq, Q, Dv)
     _zero_unused_rows(g_o, call)
     dvec = (g_o * trace.output).sum(axis=-1)  # (B, Hq, Q) D = sum_d G_O O, before any dS
     nkb = -(-K // BK)
     split_b, split_h, C, Cb = _partition(call, nkb)
-    dq = np.zeros((C if C > 1 else 1, B, Hq, Q, Dk))
+    dq = np.zeros((C, B, Hq, Q, Dk))
     dk = np.zeros((B, Hq, K, Dk))
     dv = np.zeros((B, Hq, K, Dv))
     rowdot = np.zeros((C, B, Hq, Q))

@@ -106,7 +106,7 @@ def philox_row(z, bh, i, j0, n, k0, k1, offset, threshold, keep):
 
 
 @njit(cache=True, parallel=True)
-def philox_fill(z, Hq, k0, k1, offset, threshold, keep):
+def philox_fill(z, k0, k1, offset, threshold, keep):
     """Fill a (B, Hq, Q, K) float64 array with the whole call's multiplier, rows in parallel.
 
     Examples
@@ -114,7 +114,7 @@ def philox_fill(z, Hq, k0, k1, offset, threshold, keep):
     >>> from refattn.dropout import Philox
     >>> s = Philox(0.5, seed=11)
     >>> z = np.empty((1, 2, 3, 9))
-    >>> philox_fill(z, 2, *philox_params(s))
+    >>> philox_fill(z, *philox_params(s))
     >>> bool((z == s.multiplier(1, 2, 3, 9)).all())
     True
     """

@@ -233,8 +233,8 @@ def stream_backward(q, k, v, head_map, scale, tv, has_bias, bias, drop, zdense, 
     split_b, split_h : bool
         Whether tasks split the batch / head axes (False when a broadcast bias gradient would
         otherwise be written by two tasks); C : int, key chunks per task group.
-    dq : (Cq, B, Hq, Q, Dk) float64, zero-filled (Cq = C, or 1 when C == 1); written,
-        already multiplied by alpha
+    dq : (C, B, Hq, Q, Dk) float64, zero-filled; partial per chunk, written already
+        multiplied by alpha
     dk, dv : (B, Hq, K, Dk), (B, Hq, K, Dv) float64, zero-filled; per query head
     rowdot : (C, B, Hq, Q) float64, zero-filled; partial ``sum(P * G_P)`` per chunk
     gbias : (Cb, Bb, Hb, Qb, Kb) float64, zero-filled; the bias's own (padded) shape, one copy
@@ -262,7 +262,6 @@ def stream_backward(q, k, v, head_map, scale, tv, has_bias, bias, drop, zdense, 
         g = task // C
         tb = g // nh
         th = g - tb * nh
-        cq = c if dq.shape[0] > 1 else 0
         cb = c if gbias.shape[0] > 1 else 0
         tid = numba.get_thread_id()
         p = p_ws[tid]
@@ -321,7 +320,7 @@ def stream_backward(q, k, v, head_map, scale, tv, has_bias, bias, drop, zdense, 
                                    sub, sub)
                         # dq_i += alpha dS k_j: (bq, bk) x (bk, Dk)
                         gemm_split(fptr, False, False, bq, Dk, bk, scale, gs.ctypes.data, BK,
-                                   _addr(k, b, hk, j0), Dk, 1.0, _addr(dq[cq], b, h, i0), Dk,
+                                   _addr(k, b, hk, j0), Dk, 1.0, _addr(dq[c], b, h, i0), Dk,
                                    sub, sub)
                         # dk_j += alpha dS^T q_i: (bk, bq) x (bq, Dk)
                         gemm_split(fptr, True, False, bk, Dk, bq, scale, gs.ctypes.data, BK,
