@@ -104,7 +104,6 @@ def gemm(fptr, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc):
                 b, np.int32(ldb), a, np.int32(lda), beta, c, np.int32(ldc))
 
 
-
 @njit(cache=True)
 def gemm_split(fptr, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc, cm, ck):
     """:func:`gemm` as sub-products of at most ``cm`` rows of C and ``ck`` of the inner axis.

@@ -17,6 +17,7 @@ import numpy as np
 from numba import njit, prange
 
 from refattn.engine.numba_math import exp_shift, row_dot, row_sum
+from refattn.engine.numba_math import row_max as max_of_row
 from refattn.engine.numba_operands import at
 
 __all__ = ["dense_backward_rows", "dense_forward_rows"]
@@ -63,9 +64,7 @@ def dense_forward_rows(scores, scale, has_bias, bias, biased, has_vis, visible, 
         sanitized[b, h, i] = n_legal == 0
         if n_legal == 0:  # temporary legal key 0 for an unused row (Policy 3)
             ms[0] = bs[0] if has_bias else s[0]
-        mx = -np.inf
-        for j in range(K):
-            mx = max(mx, ms[j])
+        mx = max_of_row(ms, K)
         for j in range(K):
             p[j] = ms[j]
         exp_shift(p, K, mx)  # exactly 0 where masked
