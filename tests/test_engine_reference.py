@@ -296,6 +296,12 @@ def test_unknown_backend_lists_known_ones():
         refattn.forward(_random_call(np.random.default_rng(1)), backend="torch")
 
 
+def test_reference_backend_rejects_options():
+    call = _random_call(np.random.default_rng(1))
+    with pytest.raises(RefAttnError, match=r"'numpy' takes no options, got \['materialize'\]"):
+        refattn.forward(call, backend="numpy", materialize=False)
+
+
 def test_attention_returns_output_and_weights_follow_request():
     rng = np.random.default_rng(2)
     call = _random_call(rng, dropout=True, returned_weights="post_dropout")

@@ -13,6 +13,7 @@ import numpy as np
 
 from refattn.call import AttentionCall
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
+from refattn.errors import RefAttnError
 from refattn.scale_placement import OperandMultipliers, operand_multipliers
 from refattn.scores import Dot, ScoreFamily
 from refattn.trace import Gradients, Trace
@@ -288,8 +289,16 @@ def _call_arrays(call: AttentionCall) -> dict:
     }
 
 
-def forward(call: AttentionCall) -> Trace:
-    """Reference forward of a validated call (see :func:`refattn.forward`)."""
+def forward(call: AttentionCall, **options: object) -> Trace:
+    """Reference forward of a validated call (see :func:`refattn.forward`).
+
+    The reference is always dense and takes no backend options; any option is an error.
+    """
+    if options:
+        raise RefAttnError(
+            f"backend: 'numpy' takes no options, got {sorted(options)} (the reference always "
+            "materialises every tensor; use backend='numba' for materialize=False)"
+        )
     fwd = forward_arrays(
         call.q, call.k, call.v, visible=call.visible_full(), bias=call.bias,
         multiplier=call.multiplier_full(), **_call_arrays(call),
