@@ -2,10 +2,10 @@
 
 Owns the adapter-neutral pieces: :class:`AdapterResult` (the candidate tensors, the path that
 produced them and a manifest whose backend fields say what was requested and what was
-observed) and :func:`eligible_paths`-style checks shared by every framework. The framework
-modules (:mod:`refattn.adapters.torch`, :mod:`refattn.adapters.jax`) import their stack lazily
-inside functions; importing this package never imports torch, jax or ml_dtypes. Defers the
-verdict to :mod:`refattn.compare`.
+observed) and :func:`semantic_limits`, the case features every framework's eligibility
+check reads. The framework modules (:mod:`refattn.adapters.torch`,
+:mod:`refattn.adapters.jax`) import their stack lazily inside functions; importing this
+package never imports torch, jax or ml_dtypes. Defers the verdict to :mod:`refattn.compare`.
 """
 
 from __future__ import annotations

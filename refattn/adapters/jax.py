@@ -30,6 +30,7 @@ import numpy as np
 
 from refattn.adapters import AdapterResult, semantic_limits
 from refattn.case_spec import CaseSpec
+from refattn.engine.reduce import sum_heads
 from refattn.errors import RefAttnError
 from refattn.tolerances import precision_name, resolve_dtype
 
@@ -265,11 +266,13 @@ def _run(spec: CaseSpec, precision: str, args: JaxArguments, implementation: Any
         return jnp.where(valid, out, jnp.zeros((), out.dtype))  # unused rows are zero
 
     primals = (q, k, v) if bias is None else (q, k, v, bias)
-    out, vjp = jax.vjp(lambda *p: attend(*p) if bias is not None else attend(*p, None),
-                       *primals)
+
+    def f(*p: Any) -> Any:
+        return attend(*p) if bias is not None else attend(*p, None)
+
+    out, vjp = jax.vjp(f, *primals)
     grads = vjp(g_o)
-    lowered = jax.jit(lambda *p: attend(*p) if bias is not None else attend(*p, None)
-                      ).lower(*primals).as_text()
+    lowered = jax.jit(f).lower(*primals).as_text()
     selected = "cudnn" if "cudnn" in lowered.lower() else "xla"
 
     def head_major(x: Any) -> np.ndarray:
@@ -277,12 +280,8 @@ def _run(spec: CaseSpec, precision: str, args: JaxArguments, implementation: Any
 
     def kv_grad(x: Any) -> np.ndarray:
         g = head_major(x)  # (B, Hkv or Hq, K, D)
-        if not args.expand_kv:
-            return g
-        out = np.zeros((g.shape[0], t["k"].shape[1], *g.shape[2:]), dtype=g.dtype)
-        for h, kv in enumerate(head_map):  # sum the query heads that share a kv head
-            out[:, kv] += g[:, h]
-        return out
+        # expanded K/V: sum the query heads that share a kv head
+        return sum_heads(g, head_map, t["k"].shape[1]) if args.expand_kv else g
 
     tensors = {"output": head_major(out), "grad_q": head_major(grads[0]),
                "grad_k": kv_grad(grads[1]), "grad_v": kv_grad(grads[2])}
