@@ -44,7 +44,7 @@ from gradcheck.methods import (
     exact_direction,
     pooled_errors,
 )
-from gradcheck.report import InputReport, Report, Worst, quantiles, scale_fit
+from gradcheck.report import InputReport, Report, Worst, error_ratio, quantiles, scale_fit
 from refattn._checks import as_array, check_finite, check_float64, first_index, format_index
 from refattn.engine.reduce import reduce_to_shape
 from refattn.errors import RefAttnError
@@ -149,12 +149,6 @@ class _Checker:
 
     def tol(self, err: Any, vnorm: float, jnorm: Any, floor: Any, dot: Any) -> Any:
         return self.safety * (err + self.ulps * EPS * vnorm * (jnorm + floor) + EPS * dot)
-
-
-def _ratio(abs_err: np.ndarray, tol: np.ndarray) -> np.ndarray:
-    """error / tolerance, with 0/0 = 0 and x/0 = inf."""
-    return np.where(tol > 0, abs_err / np.where(tol > 0, tol, 1.0),
-                    np.where(abs_err == 0, 0.0, np.inf))
 
 
 def _rel(a: np.ndarray, n: np.ndarray) -> np.ndarray:
@@ -495,7 +489,7 @@ def _compare(
         if (abs_err > TERM_TRIGGER * tol).any() and (
                 s := _term(terms, 0, name, x.shape)) is not None:
             tol = tol + bound * s  # the vjp's own rounding, where it sums large terms
-        ratio = _ratio(abs_err, tol)
+        ratio = error_ratio(abs_err, tol)
         rel = _rel(a, n)
         k = np.unravel_index(int(np.argmax(ratio)), ratio.shape) if ratio.size else None
         worst = None if k is None else Worst(
@@ -517,7 +511,7 @@ def _compare(
     for r in np.flatnonzero(abs_err > TERM_TRIGGER * tol):
         if (s := _term(terms, int(r), name, x.shape)) is not None:
             tol[r] += bound * float(np.abs(s.ravel() * ws[r].ravel()).sum())
-    ratio = _ratio(abs_err, tol)
+    ratio = error_ratio(abs_err, tol)
     for r in c["skipped"]:
         ratio[r] = 0.0
     rel = _rel(a, n)

@@ -39,6 +39,7 @@ import refattn
 from gradcheck.attention import rounding_scales
 from gradcheck.directional import stream
 from gradcheck.methods import CS_STEP, EPS
+from gradcheck.report import error_ratio
 from refattn._checks import format_index
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
 from refattn.errors import RefAttnError
@@ -125,8 +126,7 @@ def _worst(name: str, residual: np.ndarray, tol: np.ndarray, letters: str | None
     if residual.size == 0:
         return IdentityCheck(name, True, 0.0, 0.0, 0.0, "-", detail)
     with np.errstate(divide="ignore", invalid="ignore"):
-        ratio = np.where(tol > 0, residual / np.where(tol > 0, tol, 1.0),
-                         np.where(residual == 0, 0.0, np.inf))
+        ratio = error_ratio(residual, tol)
     k = np.unravel_index(int(np.argmax(ratio)), ratio.shape)
     where = format_index(k, letters) if ratio.ndim else "-"
     r = float(ratio[k])

@@ -1,7 +1,8 @@
 """The gradient-check report: named results, summary statistics and the readable table.
 
-Owns how one comparison of analytic and numeric derivatives is summarised (worst element,
-relative-error quantiles, count over tolerance, best-fit scale) and printed. Defers computing
+Owns how one comparison of analytic and numeric derivatives is summarised (error/tolerance
+ratio, worst element, relative-error quantiles, count over tolerance, best-fit scale) and
+printed. Defers computing
 the numbers to :mod:`gradcheck.api`.
 """
 
@@ -12,7 +13,7 @@ from typing import Any
 
 import numpy as np
 
-__all__ = ["InputReport", "Report", "ScaleFit", "Worst", "quantiles", "scale_fit"]
+__all__ = ["InputReport", "Report", "ScaleFit", "Worst", "error_ratio", "quantiles", "scale_fit"]
 
 QUANTILES = {"p50": 0.5, "p90": 0.9, "p99": 0.99, "max": 1.0}
 
@@ -95,6 +96,19 @@ def scale_fit(analytic: np.ndarray, numeric: np.ndarray) -> ScaleFit | None:
     denom = max(float(np.linalg.norm(a)), float(np.linalg.norm(n)))
     res = float(np.linalg.norm(a - s * n)) / denom if denom > 0 else 0.0
     return ScaleFit(s, res)
+
+
+def error_ratio(abs_err: np.ndarray, tol: np.ndarray) -> np.ndarray:
+    """Elementwise error / tolerance, with 0/0 = 0 and x/0 = inf (a zero tolerance demands
+    an exact zero).
+
+    Examples
+    --------
+    >>> error_ratio(np.array([1.0, 0.0, 2.0]), np.array([2.0, 0.0, 0.0])).tolist()
+    [0.5, 0.0, inf]
+    """
+    return np.where(tol > 0, abs_err / np.where(tol > 0, tol, 1.0),
+                    np.where(abs_err == 0, 0.0, np.inf))
 
 
 def quantiles(rel: np.ndarray) -> dict[str, float]:
