@@ -304,9 +304,13 @@ def _stream_backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     BK = int(trace.materialized["block_k"])
     drop, z_op, _ = _stream_dropout(call, full)
     tv = tile_visibility(full, visible=call.visible, relation=call.relation)
-    g_o = np.array(grad_output, dtype=np.float64, order="C")  # (B, Hq, Q, Dv)
-    _zero_unused_rows(g_o, call)
-    dvec = (g_o * trace.output).sum(axis=-1)  # (B, Hq, Q) D = sum_d G_O O, before any dS
+    if call.query_valid is None:  # read only by the kernel: no copy needed
+        g_o = np.ascontiguousarray(grad_output, dtype=np.float64)  # (B, Hq, Q, Dv)
+    else:
+        g_o = np.array(grad_output, dtype=np.float64, order="C")
+        _zero_unused_rows(g_o, call)
+    # (B, Hq, Q) D = sum_d G_O O, before any dS; einsum needs no (B, Hq, Q, Dv) temporary
+    dvec = np.einsum("bhqd,bhqd->bhq", g_o, trace.output)
     nkb = -(-K // BK)
     split_b, split_h, C, Cb = _partition(call, nkb)
     dq = np.zeros((C, B, Hq, Q, Dk))
