@@ -7,7 +7,11 @@ run, its speed relative to PyTorch, and its peak resident memory above the proce
 measured in a fresh process per variant (baseline = RSS after imports and a warm-up call; the
 peak is the kernel's high-water mark, reset after the warm-up). FLOPs: forward
 ``4 B Hq Q K D``, backward ``8 B Hq Q K D`` (the streaming backward really does 10: it
-recomputes ``Q K^T``). A last line runs the long-sequence streaming case in a fresh process.
+recomputes ``Q K^T``). The variant ``stream_floor`` (``benchmarks/stream_floor.py``) runs only
+the streaming kernels' matrix products, at the same tiles, with no softmax work: its time bounds
+any implementation of that algorithm on this BLAS, and each shape's summary line gives PyTorch's
+time over it (the largest speed-up those GEMMs allow) beside the real streaming kernels'. A last
+line runs the long-sequence streaming case in a fresh process.
 
 Usage::
 
@@ -17,7 +21,9 @@ Usage::
 
 Environment (printed, never changed here): numba's thread count, BLAS library and kernel
 (threadpoolctl), ``OPENBLAS_CORETYPE`` / ``OPENBLAS_L2_SIZE``. Times are wall-clock on a
-machine that may be shared; compare the ratios measured in one run.
+machine that may be shared; compare the ratios measured in one run. The variants of a shape are
+timed in interleaved rounds (each round runs every variant once, after a short idle pause so
+that no thread pool left spinning by the previous one competes), and each reports its median.
 """
 
 from __future__ import annotations
@@ -44,7 +50,9 @@ SHAPES = [(1, 8, 512, 512, 64), (2, 8, 1024, 1024, 64), (1, 16, 2048, 2048, 128)
           (1, 4, 4096, 4096, 64)]
 QUICK_SHAPES = [(1, 2, 128, 128, 32), (1, 4, 256, 256, 64)]
 LONG_SHAPE = (1, 8, 16384, 16384, 64)
-VARIANTS = ("numpy", "numba_dense", "numba_stream", "torch_sdpa")
+VARIANTS = ("numpy", "numba_dense", "numba_stream", "stream_floor", "torch_sdpa")
+NO_RSS = ("stream_floor",)  # a timing bound, not an implementation
+SETTLE_S = 0.2  # idle time before each timed call (see interleaved_medians)
 
 
 # -- variants ----------------------------------------------------------------------------------
@@ -58,6 +66,10 @@ def _inputs(shape: tuple[int, ...], seed: int = 0) -> tuple[np.ndarray, ...]:
 def runner(variant: str, shape: tuple[int, ...]) -> tuple[Callable[[], Any], Callable[[], Any]]:
     """(forward, forward_backward) closures over fresh inputs of ``shape``."""
     q, k, v, g = _inputs(shape)
+    if variant == "stream_floor":
+        from stream_floor import floor_runner  # benchmarks/ is this script's directory
+
+        return floor_runner(q, k, v, g)
     if variant == "torch_sdpa":
         import torch
         import torch.nn.functional as F
@@ -196,6 +208,35 @@ def _flops(shape: tuple[int, ...]) -> float:
     return 4.0 * B * H * Q * K * D
 
 
+def _timed(fn: Callable[[], Any]) -> float:
+    t0 = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - t0
+    del result
+    return seconds
+
+
+def interleaved_medians(fns: dict[str, Callable[[], Any]], *, min_rounds: int, budget: float,
+                        settle: float = SETTLE_S) -> dict[str, float]:
+    """Median seconds of each callable, timed in rounds that run every callable once.
+
+    Round-robin timing spreads the drift of a shared machine over all variants alike. Before
+    each call the process sleeps ``settle`` seconds so that thread pools left spinning by the
+    previous variant (OpenBLAS and OpenMP workers busy-wait for a while after a parallel call)
+    have gone idle and do not compete with the next one. Rounds continue past ``min_rounds``
+    while the time spent is under ``budget`` seconds per callable, up to 15.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < min_rounds or (time.perf_counter() - start < budget * len(fns) and rounds < 15):
+        for name, fn in fns.items():
+            time.sleep(settle)
+            times[name].append(_timed(fn))
+        rounds += 1
+    return {name: statistics.median(ts) for name, ts in times.items()}
+
+
 def measure(shapes: list[tuple[int, ...]], *, rss: bool, budget: float) -> dict[str, Any]:
     import numba
 
@@ -204,20 +245,22 @@ def measure(shapes: list[tuple[int, ...]], *, rss: bool, budget: float) -> dict[
     gemm = dgemm_rate()
     rows = []
     for shape in shapes:
-        for variant in VARIANTS:
-            if not available(variant):
-                continue
+        variants = [v for v in VARIANTS if available(v)]
+        fns: dict[str, Callable[[], Any]] = {}
+        for variant in variants:
             fwd, fwd_bwd = runner(variant, shape)
             fwd_bwd()  # warm-up (first touch, compile of a new specialisation)
-            t_f = median_seconds(fwd, min_repeats=3, budget=budget)
-            t_fb = median_seconds(fwd_bwd, min_repeats=3, budget=budget)
-            del fwd, fwd_bwd
+            fns[f"{variant} fwd"], fns[f"{variant} fwd_bwd"] = fwd, fwd_bwd
+        med = interleaved_medians(fns, min_rounds=3, budget=budget)
+        del fns
+        for variant in variants:
+            t_f, t_fb = med[f"{variant} fwd"], med[f"{variant} fwd_bwd"]
             row = {"shape": list(shape), "variant": variant, "fwd_s": t_f, "fwd_bwd_s": t_fb,
                    "fwd_gflops": _flops(shape) / t_f / 1e9,
                    "fwd_bwd_gflops": 3 * _flops(shape) / t_fb / 1e9}
             row["fwd_frac"] = row["fwd_gflops"] / gemm
             row["fwd_bwd_frac"] = row["fwd_bwd_gflops"] / gemm
-            if rss:
+            if rss and variant not in NO_RSS:
                 row["rss"] = run_child(variant, shape)
             rows.append(row)
             print(_line(row), flush=True)
@@ -239,6 +282,17 @@ def _line(row: dict[str, Any], torch_fb: float | None = None) -> str:
             f"{row['fwd_bwd_frac']:5.2f} | {speed} | {mem}")
 
 
+def _floor_summary(rows: list[dict[str, Any]], shape: tuple[int, ...]) -> str:
+    """One line: streaming f+b over its GEMM floor, and PyTorch's f+b over both."""
+    fb = {r["variant"]: r["fwd_bwd_s"] for r in rows if tuple(r["shape"]) == shape}
+    if "stream_floor" not in fb or "numba_stream" not in fb:
+        return ""
+    floor, stream, torch_s = fb["stream_floor"], fb["numba_stream"], fb["torch_sdpa"]
+    return (f"{'':>22} streaming f+b = {stream / floor:.2f} x its GEMM floor; torch / streaming "
+            f"{torch_s / stream:.2f}x, torch / floor {torch_s / floor:.2f}x (the most these GEMMs "
+            "allow)")
+
+
 def table(result: dict[str, Any]) -> str:
     lines = [f"DGEMM (numpy matmul 3072^2, same run): {result['dgemm_gflops']:.1f} GFLOP/s; "
              f"numba threads {result['numba_threads']}", _HEADER, "-" * len(_HEADER)]
@@ -246,6 +300,8 @@ def table(result: dict[str, Any]) -> str:
                 if r["variant"] == "torch_sdpa"}
     for row in result["rows"]:
         lines.append(_line(row, torch_fb.get(tuple(row["shape"]))))
+        if row["variant"] == "torch_sdpa":
+            lines.append(_floor_summary(result["rows"], tuple(row["shape"])))
     long = result.get("long")
     if long:
         if "error" in long:
@@ -266,7 +322,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--no-rss", action="store_true", help="skip the fresh-process memory runs")
     p.add_argument("--no-long", action="store_true", help=f"skip the {LONG_SHAPE} case")
     p.add_argument("--budget", type=float, default=4.0,
-                   help="seconds per median beyond the 3 minimum repeats (default 4)")
+                   help="seconds per timed callable beyond the 3 minimum rounds (default 4)")
     p.add_argument("--json", help="also write the results to this file")
     p.add_argument("--child", nargs=6, metavar=("VARIANT", "B", "HQ", "Q", "K", "D"),
                    help=argparse.SUPPRESS)

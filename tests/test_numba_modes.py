@@ -264,3 +264,24 @@ def test_a_batch_shared_relation_applies_to_every_batch_row():
     for name in ("grad_q", "grad_k", "grad_v"):
         np.testing.assert_allclose(getattr(got, name), getattr(rg, name), rtol=0, atol=1e-12)
     assert json.loads(json.dumps(refattn.forward(call, backend="numba").manifest()))
+
+
+def test_streaming_gradients_are_separate_arrays():
+    # the streaming outputs are views of one zero-filled block (engine.alloc): they must not
+    # overlap, and each must start at zero so that accumulation is exact
+    rng = np.random.default_rng(12)
+    q, k, v = _qkv(rng, B=2, Hq=2, Hkv=2, Q=5, K=7)
+    bias = rng.standard_normal((1, 2, 1, 7))
+    call = refattn.AttentionCall(q, k, v, bias=bias)
+    g = rng.standard_normal((2, 2, 5, 3))
+    t = refattn.forward(call, backend="numba", materialize=False)
+    grads = refattn.backward(t, g)
+    ref = refattn.backward(refattn.forward(call), g)
+    arrays = [t.output, t.lse, t.row_max, grads.grad_q, grads.grad_k, grads.grad_v,
+              grads.grad_bias, grads.row_dot]
+    for i, a in enumerate(arrays):
+        for b in arrays[i + 1:]:
+            assert not np.shares_memory(a, b)
+    for name in ("grad_q", "grad_k", "grad_v", "grad_bias"):
+        np.testing.assert_allclose(getattr(grads, name), getattr(ref, name), rtol=1e-12,
+                                   atol=1e-13)

@@ -32,6 +32,7 @@ import numpy as np
 
 from refattn.call import AttentionCall
 from refattn.dropout import Philox
+from refattn.engine.alloc import zeros_block
 from refattn.engine.numba_blas import dgemm_address, single_thread_blas
 from refattn.engine.numba_kernels import dense_backward_rows, dense_forward_rows
 from refattn.engine.numba_operands import Strided, ro, strided
@@ -238,9 +239,7 @@ def _stream_forward(call: AttentionCall, block_q: Any, block_k: Any) -> Trace:
     BK = _block("block_k", block_k, BLOCK_K, K)
     drop, z_op, drop_kind = _stream_dropout(call, full)
     tv = tile_visibility(full, visible=call.visible, relation=call.relation)
-    out = np.zeros((B, Hq, Q, call.v.shape[3]))
-    lse = np.empty((B, Hq, Q))
-    row_max = np.empty((B, Hq, Q))
+    out, lse, row_max = zeros_block((B, Hq, Q, call.v.shape[3]), (B, Hq, Q), (B, Hq, Q))
     sanitized = np.zeros((B, Hq, Q), dtype=bool)
     nqb = -(-Q // BQ)
     tiles = np.zeros((B * Hq * nqb, 2), dtype=np.int64)
@@ -313,13 +312,11 @@ def _stream_backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     dvec = np.einsum("bhqd,bhqd->bhq", g_o, trace.output)
     nkb = -(-K // BK)
     split_b, split_h, C, Cb = _partition(call, nkb)
-    dq = np.zeros((C, B, Hq, Q, Dk))
-    dk = np.zeros((B, Hq, K, Dk))
-    dv = np.zeros((B, Hq, K, Dv))
-    rowdot = np.zeros((C, B, Hq, Q))
     bias_shape = None if call.bias is None else call.bias.shape
     gshape = (1, 1, 1, 1) if bias_shape is None else (1,) * (4 - len(bias_shape)) + bias_shape
-    gbias = np.zeros((Cb, *gshape))
+    dq, dk, dv, rowdot, gbias = zeros_block(
+        (C, B, Hq, Q, Dk), (B, Hq, K, Dk), (B, Hq, K, Dv), (C, B, Hq, Q), (Cb, *gshape)
+    )
     ntasks = (B if split_b else 1) * (Hq if split_h else 1) * C
     tiles = np.zeros((ntasks, 2), dtype=np.int64)
     with single_thread_blas(), numba.parallel_chunksize(1):  # tasks dealt dynamically
