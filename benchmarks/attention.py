@@ -23,7 +23,8 @@ Environment (printed, never changed here): numba's thread count, BLAS library an
 (threadpoolctl), ``OPENBLAS_CORETYPE`` / ``OPENBLAS_L2_SIZE``. Times are wall-clock on a
 machine that may be shared; compare the ratios measured in one run. The variants of a shape are
 timed in interleaved rounds (each round runs every variant once, after a short idle pause so
-that no thread pool left spinning by the previous one competes), and each reports its median.
+that no thread pool left spinning by the previous one competes, and one untimed warm call),
+and each reports its median.
 """
 
 from __future__ import annotations
@@ -217,14 +218,15 @@ def _timed(fn: Callable[[], Any]) -> float:
 
 
 def interleaved_medians(fns: dict[str, Callable[[], Any]], *, min_rounds: int, budget: float,
-                        settle: float = SETTLE_S) -> dict[str, float]:
-    """Median seconds of each callable, timed in rounds that run every callable once.
+                        settle: float = SETTLE_S, per_round: int = 2) -> dict[str, float]:
+    """Median seconds of each callable, timed in rounds that visit every callable in turn.
 
-    Round-robin timing spreads the drift of a shared machine over all variants alike. Before
-    each call the process sleeps ``settle`` seconds so that thread pools left spinning by the
-    previous variant (OpenBLAS and OpenMP workers busy-wait for a while after a parallel call)
-    have gone idle and do not compete with the next one. Rounds continue past ``min_rounds``
-    while the time spent is under ``budget`` seconds per callable, up to 15.
+    Round-robin timing spreads the drift of a shared machine over all variants alike. In each
+    round every callable gets a pause of ``settle`` seconds (so that thread pools left spinning
+    by the previous variant, such as OpenBLAS and OpenMP workers that busy-wait after a parallel
+    call, have gone idle), one untimed warm call, then ``per_round`` timed calls back to back.
+    Rounds continue past ``min_rounds`` while the time spent is under ``budget`` seconds per
+    callable, up to 15.
     """
     times: dict[str, list[float]] = {name: [] for name in fns}
     start = time.perf_counter()
@@ -232,7 +234,8 @@ def interleaved_medians(fns: dict[str, Callable[[], Any]], *, min_rounds: int, b
     while rounds < min_rounds or (time.perf_counter() - start < budget * len(fns) and rounds < 15):
         for name, fn in fns.items():
             time.sleep(settle)
-            times[name].append(_timed(fn))
+            _timed(fn)
+            times[name] += [_timed(fn) for _ in range(per_round)]
         rounds += 1
     return {name: statistics.median(ts) for name, ts in times.items()}
 
