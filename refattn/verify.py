@@ -368,7 +368,10 @@ def gradient_check(call: Any, grad_output: np.ndarray, grads: Mapping[str, np.nd
     The directional derivative ``dL/dt`` of ``L(x + t u)`` is estimated by two central
     differences (:func:`gradcheck.central_difference`, steps h and h/2) combined by Richardson
     extrapolation; the step is chosen so that the scores move by about 1e-3. The analytic value
-    is ``sum(grad_x * u)``; the relative error is taken against ``sum|grad_x * u|``.
+    is ``sum(grad_x * u)``; the relative error is taken against ``sum|grad_x * u|``, or against
+    the rounding noise of the differences when that is larger (``64 eps S / h`` with
+    ``S = sum |G_O| (|P~| |V|)``, the magnitudes L is summed from: a loss that cancels to a
+    small value keeps the rounding of its large terms).
 
     Parameters
     ----------
@@ -396,9 +399,15 @@ def gradient_check(call: Any, grad_output: np.ndarray, grads: Mapping[str, np.nd
     """
     from gradcheck import central_difference
     from refattn.engine import forward
+    from refattn.engine.reduce import gather_heads
 
     rng = np.random.default_rng(seed)
-    base_scores = forward(call).scores
+    base = forward(call)
+    base_scores = base.scores
+    # rounding in L is relative to the magnitudes it cancels, not to |L|:
+    # |fl(L) - L| <~ eps * sum |G_O| (|P~| |V|) (the two coincide only without cancellation)
+    v_eff = gather_heads(np.asarray(call.v), call.head_map)
+    loss_scale = float(np.sum(np.abs(grad_output) * (np.abs(base.consumed) @ np.abs(v_eff))))
     family = getattr(call, "score", None)
     inputs = [(name, getattr(call, name, None), f"grad_{name}") for name in _DIFFERENTIABLE]
     if family is not None:
@@ -437,7 +446,7 @@ def gradient_check(call: Any, grad_output: np.ndarray, grads: Mapping[str, np.nd
         contrib = g * u
         analytic = float(np.sum(contrib))
         size = float(np.sum(np.abs(contrib)))
-        noise = 64 * np.finfo(np.float64).eps * (abs(loss(0.0)) + size * h) / h
+        noise = 64 * np.finfo(np.float64).eps * (loss_scale + size * h) / h
         rel = abs(numeric - analytic) / max(size, noise / rtol, np.finfo(np.float64).tiny)
         out.append(GradCheck(name, analytic, numeric, rel, rtol))
     return out

@@ -211,6 +211,25 @@ def test_gradient_check_detects_each_wrong_input():
         assert checks == {n: n != name for n in ("q", "k", "v", "bias")}
 
 
+
+def test_gradient_check_noise_floor_follows_the_terms_of_a_cancelling_loss():
+    # a bias constant along keys cannot move softmax: its exact gradient is 0, and the finite
+    # difference is pure rounding. With G_O chosen so that L = sum(O * G_O) cancels to ~0 the
+    # rounding is that of the large terms; a floor taken from |L| (found by hypothesis in
+    # test_generated_calls_round_trip_through_a_bundle) failed this check
+    rng = np.random.default_rng(5)
+    q, k, v = (6.0 * rng.standard_normal((1, 2, 4, 3)) for _ in range(3))
+    call = refattn.AttentionCall(q, k, v, bias=rng.standard_normal((1, 2, 4, 1)))
+    out = refattn.forward(call).output
+    g_o = rng.standard_normal(out.shape)
+    g_o -= np.sum(out * g_o) / np.sum(out * out) * out  # L = 0 up to rounding
+    assert abs(np.sum(out * g_o)) < 1e-12 * np.sum(np.abs(out * g_o))
+    grads = refattn.backward(refattn.forward(call), g_o).tensors()
+    assert np.abs(grads["grad_bias"]).max() < 1e-12
+    assert all(c.passed for c in gradient_check(call, g_o, grads))
+    wrong = dict(grads, grad_bias=grads["grad_bias"] + 1e-3)  # a real error still fails
+    assert not {c.name: c.passed for c in gradient_check(call, g_o, wrong)}["bias"]
+
 # -- schema version ----------------------------------------------------------------------
 
 def test_schema_version_gate(bundle):
