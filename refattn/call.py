@@ -115,9 +115,11 @@ class AttentionCall:
         Values; value row j belongs to the same source row as key j.
     visible : bool ndarray broadcastable to (B, Hq, Q, K), or VisibilityRelation, optional
         True means the edge (query i reads key j) exists. Default: every edge exists. A
-        :class:`~refattn.visibility.VisibilityRelation` is compiled once to its dense
-        relation (stored here) and kept in ``relation``; the manifest then records its
-        layout, alignment, window convention and head sharing.
+        :class:`~refattn.visibility.VisibilityRelation` is kept as given (``visible`` and
+        ``relation`` are then the relation): the gate checks its rows block by block, streaming
+        kernels evaluate it per tile, and :meth:`visible_array` builds the dense form only
+        when a dense consumer asks. The manifest records its layout, alignment, window
+        convention and head sharing.
     query_valid : bool ndarray broadcastable to (B, 1, Q, 1), optional
         Whether an output row is consumed. Rows with False get exactly zero output and
         exactly zero gradient contributions.
@@ -168,7 +170,7 @@ class AttentionCall:
     k: np.ndarray
     v: np.ndarray
     _: KW_ONLY
-    visible: np.ndarray | None = None
+    visible: np.ndarray | VisibilityRelation | None = None
     query_valid: np.ndarray | None = None
     bias: np.ndarray | None = None
     scale: float | None = None
@@ -272,10 +274,14 @@ class AttentionCall:
         self._validate_modifiers(Hq)
 
         # visibility and query validity
-        if isinstance(self.visible, VisibilityRelation):
-            self._set("relation", self.visible)
-            self._set("visible", self.visible.dense())  # (B|1, H|1, Q, K)
-        if self.visible is not None:
+        if isinstance(self.visible, VisibilityRelation):  # evaluated lazily, never copied
+            rel = self.visible
+            self._set("relation", rel)
+            check_broadcastable("visible", np.broadcast_to(np.False_, rel.shape), full,
+                                "B,Hq,Q,K")
+            ledger["visible"] = {"shape": list(rel.shape), "dtype": "bool", "device": "cpu",
+                                 "source": "relation"}
+        elif self.visible is not None:
             vis = as_array("visible", self.visible)
             check_bool("visible", vis)
             check_broadcastable("visible", vis, full, "B,Hq,Q,K")
@@ -338,7 +344,7 @@ class AttentionCall:
             self._set("sink", _frozen_copy(sink))
 
     def _check_rows(self) -> None:
-        empty = ~self.visible_full().any(axis=-1)  # (B, Hq, Q)
+        empty = ~self.row_has_key()  # (B, Hq, Q)
         if not empty.any():
             return
         consumed = np.broadcast_to(self.query_valid_full()[..., 0], empty.shape)  # (B, Hq, Q)
@@ -370,11 +376,62 @@ class AttentionCall:
         B, Hq, Q, _ = self.q.shape
         return (B, Hq, Q, self.k.shape[2])
 
+    def visible_array(self) -> np.ndarray | None:
+        """The visibility as a read-only bool array broadcastable to (B, Hq, Q, K), or None.
+
+        An array given as ``visible`` is returned as stored. A relation is compiled to its
+        dense (B|1, H|1, Q, K) form on the first call and cached; streaming kernels evaluate
+        the relation per tile and never call this.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from refattn.visibility import causal
+        >>> q, kv = np.zeros((1, 1, 3, 2)), np.zeros((1, 1, 4, 2))
+        >>> call = AttentionCall(q, kv, kv, visible=causal(3, 4, alignment="upper_left"))
+        >>> call.visible is call.relation, call.visible_array().shape
+        (True, (1, 1, 3, 4))
+        """
+        if self.relation is None:
+            return self.visible
+        dense = self.__dict__.get("_visible_dense")
+        if dense is None:
+            dense = self.relation.dense()
+            dense.flags.writeable = False
+            self._set("_visible_dense", dense)
+        return dense
+
     def visible_full(self) -> np.ndarray:
         """Read-only (B, Hq, Q, K) bool view of the visibility (all True when absent)."""
-        if self.visible is None:
+        vis = self.visible_array()
+        if vis is None:
             return np.broadcast_to(np.True_, self.score_shape)
-        return np.broadcast_to(self.visible, self.score_shape)
+        return np.broadcast_to(vis, self.score_shape)
+
+    def row_has_key(self) -> np.ndarray:
+        """(B, Hq, Q) bool: whether each query row has at least one legal key.
+
+        Computed from a relation block by block (no dense relation is built) and cached.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from refattn.visibility import causal
+        >>> q, kv = np.zeros((1, 1, 3, 2)), np.zeros((1, 1, 2, 2))
+        >>> call = AttentionCall(q, kv, kv, visible=causal(3, 2, alignment="lower_right"),
+        ...                      all_masked_rows="sanitize_then_zero_invalid_query",
+        ...                      query_valid=np.array([False, True, True])[None, None, :, None])
+        >>> call.row_has_key().tolist()
+        [[[False, True, True]]]
+        """
+        if self.relation is None:
+            return self.visible_full().any(axis=-1)
+        rows = self.__dict__.get("_row_has_key")
+        if rows is None:
+            B, Hq, Q, _ = self.score_shape
+            rows = np.broadcast_to(self.relation.row_any(), (B, Hq, Q))
+            self._set("_row_has_key", rows)
+        return rows
 
     def query_valid_full(self) -> np.ndarray:
         """Read-only (B, 1, Q, 1) bool view of query validity (all True when absent)."""
@@ -455,9 +512,7 @@ class AttentionCall:
 
         led = self.ledger
         Hkv = self.k.shape[1]
-        sanitized = int(
-            (~self.visible_full().any(axis=-1)).sum()
-        ) if self.all_masked_rows != "reject" else 0
+        sanitized = int((~self.row_has_key()).sum()) if self.all_masked_rows != "reject" else 0
         out: dict[str, Any] = {
             "schema": "attention_call_v1",
             "axes": self.axes,

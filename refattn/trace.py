@@ -123,7 +123,7 @@ class Trace:
         call = self.call
         out: dict[str, np.ndarray] = {"q": call.q, "k": call.k, "v": call.v,
                                       "head_map": call.head_map}
-        for name, value in (("visible", call.visible), ("query_valid", call.query_valid),
+        for name, value in (("visible", call.visible_array()), ("query_valid", call.query_valid),
                             ("bias", call.bias)):
             if value is not None:
                 out[name] = value

@@ -395,6 +395,33 @@ class VisibilityRelation:
                 )
         return self.mask_mod(b, h, np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :])
 
+    def row_any(self, *, block_elements: int = 1 << 20) -> np.ndarray:
+        """Whether each query row has at least one legal key, without the dense relation.
+
+        Evaluates :meth:`tile` over blocks of whole rows of at most ``block_elements``
+        edges, so the memory used is bounded by the block, not by Q x K.
+
+        Returns
+        -------
+        (B, H, Q) bool ndarray
+            Equal to ``self.dense().any(axis=-1)``.
+
+        Examples
+        --------
+        >>> from refattn.visibility import causal
+        >>> causal(3, 2, alignment="lower_right").row_any().tolist()
+        [[[False, True, True]]]
+        """
+        B, H, Q, K = self.shape
+        out = np.zeros((B, H, Q), dtype=bool)
+        rows = max(1, block_elements // max(K, 1))
+        for b in range(B):
+            for h in range(H):
+                for i0 in range(0, Q, rows):
+                    i1 = min(Q, i0 + rows)
+                    out[b, h, i0:i1] = self.tile(b, i0, i1, 0, K, h=h).any(axis=-1)
+        return out
+
     def kernel_arguments(self) -> KernelArguments:
         """The relation's fields as fixed-shape arrays (see :class:`KernelArguments`).
 

@@ -285,3 +285,32 @@ def test_streaming_gradients_are_separate_arrays():
     for name in ("grad_q", "grad_k", "grad_v", "grad_bias"):
         np.testing.assert_allclose(getattr(grads, name), getattr(ref, name), rtol=1e-12,
                                    atol=1e-13)
+
+
+def test_a_relation_call_streams_without_its_dense_relation():
+    # AttentionCall keeps a VisibilityRelation as coordinates: the gate checks rows block by
+    # block and the streaming kernels evaluate tiles, so no (Q, K) mask is ever built
+    Q = K = 4096
+    rng = np.random.default_rng(13)
+    q, k, v = _qkv(rng, B=1, Hq=1, Hkv=1, Q=Q, K=K, Dk=4, Dv=4)
+    g = rng.standard_normal((1, 1, Q, 4))
+    rel = causal(Q, K, alignment="upper_left")
+    small = refattn.AttentionCall(q[:, :, :64], k[:, :, :64], v[:, :, :64],
+                                  visible=causal(64, 64, alignment="upper_left"))
+    refattn.backward(refattn.forward(small, backend="numba", materialize=False),
+                     g[:, :, :64])  # compile outside the trace
+    tracemalloc.start()
+    try:
+        call = refattn.AttentionCall(q, k, v, visible=rel)
+        t = refattn.forward(call, backend="numba", materialize=False)
+        refattn.backward(t, g)
+        call.manifest()
+        _, peak = tracemalloc.get_traced_memory()
+    finally:
+        tracemalloc.stop()
+    mask_bytes = Q * K  # the dense bool relation: 16 MiB
+    assert peak < mask_bytes / 2, peak
+    assert "_visible_dense" not in call.__dict__
+    dense = call.visible_array()  # dense consumers (the reference) build it once, on demand
+    assert dense is call.visible_array() and dense.shape == (1, 1, Q, K)
+    assert np.array_equal(dense[0, 0, :5, :5], np.tri(5, dtype=bool))

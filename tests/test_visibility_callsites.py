@@ -105,13 +105,15 @@ def test_chunked_decode_in_a_static_cache_buffer():
 
 
 # -- AttentionCall integration --------------------------------------------------------------
-def test_call_keeps_the_relation_and_its_dense_form():
+def test_call_keeps_the_relation_and_builds_its_dense_form_on_demand():
     _, tgt = _states()
     _, decoder, _, _, _ = _masks()
     call = AttentionCall(tgt, tgt, tgt, visible=decoder)
-    assert call.relation is decoder
-    assert np.array_equal(call.visible, decoder.dense())
-    assert not call.visible.flags.writeable
+    assert call.relation is decoder and call.visible is decoder
+    assert np.array_equal(call.visible_array(), decoder.dense())
+    assert not call.visible_array().flags.writeable
+    assert call.visible_array() is call.visible_array()  # built once
+    assert np.array_equal(call.row_has_key(), call.visible_full().any(axis=-1))
     m = call.manifest()["visibility"]
     assert m["layout"] == "padded" and m["alignment"] == "explicit_positions"
     assert m["window_convention"] is None and m["head_sharing"] == "shared"

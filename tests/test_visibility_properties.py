@@ -248,3 +248,11 @@ def test_cu_seqlens_round_trip(lengths, is_causal, as_relation):
     assert np.array_equal(from_cu_seqlens(low.cu_seqlens_q, cu_seqlens_k=low.cu_seqlens_k,
                                           causal=low.causal),
                           from_cu_seqlens(cu, causal=is_causal))
+
+
+@SETTINGS
+@given(kw=visibility_inputs(), block=st.integers(1, 40))
+def test_row_any_in_blocks_equals_the_dense_relation(kw, block):
+    # the gate's empty-row check reads this instead of building the dense relation
+    rel = relation(**kw)
+    assert np.array_equal(rel.row_any(block_elements=block), rel.dense().any(axis=-1))

@@ -130,8 +130,9 @@ def _dense_forward(call: AttentionCall) -> Trace:
     v_eff = gather_heads(v, call.head_map)  # (B, Hq, K, Dv)
     scores = q @ k_eff.swapaxes(-1, -2)  # (B, Hq, Q, K); scaled in place by the row kernel
     has_bias = call.bias is not None
+    visible = call.visible_array()
     biased = np.empty_like(scores) if has_bias else scores
-    masked = biased if call.visible is None else np.empty_like(scores)  # every edge legal
+    masked = biased if visible is None else np.empty_like(scores)  # every edge legal
     probs = np.empty_like(scores)
     z_trace, z_op = _dense_multiplier(call, full)
     consumed = probs if z_op is None else np.empty_like(scores)
@@ -140,7 +141,7 @@ def _dense_forward(call: AttentionCall) -> Trace:
     sanitized = np.empty((B, Hq, Q), dtype=bool)
     dense_forward_rows(
         scores, call.scale, has_bias, strided(call.bias, full, np.float64), biased,
-        call.visible is not None, strided(call.visible, full, np.bool_), masked,
+        visible is not None, strided(visible, full, np.bool_), masked,
         z_op is not None, z_op if z_op is not None else strided(None, full, np.float64),
         probs, consumed, row_max, lse, sanitized,
     )
@@ -151,7 +152,7 @@ def _dense_forward(call: AttentionCall) -> Trace:
         lse=lse, probs=probs, dropout_multiplier=z_trace, consumed=consumed, output=output,
         sanitized_rows=sanitized, backend="numba",
         materialized={"scores": True, "probabilities": True, "mode": "dense",
-                      "aliases": _aliases(has_bias, call.visible is not None,
+                      "aliases": _aliases(has_bias, visible is not None,
                                           z_op is not None)},
     )
 
@@ -238,7 +239,7 @@ def _stream_forward(call: AttentionCall, block_q: Any, block_k: Any) -> Trace:
     BQ = _block("block_q", block_q, BLOCK_Q, Q)
     BK = _block("block_k", block_k, BLOCK_K, K)
     drop, z_op, drop_kind = _stream_dropout(call, full)
-    tv = tile_visibility(full, visible=call.visible, relation=call.relation)
+    tv = _tile_visibility(call)
     out, lse, row_max = zeros_block((B, Hq, Q, call.v.shape[3]), (B, Hq, Q), (B, Hq, Q))
     sanitized = np.zeros((B, Hq, Q), dtype=bool)
     nqb = -(-Q // BQ)
@@ -264,6 +265,13 @@ def _stream_forward(call: AttentionCall, block_q: Any, block_k: Any) -> Trace:
         lse=lse, probs=None, dropout_multiplier=None, consumed=None, output=out,
         sanitized_rows=sanitized, backend="numba", materialized=materialized,
     )
+
+
+def _tile_visibility(call: AttentionCall) -> Any:
+    """Kernel form of the call's visibility; a relation stays coordinates (never dense)."""
+    if call.relation is not None:
+        return tile_visibility(call.score_shape, relation=call.relation)
+    return tile_visibility(call.score_shape, visible=call.visible)
 
 
 def _task_threads() -> int:
@@ -302,7 +310,7 @@ def _stream_backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     BQ = int(trace.materialized["block_q"])
     BK = int(trace.materialized["block_k"])
     drop, z_op, _ = _stream_dropout(call, full)
-    tv = tile_visibility(full, visible=call.visible, relation=call.relation)
+    tv = _tile_visibility(call)
     if call.query_valid is None:  # read only by the kernel: no copy needed
         g_o = np.ascontiguousarray(grad_output, dtype=np.float64)  # (B, Hq, Q, Dv)
     else:
