@@ -44,6 +44,9 @@ def _shift(name: str, bound: object, delta: int, minimum: int) -> WindowBound:
             + (" (a window that counts the query itself holds at least the query)"
                if minimum == 1 else "")
         )
+    limit = int(np.iinfo(np.int64).max) - max(delta, 0)  # coordinates are int64
+    if (arr > limit).any():
+        raise RefAttnError(f"window: {name} is {int(arr.max())}, expected <= {limit} (int64)")
     out = arr.astype(np.int64) + delta
     return int(out) if out.ndim == 0 else frozen(out)
 

@@ -166,6 +166,18 @@ def test_window_conversion_per_head():
     assert window_to_inclusive(w).left.tolist() == [1, 4]
 
 
+def test_window_bounds_beyond_int64_are_rejected_not_wrapped():
+    # uint64 2**63 used to become -2**63 in astype(int64) (an "unbounded" negative side)
+    big = np.array([2**63, 1], dtype=np.uint64)
+    with pytest.raises(RefAttnError, match=r"window: left is 9223372036854775808, expected <="):
+        window_from_inclusive(big, None)
+    top = np.iinfo(np.int64).max
+    with pytest.raises(RefAttnError, match=r"window: right is 9223372036854775807"):
+        window_to_inclusive((0, top))  # + 1 would overflow
+    assert window_to_inclusive((0, top - 1)).right == top
+    assert window_from_inclusive(np.array([top], dtype=np.uint64), None).left.tolist() == [top - 1]
+
+
 def test_per_head_windows_give_a_head_axis():
     pos = np.arange(5)[None]
     lefts = np.array([0, 1, 4])
