@@ -97,13 +97,14 @@ def _counts_dense(vis: np.ndarray, qs: np.ndarray, ks: np.ndarray) -> np.ndarray
 
 def _counts_tiles(rel: VisibilityRelation, qs: np.ndarray, ks: np.ndarray) -> np.ndarray:
     B, H, Q, K = rel.shape
-    qe, ke = np.append(qs[1:], Q), np.append(ks[1:], K)
+    qe = np.append(qs[1:], Q)
     counts = np.zeros((B, H, qs.size, ks.size), dtype=np.int64)
     for b in range(B):
         for h in range(H):
             for qb, (i0, i1) in enumerate(zip(qs, qe, strict=True)):
-                for kb, (j0, j1) in enumerate(zip(ks, ke, strict=True)):
-                    counts[b, h, qb, kb] = rel.tile(b, i0, i1, j0, j1, h=h).sum()
+                # one band of query rows against every key, summed per kv block
+                per_key = rel.tile(b, i0, i1, 0, K, h=h).sum(axis=0, dtype=np.int64)
+                counts[b, h, qb] = np.add.reduceat(per_key, ks)
     return counts
 
 
