@@ -6,8 +6,8 @@ faults twice inside the kernel (a read fault maps the shared zero page, the writ
 and on a virtual machine each fault costs microseconds: about a third of the time of a
 (1, 8, 512, 512, 64) forward and backward here. One block for all outputs of a call, filled
 by a single write pass before the kernel, faults each page once, and numpy backs blocks of
-4 MiB or more with transparent huge pages. The arrays returned are views of that block.
-Defers everything else to the backend.
+4 MiB or more with transparent huge pages. The arrays returned are views of that block (the
+block lives while any of them does). Defers everything else to the backend.
 """
 
 from __future__ import annotations
