@@ -365,6 +365,16 @@ def _(rng):
             "returned_weights": "post_dropout"}
 
 
+@_case("returned_weights_pre_dropout", "Weights requested pre-dropout (P, not the P * Z the "
+       "output consumed) with a Philox stream; the manifest says which object is returned",
+       "ReturnedWeights", "PhiloxDropout")
+def _(rng):
+    from refattn.dropout import Philox
+
+    return {**_qkv(rng, 1, 2, 2, 3, 4, 4), "dropout": Philox(0.25, seed=7),
+            "returned_weights": "pre_dropout"}
+
+
 # -- numerics ----------------------------------------------------------------------------------
 @_case("large_logits_positive", "Scores around +1000 (spread of a few units): the row maximum "
        "must be subtracted before exp", "LargeLogits")
