@@ -120,6 +120,10 @@ def test_flags_describe_the_tensors(specs):
     s = specs["decode_one_token_pos127"]
     assert s.axes["Q"] == 1 and s.call_manifest["visibility"]["relation"]["q_positions"] == [[127]]
     assert s.visible_full().all()
+    returned = _with_flag(specs, "ReturnedWeights")
+    assert {s.returned_weights for s in returned} == {"pre_dropout", "post_dropout"}
+    for s in returned:  # P and P * Z differ here, so the manifest's label decides the object
+        assert not np.array_equal(s.tensors["probs"], s.tensors["consumed"]), s.case_id
     for s in _with_flag(specs, "AllDroppedRow"):
         dropped = (s.tensors["consumed"] == 0).all(-1) & (s.tensors["probs"] > 0).any(-1)
         assert dropped.any() and (s.tensors["output"][dropped] == 0).all()
