@@ -8,6 +8,7 @@ arithmetic. Defers the arithmetic to :mod:`refattn.engine` and the dropout strea
 from __future__ import annotations
 
 import json
+from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
 from typing import Any, Literal, Protocol, runtime_checkable
 
@@ -394,12 +395,13 @@ class AttentionCall:
         """
         if self.relation is None:
             return self.visible
-        dense = self.__dict__.get("_visible_dense")
-        if dense is None:
+
+        def build() -> np.ndarray:
             dense = self.relation.dense()
             dense.flags.writeable = False
-            self._set("_visible_dense", dense)
-        return dense
+            return dense
+
+        return self._cached("_visible_dense", build)
 
     def visible_full(self) -> np.ndarray:
         """Read-only (B, Hq, Q, K) bool view of the visibility (all True when absent)."""
@@ -426,12 +428,17 @@ class AttentionCall:
         """
         if self.relation is None:
             return self.visible_full().any(axis=-1)
-        rows = self.__dict__.get("_row_has_key")
-        if rows is None:
-            B, Hq, Q, _ = self.score_shape
-            rows = np.broadcast_to(self.relation.row_any(), (B, Hq, Q))
-            self._set("_row_has_key", rows)
-        return rows
+        B, Hq, Q, _ = self.score_shape
+        return self._cached("_row_has_key",
+                            lambda: np.broadcast_to(self.relation.row_any(), (B, Hq, Q)))
+
+    def _cached(self, name: str, build: Callable[[], Any]) -> Any:
+        """``build()`` once per call, kept on the instance (the dataclass fields stay frozen)."""
+        value = self.__dict__.get(name)
+        if value is None:
+            value = build()
+            self._set(name, value)
+        return value
 
     def query_valid_full(self) -> np.ndarray:
         """Read-only (B, 1, Q, 1) bool view of query validity (all True when absent)."""
