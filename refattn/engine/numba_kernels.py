@@ -23,6 +23,14 @@ from refattn.engine.numba_operands import at
 __all__ = ["dense_backward_rows", "dense_forward_rows"]
 
 
+@njit(cache=True, inline="always")
+def _unravel_row(row, Hq, Q):
+    """(b, h, i) of flat row index ``row`` of a C-ordered (B, Hq, Q) grid."""
+    bh = row // Q
+    b = bh // Hq
+    return b, bh - b * Hq, row - bh * Q
+
+
 @njit(cache=True, parallel=True)
 def dense_forward_rows(scores, scale, has_bias, bias, biased, has_vis, visible, masked,
                        has_drop, z, probs, consumed, row_max, lse, sanitized):
@@ -43,10 +51,7 @@ def dense_forward_rows(scores, scale, has_bias, bias, biased, has_vis, visible, 
     """
     B, Hq, Q, K = scores.shape
     for row in prange(B * Hq * Q):
-        bh = row // Q
-        i = row - bh * Q
-        b = bh // Hq
-        h = bh - b * Hq
+        b, h, i = _unravel_row(row, Hq, Q)
         s = scores[b, h, i]
         bs = biased[b, h, i]
         ms = masked[b, h, i]
@@ -99,10 +104,7 @@ def dense_backward_rows(grad_consumed, has_drop, z, grad_probs, probs, g_o, outp
     B, Hq, Q, K = probs.shape
     Dv = g_o.shape[3]
     for row in prange(B * Hq * Q):
-        bh = row // Q
-        i = row - bh * Q
-        b = bh // Hq
-        h = bh - b * Hq
+        b, h, i = _unravel_row(row, Hq, Q)
         gp = grad_probs[b, h, i]
         if has_drop:
             gc = grad_consumed[b, h, i]
