@@ -1,7 +1,7 @@
 """The GEMM floor of the streaming algorithm: its BLAS calls alone, with no softmax work.
 
 Owns two ``@njit(parallel=True)`` kernels that issue exactly the matrix products of the numba
-streaming forward and backward (:mod:`refattn.engine.numba_stream`), at the same tile and
+streaming forward and backward (:mod:`refattn.engine.numba.stream`), at the same tile and
 sub-product sizes and with one task per (b, h, query block) forward and per (b, h) backward,
 but skip every per-element step (scale, mask, max, exp, sums, dS, dropout). Their outputs are
 meaningless; their time is a lower bound on any implementation of that tiled algorithm on this
@@ -21,9 +21,9 @@ from numba import njit, prange
 
 from refattn import AttentionCall
 from refattn.engine.alloc import zeros_block
-from refattn.engine.numba_backend import BLOCK_K, BLOCK_Q, _sub_block
-from refattn.engine.numba_blas import dgemm_address, gemm, gemm_split, single_thread_blas
-from refattn.engine.numba_stream import _addr
+from refattn.engine.numba.backend import BLOCK_K, BLOCK_Q, _sub_block
+from refattn.engine.numba.blas import dgemm_address, gemm, gemm_split, single_thread_blas
+from refattn.engine.numba.stream import _addr
 
 __all__ = ["floor_runner"]
 

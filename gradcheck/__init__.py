@@ -8,6 +8,12 @@ element by element (``mode="full"``) or along random signed Gaussian directions
 ``taylor_test`` and ``attention_identities`` are second opinions; :mod:`gradcheck.attention`
 exposes refattn's own forward/backward as ``fn``/``vjp``.
 
+Two parts with one-way imports: the generic checker (``api``, ``methods``, ``directional``,
+``finite_difference``, ``report``, ``taylor``, ``errors``; bad input raises
+:class:`GradcheckError`) imports nothing from refattn, so refattn's ``verify`` may use it; the
+attention part (``attention``, ``identities``, ``mutations``) wraps refattn's engine and sits
+beside :mod:`refattn.analysis`. This ``__init__`` is the façade over both.
+
 Examples
 --------
 >>> import numpy as np
@@ -23,12 +29,14 @@ from __future__ import annotations
 
 from gradcheck.api import GradientCheckError, assert_gradients, check_vjp
 from gradcheck.attention import attention_problem, check_attention
+from gradcheck.errors import GradcheckError
 from gradcheck.finite_difference import central_difference
 from gradcheck.identities import IdentityReport, attention_identities
 from gradcheck.report import InputReport, Report, ScaleFit, Worst
 from gradcheck.taylor import TaylorReport, taylor_test
 
 __all__ = [
+    "GradcheckError",
     "GradientCheckError",
     "IdentityReport",
     "InputReport",

@@ -33,6 +33,7 @@ from typing import Any, Literal
 import numpy as np
 
 from gradcheck.directional import bisect, cotangent, direction
+from gradcheck.errors import GradcheckError, float64_array
 from gradcheck.methods import (
     CD_STEP,
     EPS,
@@ -45,9 +46,6 @@ from gradcheck.methods import (
     pooled_errors,
 )
 from gradcheck.report import InputReport, Report, Worst, error_ratio, quantiles, scale_fit
-from refattn._checks import as_array, check_finite, check_float64, first_index, format_index
-from refattn.engine.reduce import reduce_to_shape
-from refattn.errors import RefAttnError
 
 __all__ = ["GradientCheckError", "assert_gradients", "check_vjp"]
 
@@ -80,13 +78,10 @@ class _Counted:
 
 def _validate_inputs(inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
     if not isinstance(inputs, Mapping) or not inputs:
-        raise RefAttnError("inputs: expected a non-empty mapping of name -> float64 ndarray")
+        raise GradcheckError("inputs: expected a non-empty mapping of name -> float64 ndarray")
     out = {}
     for name, x in inputs.items():
-        arr = as_array(f"inputs[{name!r}]", x)
-        check_float64(f"inputs[{name!r}]", arr)
-        check_finite(f"inputs[{name!r}]", arr)
-        arr = np.array(arr, copy=True)
+        arr = np.array(float64_array(f"inputs[{name!r}]", x), copy=True)
         arr.flags.writeable = False
         out[str(name)] = arr
     return out
@@ -95,7 +90,7 @@ def _validate_inputs(inputs: Mapping[str, Any]) -> dict[str, np.ndarray]:
 def _analytic(name: str, grads: object, x: np.ndarray) -> tuple[np.ndarray | None, str | None]:
     """The vjp's gradient for ``name`` shaped like ``x``, and a structural problem in words."""
     if not isinstance(grads, Mapping):
-        raise RefAttnError(
+        raise GradcheckError(
             f"vjp: expected a mapping of input name -> gradient, got {type(grads).__name__}"
         )
     if name not in grads or grads[name] is None:
@@ -123,10 +118,10 @@ def _analytic(name: str, grads: object, x: np.ndarray) -> tuple[np.ndarray | Non
             f"analytic gradient has shape {g.shape} but the input has shape {x.shape}: "
             f"not reduced over its broadcast axes {axes} (compared after summing them)"
         )
-        g = reduce_to_shape(g, x.shape)
-    bad = first_index(~np.isfinite(g))
-    if bad is not None:
-        problems.append(f"analytic gradient is non-finite at {format_index(bad)}")
+        g = g.sum(axis=axes).reshape(x.shape)
+    bad = np.argwhere(~np.isfinite(g))
+    if bad.size:
+        problems.append(f"analytic gradient is non-finite at {tuple(int(i) for i in bad[0])}")
     return g, ("; ".join(problems) or None)
 
 
@@ -144,7 +139,7 @@ class _Checker:
             try:
                 return complex_step_jvp(self.fn, self.inputs, name, w)
             except NotComplexSafe as exc:
-                raise RefAttnError(f"method 'complex_step' for {name!r}: fn {exc}") from None
+                raise GradcheckError(f"method 'complex_step' for {name!r}: fn {exc}") from None
         return central_jvp(self.fn, self.inputs, name, w, step=self.step, levels=self.levels)
 
     def tol(self, err: Any, vnorm: float, jnorm: Any, floor: Any, dot: Any) -> Any:
@@ -233,7 +228,7 @@ def check_vjp(
 
     Raises
     ------
-    RefAttnError
+    GradcheckError
         On non-float64 or non-finite inputs or cotangent, a non-float64 ``fn`` output, an
         unknown option, or a ``vjp`` that does not return a mapping.
 
@@ -253,24 +248,22 @@ def check_vjp(
     names = list(inputs) if wrt is None else [str(n) for n in wrt]
     for n in names:
         if n not in inputs:
-            raise RefAttnError(f"wrt: {n!r} is not an input (inputs: {sorted(inputs)})")
+            raise GradcheckError(f"wrt: {n!r} is not an input (inputs: {sorted(inputs)})")
     if mode not in ("auto", "full", "directional"):
-        raise RefAttnError(f"mode: expected 'auto', 'full' or 'directional', got {mode!r}")
+        raise GradcheckError(f"mode: expected 'auto', 'full' or 'directional', got {mode!r}")
     if method not in ("auto", "complex_step", "central"):
-        raise RefAttnError(
+        raise GradcheckError(
             f"method: expected 'auto', 'complex_step' or 'central', got {method!r}"
         )
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
-        raise RefAttnError(f"seed: expected a non-negative integer, got {seed!r}")
+        raise GradcheckError(f"seed: expected a non-negative integer, got {seed!r}")
     if directions < 1 or levels < 1:
-        raise RefAttnError(f"directions and levels: expected >= 1, got {directions}, {levels}")
+        raise GradcheckError(f"directions and levels: expected >= 1, got {directions}, {levels}")
     null_space = dict(null_space or {})
 
     checker = _Checker(fn, inputs, step=step, levels=levels, safety=safety,
                        rounding_ulps=rounding_ulps)
-    f0 = as_array("fn output", checker.fn(**inputs))
-    check_float64("fn output", f0)
-    check_finite("fn output", f0)
+    f0 = float64_array("fn output", checker.fn(**inputs))
     if mode == "auto":
         mode = "full" if sum(inputs[n].size for n in names) <= full_limit else "directional"
     rounds = 1 if mode == "full" else int(directions)
@@ -278,14 +271,12 @@ def check_vjp(
     cotangents = []
     for r in range(rounds):
         if r == 0 and grad_output is not None:
-            v = as_array("grad_output", grad_output)
-            check_float64("grad_output", v)
+            v = float64_array("grad_output", grad_output)
             if v.shape != f0.shape:
-                raise RefAttnError(
+                raise GradcheckError(
                     f"grad_output: expected the output's shape {list(f0.shape)}, "
                     f"got {list(v.shape)}"
                 )
-            check_finite("grad_output", v)
         else:
             v = cotangent(f0.shape, seed=int(seed), round_=r)
         cotangents.append(np.array(v, dtype=np.float64))

@@ -22,14 +22,15 @@ from typing import Any
 
 import numpy as np
 
-import refattn
 from gradcheck.api import check_vjp
 from gradcheck.report import Report
 from refattn.call import AttentionCall
+from refattn.engine import backward as reference_backward
+from refattn.engine import forward
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
 from refattn.engine.reference import forward_arrays
+from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
-from refattn.trace import Gradients, Trace
 
 __all__ = ["AttentionProblem", "attention_problem", "check_attention", "rounding_scales"]
 
@@ -75,7 +76,8 @@ def rounding_scales(trace: Trace, grad_output: np.ndarray) -> dict[str, np.ndarr
 
     Examples
     --------
-    >>> from refattn.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call
+    >>> import refattn
+    >>> from refattn.bundle.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call
     >>> s = rounding_scales(refattn.forward(loop6_call()), LOOP6_GRAD_OUTPUT)
     >>> sorted(s), s["grad_q"].shape
     (['grad_k', 'grad_probs', 'grad_q', 'grad_scores', 'grad_v'], (1, 1, 2, 2))
@@ -207,7 +209,7 @@ def attention_problem(
     for opt in ("scale_placement", "softcap"):
         if hasattr(call, opt):
             frozen[opt] = getattr(call, opt)
-    run_backward = refattn.backward if backward is None else backward
+    run_backward = reference_backward if backward is None else backward
 
     def split(kw: Mapping[str, np.ndarray]) -> tuple[dict[str, Any], dict[str, np.ndarray]]:
         direct = {n: kw.get(n, getattr(call, n, None)) for n in INPUTS}
@@ -232,11 +234,11 @@ def attention_problem(
         return dataclasses.replace(call, **changed) if changed else call
 
     def vjp(grad_output: np.ndarray, **kw: np.ndarray) -> dict[str, np.ndarray]:
-        grads = _as_dict(run_backward(refattn.forward(rebuilt(kw)), grad_output))
+        grads = _as_dict(run_backward(forward(rebuilt(kw)), grad_output))
         return {n: grads[n] for n in names if n in grads}
 
     def term_scale(grad_output: np.ndarray, **kw: np.ndarray) -> dict[str, np.ndarray]:
-        scales = rounding_scales(refattn.forward(rebuilt(kw)), grad_output)
+        scales = rounding_scales(forward(rebuilt(kw)), grad_output)
         return {n: scales[f"grad_{n}"] for n in names if f"grad_{n}" in scales}
 
     linear_score = score is None or bool(getattr(score, "linear_in_operands", False))
@@ -277,7 +279,7 @@ def check_attention(
 
     Examples
     --------
-    >>> from refattn.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call
+    >>> from refattn.bundle.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call
     >>> r = check_attention(loop6_call(), grad_output=LOOP6_GRAD_OUTPUT)
     >>> r.passed, r.inputs["q"].method
     (True, 'complex_step')

@@ -35,15 +35,16 @@ from dataclasses import dataclass
 
 import numpy as np
 
-import refattn
 from gradcheck.attention import rounding_scales
 from gradcheck.directional import stream
 from gradcheck.methods import CS_STEP, EPS
 from gradcheck.report import error_ratio
 from refattn._checks import format_index
+from refattn.engine import backward as reference_backward
+from refattn.engine import forward
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
+from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
-from refattn.trace import Gradients, Trace
 
 __all__ = ["IdentityCheck", "IdentityReport", "attention_identities"]
 
@@ -179,7 +180,8 @@ def attention_identities(
 
     Examples
     --------
-    >>> from refattn.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call
+    >>> import refattn
+    >>> from refattn.bundle.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call
     >>> t = refattn.forward(loop6_call())
     >>> report = attention_identities(t, refattn.backward(t, LOOP6_GRAD_OUTPUT))
     >>> report.passed, len(report.checks)
@@ -190,8 +192,8 @@ def attention_identities(
     if not isinstance(grads, Gradients):
         raise RefAttnError(f"grads: expected Gradients, got {type(grads).__name__}")
     if trace.probs is None or trace.scores is None:
-        trace = refattn.forward(trace.call)  # a streaming trace: materialise the reference
-    bw = refattn.backward if backward is None else backward
+        trace = forward(trace.call)  # a streaming trace: materialise the reference
+    bw = reference_backward if backward is None else backward
     call = trace.call
     B, Hq, Q, _ = call.q.shape
     Hkv, K = call.k.shape[1], call.k.shape[2]

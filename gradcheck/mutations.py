@@ -16,7 +16,7 @@ import numpy as np
 
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
 from refattn.engine.reference import backward as reference_backward
-from refattn.trace import Gradients, Trace
+from refattn.engine.trace import Gradients, Trace
 
 __all__ = [
     "Mutation",

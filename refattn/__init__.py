@@ -24,13 +24,15 @@ Examples
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-
+from refattn import _moved
+from refattn._version import __version__
+from refattn.analysis.source_identity import check_source_identity
 from refattn.call import AttentionCall
 from refattn.engine import attention, backward, forward
+from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError, RefAttnWarning
-from refattn.source_identity import check_source_identity
-from refattn.trace import Gradients, Trace
+
+_moved.install()  # the flat layout's module paths keep working, with a DeprecationWarning
 
 __all__ = [
     "AttentionCall",

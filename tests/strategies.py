@@ -215,7 +215,7 @@ def engine_calls(
     """A random dot-score :class:`refattn.AttentionCall` touching every feature a backend reads.
 
     Visibility is absent, a dense (possibly broadcast) mask, or a
-    :class:`~refattn.visibility.VisibilityRelation` (from :func:`visibility_inputs`, so causal,
+    :class:`~refattn.masks.VisibilityRelation` (from :func:`visibility_inputs`, so causal,
     prefix, segments, per-head windows and key padding); GQA is grouped or an explicit
     ``head_map``; bias is absent or one of several broadcast shapes; dropout is absent, an
     explicit multiplier (full or broadcast) or a :class:`refattn.dropout.Philox` stream; rows
@@ -224,7 +224,7 @@ def engine_calls(
     """
     from refattn import AttentionCall
     from refattn.dropout import Philox
-    from refattn.visibility import relation
+    from refattn.masks import relation
 
     kind = draw(st.sampled_from(["all", "dense", "relation"]))
     rel = None

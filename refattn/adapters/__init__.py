@@ -5,7 +5,7 @@ produced them and a manifest whose backend fields say what was requested and wha
 observed) and :func:`semantic_limits`, the case features every framework's eligibility
 check reads. The framework modules (:mod:`refattn.adapters.torch`,
 :mod:`refattn.adapters.jax`) import their stack lazily inside functions; importing this
-package never imports torch, jax or ml_dtypes. Defers the verdict to :mod:`refattn.compare`.
+package never imports torch, jax or ml_dtypes. Defers the verdict to :mod:`refattn.bundle.compare`.
 """
 
 from __future__ import annotations
@@ -16,7 +16,8 @@ from typing import Any
 
 import numpy as np
 
-from refattn.case_spec import CaseSpec
+from refattn.bundle.compare import compare
+from refattn.bundle.spec import CaseSpec
 
 __all__ = ["AdapterResult", "semantic_limits"]
 
@@ -47,9 +48,7 @@ class AdapterResult:
     manifest: Mapping[str, Any] = field(default_factory=dict)
 
     def compare(self, golden: CaseSpec, *, tolerances: Any = None) -> Any:
-        """:func:`refattn.compare.compare` of these tensors with ``golden`` at this precision."""
-        from refattn.compare import compare
-
+        """Compare these tensors with ``golden`` at this precision (see ``bundle.compare``)."""
         return compare(self.tensors, golden, dtype=self.precision, tolerances=tolerances)
 
 
@@ -58,8 +57,8 @@ def semantic_limits(spec: CaseSpec) -> dict[str, Any]:
 
     Examples
     --------
-    >>> from refattn.case_spec import case_spec
-    >>> from refattn.suites import build_suite
+    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.suites import build_suite
     >>> lim = semantic_limits(case_spec(build_suite("contract")[0]))
     >>> lim["family"], lim["dropout"], lim["softcap"], lim["sink"]
     ('dot', True, False, False)

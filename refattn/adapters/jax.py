@@ -16,7 +16,7 @@ compared under the float32 reference-relative rule and its manifest records
 
 jax is imported inside functions only. The lowering decisions (:func:`call_arguments`,
 :func:`ineligible`) are pure numpy and need no jax. Defers the verdict to
-:mod:`refattn.compare`.
+:mod:`refattn.bundle.compare`.
 """
 
 from __future__ import annotations
@@ -29,10 +29,11 @@ from typing import Any, Literal
 import numpy as np
 
 from refattn.adapters import AdapterResult, semantic_limits
-from refattn.case_spec import CaseSpec
+from refattn.bundle.spec import CaseSpec
+from refattn.bundle.tolerances import precision_name, resolve_dtype
+from refattn.call.placement import operand_multipliers
 from refattn.engine.reduce import sum_heads
 from refattn.errors import RefAttnError
-from refattn.tolerances import precision_name, resolve_dtype
 
 __all__ = ["JaxArguments", "call_arguments", "ineligible", "native_support", "run"]
 
@@ -52,8 +53,8 @@ def ineligible(spec: CaseSpec) -> str | None:
 
     Examples
     --------
-    >>> from refattn.case_spec import case_spec
-    >>> from refattn.suites import build_suite
+    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.suites import build_suite
     >>> ineligible(case_spec(build_suite("contract")[4]))
     'Dk != Dv (value must have the shape of key)'
     """
@@ -146,15 +147,13 @@ def call_arguments(spec: CaseSpec, *, native: Literal["explicit", "auto"] = "exp
 
     Examples
     --------
-    >>> from refattn.case_spec import case_spec
-    >>> from refattn.suites.conformance import CASES
+    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.suites.conformance import CASES
     >>> call_arguments(case_spec(CASES["causal_square"]()), native="auto").is_causal
     True
     >>> call_arguments(case_spec(CASES["causal_lower_right_q3_k7"]()), native="auto").is_causal
     False
     """
-    from refattn.scale_placement import operand_multipliers
-
     if native not in ("explicit", "auto"):
         raise RefAttnError(f"native: expected 'explicit' or 'auto', got {native!r}")
     a = spec.axes
@@ -208,8 +207,8 @@ def run(spec: CaseSpec, *, dtype: Any = "float64", native: Literal["explicit", "
 
     Examples
     --------
-    >>> from refattn.case_spec import case_spec
-    >>> from refattn.suites.conformance import CASES
+    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.suites.conformance import CASES
     >>> import pytest; _ = pytest.importorskip("jax")  # optional stack
     >>> spec = case_spec(CASES["causal_square"]())
     >>> res = run(spec)

@@ -1,6 +1,6 @@
 """PyTorch adapter: one golden case through functional SDPA, an eager program and MHA.
 
-Owns the lowering of a case's semantic call (:class:`~refattn.case_spec.CaseSpec`) to
+Owns the lowering of a case's semantic call (:class:`~refattn.bundle.spec.CaseSpec`) to
 PyTorch 2.13's public APIs, each with its own conventions made explicit:
 
 - ``"sdpa"``: ``F.scaled_dot_product_attention`` with a boolean mask in SDPA polarity (True
@@ -18,7 +18,7 @@ PyTorch 2.13's public APIs, each with its own conventions made explicit:
 The returned manifest records the requested backend and the one observed (the fused SDPA
 operator seen by a dispatch-mode spy, ``math`` when only its decomposition ran, else
 ``unobserved``). torch is imported inside functions only. Defers the verdict to
-:mod:`refattn.compare`.
+:mod:`refattn.bundle.compare`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,11 @@ from typing import Any, Literal
 import numpy as np
 
 from refattn.adapters import AdapterResult, semantic_limits
-from refattn.case_spec import CaseSpec, with_strides
+from refattn.bundle.candidates import as_numpy
+from refattn.bundle.spec import CaseSpec, with_strides
+from refattn.bundle.tolerances import precision_name, resolve_dtype
+from refattn.call.placement import operand_multipliers
 from refattn.errors import RefAttnError
-from refattn.tolerances import precision_name, resolve_dtype
 
 __all__ = [
     "PATHS",
@@ -102,8 +104,8 @@ def ineligible(spec: CaseSpec, path: Path) -> str | None:
 
     Examples
     --------
-    >>> from refattn.case_spec import case_spec
-    >>> from refattn.suites import build_suite
+    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.suites import build_suite
     >>> ineligible(case_spec(build_suite("contract")[0]), "sdpa")
     'dropout multiplier (SDPA and MHA are run with dropout off)'
     >>> ineligible(case_spec(build_suite("contract")[0]), "eager") is None
@@ -148,14 +150,12 @@ def sdpa_arguments(spec: CaseSpec, *, gqa: Literal["native", "expand"] = "native
 
     Examples
     --------
-    >>> from refattn.case_spec import case_spec
-    >>> from refattn.suites import build_suite
+    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.suites import build_suite
     >>> a = sdpa_arguments(case_spec(build_suite("contract")[4]))
     >>> a.mask, a.is_causal, a.enable_gqa, round(a.scale, 6)
     ('additive', False, True, 0.447214)
     """
-    from refattn.scale_placement import operand_multipliers
-
     if gqa not in ("native", "expand"):
         raise RefAttnError(f"gqa: expected 'native' or 'expand', got {gqa!r}")
     if causal not in ("explicit", "auto"):
@@ -220,8 +220,8 @@ def case_tensors(spec: CaseSpec, *, dtype: Any = "float64", requires_grad: bool 
 
     Examples
     --------
-    >>> from refattn.case_spec import case_spec
-    >>> from refattn.suites import build_suite
+    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.suites import build_suite
     >>> import pytest; _ = pytest.importorskip("torch")  # optional stack
     >>> t = case_tensors(case_spec(build_suite("contract")[4]), dtype="bfloat16")
     >>> str(t.q.dtype), tuple(t.k.shape), t.q.requires_grad
@@ -249,8 +249,6 @@ def case_tensors(spec: CaseSpec, *, dtype: Any = "float64", requires_grad: bool 
 
 
 def _numpy(x: Any) -> np.ndarray:
-    from refattn.compare import as_numpy
-
     return np.array(as_numpy("tensor", x))
 
 
@@ -413,8 +411,6 @@ def _run_sdpa(spec: CaseSpec, precision: str, *, backend: Backend, gqa: Any,
 
 def _scores_eager(spec: CaseSpec, tc: TorchCase, k_eff: Any) -> Any:
     """(B, Hq, Q, K) scores of the case's family, scale placement applied."""
-    from refattn.scale_placement import operand_multipliers
-
     torch = _torch()
     mult = operand_multipliers(spec.scale, spec.scale_placement)
     q = tc.q if mult.query == 1.0 else tc.q * mult.query  # (B, Hq, Q, Dq)
@@ -591,8 +587,8 @@ def run(spec: CaseSpec, path: Path = "sdpa", *, dtype: Any = "float64",
 
     Examples
     --------
-    >>> from refattn.case_spec import case_spec
-    >>> from refattn.suites import build_suite
+    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.suites import build_suite
     >>> import pytest; _ = pytest.importorskip("torch")  # optional stack
     >>> spec = case_spec(build_suite("contract")[4])
     >>> res = run(spec, "sdpa")

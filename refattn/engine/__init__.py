@@ -1,7 +1,11 @@
-"""Backend registry: one ``forward`` / ``backward`` interface over several engines.
+"""The engine: run a validated call forward and backward on one of several backends.
 
-Owns backend lookup (lazy, by name) and the checks on ``grad_output``; the arithmetic lives
-in the backend modules (``reference`` is the NumPy oracle).
+Owns the named results (:class:`~refattn.engine.trace.Trace`, :class:`Gradients`), the backend
+registry below (lookup by name, lazy import: the one place where a backend outside refattn, such
+as ``gpu_backend``, may be loaded), the checks on ``grad_output``, the NumPy reference
+(:mod:`~refattn.engine.reference`, the oracle), the numba backend (:mod:`refattn.engine.numba`)
+and the reductions they share. It reads :mod:`refattn.call` and never imports analysis, bundle,
+adapters or cli.
 """
 
 from __future__ import annotations
@@ -14,15 +18,15 @@ import numpy as np
 
 from refattn._checks import as_array, check_finite, check_float64, check_shape
 from refattn.call import AttentionCall
+from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
-from refattn.trace import Gradients, Trace
 
 __all__ = ["BACKENDS", "attention", "backward", "forward", "get_backend"]
 
 #: backend name -> module implementing ``forward(call, **options)`` and ``backward(trace, g)``
 BACKENDS: dict[str, str] = {
     "numpy": "refattn.engine.reference",
-    "numba": "refattn.engine.numba_backend",
+    "numba": "refattn.engine.numba.backend",
 }
 
 

@@ -4,7 +4,7 @@ Owns the arithmetic of the dense forward trace and the hand-written backward. Th
 functions :func:`forward_arrays` and :func:`backward_arrays` take plain arrays (and accept
 complex input, so a complex-step derivative check gets the exact method); the thin wrappers
 :func:`forward` and :func:`backward` turn an :class:`~refattn.AttentionCall` into a
-:class:`~refattn.trace.Trace` and :class:`~refattn.trace.Gradients`.
+:class:`~refattn.engine.trace.Trace` and :class:`~refattn.engine.trace.Gradients`.
 """
 
 from __future__ import annotations
@@ -12,11 +12,11 @@ from __future__ import annotations
 import numpy as np
 
 from refattn.call import AttentionCall
+from refattn.call.placement import OperandMultipliers, operand_multipliers
+from refattn.call.scores import Dot, ScoreFamily
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
+from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
-from refattn.scale_placement import OperandMultipliers, operand_multipliers
-from refattn.scores import Dot, ScoreFamily
-from refattn.trace import Gradients, Trace
 
 __all__ = ["backward", "backward_arrays", "forward", "forward_arrays"]
 
@@ -82,9 +82,9 @@ def forward_arrays(
     multiplier : ndarray broadcastable to (B, Hq, Q, K), optional
         Dropout multiplier Z.
     score : ScoreFamily, optional
-        Compatibility family (default :class:`~refattn.scores.Dot`).
+        Compatibility family (default :class:`~refattn.call.scores.Dot`).
     scale_placement : {"post", "q", "k", "split"}
-        Where alpha is applied (see :mod:`refattn.scale_placement`).
+        Where alpha is applied (see :mod:`refattn.call.placement`).
     softcap : float, optional
         Cap c: ``scores = c * tanh(alpha u / c)``, before bias and visibility.
     sink : (Hq,) ndarray, optional

@@ -1,0 +1,115 @@
+"""Candidate files: another stack's tensors, read and written under the canonical names.
+
+Owns :func:`as_numpy` (numpy, ``__array__``, DLPack and PyTorch bfloat16 tensors read without a
+dtype change), :func:`read_candidate` (a safetensors file, BF16 through ml_dtypes) and
+:func:`write_candidate`. The comparison itself is :mod:`refattn.bundle.compare`'s.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from safetensors.numpy import save
+
+from refattn._checks import as_array
+from refattn.bundle.format import atomic_write
+from refattn.bundle.tolerances import resolve_dtype
+from refattn.errors import RefAttnError
+
+__all__ = ["as_numpy", "read_candidate", "write_candidate"]
+
+
+def as_numpy(name: str, x: Any) -> np.ndarray:
+    """A candidate tensor as a numpy array without changing its dtype.
+
+    Accepts numpy arrays, objects with ``__array__`` or DLPack, and PyTorch bfloat16 tensors
+    (viewed as ml_dtypes.bfloat16; numpy has no bfloat16 of its own).
+
+    Examples
+    --------
+    >>> as_numpy("output", [1.0, 2.0]).dtype
+    dtype('float64')
+    """
+    if isinstance(x, np.ndarray):
+        return x
+    if str(getattr(x, "dtype", "")) == "torch.bfloat16":
+        import ml_dtypes
+        import torch
+
+        return x.detach().cpu().contiguous().view(torch.int16).numpy().view(ml_dtypes.bfloat16)
+    if hasattr(x, "detach"):  # torch: leave autograd before reading
+        x = x.detach().cpu()
+    if hasattr(x, "__dlpack__"):
+        try:
+            return np.from_dlpack(x)
+        except (TypeError, RuntimeError, BufferError):
+            pass
+    return as_array(name, x)
+
+
+_ST_DTYPES = {
+    "F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16", "BOOL": "bool",
+    "I64": "int64", "I32": "int32", "I16": "int16", "I8": "int8", "U8": "uint8",
+}
+
+
+def read_candidate(path: str | os.PathLike) -> dict[str, np.ndarray]:
+    """Read a candidate safetensors file (canonical names; BF16 as ml_dtypes.bfloat16).
+
+    Raises
+    ------
+    RefAttnError
+        Naming the file (and tensor) when the file is truncated or its header is invalid.
+    """
+    path = Path(path)
+    try:
+        data = path.read_bytes()
+    except OSError as exc:
+        raise RefAttnError(f"{path}: cannot read ({exc.strerror})") from None
+    if len(data) < 8:
+        raise RefAttnError(f"{path}: truncated file ({len(data)} bytes, no header length)")
+    n = int.from_bytes(data[:8], "little")
+    if 8 + n > len(data):
+        raise RefAttnError(f"{path}: truncated file (header needs {8 + n} bytes, has {len(data)})")
+    try:
+        header = json.loads(data[8 : 8 + n])
+    except json.JSONDecodeError as exc:
+        raise RefAttnError(f"{path}: safetensors header is not JSON ({exc})") from None
+    body = memoryview(data)[8 + n :]
+    out: dict[str, np.ndarray] = {}
+    for name, rec in header.items():
+        if name == "__metadata__":
+            continue
+        if rec.get("dtype") not in _ST_DTYPES:
+            raise RefAttnError(f"{path}: tensor {name!r} has unsupported dtype {rec.get('dtype')}")
+        dtype = resolve_dtype("bfloat16") if rec["dtype"] == "BF16" else np.dtype(
+            _ST_DTYPES[rec["dtype"]])
+        dtype = dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
+        start, stop = rec["data_offsets"]
+        if stop > len(body):
+            raise RefAttnError(f"{path}: truncated file (tensor {name!r} ends past the data)")
+        arr = np.frombuffer(body[start:stop], dtype=dtype).reshape(rec["shape"])
+        out[name] = arr.astype(arr.dtype.newbyteorder("="), copy=True)
+    return out
+
+
+def write_candidate(path: str | os.PathLike, tensors: Mapping[str, Any]) -> Path:
+    """Write candidate tensors (numpy, torch, ...) to a safetensors file under their names.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "cand.safetensors"
+    >>> _ = write_candidate(p, {"output": np.ones((1, 1, 2, 3))})
+    >>> read_candidate(p)["output"].shape
+    (1, 1, 2, 3)
+    """
+    arrays = {name: np.ascontiguousarray(as_numpy(name, x)) for name, x in tensors.items()}
+    path = Path(path)
+    atomic_write(path, save(arrays))
+    return path

@@ -1,0 +1,441 @@
+"""The comparison harness: does a candidate (another stack's tensors) match a golden case?
+
+Owns :func:`compare` and its :class:`Report`: structure (names, shapes, exact booleans and
+integers, equal NaN/inf positions), then per tensor either the float64 rule
+``|a - g| <= atol + rtol * |g|`` or, for float32/float16/bfloat16 candidates, the
+reference-relative rule ``max|a - g| <= k * max|naive_lp - g| + floor`` where ``naive_lp`` is
+refattn's own naive algorithm run in the candidate's dtype. Defers candidate files to
+:mod:`refattn.bundle.candidates`, the tolerance settings to :mod:`refattn.bundle.tolerances`,
+the naive reference to :mod:`refattn.bundle.lowp` and the reading of golden cases to
+:mod:`refattn.bundle.spec`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+
+from refattn._checks import first_index, format_index
+from refattn.bundle.candidates import as_numpy
+from refattn.bundle.cases import GoldenCase
+from refattn.bundle.lowp import naive_lowp
+from refattn.bundle.read import LoadedCase
+from refattn.bundle.spec import CaseSpec, case_spec
+from refattn.bundle.tolerances import (
+    LOWER_PRECISIONS,
+    Tolerances,
+    precision_name,
+    resolve_dtype,
+    rounding_floor,
+)
+from refattn.errors import RefAttnError
+
+__all__ = ["TRACE_ORDER", "Report", "TensorReport", "compare"]
+
+#: canonical names in trace order: inputs, forward stages, backward stages
+TRACE_ORDER = (
+    "q", "k", "v", "head_map", "visible", "query_valid", "bias", "dropout", "sink",
+    "softcap_input", "scores", "biased_scores", "masked_scores", "row_max", "lse", "probs",
+    "sink_probs", "dropout_multiplier", "consumed", "output", "sanitized_rows",
+    "grad_output", "grad_v", "grad_consumed", "grad_probs", "row_dot", "row_dot_output",
+    "grad_scores", "grad_softcap_input", "grad_q", "grad_k", "grad_bias", "grad_sink",
+)
+
+
+def _order_key(name: str) -> tuple[int, str]:
+    if name in TRACE_ORDER:
+        return (TRACE_ORDER.index(name), name)
+    if name.startswith("score_"):
+        return (TRACE_ORDER.index("sink"), name)
+    return (len(TRACE_ORDER), name)
+
+
+# -- reports -------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class RelativeError:
+    """One entry of a tensor's top relative errors."""
+
+    index: tuple[int, ...]
+    relative: float
+    candidate: float
+    golden: float
+
+
+@dataclass(frozen=True)
+class TensorReport:
+    """The verdict on one tensor.
+
+    Attributes
+    ----------
+    name : str
+    rule : {"exact", "float64", "reference_relative", "structure"}
+    passed : bool
+    reason : str or None
+        Why the tensor failed (shape, non-finite positions, tolerance, ...).
+    shape : tuple of int
+    compared : int
+        Elements compared numerically (finite in both).
+    max_abs_error : float
+    bound : float
+        Allowed error at the worst element (float64 rule) or for the whole tensor.
+    margin : float
+        ``error - bound`` at the worst element: > 0 is a violation, <= 0 is headroom.
+    worst_index : tuple of int or None
+    worst_candidate, worst_golden : float
+    failing_count : int
+    failing_percent : float
+    nan_mismatches : int
+        Positions where exactly one side is NaN.
+    nonfinite_mismatches : int
+        Positions whose class (finite, NaN, +inf, -inf) differs.
+    reference_error : float or None
+        ``max|naive_lp - g|`` over the naive routes (reference-relative rule only).
+    ratio : float or None
+        ``max_abs_error / reference_error``.
+    top_relative : tuple of RelativeError
+        The five largest relative errors.
+    """
+
+    name: str
+    rule: str
+    passed: bool
+    reason: str | None = None
+    shape: tuple[int, ...] = ()
+    compared: int = 0
+    max_abs_error: float = 0.0
+    bound: float = 0.0
+    margin: float = 0.0
+    worst_index: tuple[int, ...] | None = None
+    worst_candidate: float = float("nan")
+    worst_golden: float = float("nan")
+    failing_count: int = 0
+    failing_percent: float = 0.0
+    nan_mismatches: int = 0
+    nonfinite_mismatches: int = 0
+    reference_error: float | None = None
+    ratio: float | None = None
+    top_relative: tuple[RelativeError, ...] = ()
+
+    def line(self) -> str:
+        """One table row."""
+        status = "ok" if self.passed else "FAIL"
+        ratio = "-" if self.ratio is None else f"{self.ratio:.3g}"
+        worst = "-" if self.worst_index is None else (
+            f"{format_index(self.worst_index)} {self.worst_candidate:.17g} vs "
+            f"{self.worst_golden:.17g}"
+        )
+        return (f"{self.name:<20} {self.rule:<18} {status:<4} {self.max_abs_error:<10.3e} "
+                f"{self.bound:<10.3e} {self.margin:<+11.3e} {ratio:<7} "
+                f"{self.failing_count:>6} ({self.failing_percent:6.2f}%)  {worst}")
+
+
+@dataclass(frozen=True)
+class Report:
+    """The verdict on a whole candidate.
+
+    Attributes
+    ----------
+    case_id : str or None
+    precision : str
+        The rule's precision: float64, float32, float16 or bfloat16.
+    tensors : tuple of TensorReport
+        In trace order.
+    missing : tuple of str
+        Golden tensors the candidate does not provide (not compared; not a failure).
+    first_failure : str or None
+        The first failing tensor in trace order.
+    """
+
+    case_id: str | None
+    precision: str
+    tensors: tuple[TensorReport, ...]
+    missing: tuple[str, ...] = ()
+    tolerances: Tolerances = field(default_factory=Tolerances)
+
+    @property
+    def passed(self) -> bool:
+        return all(t.passed for t in self.tensors)
+
+    @property
+    def first_failure(self) -> str | None:
+        return next((t.name for t in self.tensors if not t.passed), None)
+
+    def __getitem__(self, name: str) -> TensorReport:
+        for t in self.tensors:
+            if t.name == name:
+                return t
+        raise KeyError(name)
+
+    def format(self) -> str:
+        """The report as text: one row per tensor, then the details of every failure."""
+        tol = self.tolerances
+        rule = (f"|a-g| <= {tol.atol:g} + {tol.rtol:g}*|g| per element"
+                if self.precision == "float64" else
+                f"max|a-g| <= k*max|naive_{self.precision}-g| + floor "
+                f"(k={tol.k_forward:g} forward, {tol.k_gradient:g} gradients)")
+        lines = [
+            f"case {self.case_id or '?'}: precision {self.precision}; rule {rule}",
+            f"{'tensor':<20} {'rule':<18} {'':<4} {'max_err':<10} {'bound':<10} "
+            f"{'margin':<11} {'ratio':<7} {'failing':>6}            worst (candidate vs golden)",
+        ]
+        lines += [t.line() for t in self.tensors]
+        if self.missing:
+            lines.append(f"not compared (absent from candidate): {', '.join(self.missing)}")
+        for t in self.tensors:
+            if t.passed:
+                continue
+            lines.append(f"FAIL {t.name}: {t.reason}")
+            if t.nan_mismatches or t.nonfinite_mismatches:
+                lines.append(f"  NaN mismatches {t.nan_mismatches}, non-finite class "
+                             f"mismatches {t.nonfinite_mismatches}")
+            for r in t.top_relative:
+                lines.append(f"  rel {r.relative:.3e} at {format_index(r.index)}: "
+                             f"{r.candidate:.17g} vs {r.golden:.17g}")
+        first = self.first_failure
+        lines.append("PASS" if first is None else f"FAILED: first failing stage {first}")
+        return "\n".join(lines)
+
+
+# -- the comparison --------------------------------------------------------------------------
+def _classes(x: np.ndarray) -> np.ndarray:
+    """0 finite, 1 NaN, 2 +inf, 3 -inf."""
+    c = np.zeros(x.shape, np.int8)
+    c[np.isnan(x)] = 1
+    c[np.isposinf(x)] = 2
+    c[np.isneginf(x)] = 3
+    return c
+
+
+def _idx(flat: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(flat, shape)) if shape else ()
+
+
+def _top_relative(err: np.ndarray, c: np.ndarray, g: np.ndarray, both: np.ndarray,
+                  n: int = 5) -> tuple[RelativeError, ...]:
+    rel = np.where(both, err / np.maximum(np.abs(g), np.finfo(np.float64).tiny), -1.0)
+    flat = rel.reshape(-1)
+    order = np.argsort(-flat, kind="stable")[:n]
+    return tuple(
+        RelativeError(_idx(i, g.shape), float(flat[i]), float(c.reshape(-1)[i]),
+                      float(g.reshape(-1)[i]))
+        for i in order if flat[i] > 0
+    )
+
+
+def _exact(name: str, c: np.ndarray, g: np.ndarray) -> TensorReport:
+    if c.dtype.kind != g.dtype.kind:
+        return TensorReport(name, "exact", False, f"dtype {c.dtype} where the golden has "
+                            f"{g.dtype} (booleans and integers must match exactly)", g.shape)
+    diff = c != g
+    n = int(diff.sum())
+    if n == 0:
+        return TensorReport(name, "exact", True, None, g.shape, compared=g.size)
+    first = first_index(diff)
+    return TensorReport(
+        name, "exact", False, f"{n} element(s) differ; first at {format_index(first)}",
+        g.shape, compared=g.size, worst_index=first, worst_candidate=float(c[first]),
+        worst_golden=float(g[first]), failing_count=n, failing_percent=100.0 * n / g.size,
+        max_abs_error=float("inf"), margin=float("inf"),
+    )
+
+
+def _numeric(name: str, c_in: np.ndarray, g: np.ndarray, *, precision: str,
+             tol: Tolerances, naive: Mapping[str, Mapping[str, np.ndarray]] | None,
+             dtype: np.dtype) -> TensorReport:
+    c = c_in.astype(np.float64)  # exact widening of every supported float dtype
+    # in a lower precision a finite golden value beyond the dtype's range is expected as +-inf
+    with np.errstate(over="ignore"):
+        expected = g if precision == "float64" else g.astype(dtype).astype(np.float64)
+    cls_c, cls_g = _classes(c), _classes(expected)
+    class_diff = cls_c != cls_g
+    nan_mm = int((np.isnan(c) != np.isnan(g)).sum())
+    nonfinite_mm = int(class_diff.sum())
+    both = (cls_c == 0) & (cls_g == 0)
+    g_both = np.where(both, g, 0.0)  # finite golden values, 0 elsewhere
+    with np.errstate(invalid="ignore"):
+        err = np.where(both, np.abs(c - g_both), 0.0)
+    compared = int(both.sum())
+    reasons: list[str] = []
+    if nonfinite_mm:
+        first = first_index(class_diff)
+        reasons.append(f"non-finite positions differ at {nonfinite_mm} element(s), first "
+                       f"{format_index(first)}: {c[first]!r} vs {g[first]!r}")
+    ref_err = ratio = None
+    if precision == "float64":
+        atol, rtol = tol.float64_for(name)
+        allowed = atol + rtol * np.abs(g_both)
+        viol = np.where(both, err - allowed, -np.inf)
+        failing = viol > 0
+        rule = "float64"
+        if compared:
+            wflat = int(np.argmax(viol))
+            bound = float(allowed.reshape(-1)[wflat])
+            margin = float(viol.reshape(-1)[wflat])
+        else:
+            wflat, bound, margin = None, 0.0, 0.0
+    else:
+        rule = "reference_relative"
+        if not naive or any(name not in lp for lp in naive.values()):
+            return TensorReport(name, rule, False, f"no naive {precision} reference for "
+                                f"{name!r}; cannot apply the reference-relative rule", g.shape)
+        ref_err = 0.0
+        for lp in naive.values():  # the yardstick: the worst legitimate naive route
+            fin = np.isfinite(lp[name]) & np.isfinite(g)
+            if fin.any():
+                ref_err = max(ref_err, float(np.max(np.abs(lp[name][fin] - g[fin]))))
+        floor = rounding_floor(g, dtype, shift=tol.floor_shift, factor=tol.floor_factor,
+                               mode=tol.floor_mode)
+        bound = tol.k_for(name) * ref_err + floor
+        failing = err > bound
+        wflat = int(np.argmax(err)) if compared else None
+        margin = float(err.max() - bound) if compared else -bound
+    max_err = float(err.max()) if compared else 0.0
+    if ref_err is not None:
+        ratio = max_err / ref_err if ref_err > 0 else (0.0 if max_err == 0 else float("inf"))
+    n_fail = int(failing.sum())
+    if n_fail:
+        limit = (f"atol {atol:g} + rtol {rtol:g}*|g|" if precision == "float64" else
+                 f"{tol.k_for(name):g} * naive {precision} error {ref_err:.3e} + floor")
+        reasons.append(f"{n_fail} of {compared} element(s) exceed {limit}; worst error "
+                       f"{max_err:.3e} over bound {bound:.3e} by {margin:.3e}")
+    worst = None if wflat is None else _idx(wflat, g.shape)
+    return TensorReport(
+        name, rule, not reasons, "; ".join(reasons) or None, g.shape,
+        compared=compared, max_abs_error=max_err, bound=bound, margin=margin,
+        worst_index=worst,
+        worst_candidate=float("nan") if worst is None else float(c[worst]),
+        worst_golden=float("nan") if worst is None else float(g[worst]),
+        failing_count=n_fail, failing_percent=100.0 * n_fail / max(compared, 1),
+        nan_mismatches=nan_mm, nonfinite_mismatches=nonfinite_mm,
+        reference_error=ref_err, ratio=ratio,
+        top_relative=_top_relative(err, c, g, both),
+    )
+
+
+def _infer_precision(cand: Mapping[str, np.ndarray]) -> str:
+    kinds = {precision_name(a.dtype) for a in cand.values()
+             if a.dtype.kind == "f" or a.dtype.name == "bfloat16"}
+    if not kinds:
+        return "float64"
+    if len(kinds) > 1:
+        raise RefAttnError(
+            f"dtype: the candidate mixes floating dtypes {sorted(kinds)}; pass dtype= to say "
+            "in which precision it was computed"
+        )
+    return kinds.pop()
+
+
+def _golden_parts(golden: Any) -> tuple[CaseSpec | None, Mapping[str, np.ndarray]]:
+    if isinstance(golden, CaseSpec):
+        return golden, golden.tensors
+    if isinstance(golden, (LoadedCase, GoldenCase, str, os.PathLike)):
+        if isinstance(golden, LoadedCase) and golden.manifest_entry is None:
+            return None, golden.tensors
+        spec = case_spec(golden)
+        return spec, spec.tensors
+    if isinstance(golden, Mapping):
+        return None, golden
+    raise RefAttnError(
+        f"golden: expected a CaseSpec, LoadedCase, GoldenCase, case file or mapping, got "
+        f"{type(golden).__name__}"
+    )
+
+
+def compare(
+    candidate: Mapping[str, Any],
+    golden: Any,
+    *,
+    dtype: Any = None,
+    tolerances: Tolerances | None = None,
+) -> Report:
+    """Compare a candidate's tensors with a golden case under the precision's rule.
+
+    Parameters
+    ----------
+    candidate : mapping of str to array-like
+        Canonical names (``output``, ``lse``, ``grad_q``, ...) to arrays: numpy, anything with
+        ``__array__`` or DLPack, or PyTorch tensors (bfloat16 included).
+    golden : CaseSpec, LoadedCase, GoldenCase, path or mapping
+        The golden case. The reference-relative rule needs the call (scale, policies), so a
+        plain mapping of tensors supports the float64 rule only.
+    dtype : str or dtype, optional
+        The precision the candidate was computed in (default: its floating dtype).
+        ``"float64"`` selects the per-element rule; float32, float16 and bfloat16 select the
+        reference-relative rule.
+    tolerances : Tolerances, optional
+
+    Returns
+    -------
+    Report
+        ``report.passed``, per-tensor :class:`TensorReport` rows, ``report.first_failure``
+        and ``report.format()``.
+
+    Raises
+    ------
+    RefAttnError
+        On an unknown dtype or a golden that cannot provide what the rule needs.
+
+    Examples
+    --------
+    >>> from refattn.bundle.suites import build_suite
+    >>> from refattn.bundle.spec import case_spec
+    >>> spec = case_spec(build_suite("contract")[1])
+    >>> out = spec.tensors["output"]
+    >>> compare({"output": out}, spec).passed
+    True
+    >>> r = compare({"output": out.astype(np.float32)}, spec)
+    >>> r.precision, r.passed, r["output"].rule
+    ('float32', True, 'reference_relative')
+    >>> bad = out.copy(); bad[0, 0, 1, 0] += 1e-6
+    >>> r = compare({"output": bad}, spec)
+    >>> r.passed, r.first_failure, r["output"].worst_index
+    (False, 'output', (0, 0, 1, 0))
+    """
+    tol = tolerances or Tolerances()
+    if not isinstance(tol, Tolerances):
+        raise RefAttnError(f"tolerances: expected a Tolerances, got {type(tol).__name__}")
+    if not isinstance(candidate, Mapping):
+        raise RefAttnError(f"candidate: expected a mapping of names to arrays, got "
+                           f"{type(candidate).__name__}")
+    spec, gold = _golden_parts(golden)
+    cand = {str(name): as_numpy(str(name), x) for name, x in candidate.items()}
+    precision = precision_name(resolve_dtype(dtype)) if dtype is not None else (
+        _infer_precision(cand))
+    lp_dtype = resolve_dtype(precision)
+    naive: dict[str, dict[str, np.ndarray]] | None = None
+    if precision in LOWER_PRECISIONS and cand:
+        if spec is None:
+            raise RefAttnError(
+                f"golden: the {precision} rule reruns the call in {precision}, so the golden "
+                "must carry its manifest (pass a LoadedCase from a bundle, a case file or a "
+                "GoldenCase, not a bare mapping)"
+            )
+        naive = {route: naive_lowp(spec, lp_dtype, route=route) for route in tol.naive_routes}
+    rows: list[TensorReport] = []
+    for name in sorted(cand, key=_order_key):
+        c = cand[name]
+        if name not in gold:
+            rows.append(TensorReport(name, "structure", False,
+                                     "unexpected tensor: the golden case has no such name",
+                                     tuple(c.shape)))
+            continue
+        g = np.asarray(gold[name])
+        if tuple(c.shape) != tuple(g.shape):
+            rows.append(TensorReport(name, "structure", False, f"shape {list(c.shape)} where "
+                                     f"the golden has {list(g.shape)}", tuple(g.shape)))
+            continue
+        if g.dtype.kind in "biu":
+            rows.append(_exact(name, c, g))
+        elif c.dtype.kind not in "f" and c.dtype.name != "bfloat16":
+            rows.append(TensorReport(name, "structure", False, f"dtype {c.dtype} where the "
+                                     f"golden has {g.dtype}", tuple(g.shape)))
+        else:
+            rows.append(_numeric(name, c, g, precision=precision, tol=tol, naive=naive,
+                                 dtype=lp_dtype))
+    missing = tuple(sorted((n for n in gold if n not in cand), key=_order_key))
+    case_id = spec.case_id if spec is not None else None
+    return Report(case_id, precision, tuple(rows), missing, tol)

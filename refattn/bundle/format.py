@@ -1,0 +1,71 @@
+"""The golden bundle's file format: schema identity, checksums and atomic, reproducible writes.
+
+A bundle directory ``DIR`` holds::
+
+    DIR/manifest.json                 schema, generator, and one entry per case
+    DIR/cases/<case_id>.safetensors   every input, intermediate and gradient of the case
+
+Owns the schema name and version, the tensor checksum (sha256 of the little-endian C-order
+bytes), the one metadata key of a case file, canonical JSON and the atomic file write. Knows
+nothing of calls or engines; every other bundle module builds on it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import tempfile
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+__all__ = ["META_KEY", "SCHEMA", "SCHEMA_VERSION", "atomic_write", "dump_json", "tensor_sha256"]
+
+SCHEMA = "refattn_golden"
+SCHEMA_VERSION = "1.0"
+#: the one ``__metadata__`` key of a case file (one key keeps the header order stable)
+META_KEY = "refattn"
+
+
+def tensor_sha256(x: np.ndarray) -> str:
+    """sha256 over the raw little-endian C-order bytes of ``x``.
+
+    Examples
+    --------
+    >>> tensor_sha256(np.zeros(1)) == hashlib.sha256(bytes(8)).hexdigest()
+    True
+    """
+    arr = np.ascontiguousarray(x)
+    if arr.dtype.byteorder == ">":
+        arr = arr.astype(arr.dtype.newbyteorder("<"))
+    return hashlib.sha256(arr.tobytes(order="C")).hexdigest()
+
+
+def atomic_write(path: Path, data: bytes) -> None:
+    """Write ``data`` to ``path`` via a temporary file in the same directory and a rename."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as fh:
+            fh.write(data)
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def dump_json(obj: Any) -> bytes:
+    """Canonical JSON: sorted keys, two-space indent, no NaN or infinity, newline-terminated.
+
+    Examples
+    --------
+    >>> dump_json({"b": 1, "a": [1.5]})
+    b'{\\n  "a": [\\n    1.5\\n  ],\\n  "b": 1\\n}\\n'
+    """
+    return (json.dumps(obj, indent=2, sort_keys=True, allow_nan=False) + "\n").encode()

@@ -1,0 +1,121 @@
+"""Verdicts of ``refattn verify``: problems, per-case results and the bundle report.
+
+Owns :class:`Problem` (which case, which tensor, which stage, why), :class:`CaseResult` and
+:class:`VerifyReport` with the table ``refattn verify`` prints. Holds no logic beyond
+formatting; the checks that fill them live in :mod:`refattn.bundle.read`,
+:mod:`refattn.bundle.recompute`, :mod:`refattn.bundle.gradients` and :mod:`refattn.bundle.verify`.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+__all__ = ["CaseResult", "Problem", "Stage", "VerifyReport"]
+
+Stage = Literal["bundle", "file", "tensor", "recompute", "manifest", "gradcheck"]
+
+
+@dataclass(frozen=True)
+class Problem:
+    """One failure: which case, which tensor (if any), at which stage, and why."""
+
+    case_id: str | None
+    tensor: str | None
+    stage: Stage
+    reason: str
+
+    def __str__(self) -> str:
+        where = f"case={self.case_id or '-'} tensor={self.tensor or '-'}"
+        return f"FAIL {where} [{self.stage}]: {self.reason}"
+
+
+@dataclass(frozen=True)
+class CaseResult:
+    """The verdict on one case.
+
+    Attributes
+    ----------
+    case_id : str
+    tensors_checked : int
+        Tensors whose sha256 was checked.
+    recompute_error : float or None
+        Largest float64 difference between the stored and recomputed tensors (None: skipped).
+    bit_identical : bool or None
+        Whether the recomputation reproduced every stored tensor bit for bit.
+    gradcheck_error : float or None
+        Largest error/tolerance of the gradient check (<= 1 passes; None: skipped).
+    gradcheck_inputs : tuple of str
+        Inputs whose stored gradient was checked.
+    gradcheck_method : str
+        ``check_vjp full`` / ``check_vjp directional`` (gradcheck's checker) or
+        ``central_difference`` (the fallback).
+    problems : tuple of Problem
+    """
+
+    case_id: str
+    tensors_checked: int = 0
+    recompute_error: float | None = None
+    bit_identical: bool | None = None
+    gradcheck_error: float | None = None
+    gradcheck_inputs: tuple[str, ...] = ()
+    gradcheck_method: str = ""
+    problems: tuple[Problem, ...] = ()
+    notes: tuple[str, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems
+
+    def line(self) -> str:
+        integrity = "FAIL" if any(p.stage in ("file", "tensor") for p in self.problems) else "ok"
+        if self.recompute_error is None:
+            recompute = "skipped"
+        elif self.bit_identical:
+            recompute = "bit-identical"
+        else:
+            recompute = f"max|d| {self.recompute_error:.2e}"
+        if any(p.stage in ("recompute", "manifest") for p in self.problems):
+            recompute = "FAIL " + recompute
+        grad = "skipped" if self.gradcheck_error is None else (
+            f"{self.gradcheck_error:.1e} {self.gradcheck_method.split()[-1]} "
+            f"({','.join(self.gradcheck_inputs)})")
+        if any(p.stage == "gradcheck" for p in self.problems):
+            grad = "FAIL " + grad
+        return (f"{self.case_id:<44} {integrity:<5} {self.tensors_checked:>3}  {recompute:<22} "
+                f"{grad:<28} {'ok' if self.passed else 'FAIL'}")
+
+
+@dataclass(frozen=True)
+class VerifyReport:
+    """The verdict on a bundle: one :class:`CaseResult` per case plus bundle-level problems."""
+
+    directory: str
+    suite: str | None
+    schema_version: str | None
+    cases: tuple[CaseResult, ...]
+    problems: tuple[Problem, ...] = ()
+
+    @property
+    def passed(self) -> bool:
+        return not self.problems and all(c.passed for c in self.cases)
+
+    @property
+    def all_problems(self) -> tuple[Problem, ...]:
+        return self.problems + tuple(p for c in self.cases for p in c.problems)
+
+    def format(self) -> str:
+        """The table, then one line per problem naming case, tensor and reason."""
+        lines = [
+            f"bundle {self.directory}: suite {self.suite!r}, schema {self.schema_version}, "
+            f"{len(self.cases)} case(s)",
+            f"{'case':<44} {'files':<5} {'sha':>3}  {'recompute':<22} "
+            f"{'gradcheck (err/tol)':<28} result",
+        ]
+        lines += [c.line() for c in self.cases]
+        lines += [f"note case={c.case_id}: {n}" for c in self.cases for n in c.notes]
+        lines += [str(p) for p in self.all_problems]
+        n_bad = sum(not c.passed for c in self.cases)
+        lines.append("PASS" if self.passed else
+                     f"FAILED: {n_bad} case(s), {len(self.all_problems)} problem(s)")
+        return "\n".join(lines)

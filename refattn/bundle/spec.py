@@ -1,0 +1,290 @@
+"""CaseSpec: the semantic call of one golden case, read back from its tensors and manifest.
+
+Owns the reconstruction of an :class:`~refattn.AttentionCall` from a golden file (inputs,
+scale, head map, policies, dropout multiplier, the recorded strides of non-contiguous inputs)
+so that ``refattn verify``, the comparison harness and the framework adapters all consume one
+description of the call. Defers reading and checksum verification to :mod:`refattn.bundle.read`.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from refattn.bundle.cases import GoldenCase, case_conventions, case_tensors, compute
+from refattn.bundle.read import LoadedCase, load
+from refattn.call import AttentionCall, scores
+from refattn.dropout import from_manifest
+from refattn.errors import RefAttnError
+from refattn.masks import VisibilityRelation
+
+__all__ = ["CaseSpec", "case_spec", "with_strides"]
+
+
+def with_strides(x: np.ndarray, stride: list[int]) -> np.ndarray:
+    """A view holding ``x``'s values with the given element strides (the recorded layout).
+
+    Non-negative, non-overlapping layouts are rebuilt exactly; anything else (a zero or
+    negative stride) returns a C-contiguous copy.
+
+    Examples
+    --------
+    >>> a = np.arange(6.0).reshape(2, 3)
+    >>> b = with_strides(a, [1, 2])
+    >>> b.strides, bool((b == a).all())
+    ((8, 16), True)
+    """
+    x = np.asarray(x)
+    stride = [int(s) for s in stride]
+    if len(stride) != x.ndim or any(s <= 0 for s in stride) or x.size == 0:
+        return np.ascontiguousarray(x)
+    span = 1 + sum((n - 1) * s for n, s in zip(x.shape, stride, strict=True))
+    buf = np.zeros(span, dtype=x.dtype)
+    view = np.lib.stride_tricks.as_strided(
+        buf, shape=x.shape, strides=[s * x.itemsize for s in stride], writeable=True
+    )
+    view[...] = x
+    if not np.array_equal(view, x):  # overlapping layout: values cannot all be stored
+        return np.ascontiguousarray(x)
+    return view
+
+
+@dataclass(frozen=True, eq=False)
+class CaseSpec:
+    """One golden case as a semantic call: tensors, manifest fields and labels.
+
+    Attributes
+    ----------
+    case_id : str
+    tensors : dict of str to ndarray
+        Every stored tensor under its canonical name (inputs, intermediates, gradients).
+    call_manifest : dict
+        The case's ``attention_call_v1`` manifest.
+    conventions : dict
+        Causal alignment, window convention and the other recorded conventions.
+    flags : tuple of str
+    comment : str
+    """
+
+    case_id: str
+    tensors: Mapping[str, np.ndarray]
+    call_manifest: Mapping[str, Any]
+    conventions: Mapping[str, Any] = field(default_factory=dict)
+    flags: tuple[str, ...] = ()
+    comment: str = ""
+
+    # -- scalar fields ------------------------------------------------------------------
+    @property
+    def scale(self) -> float:
+        """The multiplier alpha, read exactly from its C99 hex record."""
+        return float.fromhex(self.call_manifest["scale"]["value"]["hex"])
+
+    @property
+    def scale_is_default(self) -> bool:
+        return self.call_manifest["scale"].get("source") == "default_dk_inverse_sqrt"
+
+    @property
+    def all_masked_rows(self) -> str:
+        return self.call_manifest["visibility"]["all_masked_row_policy"]
+
+    @property
+    def returned_weights(self) -> str:
+        return self.call_manifest["dropout"].get("returned_weights", "none")
+
+    @property
+    def dropout(self) -> Mapping[str, Any]:
+        """The manifest's dropout section (mode ``none``, ``explicit_multiplier`` or ``stream``)."""
+        return self.call_manifest["dropout"]
+
+    @property
+    def axes(self) -> dict[str, int]:
+        return dict(self.call_manifest["axes"])
+
+    @property
+    def head_map_mode(self) -> str:
+        return self.call_manifest["tensors"]["head_map"].get("mode", "grouped")
+
+    def layout(self, role: str) -> Mapping[str, Any]:
+        """Recorded layout (shape, stride, contiguous) of ``query``, ``key_physical``, ..."""
+        return self.call_manifest["tensors"][role]
+
+    # -- full-shape views ---------------------------------------------------------------
+    @property
+    def score_shape(self) -> tuple[int, int, int, int]:
+        a = self.axes
+        return (a["B"], a["Hq"], a["Q"], a["K"])
+
+    def visible_full(self, *, sanitized: bool = False) -> np.ndarray:
+        """(B, Hq, Q, K) bool visibility; ``sanitized=True`` adds the temporary key 0 of
+        rows that Policy 3 sanitised (as the engine does before the softmax)."""
+        vis = self.tensors.get("visible")
+        full = np.broadcast_to(np.True_ if vis is None else vis, self.score_shape)
+        if sanitized and "sanitized_rows" in self.tensors and self.tensors["sanitized_rows"].any():
+            full = full.copy()
+            full[..., 0] |= self.tensors["sanitized_rows"]
+        return full
+
+    def query_valid_full(self) -> np.ndarray:
+        """(B, 1, Q, 1) bool query validity."""
+        a = self.axes
+        qv = self.tensors.get("query_valid")
+        return np.broadcast_to(np.True_ if qv is None else qv, (a["B"], 1, a["Q"], 1))
+
+    def multiplier_full(self) -> np.ndarray:
+        """(B, Hq, Q, K) dropout multiplier Z as stored (all ones without dropout)."""
+        z = self.tensors.get("dropout_multiplier")
+        return np.broadcast_to(np.float64(1.0) if z is None else z, self.score_shape)
+
+    @property
+    def has_dropout(self) -> bool:
+        return self.dropout.get("mode", "none") != "none"
+
+    # -- reconstruction -----------------------------------------------------------------
+    def _dropout_argument(self) -> Any:
+        mode = self.dropout.get("mode", "none")
+        match mode:
+            case "none":
+                return None
+            case "explicit_multiplier":
+                return self.tensors.get("dropout", self.tensors.get("dropout_multiplier"))
+            case "stream":
+                return _stream_from_manifest(self.dropout)
+            case _:
+                raise RefAttnError(f"{self.case_id}: unknown dropout mode {mode!r} in manifest")
+
+    @property
+    def scale_placement(self) -> str:
+        """The requested placement of alpha: ``post``, ``q``, ``k`` or ``split``."""
+        return self.call_manifest["scale"].get("requested_placement", "post")
+
+    @property
+    def softcap(self) -> float | None:
+        record = (self.call_manifest.get("score_modifiers") or {}).get("softcap")
+        return None if record is None else float.fromhex(record["hex"])
+
+    @property
+    def score_family_name(self) -> str:
+        return (self.call_manifest.get("score") or {}).get("family", "dot")
+
+    def score_family(self) -> Any:
+        """The :mod:`refattn.call.scores` family of the call, parameters read from the tensors."""
+        m = self.call_manifest.get("score") or {"family": "dot"}
+        t = self.tensors
+
+        def param(name: str) -> np.ndarray:
+            if f"score_{name}" not in t:
+                raise RefAttnError(f"{self.case_id}: tensor 'score_{name}' is missing")
+            return t[f"score_{name}"]
+
+        match m["family"]:
+            case "dot":
+                return scores.Dot()
+            case "bilinear":
+                return scores.Bilinear(param("W"))
+            case "additive":
+                return scores.Additive(param("Wq"), param("Wk"), param("b"), param("v"),
+                                       max_workspace_elements=int(m["max_workspace_elements"]))
+            case "cosine":
+                return scores.Cosine(eps=float.fromhex(m["eps"]["hex"]))
+            case other:
+                raise RefAttnError(f"{self.case_id}: unknown score family {other!r}")
+
+    def relation(self) -> Any:
+        """The :class:`~refattn.masks.VisibilityRelation` the call was built from, or None."""
+        record = self.call_manifest["visibility"].get("relation")
+        if record is None:
+            return None
+        return VisibilityRelation.from_manifest(record)
+
+    def to_call(self) -> AttentionCall:
+        """Rebuild the :class:`~refattn.AttentionCall`, including the recorded input strides.
+
+        Raises
+        ------
+        RefAttnError
+            When the manifest names a feature this reader cannot rebuild.
+        """
+        t = self.tensors
+        for name in ("q", "k", "v"):
+            if name not in t:
+                raise RefAttnError(f"{self.case_id}: tensor {name!r} is missing")
+        q = with_strides(t["q"], self.layout("query")["stride"])
+        k = with_strides(t["k"], self.layout("key_physical")["stride"])
+        v = with_strides(t["v"], self.layout("value_physical")["stride"])
+        bias = t.get("bias")
+        bias_record = self.call_manifest.get("bias") or {}
+        if bias is not None and "stride" in bias_record:
+            bias = with_strides(bias, bias_record["stride"])
+        extra: dict[str, Any] = {}
+        if self.score_family_name != "dot" or "score" in self.call_manifest:
+            extra["score"] = self.score_family()
+        if self.scale_placement != "post":
+            extra["scale_placement"] = self.scale_placement
+        if self.softcap is not None:
+            extra["softcap"] = self.softcap
+        if "sink" in t:
+            extra["sink"] = t["sink"]
+        relation = self.relation()
+        return AttentionCall(
+            q, k, v,
+            visible=t.get("visible") if relation is None else relation,
+            query_valid=t.get("query_valid"),
+            bias=bias,
+            scale=None if self.scale_is_default else self.scale,
+            head_map=t["head_map"] if self.head_map_mode == "explicit" else None,
+            dropout=self._dropout_argument(),
+            all_masked_rows=self.all_masked_rows,
+            returned_weights=self.returned_weights,
+            **extra,
+        )
+
+    def to_golden_case(self) -> GoldenCase:
+        """The :class:`~refattn.bundle.GoldenCase` that regenerates this case."""
+        if "grad_output" not in self.tensors:
+            raise RefAttnError(f"{self.case_id}: tensor 'grad_output' is missing")
+        conv = dict(self.conventions)
+        return GoldenCase(self.case_id, self.to_call(), self.tensors["grad_output"],
+                          self.comment, tuple(self.flags), conv)
+
+
+def _stream_from_manifest(record: Mapping[str, Any]) -> Any:
+    """Rebuild a replayable dropout stream from its manifest record."""
+    if "philox" in str(record.get("algorithm", "")).lower():
+        return from_manifest(dict(record))
+    raise RefAttnError(f"dropout: cannot rebuild stream {record.get('algorithm')!r}")
+
+
+def case_spec(source: LoadedCase | GoldenCase | str | os.PathLike) -> CaseSpec:
+    """The :class:`CaseSpec` of a loaded case, a case file path or an in-memory GoldenCase.
+
+    Examples
+    --------
+    >>> from refattn.bundle.suites import build_suite
+    >>> spec = case_spec(build_suite("contract")[1])
+    >>> spec.case_id, spec.score_shape, round(spec.scale, 6)
+    ('loop7_cross_attention_padded_source', (1, 1, 2, 3), 0.707107)
+    """
+    if isinstance(source, (str, os.PathLike)):
+        source = load(Path(source))
+    if isinstance(source, GoldenCase):
+        trace, grads = compute(source)
+        return CaseSpec(source.case_id, case_tensors(trace, grads), trace.manifest(),
+                        case_conventions(source), tuple(sorted(source.flags)), source.comment)
+    if isinstance(source, LoadedCase):
+        entry = source.manifest_entry
+        if entry is None:
+            raise RefAttnError(
+                f"{source.case_id}: the case has no bundle manifest entry (manifest.json must "
+                "sit beside cases/), so its scale and policies are unknown"
+            )
+        return CaseSpec(source.case_id, source.tensors, entry["call"],
+                        entry.get("conventions", {}), tuple(entry.get("flags", ())),
+                        entry.get("comment", ""))
+    raise RefAttnError(
+        f"golden: expected a LoadedCase, GoldenCase or case file path, got {type(source).__name__}"
+    )

@@ -1,0 +1,114 @@
+"""Write a golden bundle: compute every case, encode it, and write the files atomically.
+
+Owns :func:`write_bundle`: every case is computed before anything is written (a failing case
+writes nothing), each case file is a safetensors file whose one metadata key lists its tensor
+hashes, and the manifest records the call manifest, conventions and sha256 of every file and
+tensor. Byte-for-byte reproducible: C-contiguous little-endian tensors, sorted JSON keys.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import safetensors
+from safetensors.numpy import save
+
+from refattn._version import __version__
+from refattn.bundle.cases import GoldenCase, case_conventions, case_tensors, compute
+from refattn.bundle.format import (
+    META_KEY,
+    SCHEMA,
+    SCHEMA_VERSION,
+    atomic_write,
+    dump_json,
+    tensor_sha256,
+)
+from refattn.errors import RefAttnError
+
+__all__ = ["encode_case", "write_bundle"]
+
+
+def encode_case(case: GoldenCase) -> tuple[bytes, dict[str, Any]]:
+    """Compute one case and return its file bytes and its manifest entry.
+
+    Examples
+    --------
+    >>> from refattn.bundle.suites import build_suite
+    >>> data, entry = encode_case(build_suite("contract")[0])
+    >>> entry["file"], entry["sha256"] == hashlib.sha256(data).hexdigest()
+    ('cases/loop6_two_query_training_trace.safetensors', True)
+    """
+    trace, grads = compute(case)
+    tensors = case_tensors(trace, grads)
+    records = {
+        name: {"sha256": tensor_sha256(t), "dtype": str(t.dtype), "shape": list(t.shape)}
+        for name, t in sorted(tensors.items())
+    }
+    meta = json.dumps(
+        {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "case_id": case.case_id,
+         "tensors": {n: r["sha256"] for n, r in records.items()}},
+        sort_keys=True, separators=(",", ":"),
+    )
+    data = save(tensors, metadata={META_KEY: meta})  # one metadata key: stable header order
+    entry = {
+        "file": f"cases/{case.case_id}.safetensors",
+        "sha256": hashlib.sha256(data).hexdigest(),
+        "comment": case.comment,
+        "flags": sorted(case.flags),
+        "conventions": case_conventions(case),
+        "call": trace.manifest(),
+        "tensors": records,
+    }
+    return data, entry
+
+
+def _generator() -> dict[str, str]:
+    return {"refattn": __version__, "numpy": np.__version__,
+            "safetensors": safetensors.__version__}
+
+
+def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: str) -> Path:
+    """Compute every case and write the bundle ``out`` (atomically, reproducibly).
+
+    Parameters
+    ----------
+    out : path
+        Bundle directory (created if needed).
+    cases : iterable of GoldenCase
+    suite : str
+        Name recorded in the manifest.
+
+    Returns
+    -------
+    Path
+        The path of ``manifest.json``.
+
+    Raises
+    ------
+    RefAttnError
+        On duplicate case ids.
+    """
+    out = Path(out)
+    encoded: dict[str, tuple[bytes, dict[str, Any]]] = {}
+    for case in cases:  # compute everything first: a failing case writes nothing
+        if case.case_id in encoded:
+            raise RefAttnError(f"case_id: duplicate case {case.case_id!r} in suite {suite!r}")
+        encoded[case.case_id] = encode_case(case)
+    for data, entry in encoded.values():
+        atomic_write(out / entry["file"], data)
+    manifest = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "suite": suite,
+                "generator": _generator(),
+                "cases": {case_id: entry for case_id, (_, entry) in encoded.items()}}
+    path = out / "manifest.json"
+    atomic_write(path, dump_json(manifest))
+    listed = {out / entry["file"] for _, entry in encoded.values()}
+    for stale in (out / "cases").glob("*.safetensors"):  # files of cases no longer in the suite
+        if stale not in listed:
+            stale.unlink()
+    return path

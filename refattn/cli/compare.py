@@ -1,0 +1,61 @@
+"""``refattn compare GOLDEN CANDIDATE``: judge a candidate file against a golden case."""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from refattn.bundle.candidates import read_candidate
+from refattn.bundle.compare import compare
+from refattn.bundle.manifest import check_schema, read_manifest
+from refattn.bundle.read import load
+from refattn.bundle.tolerances import Tolerances
+from refattn.errors import RefAttnError
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "compare", help="compare a candidate safetensors file with a golden case (exit 1 on "
+        "failure)",
+    )
+    p.add_argument("golden", help="golden case file DIR/cases/<case>.safetensors, or a bundle "
+                   "DIR together with --case")
+    p.add_argument("candidate", help="safetensors file holding canonical tensor names")
+    p.add_argument("--case", help="case id when GOLDEN is a bundle directory")
+    p.add_argument("--dtype", choices=("float64", "float32", "float16", "bfloat16"),
+                   help="precision the candidate was computed in (default: its dtype)")
+    p.add_argument("--atol", type=float, help="float64 rule: absolute tolerance")
+    p.add_argument("--rtol", type=float, help="float64 rule: relative tolerance")
+    p.add_argument("--k-forward", type=float, help="lower precision: multiplier for forward "
+                   "tensors (default 2)")
+    p.add_argument("--k-gradient", type=float, help="lower precision: multiplier for "
+                   "gradients (default 3)")
+    p.add_argument("--floor-factor", type=float, help="lower precision: floor multiplier "
+                   "(default 2)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from dataclasses import replace
+
+    golden = Path(args.golden)
+    if golden.is_dir():
+        if not args.case:
+            raise RefAttnError(f"{golden}: is a bundle directory; name the case with --case")
+        golden = golden / "cases" / f"{args.case}.safetensors"
+    tol = Tolerances()
+    for field, value in (("atol", args.atol), ("rtol", args.rtol),
+                         ("k_forward", args.k_forward), ("k_gradient", args.k_gradient),
+                         ("floor_factor", args.floor_factor)):
+        if value is not None:
+            tol = replace(tol, **{field: value})
+    manifest = None
+    mpath = golden.parent.parent / "manifest.json"
+    if mpath.is_file():  # the bundle's schema version must be one this refattn reads
+        manifest = check_schema(read_manifest(mpath))
+    report = compare(read_candidate(args.candidate), load(golden, manifest=manifest),
+                     dtype=args.dtype, tolerances=tol)
+    print(report.format())
+    return 0 if report.passed else 1

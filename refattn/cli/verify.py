@@ -1,0 +1,35 @@
+"""``refattn verify DIR``: checksums, recomputation and gradient check of a golden bundle."""
+
+from __future__ import annotations
+
+import argparse
+
+from refattn.bundle.verify import verify
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "verify", help="check a golden bundle: sha256 of files and tensors, recomputation, "
+        "gradient check (exit 1 on failure)",
+    )
+    p.add_argument("directory", help="bundle directory (manifest.json and cases/)")
+    p.add_argument("--no-recompute", action="store_true",
+                   help="skip recomputing each case with the engine")
+    p.add_argument("--no-gradcheck", action="store_true",
+                   help="skip the finite-difference check of each case's backward")
+    p.add_argument("--gradcheck-method", default="auto",
+                   choices=("auto", "check_vjp", "central_difference"),
+                   help="gradient checker (default: gradcheck.check_vjp when available)")
+    p.add_argument("--backend", default="numpy",
+                   help="engine backend of the recomputation (default: numpy, bit for bit)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    report = verify(args.directory, recompute=not args.no_recompute,
+                    gradcheck=not args.no_gradcheck, gradcheck_method=args.gradcheck_method,
+                    backend=args.backend)
+    print(report.format())
+    return 0 if report.passed else 1

@@ -1,1 +1,0 @@
-"""Subcommands of the ``refattn`` command line, one module each."""
