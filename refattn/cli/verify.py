@@ -21,7 +21,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="skip the finite-difference check of each case's backward")
     p.add_argument("--gradcheck-method", default="auto",
                    choices=("auto", "check_vjp", "central_difference"),
-                   help="gradient checker (default: gradcheck.check_vjp when available)")
+                   help="gradient checker (default auto: gradcheck.check_vjp)")
     p.add_argument("--backend", default="numpy",
                    help="engine backend of the recomputation (default: numpy, bit for bit)")
     p.set_defaults(func=run)

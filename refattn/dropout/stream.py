@@ -5,7 +5,7 @@ the single source of truth that the numba backend and the CUDA kernel re-impleme
 Defers the generator itself to :mod:`refattn.dropout.philox`, the statistics of the multiplier to
 :mod:`refattn.dropout.moments` and alternative placements to :mod:`refattn.dropout.variants`.
 
-Mapping ``refattn-philox-dropout-v1`` (DESIGN.md, "Portable dropout stream"). For element
+Mapping ``refattn-philox-dropout-v1`` (docs/ARCHITECTURE.md, "Portable dropout stream"). For element
 ``(b, h, i, j)`` of a ``(B, Hq, Q, K)`` call, with dropout probability ``p``, 64-bit unsigned seed
 ``s`` and 32-bit unsigned offset ``o``::
 

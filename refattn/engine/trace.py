@@ -1,6 +1,6 @@
 """Named results of the engine: the forward :class:`Trace` and the backward :class:`Gradients`.
 
-Field names are the canonical tensor names of DESIGN.md; golden files use the same names.
+Field names are the canonical tensor names (docs/ARCHITECTURE.md); golden files use the same names.
 """
 
 from __future__ import annotations

@@ -14,21 +14,12 @@ from refattn import AttentionCall, RefAttnError
 from refattn.analysis.scale_gate import scale_gate
 from refattn.call.placement import PLACEMENT_ATOL, PLACEMENTS
 from refattn.call.scores import Cosine
-
-B, Hq, Hkv, Q, K, Dk, Dv = 2, 4, 2, 5, 7, 12, 3
-D_MODEL = 48  # the model width a buggy caller might use instead of Dk
-ALPHA = Dk ** -0.5  # not a power of two: moving it changes rounding (Dk=16 would not)
-
-
-def _qkv(seed=0, dk=Dk):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((B, Hq, Q, dk)), rng.standard_normal((B, Hkv, K, dk)),
-            rng.standard_normal((B, Hkv, K, Dv)))
+from tests.scale_inputs import ALPHA, D_MODEL, B, Dk, Dv, Hkv, Hq, Q, qkv
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_gate_accepts_every_correct_placement(placement):
-    q, k, v = _qkv()
+    q, k, v = qkv()
     fused = refattn.forward(AttentionCall(q, k, v, scale_placement=placement))
     report = scale_gate(AttentionCall(q, k, v), fused.output, configured_alpha=ALPHA,
                         candidate_manifest=fused.manifest())
@@ -37,7 +28,7 @@ def test_gate_accepts_every_correct_placement(placement):
 
 def test_gate_catches_double_scaling():
     # q already carries alpha, then the API default applies alpha again: alpha**2 in effect
-    q, k, v = _qkv()
+    q, k, v = qkv()
     double = refattn.forward(AttentionCall(q * ALPHA, k, v)).output
     with pytest.raises(RefAttnError, match=r"candidate output differs from the eager reference"):
         scale_gate(AttentionCall(q, k, v), double, configured_alpha=ALPHA)
@@ -47,14 +38,14 @@ def test_gate_catches_double_scaling():
 
 
 def test_gate_catches_alpha_on_each_side_instead_of_sqrt_alpha():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     wrong = refattn.forward(AttentionCall(q * ALPHA, k * ALPHA, v, scale=1.0)).output
     with pytest.raises(RefAttnError, match=r"candidate output differs"):
         scale_gate(AttentionCall(q, k, v), wrong, configured_alpha=ALPHA)
 
 
 def test_gate_catches_d_model_instead_of_d_k():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     bad = AttentionCall(q, k, v, scale=D_MODEL ** -0.5)
     out = refattn.forward(bad).output
     # the call's own manifest disagrees with the configured multiplier
@@ -71,7 +62,7 @@ def test_gate_catches_d_model_instead_of_d_k():
 
 
 def test_gate_catches_a_denominator_read_as_a_multiplier():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     inverted = AttentionCall(q, k, v, scale=math.sqrt(Dk))  # "divide by sqrt(d_k)" misread
     root = re.escape(repr(math.sqrt(Dk)))
     with pytest.raises(RefAttnError, match=rf"effective logit multiplier {root} != configured"):
@@ -82,7 +73,7 @@ def test_gate_catches_a_denominator_read_as_a_multiplier():
 
 
 def test_gate_width_override_for_checkpoint_scales():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     call = AttentionCall(q, k, v, scale=0.3)  # a checkpoint's own multiplier
     report = scale_gate(call, refattn.forward(call).output, configured_alpha=0.3,
                         width_override=True)
@@ -92,7 +83,7 @@ def test_gate_width_override_for_checkpoint_scales():
 
 
 def test_gate_rejects_non_dot_families_and_malformed_candidates():
-    q, k, v = _qkv()
+    q, k, v = qkv()
     call = AttentionCall(q, k, v, score=Cosine(), scale=ALPHA)
     with pytest.raises(RefAttnError, match=r"compatibility family is 'cosine'"):
         scale_gate(call, refattn.forward(call).output, configured_alpha=ALPHA)
@@ -109,7 +100,7 @@ def test_gate_rejects_non_dot_families_and_malformed_candidates():
 def test_gate_against_torch_sdpa():
     torch = pytest.importorskip("torch")
     F = torch.nn.functional
-    q, k, v = (rng for rng in _qkv())
+    q, k, v = (rng for rng in qkv())
     k_eff, v_eff = np.repeat(k, Hq // Hkv, axis=1), np.repeat(v, Hq // Hkv, axis=1)
     tq, tk, tv = (torch.from_numpy(np.ascontiguousarray(x)) for x in (q, k_eff, v_eff))
     call = AttentionCall(q, k, v)

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 import refattn
-from refattn import RefAttnError, golden
+from refattn import RefAttnError
+from refattn import bundle as golden
 from refattn.bundle.suites import build_suite
 from refattn.bundle.suites.contract import LOOP6_GRAD_OUTPUT
 from refattn.cli import main

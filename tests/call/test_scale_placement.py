@@ -20,22 +20,13 @@ from refattn.call.placement import (
 )
 from refattn.call.scores import Additive, Bilinear, Cosine
 from tests.call_vjp import assert_call_gradients
-
-B, Hq, Hkv, Q, K, Dk, Dv = 2, 4, 2, 5, 7, 12, 3
-D_MODEL = 48  # the model width a buggy caller might use instead of Dk
-ALPHA = Dk ** -0.5  # not a power of two: moving it changes rounding (Dk=16 would not)
-
-
-def _qkv(seed=0, dk=Dk):
-    rng = np.random.default_rng(seed)
-    return (rng.standard_normal((B, Hq, Q, dk)), rng.standard_normal((B, Hkv, K, dk)),
-            rng.standard_normal((B, Hkv, K, Dv)))
+from tests.scale_inputs import ALPHA, B, Dk, Dv, Hq, K, Q, qkv
 
 
 def _run(placement, seed=0, **kw):
     rng = np.random.default_rng(seed + 100)
     bias = rng.standard_normal((1, Hq, Q, K))
-    call = AttentionCall(*_qkv(seed), bias=bias, scale_placement=placement, **kw)
+    call = AttentionCall(*qkv(seed), bias=bias, scale_placement=placement, **kw)
     t = refattn.forward(call)
     return t, refattn.backward(t, rng.standard_normal((B, Hq, Q, Dv)))
 
@@ -77,13 +68,13 @@ def test_placements_are_not_bitwise_equal_in_finite_precision():
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_every_placement_backward_passes_gradcheck(placement):
     bias = np.random.default_rng(5).standard_normal((Q, K))
-    assert_call_gradients(AttentionCall(*_qkv(3), bias=bias, scale_placement=placement),
+    assert_call_gradients(AttentionCall(*qkv(3), bias=bias, scale_placement=placement),
                           ["q", "k", "v", "bias"])
 
 
 @pytest.mark.parametrize("placement", PLACEMENTS)
 def test_manifest_asserts_the_multiplier_is_applied_once(placement):
-    m = AttentionCall(*_qkv(), scale_placement=placement).manifest()["scale"]
+    m = AttentionCall(*qkv(), scale_placement=placement).manifest()["scale"]
     assert m["applied_times"] == 1
     assert m["semantics"] == "multiplicative_inverse_temperature"
     assert float(m["effective_logit_multiplier"]["decimal"]) == ALPHA
@@ -104,10 +95,10 @@ def test_operand_multipliers_put_alpha_in_exactly_one_place():
 
 def test_placement_gate_rejections():
     with pytest.raises(RefAttnError, match=r"scale_placement: expected one of \['post', 'q', "):
-        AttentionCall(*_qkv(), scale_placement="pre")
+        AttentionCall(*qkv(), scale_placement="pre")
     rng = np.random.default_rng(0)
     add = Additive(rng.standard_normal((Hq, 2, Dk)), rng.standard_normal((Hq, 2, Dk)),
                    np.zeros((Hq, 2)), np.ones((Hq, 2)))
     for fam in (add, Cosine()):
         with pytest.raises(RefAttnError, match=rf"changes the {fam.name} score"):
-            AttentionCall(*_qkv(), score=fam, scale=1.0, scale_placement="q")
+            AttentionCall(*qkv(), score=fam, scale=1.0, scale_placement="q")

@@ -50,7 +50,7 @@ def scalar_philox(counter: list[int], key: list[int], rounds: int = 10) -> list[
 
 
 def scalar_keep(p: float, seed: int, offset: int, b: int, h: int, i: int, j: int, Hq: int) -> bool:
-    """DESIGN.md's mapping, transcribed literally for one element."""
+    """The documented mapping (docs/ARCHITECTURE.md), transcribed literally for one element."""
     counter = [j >> 2, i, b * Hq + h, offset]
     key = [seed & 0xFFFFFFFF, seed >> 32]
     word = scalar_philox(counter, key)[j & 3]
