@@ -1,6 +1,8 @@
-"""gpu_backend: the CuPy mirror of refattn's engine (raw CUDA kernels in ``kernels/*.cu``).
+"""gpu_backend: the place of refattn's GPU mirror; today only :func:`available`.
 
-CuPy is imported lazily, only when the backend is used; importing this package never needs it.
+Says whether CuPy and a CUDA device can be used in this process. CuPy is imported lazily, inside
+the function; importing this package never needs it. gpu_backend may import refattn, never the
+reverse (refattn's backend registry loads a backend module by name).
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ produced them and a manifest whose backend fields say what was requested and wha
 observed) and :func:`semantic_limits`, the case features every framework's eligibility
 check reads. The framework modules (:mod:`refattn.adapters.torch`,
 :mod:`refattn.adapters.jax`) import their stack lazily inside functions; importing this
-package never imports torch, jax or ml_dtypes. Defers the verdict to :mod:`refattn.bundle.compare`.
+package never imports torch, jax or ml_dtypes. Defers the verdict to
+:mod:`refattn.bundle.compare`. Adapters read golden cases (bundle) and run the engine; nothing
+below them imports an adapter, and only the cli sits above.
 """
 
 from __future__ import annotations

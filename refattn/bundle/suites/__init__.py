@@ -1,6 +1,8 @@
 """Named golden suites: functions returning lists of :class:`~refattn.bundle.GoldenCase`.
 
-Owns the registry of suite names; each suite module owns its case definitions.
+Owns the registry of suite names; each suite module owns its case definitions (``contract``:
+the contract's published fixtures; ``conformance``: the 63 named cases of ``data/golden``).
+Suites build calls and GoldenCases; they must not import the readers, verify or compare.
 """
 
 from __future__ import annotations
