@@ -13,7 +13,7 @@ from typing import Literal
 
 __all__ = ["CaseResult", "Problem", "Stage", "VerifyReport"]
 
-Stage = Literal["bundle", "file", "tensor", "recompute", "manifest", "gradcheck"]
+Stage = Literal["bundle", "file", "tensor", "recompute", "manifest", "gradcheck", "certificate"]
 
 
 @dataclass(frozen=True)
@@ -49,8 +49,11 @@ class CaseResult:
         Inputs whose stored gradient was checked.
     gradcheck_method : str
         ``check_vjp full`` / ``check_vjp directional`` (gradcheck's checker) or
-        ``central_difference`` (the fallback).
+        ``central_difference``.
+    certified : int or None
+        Elements confirmed correctly rounded by the rounding certificate (None: not run).
     problems : tuple of Problem
+    notes : tuple of str
     """
 
     case_id: str
@@ -62,12 +65,13 @@ class CaseResult:
     gradcheck_method: str = ""
     problems: tuple[Problem, ...] = ()
     notes: tuple[str, ...] = ()
+    certified: int | None = None
 
     @property
     def passed(self) -> bool:
         return not self.problems
 
-    def line(self) -> str:
+    def line(self, *, exact: bool = False) -> str:
         integrity = "FAIL" if any(p.stage in ("file", "tensor") for p in self.problems) else "ok"
         if self.recompute_error is None:
             recompute = "skipped"
@@ -82,8 +86,14 @@ class CaseResult:
             f"({','.join(self.gradcheck_inputs)})")
         if any(p.stage == "gradcheck" for p in self.problems):
             grad = "FAIL " + grad
+        cert = ""
+        if exact:
+            cert = "skipped" if self.certified is None else f"{self.certified} ok"
+            if any(p.stage == "certificate" for p in self.problems):
+                cert = "FAIL"
+            cert = f"{cert:<14} "
         return (f"{self.case_id:<44} {integrity:<5} {self.tensors_checked:>3}  {recompute:<22} "
-                f"{grad:<28} {'ok' if self.passed else 'FAIL'}")
+                f"{grad:<28} {cert}{'ok' if self.passed else 'FAIL'}")
 
 
 @dataclass(frozen=True)
@@ -106,13 +116,15 @@ class VerifyReport:
 
     def format(self) -> str:
         """The table, then one line per problem naming case, tensor and reason."""
+        exact = any(c.certified is not None for c in self.cases)
+        cert = f"{'rounding cert.':<14} " if exact else ""
         lines = [
             f"bundle {self.directory}: suite {self.suite!r}, schema {self.schema_version}, "
             f"{len(self.cases)} case(s)",
             f"{'case':<44} {'files':<5} {'sha':>3}  {'recompute':<22} "
-            f"{'gradcheck (err/tol)':<28} result",
+            f"{'gradcheck (err/tol)':<28} {cert}result",
         ]
-        lines += [c.line() for c in self.cases]
+        lines += [c.line(exact=exact) for c in self.cases]
         lines += [f"note case={c.case_id}: {n}" for c in self.cases for n in c.notes]
         lines += [str(p) for p in self.all_problems]
         n_bad = sum(not c.passed for c in self.cases)

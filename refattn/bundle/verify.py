@@ -6,7 +6,8 @@ one module: (1) the manifest is read and its schema checked (:mod:`refattn.bundl
 (:mod:`refattn.bundle.read`); (3) the call is rebuilt from the file (:mod:`refattn.bundle.spec`);
 (4) the engine recomputes it and every stored tensor is compared
 (:mod:`refattn.bundle.recompute`); (5) the stored backward is checked against numeric
-derivatives (:mod:`refattn.bundle.gradients`); (6) the verdicts are collected
+derivatives (:mod:`refattn.bundle.gradients`); (6) with ``exact``, every element is confirmed
+correctly rounded (:mod:`refattn.analysis.certificate`); (7) the verdicts are collected
 (:mod:`refattn.bundle.report`). No step reaches back up.
 """
 
@@ -18,6 +19,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from refattn.analysis.certificate import certify
 from refattn.bundle.gradients import GradcheckMethod, check_method, check_stored_gradients
 from refattn.bundle.manifest import check_schema, read_manifest
 from refattn.bundle.read import check_case_file, load
@@ -34,7 +36,7 @@ __all__ = ["verify"]
 # -- one case --------------------------------------------------------------------------------
 def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manifest: Any, *,
                  recompute: bool, gradcheck: bool, method: GradcheckMethod,
-                 backend: str) -> CaseResult:
+                 backend: str | None, exact: bool) -> CaseResult:
     rel = entry.get("file", f"cases/{case_id}.safetensors")
     path = directory / rel
     checked, problems = check_case_file(case_id, path, entry)
@@ -65,14 +67,24 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
             problems += found
         except RefAttnError as exc:
             problems.append(Problem(case_id, None, "gradcheck", str(exc)))
+    certified = None
+    if exact:
+        try:
+            case = case or spec.to_golden_case()
+            cert = certify(case.call, spec.tensors)
+            certified = sum(c.checked for c in cert.checks)
+            problems += [Problem(case_id, c.tensor, "certificate", c.failure or "")
+                         for c in cert.failures]
+        except RefAttnError as exc:
+            problems.append(Problem(case_id, None, "certificate", str(exc)))
     return CaseResult(case_id, checked, max_err, identical, grad_err, inputs, grad_method,
-                      tuple(problems), tuple(notes))
+                      tuple(problems), tuple(notes), certified)
 
 
 # -- the bundle -----------------------------------------------------------------------------
 def verify(directory: str | os.PathLike, *, recompute: bool = True,
            gradcheck: bool = True, gradcheck_method: GradcheckMethod = "auto",
-           backend: str = "numpy") -> VerifyReport:
+           backend: str | None = None, exact: bool = False) -> VerifyReport:
     """Verify every case of the bundle in ``directory``.
 
     Parameters
@@ -81,10 +93,14 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
         A bundle written by ``refattn golden`` (``manifest.json`` and ``cases/``).
     recompute : bool
         Rebuild each call, recompute it with the engine and compare (float64 rule).
-    backend : str
-        Engine backend of the recomputation (``"numpy"``, the generator, must reproduce the
-        file bit for bit; another backend, e.g. ``"numba"``, must meet the float64 rule;
-        cases it cannot run are noted, not failed).
+    backend : str, optional
+        Engine of the recomputation (default: each case's generator). The ``exact``
+        generator must reproduce its file bit for bit (the first differing element is named);
+        another backend, e.g. ``"numba"``, or the machine-dependent ``numpy`` generator must
+        meet the float64 rule; cases a backend cannot run are noted, not failed.
+    exact : bool
+        Also run the rounding certificate (:func:`refattn.analysis.certificate.certify`):
+        every stored element must be the correctly rounded value of its definition.
     gradcheck : bool
         Check each case's stored gradients against numeric derivatives.
     gradcheck_method : {"auto", "check_vjp", "central_difference"}
@@ -108,7 +124,7 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
     >>> r.passed, [c.bit_identical for c in r.cases]
     (True, [True, True])
     """
-    if backend not in BACKENDS:
+    if backend is not None and backend not in BACKENDS:
         raise RefAttnError(f"backend: unknown backend {backend!r}; known: {sorted(BACKENDS)}")
     check_method(gradcheck_method)
     directory = Path(directory)
@@ -116,7 +132,8 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
     manifest = check_schema(raw)
     results = [
         _verify_case(directory, case_id, entry, manifest, recompute=recompute,
-                     gradcheck=gradcheck, method=gradcheck_method, backend=backend)
+                     gradcheck=gradcheck, method=gradcheck_method, backend=backend,
+                     exact=exact)
         for case_id, entry in sorted(manifest["cases"].items())
     ]
     listed = {Path(e.get("file", "")).name for e in manifest["cases"].values()}

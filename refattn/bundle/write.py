@@ -20,6 +20,7 @@ import safetensors
 from safetensors.numpy import save
 
 from refattn._version import __version__
+from refattn.analysis.reference_error import reference_error
 from refattn.bundle.cases import GoldenCase, case_conventions, case_tensors, compute
 from refattn.bundle.format import (
     META_KEY,
@@ -29,13 +30,18 @@ from refattn.bundle.format import (
     dump_json,
     tensor_sha256,
 )
+from refattn.engine.exact.program import ROUNDING_POINTS
 from refattn.errors import RefAttnError
 
 __all__ = ["encode_case", "write_bundle"]
 
 
-def encode_case(case: GoldenCase) -> tuple[bytes, dict[str, Any]]:
+def encode_case(case: GoldenCase, backend: str = "exact") -> tuple[bytes, dict[str, Any]]:
     """Compute one case and return its file bytes and its manifest entry.
+
+    The entry records, besides the call manifest and checksums, the error of the stored
+    tensors against the exact real result of the whole computation
+    (:func:`~refattn.analysis.reference_error.reference_error`).
 
     Examples
     --------
@@ -44,7 +50,7 @@ def encode_case(case: GoldenCase) -> tuple[bytes, dict[str, Any]]:
     >>> entry["file"], entry["sha256"] == hashlib.sha256(data).hexdigest()
     ('cases/loop6_two_query_training_trace.safetensors', True)
     """
-    trace, grads = compute(case)
+    trace, grads = compute(case, backend)
     tensors = case_tensors(trace, grads)
     records = {
         name: {"sha256": tensor_sha256(t), "dtype": str(t.dtype), "shape": list(t.shape)}
@@ -64,16 +70,27 @@ def encode_case(case: GoldenCase) -> tuple[bytes, dict[str, Any]]:
         "conventions": case_conventions(case),
         "call": trace.manifest(),
         "tensors": records,
+        "reference_error": reference_error(case.call, tensors),
     }
     return data, entry
 
 
-def _generator() -> dict[str, str]:
-    return {"refattn": __version__, "numpy": np.__version__,
-            "safetensors": safetensors.__version__}
+def _generator(backend: str) -> dict[str, Any]:
+    """What wrote the bundle. An exact bundle names no numpy or library version: its bytes
+    are the same whatever generated them."""
+    if backend == "exact":
+        return {"refattn": __version__, "backend": backend,
+                "arithmetic": {"mode": "stepwise_correctly_rounded",
+                               "rounding": "binary64 round to nearest, ties to even",
+                               "specification": "docs/EXACT_ROUNDING.md",
+                               "rounding_points": dict(ROUNDING_POINTS)}}
+    return {"refattn": __version__, "backend": backend, "numpy": np.__version__,
+            "safetensors": safetensors.__version__,
+            "arithmetic": {"mode": "ieee754_binary64"}}
 
 
-def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: str) -> Path:
+def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: str,
+                 backend: str = "exact") -> Path:
     """Compute every case and write the bundle ``out`` (atomically, reproducibly).
 
     Parameters
@@ -83,6 +100,8 @@ def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: 
     cases : iterable of GoldenCase
     suite : str
         Name recorded in the manifest.
+    backend : {"exact", "numpy"}
+        Generator: ``exact`` (default) writes the same bytes on every machine.
 
     Returns
     -------
@@ -99,11 +118,11 @@ def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: 
     for case in cases:  # compute everything first: a failing case writes nothing
         if case.case_id in encoded:
             raise RefAttnError(f"case_id: duplicate case {case.case_id!r} in suite {suite!r}")
-        encoded[case.case_id] = encode_case(case)
+        encoded[case.case_id] = encode_case(case, backend)
     for data, entry in encoded.values():
         atomic_write(out / entry["file"], data)
     manifest = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "suite": suite,
-                "generator": _generator(),
+                "generator": _generator(backend),
                 "cases": {case_id: entry for case_id, (_, entry) in encoded.items()}}
     path = out / "manifest.json"
     atomic_write(path, dump_json(manifest))

@@ -461,6 +461,7 @@ class AttentionCall:
         requested_backend: str = "numpy",
         selected_backend: str = "unobserved",
         materialization: dict[str, Any] | None = None,
+        arithmetic_mode: str = "ieee754_binary64",
     ) -> dict[str, Any]:
         """JSON-serialisable ``attention_call_v1`` manifest of this call.
 
@@ -470,6 +471,10 @@ class AttentionCall:
             Backend identity; a :class:`~refattn.engine.trace.Trace` fills in what actually ran.
         materialization : dict, optional
             Which logical objects received storage (default: scores and probabilities).
+        arithmetic_mode : str
+            ``"ieee754_binary64"`` (float64 in a backend's order; the numpy version is
+            recorded) or ``"stepwise_correctly_rounded"`` (machine-independent: no numpy
+            version is recorded).
 
         Returns
         -------
@@ -538,7 +543,9 @@ class AttentionCall:
             },
             "dropout": self._dropout_manifest(),
             "backend": {
-                "framework_revision": f"refattn {__version__}; numpy {np.__version__}",
+                "framework_revision": f"refattn {__version__}" + (
+                    "" if arithmetic_mode == "stepwise_correctly_rounded"
+                    else f"; numpy {np.__version__}"),
                 "model_revision": None,
                 "entrypoint": "refattn.forward",
                 "requested_backend": requested_backend,
@@ -546,7 +553,7 @@ class AttentionCall:
                 "device_arch": "cpu",
                 "autocast": False,
                 "deterministic": True,
-                "arithmetic_mode": "ieee754_binary64",
+                "arithmetic_mode": arithmetic_mode,
                 "is_causal": False,
                 "external_mask_kind": "none" if self.visible is None else "bool_true_means_legal",
                 "compile_state": "eager",

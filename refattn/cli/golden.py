@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from refattn.bundle.cases import GENERATORS
 from refattn.bundle.suites import SUITES, build_suite
 from refattn.bundle.write import write_bundle
 
@@ -15,11 +16,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--out", required=True, help="bundle directory to write")
     p.add_argument("--suite", default="conformance", choices=sorted(SUITES),
                    help="which suite of cases to write (default: conformance)")
+    p.add_argument("--backend", default="exact", choices=GENERATORS,
+                   help="generator: exact (default; every tensor correctly rounded, the same "
+                   "bytes on every machine) or numpy (float64 in BLAS order, machine-dependent)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     cases = build_suite(args.suite)
-    path = write_bundle(args.out, cases, suite=args.suite)
-    print(f"wrote {len(cases)} case(s) of suite {args.suite!r} to {path.parent} ({path.name})")
+    path = write_bundle(args.out, cases, suite=args.suite, backend=args.backend)
+    print(f"wrote {len(cases)} case(s) of suite {args.suite!r} ({args.backend}) to "
+          f"{path.parent} ({path.name})")
     return 0

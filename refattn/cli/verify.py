@@ -22,14 +22,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--gradcheck-method", default="auto",
                    choices=("auto", "check_vjp", "central_difference"),
                    help="gradient checker (default auto: gradcheck.check_vjp)")
-    p.add_argument("--backend", default="numpy",
-                   help="engine backend of the recomputation (default: numpy, bit for bit)")
+    p.add_argument("--backend", default=None,
+                   help="engine of the recomputation (default: each case's generator; the "
+                   "exact generator must reproduce its files bit for bit)")
+    p.add_argument("--exact", action="store_true",
+                   help="also run the rounding certificate: every stored element must be the "
+                   "correctly rounded value of its definition (independent interval check)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     report = verify(args.directory, recompute=not args.no_recompute,
                     gradcheck=not args.no_gradcheck, gradcheck_method=args.gradcheck_method,
-                    backend=args.backend)
+                    backend=args.backend, exact=args.exact)
     print(report.format())
     return 0 if report.passed else 1

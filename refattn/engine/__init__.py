@@ -27,6 +27,7 @@ __all__ = ["BACKENDS", "attention", "backward", "forward", "get_backend"]
 BACKENDS: dict[str, str] = {
     "numpy": "refattn.engine.reference",
     "numba": "refattn.engine.numba.backend",
+    "exact": "refattn.engine.exact.backend",
 }
 
 

@@ -82,6 +82,9 @@ class Trace:
     sink_probs : (B, Hq, Q) ndarray or None
         Probability mass taken by the sink logit (None without a sink); with a sink,
         ``probs.sum(-1) + sink_probs == 1``.
+    arithmetic : str
+        ``"ieee754_binary64"`` (float64 arithmetic in some order: numpy, numba) or
+        ``"stepwise_correctly_rounded"`` (the exact backend: every tensor correctly rounded).
     """
 
     call: AttentionCall
@@ -101,6 +104,7 @@ class Trace:
     )
     softcap_input: np.ndarray | None = None
     sink_probs: np.ndarray | None = None
+    arithmetic: str = "ieee754_binary64"
 
     def __post_init__(self) -> None:
         _freeze(self)
@@ -149,6 +153,7 @@ class Trace:
             requested_backend=requested_backend or self.backend,
             selected_backend=self.backend,
             materialization=dict(self.materialized),
+            arithmetic_mode=self.arithmetic,
         )
 
 

@@ -1,0 +1,456 @@
+"""A rounding certificate: check, independently, that stored tensors are correctly rounded.
+
+Owns :func:`certify`. For every rounding point of the exact backend (``docs/EXACT_ROUNDING.md``)
+it recomputes the defining real value from the *stored* canonical tensors before it, with other
+means than the exact backend uses: rational points in exact Python integer arithmetic (every
+binary64 is an integer multiple of 2**-1074; CPython's integer true division rounds correctly)
+and transcendental points (exp, log, tanh, sqrt) in mpmath's interval arithmetic at a working
+precision raised until the interval is narrow enough. A stored element passes when it is the
+round-to-nearest-even value of its defining real value. ``refattn verify --exact`` runs it.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from fractions import Fraction
+from typing import Any
+
+import numpy as np
+from mpmath import iv
+
+from refattn._checks import format_index
+from refattn.call import AttentionCall
+from refattn.call.placement import operand_multipliers
+from refattn.engine.reduce import gather_heads
+
+__all__ = ["Certificate", "PointCheck", "certify"]
+
+_SCALE_BITS = 1074  # every finite binary64 is an integer multiple of 2**-1074
+_START_BITS = 192  # three times binary64's 64-bit working margin
+_MAX_BITS = 1 << 13
+
+
+@dataclass(frozen=True)
+class PointCheck:
+    """The verdict on one tensor: elements confirmed, and the first one that is not."""
+
+    tensor: str
+    checked: int
+    failure: str | None = None
+
+    @property
+    def passed(self) -> bool:
+        return self.failure is None
+
+
+@dataclass(frozen=True)
+class Certificate:
+    """Every rounding point of one case checked (see :func:`certify`)."""
+
+    checks: tuple[PointCheck, ...]
+
+    @property
+    def passed(self) -> bool:
+        return all(c.passed for c in self.checks)
+
+    @property
+    def failures(self) -> tuple[PointCheck, ...]:
+        return tuple(c for c in self.checks if not c.passed)
+
+
+# -- exact rational arithmetic on python ints ---------------------------------------------------
+def _ints(x: Any) -> np.ndarray:
+    """binary64 array -> object array of ints ``x * 2**1074`` (exact)."""
+    arr = np.asarray(x, dtype=np.float64)
+    flat = []
+    for v in arr.ravel().tolist():
+        n, d = v.as_integer_ratio()
+        flat.append(n * ((1 << _SCALE_BITS) // d))
+    out = np.empty(len(flat), dtype=object)
+    out[:] = flat
+    return out.reshape(arr.shape)
+
+
+def _rn(n: np.ndarray, factors: int) -> np.ndarray:
+    """Correctly rounded binary64 of ``n * 2**(-1074 * factors)`` (int true division)."""
+    div = 1 << (_SCALE_BITS * factors)
+    flat = [v / div for v in np.asarray(n, dtype=object).ravel().tolist()]
+    return np.array(flat, dtype=np.float64).reshape(np.shape(n))
+
+
+def _isum(x: np.ndarray, axis: Any) -> np.ndarray:
+    return np.add.reduce(x, axis=axis) if np.size(x) else np.zeros(0, dtype=object)
+
+
+# -- interval arithmetic -----------------------------------------------------------------------
+def _fraction(mpf_tuple: tuple) -> Fraction:
+    sign, man, exp, _ = mpf_tuple
+    value = Fraction(int(man)) * (Fraction(2) ** int(exp))
+    return -value if sign else value
+
+
+def _bounds(x: Any) -> tuple[Fraction, Fraction]:
+    lo, hi = x._mpi_
+    return _fraction(lo), _fraction(hi)
+
+
+def _neighbours(x: float) -> tuple[Fraction, Fraction]:
+    """The rounding interval of binary64 ``x``: midpoints to its two neighbours."""
+    below, above = np.nextafter(x, -np.inf), np.nextafter(x, np.inf)
+    fx = Fraction(x)
+    return (fx + Fraction(float(below))) / 2, (fx + Fraction(float(above))) / 2
+
+
+def _rounds_to(x: float, lo: Fraction, hi: Fraction) -> bool | None:
+    """True: every value in [lo, hi] rounds to x; False: none does; None: undecided."""
+    a, b = _neighbours(x)
+    even = (np.float64(x).view(np.int64) & 1) == 0
+    inside_lo = lo > a or (lo == a and even)
+    inside_hi = hi < b or (hi == b and even)
+    if inside_lo and inside_hi:
+        return True
+    if hi < a or lo > b:
+        return False
+    return None
+
+
+def _tanh(x: Any) -> Any:
+    return 1 - 2 / (iv.exp(2 * x) + 1)  # x appears once: the enclosure is tight
+
+
+# -- checks -----------------------------------------------------------------------------------
+def _compare(name: str, stored: np.ndarray, want: np.ndarray, letters: str | None
+             ) -> PointCheck:
+    stored = np.asarray(stored, dtype=np.float64)
+    bad = np.argwhere(~(stored == want))  # the exact value's rounding, element by element
+    if bad.size:
+        idx = tuple(int(i) for i in bad[0])
+        return PointCheck(name, int(stored.size), (
+            f"element {format_index(idx, letters)} is {stored[idx]!r}, the correctly rounded "
+            f"value is {want[idx]!r} ({len(bad)} element(s) differ)"))
+    return PointCheck(name, int(stored.size))
+
+
+def _interval_check(name: str, stored: np.ndarray, value: Callable[[tuple[int, ...]], Any],
+                    where: np.ndarray | None, letters: str | None) -> PointCheck:
+    """Check ``stored[idx] == RN(value(idx))`` with ``value`` evaluated in mpmath intervals."""
+    stored = np.asarray(stored, dtype=np.float64)
+    count = 0
+    for idx in np.ndindex(*stored.shape):
+        if where is not None and not where[idx]:
+            continue
+        count += 1
+        bits, verdict = _START_BITS, None
+        while verdict is None and bits <= _MAX_BITS:
+            saved, iv.prec = iv.prec, bits
+            try:
+                lo, hi = _bounds(value(idx))
+            finally:
+                iv.prec = saved
+            verdict = _rounds_to(float(stored[idx]), lo, hi)
+            bits *= 2
+        if verdict is not True:
+            what = "is not" if verdict is False else "could not be confirmed as"
+            return PointCheck(name, count, (
+                f"element {format_index(idx, letters)} = {float(stored[idx])!r} {what} the "
+                f"correctly rounded value of its definition (interval "
+                f"[{float(lo):.17g}, {float(hi):.17g}])"))
+    return PointCheck(name, count)
+
+
+def certify(call: AttentionCall, tensors: Mapping[str, np.ndarray]) -> Certificate:
+    """Check that every rounding point of ``tensors`` is correctly rounded (independently).
+
+    Parameters
+    ----------
+    call : AttentionCall
+        The call the tensors belong to (its inputs, policies and score family).
+    tensors : mapping of str to ndarray
+        The stored canonical tensors, forward and backward (``grad_output`` included).
+
+    Returns
+    -------
+    Certificate
+        One :class:`PointCheck` per rounding point present.
+
+    Examples
+    --------
+    >>> import refattn
+    >>> x = np.array([[[[0.1, 0.2], [0.3, 0.4]]]])
+    >>> call = refattn.AttentionCall(x, x, x)
+    >>> t = refattn.forward(call, backend="exact"); g = refattn.backward(t, np.ones_like(x))
+    >>> cert = certify(call, {**t.tensors(), **g.tensors()})
+    >>> cert.passed, len(cert.checks) > 10
+    (True, True)
+    >>> t2 = refattn.forward(call); g2 = refattn.backward(t2, np.ones_like(x))  # numpy's
+    >>> certify(call, {**t2.tensors(), **g2.tensors()}).passed
+    False
+    """
+    t = {n: np.asarray(a) for n, a in tensors.items()}
+    checks: list[PointCheck] = []
+    hm, Hkv = call.head_map, call.k.shape[1]
+    fam = call.score
+    mult = operand_multipliers(call.scale, call.scale_placement)
+    k_eff, v_eff = gather_heads(call.k, hm), gather_heads(call.v, hm)
+    q_s = call.q if mult.query == 1.0 else _rn(_ints(call.q) * _ints(mult.query), 2)
+    k_s = k_eff if mult.key == 1.0 else _rn(_ints(k_eff) * _ints(mult.key), 2)
+    vis = np.broadcast_to(np.isfinite(t["masked_scores"]), call.score_shape)
+    qv = call.query_valid_full()
+
+    # -- scores ------------------------------------------------------------------------------
+    first = "softcap_input" if call.softcap is not None else "scores"
+    post = _ints(mult.post)
+    if fam.name in ("dot", "bilinear"):
+        qi, ki = _ints(q_s), _ints(k_s)
+        if fam.name == "dot":
+            u, factors = qi @ ki.swapaxes(-1, -2), 2
+        else:
+            W = _ints(fam.W if fam.W.ndim == 2 else fam.W[None])
+            u, factors = (qi @ W) @ ki.swapaxes(-1, -2), 3
+        checks.append(_compare(first, t[first], _rn(u * post, factors + 1), "bhij"))
+    else:
+        checks.append(_interval_check(first, t[first], _score_value(fam, q_s, k_s, mult.post),
+                                      None, "bhij"))
+    if call.softcap is not None:
+        c = call.softcap
+        s_in = t["softcap_input"]
+        checks.append(_interval_check(
+            "scores", t["scores"], lambda i: iv.mpf(c) * _tanh(iv.mpf(float(s_in[i])) / c),
+            None, "bhij"))
+    if call.bias is not None:
+        want = _rn(_ints(t["scores"]) + _ints(np.broadcast_to(call.bias, call.score_shape)), 1)
+        checks.append(_compare("biased_scores", t["biased_scores"], want, "bhij"))
+
+    # -- softmax -----------------------------------------------------------------------------
+    s, lse = t["masked_scores"], t["lse"]
+    sink = call.sink
+
+    def lse_value(i: tuple[int, ...]) -> Any:
+        total = iv.mpf(0)
+        for j in np.flatnonzero(vis[i]):
+            total += iv.exp(iv.mpf(float(s[i][j])))
+        if sink is not None:
+            total += iv.exp(iv.mpf(float(sink[i[1]])))
+        return iv.log(total)
+
+    checks.append(_interval_check("lse", lse, lse_value, None, "bhi"))
+    probs = t["probs"]
+    checks.append(_interval_check(
+        "probs", probs, lambda i: iv.exp(iv.mpf(float(s[i])) - iv.mpf(float(lse[i[:3]]))),
+        vis, "bhij"))
+    if np.any(probs[~vis] != 0.0):
+        checks.append(PointCheck("probs", int(probs.size), "nonzero probability off the "
+                                 "support"))
+    if sink is not None:
+        checks.append(_interval_check(
+            "sink_probs", t["sink_probs"],
+            lambda i: iv.exp(iv.mpf(float(sink[i[1]])) - iv.mpf(float(lse[i]))), None, "bhi"))
+
+    # -- value mixing and the backward's rational points ---------------------------------------
+    z = np.broadcast_to(t["dropout_multiplier"], call.score_shape)
+    consumed = t["consumed"]
+    if call.dropout is not None:
+        checks.append(_compare("consumed", consumed, _rn(_ints(probs) * _ints(z), 2), "bhij"))
+    out = _rn(_ints(consumed) @ _ints(v_eff), 2)
+    checks.append(_compare("output", t["output"], np.where(qv, out, 0.0), "bhid"))
+    if "grad_output" not in t:
+        return Certificate(tuple(checks))
+    g_o = np.where(qv, t["grad_output"], 0.0)
+    checks += _backward_checks(call, t, g_o, v_eff, q_s, k_s, z, mult, Hkv)
+    return Certificate(tuple(checks))
+
+
+def _score_value(fam: Any, q_s: np.ndarray, k_s: np.ndarray, post: float
+                 ) -> Callable[[tuple[int, ...]], Any]:
+    """The interval value of ``post * u`` for the additive and cosine families."""
+    if fam.name == "additive":
+        def additive(i: tuple[int, ...]) -> Any:
+            b, h, qi, kj = i
+            acc = iv.mpf(0)
+            for a in range(fam.b.shape[1]):
+                pre = iv.mpf(float(fam.b[h, a]))
+                for d in range(q_s.shape[3]):
+                    pre += iv.mpf(float(fam.Wq[h, a, d])) * float(q_s[b, h, qi, d])
+                for d in range(k_s.shape[3]):
+                    pre += iv.mpf(float(fam.Wk[h, a, d])) * float(k_s[b, h, kj, d])
+                acc += iv.mpf(float(fam.v[h, a])) * _tanh(pre)
+            return acc * post
+
+        return additive
+
+    def cosine(i: tuple[int, ...]) -> Any:
+        b, h, qi, kj = i
+        x, y = q_s[b, h, qi], k_s[b, h, kj]
+        dot = sum((iv.mpf(float(p)) * float(r) for p, r in zip(x, y, strict=True)), iv.mpf(0))
+        return dot * post / (_norm(x, fam.eps) * _norm(y, fam.eps))
+
+    return cosine
+
+
+def _norm(x: np.ndarray, eps: float) -> Any:
+    """max(|x|, eps) as an interval, the clamp decided exactly."""
+    sq = sum(Fraction(float(v)) ** 2 for v in x)
+    if sq < Fraction(eps) ** 2:
+        return iv.mpf(eps)
+    return iv.sqrt(sum((iv.mpf(float(v)) ** 2 for v in x), iv.mpf(0)))
+
+
+def _heads_int(x: np.ndarray, hm: np.ndarray, Hkv: int) -> np.ndarray:
+    if np.array_equal(hm, np.arange(Hkv)):
+        return x
+    return np.stack([_isum(x[:, hm == g], axis=1) for g in range(Hkv)], axis=1)
+
+
+def _backward_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g_o: np.ndarray,
+                     v_eff: np.ndarray, q_s: np.ndarray, k_s: np.ndarray, z: np.ndarray,
+                     mult: Any, Hkv: int) -> list[PointCheck]:
+    hm, fam = call.head_map, call.score
+    probs, consumed = t["probs"], t["consumed"]
+    gi = _ints(g_o)
+    checks = [
+        _compare("grad_v", t["grad_v"],
+                 _rn(_heads_int(_ints(consumed).swapaxes(-1, -2) @ gi, hm, Hkv), 2), "bhjd"),
+        _compare("grad_consumed", t["grad_consumed"], _rn(gi @ _ints(v_eff).swapaxes(-1, -2), 2),
+                 "bhij"),
+    ]
+    g_p = t["grad_probs"]
+    if call.dropout is not None:
+        checks.append(_compare("grad_probs", g_p, _rn(_ints(t["grad_consumed"]) * _ints(z), 2),
+                               "bhij"))
+    D = t["row_dot"]
+    checks += [
+        _compare("row_dot", D, _rn(_isum(_ints(probs) * _ints(g_p), -1), 2), "bhi"),
+        _compare("row_dot_output", t["row_dot_output"],
+                 _rn(_isum(gi * _ints(t["output"]), -1), 2), "bhi"),
+        _compare("grad_scores", t["grad_scores"],
+                 _rn(_ints(probs) * (_ints(g_p) - _ints(D)[..., None]), 2), "bhij"),
+    ]
+    g = t["grad_scores"]
+    if call.softcap is not None:  # RN(G_S (c^2 - s^2) / c^2): one rational rounding
+        c2 = Fraction(call.softcap) ** 2
+        want = np.array([float(Fraction(gs) * (c2 - Fraction(sc) ** 2) / c2) for gs, sc in
+                         zip(g.ravel().tolist(), t["scores"].ravel().tolist(), strict=True)]
+                        ).reshape(g.shape)
+        checks.append(_compare("grad_softcap_input", t["grad_softcap_input"], want, "bhij"))
+        g = t["grad_softcap_input"]
+    f_q, f_k = _ints(mult.query * mult.post), _ints(mult.key * mult.post)
+    Gi = _ints(g)
+    if fam.name == "dot":
+        checks.append(_compare("grad_q", t["grad_q"], _rn((Gi @ _ints(k_s)) * f_q, 3), "bhid"))
+        gk = _heads_int(Gi.swapaxes(-1, -2) @ _ints(q_s), hm, Hkv)
+        checks.append(_compare("grad_k", t["grad_k"], _rn(gk * f_k, 3), "bhjd"))
+    elif fam.name == "bilinear":
+        W = _ints(fam.W if fam.W.ndim == 2 else fam.W[None])
+        checks.append(_compare("grad_q", t["grad_q"], _rn(
+            ((Gi @ _ints(k_s)) @ W.swapaxes(-1, -2)) * f_q, 4), "bhid"))
+        gk = _heads_int(Gi.swapaxes(-1, -2) @ (_ints(q_s) @ W), hm, Hkv)
+        checks.append(_compare("grad_k", t["grad_k"], _rn(gk * f_k, 4), "bhjd"))
+        per = _ints(q_s).swapaxes(-1, -2) @ (Gi @ _ints(k_s))
+        gw = _isum(per, (0, 1) if fam.W.ndim == 2 else 0) * _ints(mult.post)
+        checks.append(_compare("grad_score_W", t["grad_score_W"], _rn(gw, 4), None))
+    else:
+        checks += _composite_family_checks(call, t, g, q_s, k_s, mult.post)
+    if call.sink is not None:
+        gs = -_isum(_ints(t["sink_probs"]) * _ints(D), (0, 2))
+        checks.append(_compare("grad_sink", t["grad_sink"], _rn(gs, 2), "h"))
+    if call.bias is not None:
+        gb = _ints(t["grad_scores"])
+        shape = call.bias.shape
+        lead = gb.ndim - len(shape)
+        if lead:
+            gb = _isum(gb, tuple(range(lead)))
+        axes = tuple(a for a, n in enumerate(shape) if n == 1 and gb.shape[a] != 1)
+        if axes:
+            gb = np.add.reduce(gb, axis=axes, keepdims=True)
+        checks.append(_compare("grad_bias", t["grad_bias"], _rn(gb, 1), None))
+    return checks
+
+
+def _composite_family_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g: np.ndarray,
+                             q_s: np.ndarray, k_s: np.ndarray, post: float) -> list[PointCheck]:
+    """grad_q, grad_k (and parameters) of the additive and cosine families, in intervals."""
+    fam, hm = call.score, call.head_map
+    B, _, Q, K = call.score_shape
+    heads = [np.flatnonzero(hm == h_kv) for h_kv in range(call.k.shape[1])]
+
+    if fam.name == "cosine":
+        def unit_grad(x: np.ndarray, others: np.ndarray, grads: np.ndarray) -> list[Any]:
+            """d/dx of sum_j g_j (x . y_j) / (n(x) n(y_j)), one interval per component."""
+            n = _norm(x, fam.eps)
+            clamped = sum(Fraction(float(v)) ** 2 for v in x) < Fraction(fam.eps) ** 2
+            x_hat = [iv.mpf(float(v)) / n for v in x]
+            g_hat = [iv.mpf(0)] * len(x)
+            for y, gj in zip(others, grads, strict=True):
+                ny = _norm(y, fam.eps)
+                for d in range(len(x)):
+                    g_hat[d] += iv.mpf(float(gj)) * float(y[d]) / ny
+            if clamped:
+                return [gd / n for gd in g_hat]
+            radial = sum((gd * xd for gd, xd in zip(g_hat, x_hat, strict=True)), iv.mpf(0))
+            return [(gd - xd * radial) / n for gd, xd in zip(g_hat, x_hat, strict=True)]
+
+        def grad_q(i: tuple[int, ...]) -> Any:
+            b, h, qi, d = i
+            return unit_grad(q_s[b, h, qi], k_s[b, h], g[b, h, qi])[d] * post
+
+        def grad_k(i: tuple[int, ...]) -> Any:
+            b, hk, kj, d = i
+            return sum((unit_grad(k_s[b, h, kj], q_s[b, h], g[b, h, :, kj])[d] * post
+                        for h in heads[hk]), iv.mpf(0))
+
+        return [_interval_check("grad_q", t["grad_q"], grad_q, None, "bhid"),
+                _interval_check("grad_k", t["grad_k"], grad_k, None, "bhjd")]
+
+    # additive: u = sum_a v_a tanh(pre_a), pre = Wq q_i + Wk k_j + b
+    def pre(b: int, h: int, i: int, j: int, a: int) -> Any:
+        acc = iv.mpf(float(fam.b[h, a]))
+        for d in range(q_s.shape[3]):
+            acc += iv.mpf(float(fam.Wq[h, a, d])) * float(q_s[b, h, i, d])
+        for d in range(k_s.shape[3]):
+            acc += iv.mpf(float(fam.Wk[h, a, d])) * float(k_s[b, h, j, d])
+        return acc
+
+    def dpre(b: int, h: int, i: int, j: int, a: int) -> Any:  # G v_a (1 - tanh^2)
+        th = _tanh(pre(b, h, i, j, a))
+        return iv.mpf(float(g[b, h, i, j])) * float(fam.v[h, a]) * (1 - th * th)
+
+    Da = fam.b.shape[1]
+
+    def grad_q(i: tuple[int, ...]) -> Any:
+        b, h, qi, d = i
+        return sum((dpre(b, h, qi, j, a) * float(fam.Wq[h, a, d])
+                    for j in range(K) for a in range(Da)), iv.mpf(0)) * post
+
+    def grad_k(i: tuple[int, ...]) -> Any:
+        b, hk, kj, d = i
+        return sum((dpre(b, h, qi, kj, a) * float(fam.Wk[h, a, d]) for h in heads[hk]
+                    for qi in range(Q) for a in range(Da)), iv.mpf(0)) * post
+
+    def param(kind: str) -> Callable[[tuple[int, ...]], Any]:
+        def value(i: tuple[int, ...]) -> Any:
+            h, a = i[0], i[1]
+            acc = iv.mpf(0)
+            for b in range(B):
+                for qi in range(Q):
+                    for kj in range(K):
+                        match kind:
+                            case "v":
+                                acc += iv.mpf(float(g[b, h, qi, kj])) * _tanh(
+                                    pre(b, h, qi, kj, a))
+                            case "b":
+                                acc += dpre(b, h, qi, kj, a)
+                            case "Wq":
+                                acc += dpre(b, h, qi, kj, a) * float(q_s[b, h, qi, i[2]])
+                            case "Wk":
+                                acc += dpre(b, h, qi, kj, a) * float(k_s[b, h, kj, i[2]])
+            return acc * post
+
+        return value
+
+    checks = [_interval_check("grad_q", t["grad_q"], grad_q, None, "bhid"),
+              _interval_check("grad_k", t["grad_k"], grad_k, None, "bhjd")]
+    for kind in ("Wq", "Wk", "b", "v"):
+        name = f"grad_score_{kind}"
+        checks.append(_interval_check(name, t[name], param(kind), None, None))
+    return checks
