@@ -80,7 +80,7 @@ def _rn(n: np.ndarray, factors: int) -> np.ndarray:
 
 
 def _isum(x: np.ndarray, axis: Any) -> np.ndarray:
-    return np.add.reduce(x, axis=axis) if np.size(x) else np.zeros(0, dtype=object)
+    return np.add.reduce(x, axis=axis)  # an empty sum of object ints is 0
 
 
 # -- interval arithmetic -----------------------------------------------------------------------

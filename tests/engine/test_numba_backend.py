@@ -1,15 +1,10 @@
 """The numba backend against the NumPy reference: golden suites and generated calls.
 
-Exactness is measured against each tensor's natural magnitude: the largest sum of absolute
-terms that forms one of its elements (computed from the reference trace with every operand
-replaced by its absolute value). Floating-point error is bounded by a few ulp of that sum, so
-``max|numba - reference| <= rtol * natural`` with rtol = 1e-13 (dense) and 1e-12 (streaming)
-is the relative criterion of the issue, and it stays meaningful when an element cancels to
-nearly 0 (where an element-wise relative error would only measure the noise of the
-cancellation). Supports, -inf positions and structural zeros (products with an exact 0) are
-compared exactly. Streaming uses ``D = sum(G_O * O)``, known before any tile (the reference uses
-``sum(P * G_P)``), so a gradient that is exactly 0 in the reference because of that identity
-(a row with one legal key) is 0 in streaming only to rounding, inside the tolerance.
+Exactness is measured against each tensor's natural magnitude (tests/engine_compare.py):
+``max|numba - reference| <= rtol * natural`` with rtol = 1e-13 (dense) and 1e-12 (streaming).
+Streaming uses ``D = sum(G_O * O)``, known before any tile (the reference uses ``sum(P * G_P)``),
+so a gradient that is exactly 0 in the reference because of that identity (a row with one legal
+key) is 0 in streaming only to rounding, inside the tolerance.
 """
 
 from __future__ import annotations
@@ -24,59 +19,14 @@ from hypothesis import strategies as st
 import refattn
 from refattn.bundle.suites import SUITES, build_suite
 from refattn.engine.numba import backend as numba_backend
-from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
+from tests.engine_compare import (
+    DENSE_RTOL,
+    STREAM_RTOL,
+    STRUCTURAL_ZEROS,
+    assert_close,
+    natural_scales,
+)
 from tests.strategies import engine_calls
-
-DENSE_RTOL = 1e-13
-STREAM_RTOL = 1e-12
-# zeros that come from a product with an exact 0 (masked P, dropped Z, an unused row); other
-# tensors are sums that may cancel to 0 by accident (e.g. a bias broadcast over keys)
-STRUCTURAL_ZEROS = ("probs", "dropout_multiplier", "consumed", "output", "grad_consumed",
-                    "grad_probs", "grad_scores")
-
-
-def natural_scales(call, ref, grads) -> dict[str, float]:
-    """Largest sum of absolute terms behind one element of every compared tensor."""
-    a = np.abs
-    k_eff = gather_heads(call.k, call.head_map)
-    v_eff = gather_heads(call.v, call.head_map)
-    B, _, Q, _ = call.q.shape
-    qv = np.broadcast_to(call.query_valid_full(), (B, 1, Q, 1))
-    g_o = np.where(qv, grads.grad_output, 0.0)
-    z = np.broadcast_to(ref.dropout_multiplier, ref.probs.shape)
-    scores = call.scale * (a(call.q) @ a(k_eff).swapaxes(-1, -2))
-    biased = scores if call.bias is None else scores + a(call.bias)
-    g_probs = (a(g_o) @ a(v_eff).swapaxes(-1, -2)) * a(z)
-    g_scores = ref.probs * (g_probs + a(grads.row_dot)[..., None])
-    out = {
-        "scores": scores.max(), "biased_scores": biased.max(), "masked_scores": biased.max(),
-        "row_max": biased.max(), "lse": biased.max() + np.log(call.score_shape[3]) + 1.0,
-        "probs": 1.0, "dropout_multiplier": a(z).max(), "consumed": a(z).max(),
-        "output": (a(ref.consumed) @ a(v_eff)).max(),
-        "grad_v": (a(ref.consumed).swapaxes(-1, -2) @ a(g_o)).max(),
-        "grad_consumed": (a(g_o) @ a(v_eff).swapaxes(-1, -2)).max(),
-        "grad_probs": g_probs.max(), "row_dot": (ref.probs * g_probs).sum(-1).max(),
-        "row_dot_output": (a(g_o) * a(ref.output)).sum(-1).max(),
-        "grad_scores": g_scores.max(),
-        "grad_q": call.scale * (g_scores @ a(k_eff)).max(),
-        "grad_k": call.scale * sum_heads(g_scores.swapaxes(-1, -2) @ a(call.q), call.head_map,
-                                         call.k.shape[1]).max(),
-    }
-    if call.bias is not None:
-        out["grad_bias"] = reduce_to_shape(g_scores, call.bias.shape).max()
-    return {name: max(float(x), np.finfo(float).tiny) for name, x in out.items()}
-
-
-def assert_close(name: str, got, want, scale: float, rtol: float, *, zeros: bool = True) -> None:
-    got = np.broadcast_to(got, np.shape(want))
-    assert got.shape == want.shape, name
-    inf = np.isinf(want)
-    np.testing.assert_array_equal(np.isinf(got), inf, err_msg=f"{name}: -inf support differs")
-    if zeros:
-        np.testing.assert_array_equal(got[want == 0.0] == 0.0, True,
-                                      err_msg=f"{name}: an exact zero of the reference is not 0")
-    err = float(np.max(np.abs(got[~inf] - want[~inf]), initial=0.0))
-    assert err <= rtol * scale, f"{name}: error {err:.3e} > {rtol:g} * natural scale {scale:.3e}"
 
 
 def compare(call, grad_output, *, materialize: bool, **options) -> None:

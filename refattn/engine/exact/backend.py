@@ -23,7 +23,7 @@ __all__ = ["ARITHMETIC_MODE", "SECONDS_PER_ELEMENT", "backward", "estimate_secon
 
 ARITHMETIC_MODE = "stepwise_correctly_rounded"
 #: measured cost of one correctly rounded element (AMD EPYC, 2 cores; benchmarks/exact.py)
-SECONDS_PER_ELEMENT = 6e-6
+SECONDS_PER_ELEMENT = 4e-6
 #: default limit of the estimated forward+backward time of one call
 DEFAULT_MAX_SECONDS = 600.0
 
@@ -40,7 +40,7 @@ def estimate_seconds(call: AttentionCall) -> float:
     >>> import refattn
     >>> x = np.zeros((1, 2, 128, 64))
     >>> round(estimate_seconds(refattn.AttentionCall(x, x, x)), 1)
-    1.2
+    0.8
     """
     a = call.axes
     n = a["B"] * a["Hq"] * a["Q"] * a["K"]

@@ -1,0 +1,73 @@
+"""Golden bytes depend on the inputs alone: not on BLAS or numba thread counts, nor (for the
+exact generator) on the numpy version. Each run is a separate process."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import venv
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+GENERATE = """
+import sys, numba, numpy
+from threadpoolctl import threadpool_limits
+from refattn.bundle.suites import build_suite
+from refattn.bundle.write import write_bundle
+out, backend, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
+if threads:
+    numba.set_num_threads(threads)
+with threadpool_limits(limits=threads or None):
+    write_bundle(out, build_suite("conformance"), suite="conformance", backend=backend)
+print(numpy.__version__)
+"""
+
+
+def _generate(python: str, out: Path, backend: str, threads: int) -> str:
+    proc = subprocess.run([python, "-c", GENERATE, str(out), backend, str(threads)],
+                          capture_output=True, text=True, timeout=900, cwd=ROOT,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return proc.stdout.strip().splitlines()[-1]
+
+
+def _digest(root: Path) -> dict[str, str]:
+    return {str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+            for p in sorted(root.rglob("*")) if p.is_file()}
+
+
+@pytest.mark.parametrize("backend", ["exact", "numpy"])
+def test_golden_bytes_do_not_depend_on_thread_counts(tmp_path, backend):
+    one, two = tmp_path / "one", tmp_path / "two"
+    _generate(sys.executable, one, backend, threads=1)
+    _generate(sys.executable, two, backend, threads=2)
+    assert _digest(one) == _digest(two)
+
+
+@pytest.mark.slow
+def test_exact_golden_bytes_do_not_depend_on_the_numpy_version(tmp_path):
+    """Generate in a venv with an older numpy minor version; compare with this interpreter's."""
+    import numpy
+
+    major, minor = (int(x) for x in numpy.__version__.split(".")[:2])
+    older = f"numpy=={major}.{minor - 1}.*" if minor else "numpy<2"
+    env_dir = tmp_path / "venv"
+    venv.EnvBuilder(system_site_packages=True, with_pip=True).create(env_dir)
+    python = str(env_dir / "bin" / "python")
+    pip = subprocess.run([python, "-m", "pip", "install", "--quiet", older],
+                         capture_output=True, text=True, timeout=600)
+    if pip.returncode != 0:
+        pytest.skip(f"cannot install {older} here: {pip.stderr.strip()[-300:]}")
+    here, there = tmp_path / "here", tmp_path / "there"
+    _generate(sys.executable, here, "exact", threads=0)
+    version = _generate(python, there, "exact", threads=0)
+    assert version != numpy.__version__ and version.startswith(f"{major}.")
+    assert _digest(here) == _digest(there)
+    manifest = json.loads((there / "manifest.json").read_text())
+    assert "numpy" not in json.dumps(manifest)  # no numpy version anywhere in an exact bundle
