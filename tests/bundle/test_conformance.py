@@ -47,9 +47,10 @@ def test_checked_in_suite_regenerates_bit_for_bit(tmp_path):
 
 
 def test_checked_in_suite_verifies_and_is_small():
-    report = verify(GOLDEN)
+    report = verify(GOLDEN, exact=True)  # bit-identical recomputation and the certificate
     assert report.passed, report.format()
     assert len(report.cases) == len(CASES) and all(c.bit_identical for c in report.cases)
+    assert all(c.certified for c in report.cases)
     size = sum(p.stat().st_size for p in GOLDEN.rglob("*") if p.is_file())
     assert size < 20 * 2**20
     manifest = json.loads((GOLDEN / "manifest.json").read_text())

@@ -297,3 +297,36 @@ def test_cases_another_backend_cannot_run_are_noted_not_failed(tmp_path):
     noted = {c.case_id: c.notes for c in r.cases}
     assert noted["bias_full"] == () and "softcap" in noted["softcap_5"][0]
     assert "note case=softcap_5" in r.format()
+
+
+def test_the_rounding_certificate_catches_a_consistent_one_ulp_change(bundle, capsys):
+    def nudge_output(t):
+        t["output"] = np.nextafter(t["output"], np.inf)  # every element one ulp up
+
+    assert main(["verify", "--exact", "--no-recompute", "--no-gradcheck", str(bundle)]) == 0
+    assert "rounding cert." in capsys.readouterr().out
+    _rewrite(bundle, CASE, nudge_output)  # checksums re-sealed: integrity passes
+    r = verify(bundle, recompute=False, gradcheck=False, exact=True)
+    assert ("output", "certificate") in {(p.tensor, p.stage) for p in r.all_problems}
+    assert main(["verify", "--exact", "--no-recompute", "--no-gradcheck", str(bundle)]) == 1
+
+
+def test_recomputation_of_an_exact_case_must_be_bit_identical(bundle):
+    def one_ulp(t):
+        t["lse"] = np.nextafter(t["lse"], np.inf)
+
+    _rewrite(bundle, CASE, one_ulp)
+    r = verify(bundle, gradcheck=False)
+    (problem,) = [p for p in r.all_problems if p.stage == "recompute"]
+    assert problem.tensor == "lse" and "first difference at (0, 0, 0)" in problem.reason
+
+
+def test_a_numpy_generated_bundle_is_verified_by_the_float64_rule(tmp_path):
+    write_bundle(tmp_path, build_suite("contract")[:3], suite="contract", backend="numpy")
+    manifest = json.loads((tmp_path / "manifest.json").read_text())
+    assert manifest["generator"]["backend"] == "numpy"
+    assert manifest["generator"]["numpy"]  # a machine-dependent bundle says what made it
+    r = verify(tmp_path, gradcheck=False)
+    assert r.passed, r.format()
+    r = verify(tmp_path, gradcheck=False, backend="exact")  # another engine: float64 rule
+    assert r.passed and not any(c.bit_identical is None for c in r.cases), r.format()
