@@ -28,6 +28,9 @@ BACKENDS: dict[str, str] = {
     "numpy": "refattn.engine.reference",
     "numba": "refattn.engine.numba.backend",
     "exact": "refattn.engine.exact.backend",
+    # the GPU path lives outside refattn (gpu_backend depends on refattn, never the reverse)
+    "cuda_emulator": "gpu_backend.emulator_backend",
+    "cupy": "gpu_backend.cupy_backend",
 }
 
 

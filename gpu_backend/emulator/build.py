@@ -1,0 +1,91 @@
+"""Compile the CUDA sources for the CPU emulator with the system C++ compiler, cached.
+
+Owns :func:`build`: ``cuda_emu.h`` and ``attention.cu`` as one translation unit, compiled by
+``g++`` (or ``$CXX``) with ``-std=c++20 -Werror`` into a shared library whose name carries the
+sha256 of the sources, the header, the flags and the compiler's version, so an edited kernel is
+rebuilt and an unchanged one is reused. Debug builds add bounds-checked shared memory and a
+randomised thread order (``-DREFATTN_EMU_DEBUG``).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+from functools import cache
+from pathlib import Path
+
+from gpu_backend.source import KERNEL_DIR, MAIN, source_hash
+from refattn.errors import RefAttnError
+
+__all__ = ["HEADER", "build", "cache_dir", "compiler"]
+
+HEADER = Path(__file__).resolve().parent / "cuda_emu.h"
+_FLAGS = ("-std=c++20", "-fPIC", "-shared", "-pthread", "-Wall", "-Wextra", "-Werror")
+_RELEASE = ("-O2",)
+_DEBUG = ("-O1", "-g", "-DREFATTN_EMU_DEBUG")
+
+
+def compiler() -> str:
+    """The C++ compiler to use: ``$CXX``, else g++, else c++."""
+    for candidate in (os.environ.get("CXX"), "g++", "c++"):
+        if candidate and shutil.which(candidate):
+            return candidate
+    raise RefAttnError("cuda_emulator: no C++20 compiler found (install g++ or set $CXX)")
+
+
+@cache
+def _version(cxx: str) -> str:
+    return subprocess.run([cxx, "--version"], capture_output=True, text=True).stdout
+
+
+def cache_dir() -> Path:
+    """Where builds are kept: ``$REFATTN_CACHE_DIR``, else ``$XDG_CACHE_HOME/refattn``."""
+    root = os.environ.get("REFATTN_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "refattn")
+    path = Path(root) / "cuda_emulator"
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def build(directory: Path = KERNEL_DIR, *, debug: bool = False) -> Path:
+    """The emulator library of the kernels in ``directory`` (built once per source hash).
+
+    Parameters
+    ----------
+    directory : path
+        A folder holding ``attention.cu`` and its headers (the package's, or a copy that a
+        test has edited).
+    debug : bool
+        Bounds-checked shared memory, NaN-poisoned at block start, random thread order.
+
+    Returns
+    -------
+    Path
+        The shared library.
+
+    Raises
+    ------
+    RefAttnError
+        Without a compiler, or with the compiler's diagnostics when the sources do not build.
+    """
+    cxx = compiler()
+    flags = (*_FLAGS, *(_DEBUG if debug else _RELEASE))
+    key = hashlib.sha256("\0".join([source_hash(directory, HEADER), _version(cxx), *flags])
+                         .encode()).hexdigest()[:24]
+    out = cache_dir() / f"refattn_emu_{key}{'_debug' if debug else ''}.so"
+    if out.is_file():
+        return out
+    with tempfile.TemporaryDirectory(dir=cache_dir()) as tmp:
+        unit = Path(tmp) / "unit.cpp"
+        unit.write_text(f'#include "{HEADER}"\n#include "{Path(directory).resolve() / MAIN}"\n')
+        lib = Path(tmp) / out.name
+        proc = subprocess.run([cxx, *flags, f"-I{Path(directory).resolve()}", str(unit), "-o",
+                               str(lib)], capture_output=True, text=True)
+        if proc.returncode != 0:
+            raise RefAttnError(f"cuda_emulator: the kernels do not build with {cxx}:\n"
+                               f"{proc.stderr[-4000:]}")
+        os.replace(lib, out)  # atomic: a concurrent builder finds a whole library or none
+    return out

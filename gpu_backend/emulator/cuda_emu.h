@@ -1,0 +1,475 @@
+// The CUDA execution model on CPU threads, for running refattn's .cu kernels without a GPU.
+//
+// Include this header before a .cu file and compile with a C++20 compiler. One OS thread runs
+// one block at a time (blocks in parallel OS threads); inside a block every CUDA thread is a
+// cooperative fiber (ucontext) that runs until it reaches a synchronisation point:
+// __syncthreads (a real barrier: a fiber that exits while others wait is a divergence error),
+// __syncthreads_or/_and/_count, and the warp shuffles and votes (exchanged among the 32 lanes
+// of a warp). Dynamic shared memory is one buffer per block (REFATTN_DYNAMIC_SHARED); __shared__
+// variables are per-OS-thread statics. Atomics are GCC __atomic builtins.
+//
+// With REFATTN_EMU_DEBUG defined: dynamic shared memory is bounds-checked (an index outside the
+// allocation is an error naming block, thread and index), filled with NaN at block start, and
+// the fibers of a block run in a seeded random order each round, so a result that depends on
+// thread order changes with the seed.
+//
+// Entry point (REFATTN_EXPORT(kernel) generates it): extern "C" int emu_launch_<kernel>(
+//     const unsigned* grid, const unsigned* block, size_t shared_bytes, void** args,
+//     const EmuOptions* options) -- args as cuLaunchKernel's kernelParams; returns 0, or 1
+// with the message in emu_last_error().
+#pragma once
+#define REFATTN_EMULATOR 1
+
+#include <ucontext.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cmath>
+#include <cstdarg>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <mutex>
+#include <random>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <type_traits>
+#include <utility>
+#include <vector>
+
+#define __global__
+#define __device__
+#define __host__
+#define __forceinline__ inline
+#define __shared__ static thread_local
+
+struct dim3 {
+    unsigned int x = 1, y = 1, z = 1;
+};
+using uint3 = dim3;
+
+struct EmuOptions {  // laid out as gpu_backend.emulator.module.EmuOptions (ctypes)
+    unsigned int threads;     // OS threads running blocks (0: hardware concurrency)
+    unsigned int seed;        // debug builds: seed of the fibers' random order
+    unsigned long long stack_bytes;  // per fiber (0: 256 KiB)
+};
+
+namespace emu {
+
+enum State { READY, AT_BARRIER, AT_WARP, DONE };
+enum WarpOp { SHFL, SHFL_XOR, SHFL_DOWN, SHFL_UP, BALLOT };
+enum BarrierOp { PLAIN, OR, AND, COUNT };
+
+struct Fiber {
+    ucontext_t ctx;
+    State state = READY;
+    dim3 idx;
+    unsigned linear = 0;
+    // a pending warp operation: this lane's value and parameter; the result after exchange
+    WarpOp op = SHFL;
+    unsigned long long value = 0, result = 0;
+    int param = 0;
+    unsigned mask = 0;
+    // a pending barrier with a predicate
+    BarrierOp bop = PLAIN;
+    int predicate = 0, bresult = 0;
+};
+
+struct Block;
+struct Launch {
+    dim3 grid, block;
+    size_t shared_bytes = 0;
+    const EmuOptions* options = nullptr;
+    void (*body)(void*) = nullptr;  // runs one CUDA thread
+    void* payload = nullptr;
+    std::atomic<bool> failed{false};
+    std::mutex lock;
+    std::string error;
+};
+
+struct Block {
+    Launch* launch = nullptr;
+    dim3 idx;
+    std::vector<Fiber> fibers;
+    std::vector<char> shared;  // dynamic shared memory (8-byte aligned: vector<char> of new)
+    ucontext_t scheduler;
+    Fiber* current = nullptr;
+    std::mt19937 order_rng;
+};
+
+inline thread_local Block* tl_block = nullptr;
+inline thread_local std::vector<std::vector<char>> tl_stacks;
+inline std::string last_error;
+
+inline void record_error(Launch* l, const std::string& message) {
+    std::lock_guard<std::mutex> guard(l->lock);
+    if (!l->failed.exchange(true)) l->error = message;
+}
+
+[[noreturn]] inline void fail(const char* format, ...) {
+    char buffer[512];
+    va_list args;
+    va_start(args, format);
+    std::vsnprintf(buffer, sizeof(buffer), format, args);
+    va_end(args);
+    Block* b = tl_block;
+    char where[160];
+    std::snprintf(where, sizeof(where), " (block (%u, %u, %u), thread (%u, %u, %u))", b->idx.x,
+                  b->idx.y, b->idx.z, b->current->idx.x, b->current->idx.y, b->current->idx.z);
+    record_error(b->launch, std::string(buffer) + where);
+    b->current->state = DONE;
+    swapcontext(&b->current->ctx, &b->scheduler);
+    __builtin_unreachable();
+}
+
+inline void yield(State state) {
+    Block* b = tl_block;
+    b->current->state = state;
+    swapcontext(&b->current->ctx, &b->scheduler);
+}
+
+inline Fiber& self() { return *tl_block->current; }
+
+// -- dynamic shared memory ----------------------------------------------------------------------
+#ifdef REFATTN_EMU_DEBUG
+template <typename T>
+struct SharedPtr {  // a pointer into the block's dynamic shared memory, checked on every access
+    T* base;
+    long long count, offset;
+    T& operator[](long long i) const {
+        long long at = offset + i;
+        if (at < 0 || at >= count)
+            fail("shared memory index %lld out of bounds: the dynamic allocation holds %lld "
+                 "elements", at, count);
+        return base[at];
+    }
+    SharedPtr operator+(long long n) const { return {base, count, offset + n}; }
+};
+template <typename T>
+inline SharedPtr<T> dynamic_shared() {
+    Block* b = tl_block;
+    return {reinterpret_cast<T*>(b->shared.data()),
+            static_cast<long long>(b->shared.size() / sizeof(T)), 0};
+}
+#else
+template <typename T>
+inline T* dynamic_shared() {
+    return reinterpret_cast<T*>(tl_block->shared.data());
+}
+#endif
+
+// -- warp operations: every lane in the mask deposits, the scheduler exchanges -----------------------
+inline unsigned long long warp_op(WarpOp op, unsigned mask, unsigned long long value, int param) {
+    Fiber& f = self();
+    f.op = op;
+    f.mask = mask;
+    f.value = value;
+    f.param = param;
+    yield(AT_WARP);
+    return f.result;
+}
+
+template <typename T>
+inline unsigned long long to_bits(T v) {
+    static_assert(sizeof(T) <= 8);
+    unsigned long long bits = 0;
+    std::memcpy(&bits, &v, sizeof(T));
+    return bits;
+}
+
+template <typename T>
+inline T from_bits(unsigned long long bits) {
+    T v;
+    std::memcpy(&v, &bits, sizeof(T));
+    return v;
+}
+
+inline int barrier(BarrierOp op, int predicate) {
+    Fiber& f = self();
+    f.bop = op;
+    f.predicate = predicate;
+    yield(AT_BARRIER);
+    return f.bresult;
+}
+
+// -- the scheduler of one block -----------------------------------------------------------------
+inline void fiber_entry(int index) {
+    Block* b = tl_block;
+    b->launch->body(b->launch->payload);
+    b->fibers[index].state = DONE;
+    swapcontext(&b->fibers[index].ctx, &b->scheduler);
+}
+
+inline bool resolve_warps(Block& b) {
+    bool resolved = false;
+    const size_t n = b.fibers.size();
+    for (size_t w0 = 0; w0 < n; w0 += 32) {
+        const size_t w1 = std::min(n, w0 + 32);
+        bool pending = false;
+        for (size_t i = w0; i < w1; ++i) pending = pending || b.fibers[i].state == AT_WARP;
+        if (!pending) continue;
+        const unsigned mask = [&] {
+            for (size_t i = w0; i < w1; ++i)
+                if (b.fibers[i].state == AT_WARP) return b.fibers[i].mask;
+            return 0u;
+        }();
+        bool all_here = true;
+        for (size_t i = w0; i < w1; ++i) {
+            if (!(mask >> (i - w0) & 1u)) continue;
+            const Fiber& f = b.fibers[i];
+            if (f.state == READY) return resolved;  // still running towards it
+            if (f.state != AT_WARP) all_here = false;
+        }
+        if (!all_here) {
+            record_error(b.launch, "warp operation divergence: a lane in the mask reached a "
+                                   "barrier or exited instead of the warp operation");
+            return false;
+        }
+        unsigned long long ballot = 0;
+        for (size_t i = w0; i < w1; ++i)
+            if ((mask >> (i - w0) & 1u) && b.fibers[i].value) ballot |= 1ull << (i - w0);
+        for (size_t i = w0; i < w1; ++i) {
+            Fiber& f = b.fibers[i];
+            if (!(mask >> (i - w0) & 1u)) continue;
+            const int lane = static_cast<int>(i - w0);
+            int src = lane;
+            switch (f.op) {
+                case SHFL: src = f.param & 31; break;
+                case SHFL_XOR: src = lane ^ f.param; break;
+                case SHFL_DOWN: src = lane + f.param < 32 ? lane + f.param : lane; break;
+                case SHFL_UP: src = lane - f.param >= 0 ? lane - f.param : lane; break;
+                case BALLOT: break;
+            }
+            if (f.op == BALLOT) {
+                f.result = ballot;
+            } else {
+                const size_t s = w0 + static_cast<size_t>(src);
+                f.result = (s < w1 && (mask >> src & 1u)) ? b.fibers[s].value : f.value;
+            }
+            f.state = READY;
+        }
+        resolved = true;
+    }
+    return resolved;
+}
+
+inline void run_block(Block& b) {
+    const Launch& l = *b.launch;
+    const size_t n = b.fibers.size();
+    std::vector<size_t> order(n);
+    for (size_t i = 0; i < n; ++i) order[i] = i;
+    while (!b.launch->failed.load()) {
+#ifdef REFATTN_EMU_DEBUG
+        std::shuffle(order.begin(), order.end(), b.order_rng);
+#endif
+        for (size_t k = 0; k < n && !b.launch->failed.load(); ++k) {
+            Fiber& f = b.fibers[order[k]];
+            if (f.state != READY) continue;
+            b.current = &f;
+            swapcontext(&b.scheduler, &f.ctx);
+        }
+        if (b.launch->failed.load()) return;
+        size_t done = 0, waiting = 0;
+        for (const Fiber& f : b.fibers) {
+            done += f.state == DONE;
+            waiting += f.state == AT_BARRIER;
+        }
+        if (done == n) return;
+        if (resolve_warps(b)) continue;
+        if (b.launch->failed.load()) return;
+        if (waiting + done == n && waiting > 0) {
+            if (done > 0) {
+                record_error(b.launch, "__syncthreads divergence: " + std::to_string(done) +
+                                           " thread(s) exited while " +
+                                           std::to_string(waiting) + " wait at a barrier");
+                return;
+            }
+            int any = 0, all = 1, count = 0;
+            for (const Fiber& f : b.fibers) {
+                any |= f.predicate != 0;
+                all &= f.predicate != 0;
+                count += f.predicate != 0;
+            }
+            for (Fiber& f : b.fibers) {
+                f.bresult = f.bop == OR ? any : f.bop == AND ? all : f.bop == COUNT ? count : 0;
+                f.state = READY;
+            }
+            continue;
+        }
+        record_error(b.launch, "deadlock: threads wait at different synchronisation points "
+                               "(a barrier and a warp operation)");
+        return;
+    }
+    (void)l;
+}
+
+// a fresh context on its own stack that starts in fiber_entry(index); out of line, so that no
+// caller's variable lives across getcontext
+[[gnu::noinline]] inline void prepare_fiber(Fiber& f, std::vector<char>& stack, int index) {
+    getcontext(&f.ctx);
+    f.ctx.uc_stack.ss_sp = stack.data();
+    f.ctx.uc_stack.ss_size = stack.size();
+    f.ctx.uc_link = nullptr;
+    makecontext(&f.ctx, reinterpret_cast<void (*)()>(&fiber_entry), 1, index);
+}
+
+inline void run_blocks(Launch& l, std::atomic<unsigned long long>& next) {
+    const unsigned long long per_block = 1ull * l.block.x * l.block.y * l.block.z;
+    const unsigned long long total = 1ull * l.grid.x * l.grid.y * l.grid.z;
+    const size_t stack_bytes = l.options && l.options->stack_bytes ? l.options->stack_bytes
+                                                                   : (256u << 10);
+    if (tl_stacks.size() < per_block || (!tl_stacks.empty() && tl_stacks[0].size() != stack_bytes))
+        tl_stacks.assign(per_block, std::vector<char>(stack_bytes));
+    Block b;
+    b.launch = &l;
+    b.fibers.resize(per_block);
+    b.shared.resize(l.shared_bytes + 8);
+    tl_block = &b;
+    for (unsigned long long id = next++; id < total && !l.failed.load(); id = next++) {
+        b.idx.x = static_cast<unsigned>(id % l.grid.x);
+        b.idx.y = static_cast<unsigned>(id / l.grid.x % l.grid.y);
+        b.idx.z = static_cast<unsigned>(id / (1ull * l.grid.x * l.grid.y));
+        b.order_rng.seed(static_cast<unsigned>((l.options ? l.options->seed : 0) * 2654435761u +
+                                               id));
+#ifdef REFATTN_EMU_DEBUG
+        const unsigned long long nan_bits = 0x7ff8deadbeef0000ull;  // a quiet NaN: poison
+        for (size_t off = 0; off + 8 <= b.shared.size(); off += 8)
+            std::memcpy(b.shared.data() + off, &nan_bits, 8);
+#endif
+        for (unsigned long long t = 0; t < per_block; ++t) {
+            Fiber& f = b.fibers[t];
+            f = Fiber();
+            f.linear = static_cast<unsigned>(t);
+            f.idx.x = static_cast<unsigned>(t % l.block.x);
+            f.idx.y = static_cast<unsigned>(t / l.block.x % l.block.y);
+            f.idx.z = static_cast<unsigned>(t / (1ull * l.block.x * l.block.y));
+            prepare_fiber(f, tl_stacks[t], static_cast<int>(t));
+        }
+        run_block(b);
+    }
+    tl_block = nullptr;
+}
+
+inline int launch(const unsigned* grid, const unsigned* block, size_t shared_bytes,
+                  const EmuOptions* options, void (*body)(void*), void* payload) {
+    Launch l;
+    l.grid = {grid[0], grid[1], grid[2]};
+    l.block = {block[0], block[1], block[2]};
+    l.shared_bytes = shared_bytes;
+    l.options = options;
+    l.body = body;
+    l.payload = payload;
+    std::atomic<unsigned long long> next{0};
+    unsigned workers = options && options->threads ? options->threads
+                                                   : std::thread::hardware_concurrency();
+    const unsigned long long total = 1ull * grid[0] * grid[1] * grid[2];
+    if (workers == 0) workers = 1;
+    if (workers > total) workers = static_cast<unsigned>(total ? total : 1);
+    std::vector<std::thread> pool;
+    for (unsigned w = 1; w < workers; ++w) pool.emplace_back([&] { run_blocks(l, next); });
+    run_blocks(l, next);
+    for (std::thread& t : pool) t.join();
+    if (l.failed.load()) {
+        last_error = l.error;
+        return 1;
+    }
+    return 0;
+}
+
+template <typename... A, size_t... I>
+inline void call_kernel(void (*kernel)(A...), void** args, std::index_sequence<I...>) {
+    kernel(*static_cast<std::remove_cv_t<std::remove_reference_t<A>>*>(args[I])...);
+}
+
+template <typename... A>
+inline int launch_kernel(void (*kernel)(A...), const unsigned* grid, const unsigned* block,
+                         size_t shared_bytes, void** args, const EmuOptions* options) {
+    struct Payload {
+        void (*kernel)(A...);
+        void** args;
+    } payload{kernel, args};
+    return launch(grid, block, shared_bytes, options,
+                  [](void* p) {
+                      auto* pl = static_cast<Payload*>(p);
+                      call_kernel(pl->kernel, pl->args, std::index_sequence_for<A...>{});
+                  },
+                  &payload);
+}
+
+}  // namespace emu
+
+extern "C" const char* emu_last_error() { return emu::last_error.c_str(); }  // one TU per build
+
+// -- the CUDA built-ins -------------------------------------------------------------------------
+#define threadIdx (::emu::self().idx)
+#define blockIdx (::emu::tl_block->idx)
+#define blockDim (::emu::tl_block->launch->block)
+#define gridDim (::emu::tl_block->launch->grid)
+
+#define REFATTN_DYNAMIC_SHARED(type, name) auto name = ::emu::dynamic_shared<type>()
+#ifdef REFATTN_EMU_DEBUG
+#define REFATTN_CHECK_INDEX(i, n)                                                     \
+    do {                                                                              \
+        if ((i) < 0 || (i) >= (n)) ::emu::fail("index %lld out of [0, %lld)",        \
+                                               (long long)(i), (long long)(n));       \
+    } while (0)
+#else
+#define REFATTN_CHECK_INDEX(i, n)
+#endif
+
+#define REFATTN_EXPORT(name)                                                             \
+    extern "C" int emu_launch_##name(const unsigned* grid, const unsigned* block,         \
+                                     size_t shared_bytes, void** args,                    \
+                                     const EmuOptions* options) {                         \
+        return ::emu::launch_kernel(name, grid, block, shared_bytes, args, options);       \
+    }
+
+inline void __syncthreads() { ::emu::barrier(::emu::PLAIN, 0); }
+inline int __syncthreads_or(int p) { return ::emu::barrier(::emu::OR, p); }
+inline int __syncthreads_and(int p) { return ::emu::barrier(::emu::AND, p); }
+inline int __syncthreads_count(int p) { return ::emu::barrier(::emu::COUNT, p); }
+
+template <typename T>
+inline T __shfl_sync(unsigned mask, T v, int src, int = 32) {
+    return ::emu::from_bits<T>(::emu::warp_op(::emu::SHFL, mask, ::emu::to_bits(v), src));
+}
+template <typename T>
+inline T __shfl_xor_sync(unsigned mask, T v, int lane_mask, int = 32) {
+    return ::emu::from_bits<T>(::emu::warp_op(::emu::SHFL_XOR, mask, ::emu::to_bits(v),
+                                              lane_mask));
+}
+template <typename T>
+inline T __shfl_down_sync(unsigned mask, T v, unsigned delta, int = 32) {
+    return ::emu::from_bits<T>(::emu::warp_op(::emu::SHFL_DOWN, mask, ::emu::to_bits(v),
+                                              static_cast<int>(delta)));
+}
+template <typename T>
+inline T __shfl_up_sync(unsigned mask, T v, unsigned delta, int = 32) {
+    return ::emu::from_bits<T>(::emu::warp_op(::emu::SHFL_UP, mask, ::emu::to_bits(v),
+                                              static_cast<int>(delta)));
+}
+inline unsigned __ballot_sync(unsigned mask, int p) {
+    return static_cast<unsigned>(::emu::warp_op(::emu::BALLOT, mask, p != 0, 0));
+}
+inline int __any_sync(unsigned mask, int p) { return __ballot_sync(mask, p) != 0; }
+inline int __all_sync(unsigned mask, int p) { return __ballot_sync(mask, p) == mask; }
+
+template <typename T>
+inline T atomicAdd(T* address, T value) {
+    return __atomic_fetch_add(address, value, __ATOMIC_SEQ_CST);
+}
+inline double atomicAdd(double* address, double value) {
+    double old, desired;
+    __atomic_load(address, &old, __ATOMIC_SEQ_CST);
+    do {
+        desired = old + value;
+    } while (!__atomic_compare_exchange(address, &old, &desired, false, __ATOMIC_SEQ_CST,
+                                        __ATOMIC_SEQ_CST));
+    return old;
+}
+
+inline double __longlong_as_double(long long x) { return ::emu::from_bits<double>(x); }
+inline long long __double_as_longlong(double x) {
+    return static_cast<long long>(::emu::to_bits(x));
+}

@@ -1,0 +1,72 @@
+// refattn GPU kernels: platform macros and the kernel ABI (argument slots).
+//
+// The kernels compile three ways: with nvcc or NVRTC for a GPU (CuPy adds -ftz=true and
+// --device-as-default-execution-space), and with g++ for the CPU emulator, which includes
+// gpu_backend/emulator/cuda_emu.h first and so defines REFATTN_EMULATOR. Every kernel takes
+// the same three arguments: a table of device addresses (slot names below), a table of int64
+// parameters and a table of double parameters. gpu_backend/abi.py lists the same names in the
+// same order (a test compares them).
+#pragma once
+
+#ifndef REFATTN_EMULATOR
+// -- CUDA (nvcc / NVRTC) ----------------------------------------------------------------------
+#define REFATTN_EXPORT(name)
+#define REFATTN_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
+#define REFATTN_CHECK_INDEX(i, n)
+#endif
+
+// NVRTC has no math.h: IEEE constants from their bit patterns
+__device__ __forceinline__ double refattn_neg_inf() {
+    return __longlong_as_double(static_cast<long long>(0xfff0000000000000ULL));
+}
+
+// -- pointer slots (the first kernel argument: an array of device addresses) ---------------------
+enum RefattnPtr {
+    X_Q, X_K, X_V, X_HEAD_MAP,                       // (B,Hq,Q,Dk) (B,Hkv,K,Dk) (B,Hkv,K,Dv) (Hq)
+    X_BIAS, X_Z, X_VIS,                              // strided operands, broadcast to (B,Hq,Q,K)
+    X_Q_POS, X_K_POS, X_KEY_VALID, X_Q_SEG, X_K_SEG, // relation: (Br,Q) (Br,K) (Br,K) (Br,Q) (Br,K)
+    X_PREFIX, X_LEFT, X_RIGHT,                       // relation: (Br,Hr) (Hr) (Hr)
+    X_SANITIZED, X_QUERY_VALID, X_SINK,              // (B,Hq,Q) u8, (B,Q) u8, (Hq)
+    X_OUT, X_LSE, X_ROW_MAX,                         // forward outputs
+    X_G_O, X_D,                                      // backward inputs: G_O (B,Hq,Q,Dv), D (B,Hq,Q)
+    X_DQ, X_DK, X_DV, X_GBIAS, X_ROW_DOT,            // backward outputs
+    X_TILES,                                         // (blocks, 2) int64: tiles computed, skipped
+    X_T_SOFTCAP_INPUT, X_T_SCORES, X_T_BIASED, X_T_MASKED,  // trace mode (B,Hq,Q,K)
+    X_T_PROBS, X_T_Z, X_T_CONSUMED,
+    X_T_GRAD_CONSUMED, X_T_GRAD_PROBS, X_T_GRAD_SCORES,
+    X_COUNT
+};
+
+// -- int64 parameters -------------------------------------------------------------------------
+enum RefattnInt {
+    P_B, P_HQ, P_HKV, P_Q, P_K, P_DK, P_DV,
+    P_VIS_MODE,          // 0 every edge, 1 dense bool tensor, 2 relation
+    P_REL_B, P_REL_H,    // the relation's batch and head extents (1 = shared)
+    P_TOPOLOGY,          // 0 bidirectional, 1 causal, 2 prefix
+    P_HAS_SEGMENTS, P_HAS_BIAS, P_HAS_SOFTCAP, P_HAS_SINK, P_HAS_SANITIZED,
+    P_DROP_MODE,         // 0 none, 1 dense multiplier tensor, 2 Philox stream
+    P_PHILOX_KEY0, P_PHILOX_KEY1, P_PHILOX_OFFSET, P_PHILOX_THRESHOLD,
+    P_GBIAS_MODE,        // 0 none, 1 per element (B,Hq,Q,K), 2 summed over q (B,Hq,K),
+                         // 3 summed over k (B,Hq,Q)
+    P_DQ_MODE,           // 0 grad_q, 1 row_dot = sum_j P G_P (the check contraction)
+    P_BIAS_S0, P_BIAS_S1, P_BIAS_S2, P_BIAS_S3,   // element strides, 0 on broadcast axes
+    P_Z_S0, P_Z_S1, P_Z_S2, P_Z_S3,
+    P_VIS_S0, P_VIS_S1, P_VIS_S2, P_VIS_S3,
+    P_COUNT
+};
+
+// -- double parameters ------------------------------------------------------------------------
+enum RefattnReal {
+    R_POST,        // the multiplier applied to q_s . k_s (alpha for the post placement, else 1)
+    R_SOFTCAP,     // c
+    R_KEEP,        // 1 / (1 - p), the Philox stream's kept multiplier
+    R_FQ, R_FK,    // grad_q and grad_k factors (operand multiplier times post)
+    R_COUNT
+};
+
+// a strided operand read at (b, h, i, j) of (B, Hq, Q, K)
+template <typename T>
+__device__ __forceinline__ T strided_at(const T* x, const long long* ip, int s0, long long b,
+                                        long long h, long long i, long long j) {
+    return x[b * ip[s0] + h * ip[s0 + 1] + i * ip[s0 + 2] + j * ip[s0 + 3]];
+}
