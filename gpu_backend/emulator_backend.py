@@ -11,12 +11,14 @@ backend registry.
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from gpu_backend import launch
 from gpu_backend.emulator.module import EmulatedModule
+from gpu_backend.source import KERNEL_DIR
 from refattn.call import AttentionCall
 from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
@@ -33,8 +35,9 @@ class EmulatorDevice:
     xp = np
     max_shared_bytes = MAX_SHARED_BYTES
 
-    def __init__(self, *, debug: bool = False, seed: int = 0) -> None:
-        self.module = EmulatedModule(debug=debug, seed=seed)
+    def __init__(self, directory: Path = KERNEL_DIR, *, debug: bool = False,
+                 seed: int = 0) -> None:
+        self.module = EmulatedModule(directory, debug=debug, seed=seed)
         self.name = "cuda_emulator"
         self.debug, self.seed = debug, seed
         self.compile_options = (f"emulator build {self.module.path.name}",)

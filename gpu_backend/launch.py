@@ -297,7 +297,7 @@ def _bias_gradient_mode(call: AttentionCall) -> tuple[int, tuple[int, ...]]:
     if call.bias is None:
         return 0, (1,)
     _, _, Qb, Kb = (1,) * (4 - call.bias.ndim) + call.bias.shape
-    if Kb == 1 and K > 1 or K == 1:
+    if (Kb == 1 and K > 1) or K == 1:
         return 3, (B, Hq, Q, 1)  # summed over keys in the dq kernel
     if Qb == 1 and Q > 1:
         return 2, (B, Hq, 1, K)  # summed over queries in the dk/dv kernel

@@ -93,6 +93,7 @@ struct Block {
     dim3 idx;
     std::vector<Fiber> fibers;
     std::vector<char> shared;  // dynamic shared memory (8-byte aligned: vector<char> of new)
+    size_t shared_bytes = 0;   // the launch's request (the vector may hold a little more)
     ucontext_t scheduler;
     Fiber* current = nullptr;
     std::mt19937 order_rng;
@@ -150,7 +151,7 @@ template <typename T>
 inline SharedPtr<T> dynamic_shared() {
     Block* b = tl_block;
     return {reinterpret_cast<T*>(b->shared.data()),
-            static_cast<long long>(b->shared.size() / sizeof(T)), 0};
+            static_cast<long long>(b->shared_bytes / sizeof(T)), 0};
 }
 #else
 template <typename T>
@@ -325,6 +326,7 @@ inline void run_blocks(Launch& l, std::atomic<unsigned long long>& next) {
     b.launch = &l;
     b.fibers.resize(per_block);
     b.shared.resize(l.shared_bytes + 8);
+    b.shared_bytes = l.shared_bytes;
     tl_block = &b;
     for (unsigned long long id = next++; id < total && !l.failed.load(); id = next++) {
         b.idx.x = static_cast<unsigned>(id % l.grid.x);

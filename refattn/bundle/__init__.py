@@ -7,6 +7,7 @@ Owns the bundle file format (:mod:`~refattn.bundle.format`), golden cases and wh
 verify`` (:mod:`~refattn.bundle.verify` and the steps it calls) and the comparison harness for
 other stacks' tensors (:mod:`~refattn.bundle.compare`, tolerances, the low-precision naive
 model, candidate files). It runs the engine and gradcheck; it must not import adapters or cli.
+The names below are imported on first use.
 
 Examples
 --------
@@ -20,36 +21,35 @@ True
 
 from __future__ import annotations
 
-from refattn.bundle.candidates import read_candidate, write_candidate
-from refattn.bundle.cases import Computed, GoldenCase, compute
-from refattn.bundle.compare import Report, compare
-from refattn.bundle.format import SCHEMA, SCHEMA_VERSION, atomic_write, tensor_sha256
-from refattn.bundle.read import LoadedCase, load
-from refattn.bundle.spec import CaseSpec, case_spec
-from refattn.bundle.suites import SUITES, build_suite
-from refattn.bundle.tolerances import Tolerances
-from refattn.bundle.verify import verify
-from refattn.bundle.write import write_bundle
+import importlib
+from typing import Any
 
-__all__ = [
-    "SCHEMA",
-    "SCHEMA_VERSION",
-    "SUITES",
-    "CaseSpec",
-    "Computed",
-    "GoldenCase",
-    "LoadedCase",
-    "Report",
-    "Tolerances",
-    "atomic_write",
-    "build_suite",
-    "case_spec",
-    "compare",
-    "compute",
-    "load",
-    "read_candidate",
-    "tensor_sha256",
-    "verify",
-    "write_bundle",
-    "write_candidate",
-]
+#: public name -> the module of this package that owns it (imported on first use, so that
+#: reading a suite or a case file does not load the writer, the certificate or gradcheck)
+_OWNERS: dict[str, str] = {
+    "read_candidate": "candidates", "write_candidate": "candidates",
+    "Computed": "cases", "GoldenCase": "cases", "compute": "cases",
+    "Report": "compare", "compare": "compare",
+    "SCHEMA": "format", "SCHEMA_VERSION": "format", "atomic_write": "format",
+    "tensor_sha256": "format",
+    "LoadedCase": "read", "load": "read",
+    "CaseSpec": "spec", "case_spec": "spec",
+    "SUITES": "suites", "build_suite": "suites",
+    "Tolerances": "tolerances",
+    "verify": "verify",
+    "write_bundle": "write",
+}
+
+__all__ = sorted(_OWNERS)
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _OWNERS:
+        raise AttributeError(f"module 'refattn.bundle' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"refattn.bundle.{_OWNERS[name]}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted(set(globals()) | set(_OWNERS))

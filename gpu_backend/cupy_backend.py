@@ -1,0 +1,101 @@
+"""Backend ``"cupy"``: the float64 kernels of ``kernels/attention.cu`` on a CUDA GPU via CuPy.
+
+``refattn.forward(call, backend="cupy")`` compiles the kernels once per process with
+``cupy.RawModule`` (NVRTC; the compile options are recorded in ``Trace.materialized``) and runs
+the host program of :mod:`gpu_backend.launch`: the same source and launches as the
+``"cuda_emulator"`` backend. Arrays go in and come out as numpy arrays (the call is validated
+on the host). Without CuPy or without a device, a RefAttnError says what to install. Loaded
+lazily by refattn's backend registry; CuPy is imported only here, inside functions.
+"""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import numpy as np
+
+from gpu_backend import launch
+from gpu_backend.source import KERNEL_DIR, translation_unit
+from refattn.call import AttentionCall
+from refattn.engine.trace import Gradients, Trace
+from refattn.errors import RefAttnError
+
+__all__ = ["COMPILE_OPTIONS", "CupyDevice", "backward", "forward"]
+
+#: NVRTC options (CuPy adds -ftz=true and --device-as-default-execution-space itself)
+COMPILE_OPTIONS: tuple[str, ...] = ("--std=c++17", f"-I{KERNEL_DIR}")
+
+
+def _cupy() -> Any:
+    try:
+        import cupy
+    except ImportError:
+        raise RefAttnError(
+            "backend 'cupy': CuPy is not installed; install the gpu extra for CUDA 13 "
+            "(pip install 'refattn[gpu]', which brings cupy-cuda13x), or use "
+            "backend='cuda_emulator' to run the same kernels on the CPU") from None
+    try:
+        count = cupy.cuda.runtime.getDeviceCount()
+    except Exception as exc:  # no driver, or no device visible
+        raise RefAttnError(f"backend 'cupy': no CUDA device is usable here ({exc})") from None
+    if count == 0:
+        raise RefAttnError("backend 'cupy': no CUDA device is visible")
+    return cupy
+
+
+class CupyDevice:
+    """The current CUDA device as a :class:`gpu_backend.launch.Device`."""
+
+    name = "cupy"
+
+    def __init__(self) -> None:
+        cupy = _cupy()
+        self.xp = cupy
+        self.module = cupy.RawModule(code=translation_unit(), options=COMPILE_OPTIONS)
+        self.compile_options = COMPILE_OPTIONS
+        device = cupy.cuda.Device()
+        self._props = cupy.cuda.runtime.getDeviceProperties(device.id)
+        self.max_shared_bytes = int(self._props.get("sharedMemPerBlockOptin",
+                                                    self._props.get("sharedMemPerBlock")))
+
+    def get_function(self, name: str) -> Any:
+        return self.module.get_function(name)
+
+    def address(self, array: Any) -> int:
+        return int(array.data.ptr)
+
+    def to_device(self, array: Any) -> Any:
+        if isinstance(array, np.ndarray):
+            return self.xp.asarray(np.ascontiguousarray(array))
+        if not array.flags.c_contiguous:
+            raise RefAttnError("device array: expected a C-contiguous array with positive "
+                               f"strides, got strides {array.strides}")
+        return array
+
+    def to_host(self, array: Any) -> np.ndarray:
+        return self.xp.asnumpy(array)
+
+    def free_bytes(self) -> int:
+        return int(self.xp.cuda.runtime.memGetInfo()[0])
+
+    def describe(self) -> dict[str, Any]:
+        name = self._props.get("name", b"")
+        return {"kind": "cupy", "name": name.decode() if isinstance(name, bytes) else name,
+                "compute_capability": f"{self._props.get('major')}.{self._props.get('minor')}"}
+
+
+@cache
+def device() -> CupyDevice:
+    """The CuPy device, with the kernels compiled once per process."""
+    return CupyDevice()
+
+
+def forward(call: AttentionCall, *, materialize: bool = True) -> Trace:
+    """Forward pass on the GPU (see :func:`gpu_backend.launch.forward`)."""
+    return launch.forward(device(), call, materialize=materialize)
+
+
+def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
+    """Backward pass on the GPU of a trace it made."""
+    return launch.backward(device(), trace, grad_output)

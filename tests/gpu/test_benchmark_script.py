@@ -1,0 +1,23 @@
+"""benchmarks/gpu.py runs end to end without a GPU (--dry-run: the emulator, tiny shapes)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+from pathlib import Path
+
+BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
+
+
+def test_the_gpu_benchmark_dry_run_checks_and_reports(tmp_path, monkeypatch, capsys):
+    spec = importlib.util.spec_from_file_location("gpu_bench", BENCH)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    monkeypatch.setenv("OUT", str(tmp_path))
+    assert module.main(["--dry-run"]) == 0
+    report = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert report["backend"] == "cuda_emulator" and not report["conformance"]["failures"]
+    assert report["conformance"]["cases"] > 50
+    assert all(report["determinism"].values())
+    assert all("refattn_s" in row for row in report["timing"])
+    assert "conformance:" in capsys.readouterr().out

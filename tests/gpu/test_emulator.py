@@ -1,0 +1,221 @@
+"""The GPU kernels on the CPU emulator: the conformance suite, generated calls, every tensor
+against the NumPy reference, and the emulator's own bug detectors on mutated kernel copies.
+
+Tolerance (README, "GPU path"), kappa = max(1, max|scores| / 16) the conditioning of
+exp(s - lse) in the scores: forward tensors within a normwise relative error of 1e-13 * kappa
+and every element within 1e-12 * kappa * max|reference|; gradients, which are sums that may
+cancel, within 1e-12 * kappa of their natural magnitude (tests/engine_compare.py); dropout
+multipliers, sanitised rows and other integer or boolean outputs bit-equal.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import refattn
+from gpu_backend import launch
+from gpu_backend.emulator_backend import EmulatorDevice
+from gpu_backend.source import KERNEL_DIR
+from refattn.bundle.suites import build_suite
+from refattn.bundle.verify import verify
+from refattn.bundle.write import write_bundle
+from refattn.dropout import Philox
+from refattn.masks import causal
+from tests.engine_compare import assert_close, natural_scales
+from tests.strategies import engine_calls
+
+NORMWISE = 1e-13
+ELEMENTWISE = 1e-12
+DOT_CASES = {c.case_id: c for c in build_suite("conformance") if c.call.score.name == "dot"}
+
+
+def _kappa(scores) -> float:
+    s = np.abs(np.asarray(scores)[np.isfinite(scores)])
+    return max(1.0, (s.max() if s.size else 0.0) / 16)
+
+
+def assert_matches_reference(call, g_o, trace, grads, what=""):
+    ref = refattn.forward(call)
+    rg = refattn.backward(ref, g_o)
+    kappa = _kappa(ref.scores)
+    want = {**ref.tensors(), **rg.tensors()}
+    got = {**trace.tensors(), **grads.tensors()}
+    natural = natural_scales(call, ref, rg)
+    for name, value in got.items():
+        w = np.broadcast_to(want[name], np.shape(value))
+        if value.dtype.kind != "f" or name == "dropout_multiplier":
+            np.testing.assert_array_equal(value, w, err_msg=f"{what} {name}")
+            continue
+        fin = np.isfinite(w)
+        np.testing.assert_array_equal(np.isfinite(value), fin, err_msg=f"{what} {name}")
+        if name.startswith("grad_") and name in natural:
+            assert_close(f"{what} {name}", value, w, natural[name], ELEMENTWISE * kappa,
+                         zeros=False)
+            continue
+        diff = np.abs(value[fin] - w[fin])
+        scale = np.abs(w[fin]).max(initial=0.0)
+        norm = np.linalg.norm(w[fin])
+        assert np.linalg.norm(diff) <= NORMWISE * kappa * norm + 1e-300, f"{what} {name}"
+        assert diff.max(initial=0.0) <= ELEMENTWISE * kappa * scale + 1e-300, f"{what} {name}"
+
+
+def _run(call, g_o, **options):
+    t = refattn.forward(call, backend="cuda_emulator", **options)
+    return t, refattn.backward(t, g_o)
+
+
+# -- the conformance suite ----------------------------------------------------------------------
+@pytest.mark.parametrize("materialize", [True, False], ids=["trace", "streaming"])
+@pytest.mark.parametrize("case_id", sorted(DOT_CASES))
+def test_conformance_case_through_the_emulator(case_id, materialize):
+    case = DOT_CASES[case_id]
+    t, g = _run(case.call, case.grad_output, materialize=materialize)
+    assert t.backend == "cuda_emulator" and t.materialized["mode"] in ("trace", "streaming")
+    assert_matches_reference(case.call, case.grad_output, t, g, case_id)
+
+
+def test_verify_recomputes_a_bundle_through_the_emulator(tmp_path):
+    # the float64 rule of verify (1e-12 + 1e-10 |g|) is not conditioning-aware, so the bundle
+    # leaves out the two cases with logits near 1000 (covered above with kappa)
+    chosen = [c for c in build_suite("conformance") if not c.case_id.startswith("large_logits")]
+    write_bundle(tmp_path, chosen, suite="conformance")
+    report = verify(tmp_path, gradcheck=False, backend="cuda_emulator")
+    assert report.passed, report.format()
+    noted = {c.case_id for c in report.cases if c.notes}  # the families the GPU path lacks
+    assert noted == {c.case_id for c in chosen if c.call.score.name != "dot"}
+
+
+# -- generated calls ------------------------------------------------------------------------------
+@st.composite
+def gpu_calls(draw):
+    """engine_calls (masks, GQA, bias, dropout, query validity) plus softcap, sink and the
+    lengths that straddle the 32-wide tiles."""
+    call = draw(engine_calls(max_len=40, max_width=6))
+    extra = {}
+    if draw(st.booleans()):
+        extra["softcap"] = draw(st.sampled_from([0.5, 3.0, 30.0]))
+    if draw(st.booleans()):
+        extra["sink"] = np.linspace(-1.0, 2.0, call.q.shape[1])
+    return dataclasses.replace(call, **extra) if extra else call
+
+
+@settings(max_examples=30, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=gpu_calls(), materialize=st.booleans())
+def test_generated_calls_match_the_reference(call, materialize):
+    g_o = np.random.default_rng(1).standard_normal((*call.q.shape[:3], call.v.shape[3]))
+    t, g = _run(call, g_o, materialize=materialize)
+    assert_matches_reference(call, g_o, t, g)
+
+
+# -- properties of the path ------------------------------------------------------------------------
+def _call(shape=(2, 3, 45, 37, 8), **kw):
+    B, H, Q, K, D = shape
+    rng = np.random.default_rng(3)
+    return refattn.AttentionCall(rng.standard_normal((B, H, Q, D)),
+                                 rng.standard_normal((B, H, K, D)),
+                                 rng.standard_normal((B, H, K, D)), **kw)
+
+
+def test_bit_identical_run_to_run_and_dropout_multipliers_bit_equal_to_the_cpu():
+    call = _call(dropout=Philox(0.3, 2**40 + 9, offset=5),
+                 visible=causal(45, 37, alignment="upper_left"))
+    g_o = np.ones((2, 3, 45, 8))
+    a, b = _run(call, g_o), _run(call, g_o)
+    for x, y in ((a[0].tensors(), b[0].tensors()), (a[1].tensors(), b[1].tensors())):
+        assert all(np.array_equal(x[n], y[n], equal_nan=True) for n in x)
+    np.testing.assert_array_equal(a[0].dropout_multiplier, call.multiplier_full())
+
+
+@pytest.mark.parametrize("shape", [(1, 3, 1, 37), (2, 1, 1, 37), (45, 37), (1, 1, 1, 1),
+                                   (2, 3, 45, 1), (2, 3, 45, 37)],
+                         ids=["keys", "batch-keys", "qk", "scalar", "rows", "full"])
+def test_every_bias_broadcast_gets_its_gradient(shape):
+    bias = np.random.default_rng(4).standard_normal(shape)
+    call = _call(bias=bias)
+    g_o = np.random.default_rng(5).standard_normal((2, 3, 45, 8))
+    t, g = _run(call, g_o, materialize=False)
+    assert g.grad_bias.shape == bias.shape
+    assert_matches_reference(call, g_o, t, g)
+
+
+def test_fully_invisible_tiles_are_skipped():
+    call = _call((1, 2, 96, 96, 8), visible=causal(96, 96, alignment="upper_left"))
+    t = refattn.forward(call, backend="cuda_emulator", materialize=False)
+    # 3 x 3 tiles of 32 per head: the 3 strictly above the diagonal are never touched
+    assert (t.materialized["tiles_computed"], t.materialized["tiles_skipped"]) == (12, 6)
+
+
+def test_unsupported_inputs_are_named_errors_before_any_launch():
+    from refattn.call.scores import Cosine
+
+    x = np.ones((1, 1, 2, 4))
+    with pytest.raises(refattn.RefAttnError, match="dot family only"):
+        refattn.forward(refattn.AttentionCall(x, x, x, score=Cosine(), scale=1.0),
+                        backend="cuda_emulator")
+    wide = np.ones((1, 1, 2, 600))
+    with pytest.raises(refattn.RefAttnError, match=r"Dk=600.*bytes of shared memory"):
+        refattn.forward(refattn.AttentionCall(wide, wide, wide), backend="cuda_emulator")
+    with pytest.raises(refattn.RefAttnError, match="materialize"):
+        refattn.forward(refattn.AttentionCall(x, x, x), backend="cuda_emulator",
+                        materialize="yes")
+
+
+# -- the emulator catches kernel bugs --------------------------------------------------------------
+def _mutated(tmp_path: Path, old: str, new: str) -> Path:
+    d = tmp_path / "kernels"
+    shutil.copytree(KERNEL_DIR, d)
+    src = (d / "attention.cu").read_text()
+    assert old in src, old
+    (d / "attention.cu").write_text(src.replace(old, new, 1))
+    return d
+
+
+def _outputs(directory: Path, seeds=(0, 1, 2)) -> list[np.ndarray]:
+    call = _call((1, 2, 70, 70, 8))
+    return [launch.forward(EmulatorDevice(directory, debug=True, seed=s), call,
+                           materialize=False).output for s in seeds]
+
+
+def test_the_debug_emulator_is_quiet_on_correct_kernels():
+    outs = _outputs(KERNEL_DIR)
+    ref = refattn.forward(_call((1, 2, 70, 70, 8))).output
+    assert all(np.array_equal(o, outs[0]) for o in outs)
+    np.testing.assert_allclose(outs[0], ref, rtol=1e-13, atol=1e-14)
+
+
+def test_a_removed_syncthreads_is_caught(tmp_path):
+    d = _mutated(tmp_path, "        __syncthreads();  // sK, sV, sP free for the next tile\n", "")
+    outs = _outputs(d)
+    ref = refattn.forward(_call((1, 2, 70, 70, 8))).output
+    assert not np.allclose(outs[0], ref, equal_nan=False)  # the next tile's loads race ahead
+    assert len({o.tobytes() for o in outs}) > 1  # and the result depends on thread order
+
+
+def test_an_out_of_bounds_shared_memory_index_is_caught(tmp_path):
+    d = _mutated(tmp_path, "sO[r * Dv + d] = acc;", "sO[r * Dv + d + 4 * T * Dv] = acc;")
+    with pytest.raises(refattn.RefAttnError, match=r"shared memory index \d+ out of bounds.*"
+                                                   r"block \(0, 0, 0\), thread \(\d+, 0, 0\)"):
+        _outputs(d, seeds=(0,))
+
+
+def test_a_result_that_depends_on_thread_order_is_caught(tmp_path):
+    # two threads of a row write the same probability slot: the last writer wins
+    d = _mutated(tmp_path, "            sP[r * T + jj] = p;",
+                 "            sP[r * T + jj] = p;\n            sP[r * T + (jj + T / 4) % T] = p;")
+    outs = _outputs(d, seeds=(0, 1, 2, 3))
+    assert len({o.tobytes() for o in outs}) > 1
+
+
+def test_a_divergent_barrier_is_caught(tmp_path):
+    d = _mutated(tmp_path, "        if (!__syncthreads_or(any)) {  // a fully invisible tile",
+                 "        if (t == 5) return;\n"
+                 "        if (!__syncthreads_or(any)) {  // a fully invisible tile")
+    with pytest.raises(refattn.RefAttnError, match="__syncthreads divergence"):
+        _outputs(d, seeds=(0,))

@@ -1,0 +1,131 @@
+"""The CUDA sources: the ABI tables agree with the host, the Philox header is bit-identical to
+refattn.dropout in host C++, and every kernel compiles for sm_90 and sm_80 without spills or
+warnings (nvcc, or NVRTC where nvcc is absent)."""
+
+from __future__ import annotations
+
+import re
+import shutil
+import subprocess
+import time
+
+import numpy as np
+import pytest
+
+from gpu_backend import abi
+from gpu_backend.compile_check import ARCHES, compile_report, toolchain
+from gpu_backend.source import KERNEL_DIR, KERNELS
+from refattn.dropout import Philox
+from refattn.dropout.philox import philox4x32_10
+from tests.dropout.test_philox import _kat_rows
+
+COMMON = (KERNEL_DIR / "common.cuh").read_text()
+
+
+def _enum(name: str, prefix: str) -> tuple[str, ...]:
+    body = re.search(rf"enum {name} \{{(.*?)\}};", COMMON, flags=re.S).group(1)
+    body = re.sub(r"//[^\n]*", "", body)
+    names = [n.strip() for n in body.replace("\n", " ").split(",") if n.strip()]
+    assert names[-1] == f"{prefix}COUNT"
+    return tuple(n.removeprefix(prefix) for n in names[:-1])
+
+
+@pytest.mark.parametrize(("enum", "prefix", "table"), [
+    ("RefattnPtr", "X_", abi.POINTERS), ("RefattnInt", "P_", abi.INT_PARAMS),
+    ("RefattnReal", "R_", abi.REAL_PARAMS)])
+def test_the_host_tables_match_the_kernel_enums(enum, prefix, table):
+    assert _enum(enum, prefix) == table
+
+
+def test_every_exported_kernel_is_known_to_the_launcher():
+    src = (KERNEL_DIR / "attention.cu").read_text()
+    defined = set(re.findall(r'extern "C" __global__ void (\w+)\(', src))
+    exported = set(re.findall(r"^REFATTN_EXPORT\((\w+)\)", src, flags=re.M))
+    assert defined == exported == set(KERNELS)
+
+
+HOST_PROGRAM = r"""
+#include <cstdio>
+#include "philox.cuh"
+int main() {
+    unsigned c0, c1, c2, c3, k0, k1;
+    while (std::scanf("%u %u %u %u %u %u", &c0, &c1, &c2, &c3, &k0, &k1) == 6) {
+        RefattnWords w{{c0, c1, c2, c3}};
+        RefattnWords r = refattn_philox4x32_10(w, k0, k1);
+        std::printf("%u %u %u %u\n", r.w[0], r.w[1], r.w[2], r.w[3]);
+    }
+    return 0;
+}
+"""
+
+KEEP_PROGRAM = r"""
+#include <cstdio>
+#include "philox.cuh"
+int main(int argc, char** argv) {
+    long long B, H, Q, K; unsigned k0, k1, off; unsigned long long thr;
+    std::sscanf(argv[1], "%lld", &B); std::sscanf(argv[2], "%lld", &H);
+    std::sscanf(argv[3], "%lld", &Q); std::sscanf(argv[4], "%lld", &K);
+    std::sscanf(argv[5], "%u", &k0); std::sscanf(argv[6], "%u", &k1);
+    std::sscanf(argv[7], "%u", &off); std::sscanf(argv[8], "%llu", &thr);
+    for (long long b = 0; b < B; ++b) for (long long h = 0; h < H; ++h)
+        for (long long i = 0; i < Q; ++i) for (long long j = 0; j < K; ++j)
+            std::putchar(refattn_dropout_keep(b, h, i, j, H, k0, k1, off, thr) ? '1' : '0');
+    return 0;
+}
+"""
+
+
+def _host_binary(tmp_path, name, source):
+    if not shutil.which("g++"):
+        pytest.skip("no g++ to build the host check")
+    (tmp_path / f"{name}.cpp").write_text(source)
+    exe = tmp_path / name
+    subprocess.run(["g++", "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{KERNEL_DIR}",
+                    str(tmp_path / f"{name}.cpp"), "-o", str(exe)], check=True)
+    return exe
+
+
+def test_philox_header_in_host_cpp_matches_the_known_answers_and_numpy(tmp_path):
+    exe = _host_binary(tmp_path, "philox", HOST_PROGRAM)
+    rng = np.random.default_rng(5)
+    rows = [(c, k) for c, k, _ in _kat_rows(10)]
+    rows += [(list(rng.integers(0, 2**32, 4)), list(rng.integers(0, 2**32, 2)))
+             for _ in range(200)]
+    text = "\n".join(" ".join(str(int(x)) for x in (*c, *k)) for c, k in rows)
+    out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True)
+    got = np.array([[int(x) for x in line.split()] for line in out.stdout.splitlines()],
+                   dtype=np.uint32)
+    counters = np.array([c for c, _ in rows], dtype=np.uint32)
+    keys = np.array([k for _, k in rows], dtype=np.uint32)
+    np.testing.assert_array_equal(got, philox4x32_10(counters, keys))
+    for n, (_, _, expected) in enumerate(_kat_rows(10)):
+        assert list(got[n]) == expected
+
+
+@pytest.mark.parametrize(("p", "seed", "offset"), [(0.1, 7, 0), (0.5, 2**40 + 3, 9),
+                                                   (0.9, 2**64 - 1, 2**32 - 1)])
+def test_dropout_keep_mask_in_host_cpp_is_bit_identical_to_refattn(tmp_path, p, seed, offset):
+    exe = _host_binary(tmp_path, "keep", KEEP_PROGRAM)
+    stream = Philox(p, seed, offset=offset)
+    shape = (2, 3, 5, 11)
+    out = subprocess.run([str(exe), *map(str, shape), str(seed & 0xFFFFFFFF), str(seed >> 32),
+                          str(offset), str(stream.threshold)], capture_output=True, text=True,
+                         check=True).stdout
+    got = np.frombuffer(out.encode(), dtype=np.uint8).reshape(shape) == ord("1")
+    np.testing.assert_array_equal(got, stream.keep_mask(*shape))
+
+
+@pytest.mark.parametrize("arch", ARCHES)
+def test_every_kernel_compiles_without_spills_or_warnings(arch):
+    if toolchain() is None:
+        pytest.skip("neither nvcc nor NVRTC (nvidia-cuda-nvrtc) is installed here")
+    start = time.perf_counter()
+    report = compile_report(arch)
+    assert time.perf_counter() - start < 60
+    assert set(report.kernels) == set(KERNELS)
+    assert report.warnings == ()
+    assert report.spills == 0, {k.kernel: (k.spill_stores, k.spill_loads)
+                                for k in report.kernels.values()}
+    for k in report.kernels.values():
+        assert 0 < k.registers <= 255, k
+        print(f"{arch} {k.kernel}: {k.registers} registers, {k.stack_bytes} B stack")
