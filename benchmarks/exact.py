@@ -19,7 +19,7 @@ from threadpoolctl import threadpool_info
 
 import refattn
 from refattn.bundle.suites import build_suite
-from refattn.bundle.verify import verify
+from refattn.bundle.verifier import verify
 from refattn.bundle.write import write_bundle
 from refattn.engine.exact.backend import estimate_seconds
 

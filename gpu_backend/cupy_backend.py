@@ -21,7 +21,7 @@ from refattn.call import AttentionCall
 from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
 
-__all__ = ["COMPILE_OPTIONS", "CupyDevice", "backward", "forward"]
+__all__ = ["COMPILE_OPTIONS", "CupyDevice", "backward", "forward", "value_and_grad"]
 
 #: NVRTC options (CuPy adds -ftz=true and --device-as-default-execution-space itself)
 COMPILE_OPTIONS: tuple[str, ...] = ("--std=c++17", f"-I{KERNEL_DIR}")
@@ -99,3 +99,9 @@ def forward(call: AttentionCall, *, materialize: bool = True) -> Trace:
 def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     """Backward pass on the GPU of a trace it made."""
     return launch.backward(device(), trace, grad_output)
+
+
+def value_and_grad(call: AttentionCall, grad_output: np.ndarray) -> tuple[np.ndarray, Gradients]:
+    """Output and gradients by the streaming kernels (no trace kept)."""
+    trace = forward(call, materialize=False)
+    return trace.output, backward(trace, grad_output)

@@ -23,7 +23,7 @@ from refattn.call import AttentionCall
 from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
 
-__all__ = ["EmulatorDevice", "backward", "forward"]
+__all__ = ["EmulatorDevice", "backward", "forward", "value_and_grad"]
 
 #: the opt-in shared memory limit of an H100/H200 block, so the emulator runs the GPU's tiles
 MAX_SHARED_BYTES = 227 * 1024
@@ -90,3 +90,10 @@ def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     info = trace.materialized.get("device", {})
     return launch.backward(device(bool(info.get("debug", False)), int(info.get("seed", 0))),
                            trace, grad_output)
+
+
+def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *, debug: bool = False,
+                   seed: int = 0) -> tuple[np.ndarray, Gradients]:
+    """Output and gradients by the streaming kernels (no trace kept)."""
+    trace = forward(call, materialize=False, debug=debug, seed=seed)
+    return trace.output, backward(trace, grad_output)

@@ -28,7 +28,7 @@ from refattn import _moved
 from refattn._version import __version__
 from refattn.analysis.source_identity import check_source_identity
 from refattn.call import AttentionCall
-from refattn.engine import attention, backward, forward
+from refattn.engine import ValueAndGrad, attention, backward, forward, value_and_grad
 from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError, RefAttnWarning
 
@@ -40,9 +40,11 @@ __all__ = [
     "RefAttnError",
     "RefAttnWarning",
     "Trace",
+    "ValueAndGrad",
     "__version__",
     "attention",
     "backward",
     "check_source_identity",
     "forward",
+    "value_and_grad",
 ]

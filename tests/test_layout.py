@@ -35,13 +35,13 @@ def test_import_contracts_hold():
 
 #: (module to edit, line appended, contract that must break)
 PLANTED = [
-    ("refattn/call/gate.py", "from refattn.bundle import verify",
+    ("refattn/call/gate.py", "from refattn.bundle import verifier",
      "refattn layers"),
     ("refattn/masks/relation.py", "from refattn.call import AttentionCall",
      "refattn layers"),
     ("refattn/masks/relation.py", "from refattn.masks import blocks",
      "no import cycles"),
-    ("refattn/bundle/read.py", "from refattn.bundle import compare",
+    ("refattn/bundle/read.py", "from refattn.bundle import comparison",
      "bundle steps read straight through"),
     ("gradcheck/api.py", "from refattn.errors import RefAttnError",
      "gradcheck's generic checker imports nothing from refattn"),

@@ -6,7 +6,7 @@ observed) and :func:`semantic_limits`, the case features every framework's eligi
 check reads. The framework modules (:mod:`refattn.adapters.torch`,
 :mod:`refattn.adapters.jax`) import their stack lazily inside functions; importing this
 package never imports torch, jax or ml_dtypes. Defers the verdict to
-:mod:`refattn.bundle.compare`. Adapters read golden cases (bundle) and run the engine; nothing
+:mod:`refattn.bundle.comparison`. Adapters read golden cases (bundle) and run the engine; nothing
 below them imports an adapter, and only the cli sits above.
 """
 
@@ -18,7 +18,7 @@ from typing import Any
 
 import numpy as np
 
-from refattn.bundle.compare import compare
+from refattn.bundle.comparison import compare
 from refattn.bundle.spec import CaseSpec
 
 __all__ = ["AdapterResult", "semantic_limits"]

@@ -16,7 +16,7 @@ compared under the float32 reference-relative rule and its manifest records
 
 jax is imported inside functions only. The lowering decisions (:func:`call_arguments`,
 :func:`ineligible`) are pure numpy and need no jax. Defers the verdict to
-:mod:`refattn.bundle.compare`.
+:mod:`refattn.bundle.comparison`.
 """
 
 from __future__ import annotations

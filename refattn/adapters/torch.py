@@ -18,7 +18,7 @@ PyTorch 2.13's public APIs, each with its own conventions made explicit:
 The returned manifest records the requested backend and the one observed (the fused SDPA
 operator seen by a dispatch-mode spy, ``math`` when only its decomposition ran, else
 ``unobserved``). torch is imported inside functions only. Defers the verdict to
-:mod:`refattn.bundle.compare`.
+:mod:`refattn.bundle.comparison`.
 """
 
 from __future__ import annotations

@@ -4,8 +4,8 @@ Owns the bundle file format (:mod:`~refattn.bundle.format`), golden cases and wh
 (:mod:`~refattn.bundle.cases`), writing (:mod:`~refattn.bundle.write`), manifests and reading
 (:mod:`~refattn.bundle.manifest`, :mod:`~refattn.bundle.read`), the call rebuilt from a file
 (:mod:`~refattn.bundle.spec`), the named suites (:mod:`~refattn.bundle.suites`), ``refattn
-verify`` (:mod:`~refattn.bundle.verify` and the steps it calls) and the comparison harness for
-other stacks' tensors (:mod:`~refattn.bundle.compare`, tolerances, the low-precision naive
+verify`` (:mod:`~refattn.bundle.verifier` and the steps it calls) and the comparison harness for
+other stacks' tensors (:mod:`~refattn.bundle.comparison`, tolerances, the low-precision naive
 model, candidate files). It runs the engine and gradcheck; it must not import adapters or cli.
 The names below are imported on first use.
 
@@ -29,14 +29,14 @@ from typing import Any
 _OWNERS: dict[str, str] = {
     "read_candidate": "candidates", "write_candidate": "candidates",
     "Computed": "cases", "GoldenCase": "cases", "compute": "cases",
-    "Report": "compare", "compare": "compare",
+    "Report": "comparison", "compare": "comparison",
     "SCHEMA": "format", "SCHEMA_VERSION": "format", "atomic_write": "format",
     "tensor_sha256": "format",
     "LoadedCase": "read", "load": "read",
     "CaseSpec": "spec", "case_spec": "spec",
     "SUITES": "suites", "build_suite": "suites",
     "Tolerances": "tolerances",
-    "verify": "verify",
+    "verify": "verifier",
     "write_bundle": "write",
 }
 

@@ -2,7 +2,7 @@
 
 Owns :func:`as_numpy` (numpy, ``__array__``, DLPack and PyTorch bfloat16 tensors read without a
 dtype change), :func:`read_candidate` (a safetensors file, BF16 through ml_dtypes) and
-:func:`write_candidate`. The comparison itself is :mod:`refattn.bundle.compare`'s.
+:func:`write_candidate`. The comparison itself is :mod:`refattn.bundle.comparison`'s.
 """
 
 from __future__ import annotations

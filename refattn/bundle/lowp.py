@@ -4,7 +4,7 @@ Owns :func:`naive_lowp`, which reruns a golden case's forward and backward in fl
 bfloat16 the way an unfused framework does: inputs rounded to the dtype, every operation evaluated
 in float32 and its result rounded to the dtype (PyTorch's convention for low-precision ops), BLAS
 pinned to one thread so the yardstick is deterministic. Its distance to the float64 golden is the
-error that precision cannot avoid; :mod:`refattn.bundle.compare` allows a candidate a fixed
+error that precision cannot avoid; :mod:`refattn.bundle.comparison` allows a candidate a fixed
 multiple of it. Defers the tolerance settings to :mod:`refattn.bundle.tolerances`.
 """
 

@@ -3,7 +3,7 @@
 Owns :class:`Problem` (which case, which tensor, which stage, why), :class:`CaseResult` and
 :class:`VerifyReport` with the table ``refattn verify`` prints. Holds no logic beyond
 formatting; the checks that fill them live in :mod:`refattn.bundle.read`,
-:mod:`refattn.bundle.recompute`, :mod:`refattn.bundle.gradients` and :mod:`refattn.bundle.verify`.
+:mod:`refattn.bundle.recompute`, :mod:`refattn.bundle.gradients` and :mod:`refattn.bundle.verifier`.
 """
 
 from __future__ import annotations

@@ -2,8 +2,8 @@
 
 Owns the :class:`Tolerances` settings, the precision names (float64, float32, float16, bfloat16;
 bfloat16 through ``ml_dtypes``, imported lazily) and the rounding floor ``2 * max|fl(g + 0.3 - 0.3)
-- g|``. Defers the comparison itself to :mod:`refattn.bundle.compare` and the naive lower-precision
-reference to :mod:`refattn.bundle.lowp`.
+- g|``. Defers the comparison itself to :mod:`refattn.bundle.comparison` and the naive
+lower-precision reference to :mod:`refattn.bundle.lowp`.
 
 Two rules:
 

@@ -6,7 +6,7 @@ import argparse
 from pathlib import Path
 
 from refattn.bundle.candidates import read_candidate
-from refattn.bundle.compare import compare
+from refattn.bundle.comparison import compare
 from refattn.bundle.manifest import check_schema, read_manifest
 from refattn.bundle.read import load
 from refattn.bundle.tolerances import Tolerances

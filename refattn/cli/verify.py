@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import argparse
 
-from refattn.bundle.verify import verify
+from refattn.bundle.verifier import verify
 
 __all__ = ["add_parser"]
 

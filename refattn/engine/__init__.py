@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import importlib
 from types import ModuleType
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 
@@ -21,7 +21,8 @@ from refattn.call import AttentionCall
 from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
 
-__all__ = ["BACKENDS", "attention", "backward", "forward", "get_backend"]
+__all__ = ["BACKENDS", "ValueAndGrad", "attention", "backward", "forward", "get_backend",
+           "value_and_grad"]
 
 #: backend name -> module implementing ``forward(call, **options)`` and ``backward(trace, g)``
 BACKENDS: dict[str, str] = {
@@ -82,11 +83,11 @@ def forward(call: AttentionCall, *, backend: str = "numpy", **options: Any) -> T
     return get_backend(backend).forward(call, **options)
 
 
-def _check_grad_output(trace: Trace, grad_output: object) -> np.ndarray:
+def _check_grad_output(call: AttentionCall, grad_output: object) -> np.ndarray:
     g = as_array("grad_output", grad_output)
     check_float64("grad_output", g)
-    B, Hq, Q, _ = trace.call.q.shape
-    check_shape("grad_output", g, (B, Hq, Q, trace.call.v.shape[3]), "B,Hq,Q,Dv")
+    B, Hq, Q, _ = call.q.shape
+    check_shape("grad_output", g, (B, Hq, Q, call.v.shape[3]), "B,Hq,Q,Dv")
     check_finite("grad_output", g)
     return g
 
@@ -121,8 +122,55 @@ def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     """
     if not isinstance(trace, Trace):
         raise RefAttnError(f"trace: expected a Trace, got {type(trace).__name__}")
-    g = _check_grad_output(trace, grad_output)
+    g = _check_grad_output(trace.call, grad_output)
     return get_backend(trace.backend).backward(trace, g)
+
+
+class ValueAndGrad(NamedTuple):
+    """The output of a call and its gradients (:func:`value_and_grad`)."""
+
+    output: np.ndarray
+    gradients: Gradients
+
+
+def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *, backend: str = "numpy",
+                   **options: Any) -> ValueAndGrad:
+    """Output and gradients of ``call`` for ``grad_output``, without keeping the full trace.
+
+    A backend that has its own ``value_and_grad`` (the streaming GPU path) runs it; otherwise
+    this is ``forward`` then ``backward``.
+
+    Parameters
+    ----------
+    call : AttentionCall
+    grad_output : (B, Hq, Q, Dv) float64 ndarray
+    backend : str
+        A name in :data:`BACKENDS`.
+    **options
+        Backend options, as for :func:`forward`.
+
+    Returns
+    -------
+    ValueAndGrad
+        ``output`` (B, Hq, Q, Dv) and ``gradients`` (:class:`Gradients`).
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import AttentionCall
+    >>> x = np.arange(8.0).reshape(1, 1, 2, 4) / 8
+    >>> out, grads = value_and_grad(AttentionCall(x, x, x), np.ones((1, 1, 2, 4)))
+    >>> out.shape, grads.grad_q.shape
+    ((1, 1, 2, 4), (1, 1, 2, 4))
+    """
+    if not isinstance(call, AttentionCall):
+        raise RefAttnError(f"call: expected an AttentionCall, got {type(call).__name__}")
+    module = get_backend(backend)
+    if hasattr(module, "value_and_grad"):
+        g = _check_grad_output(call, grad_output)
+        return ValueAndGrad(*module.value_and_grad(call, g, **options))
+    trace = forward(call, backend=backend, **options)
+    return ValueAndGrad(trace.output, backward(trace, grad_output))
 
 
 def attention(

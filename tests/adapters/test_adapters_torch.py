@@ -18,7 +18,7 @@ import torch.nn.functional as F  # noqa: E402
 
 from refattn import RefAttnError  # noqa: E402
 from refattn.adapters import torch as adapter  # noqa: E402
-from refattn.bundle.compare import compare  # noqa: E402
+from refattn.bundle.comparison import compare  # noqa: E402
 from refattn.bundle.spec import case_spec  # noqa: E402
 from refattn.bundle.suites.conformance import CASES  # noqa: E402
 from refattn.bundle.tolerances import Tolerances  # noqa: E402

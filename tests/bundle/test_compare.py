@@ -10,7 +10,7 @@ import pytest
 from refattn import RefAttnError
 from refattn.bundle import load, write_bundle
 from refattn.bundle.candidates import read_candidate, write_candidate
-from refattn.bundle.compare import compare
+from refattn.bundle.comparison import compare
 from refattn.bundle.lowp import naive_lowp
 from refattn.bundle.spec import case_spec
 from refattn.bundle.suites import build_suite
@@ -311,7 +311,8 @@ def test_core_and_adapters_import_no_optional_stack():
     from pathlib import Path
 
     code = (
-        "import sys, refattn, refattn.bundle.compare, refattn.bundle.verify, refattn.bundle.lowp, "
+        "import sys, refattn, refattn.bundle.comparison, refattn.bundle.verifier, "
+        "refattn.bundle.lowp, "
         "refattn.adapters, refattn.adapters.torch, refattn.adapters.jax, "
         "refattn.bundle.suites.conformance, refattn.cli; refattn.cli.build_parser(); "
         "print(sorted(m for m in ('torch', 'jax', 'ml_dtypes') if m in sys.modules))"

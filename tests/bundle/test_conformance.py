@@ -18,7 +18,7 @@ from refattn.bundle import write_bundle
 from refattn.bundle.spec import case_spec
 from refattn.bundle.suites import SUITES, build_suite
 from refattn.bundle.suites.conformance import CASES
-from refattn.bundle.verify import verify
+from refattn.bundle.verifier import verify
 from refattn.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -18,7 +18,7 @@ from refattn.bundle import SCHEMA_VERSION, write_bundle
 from refattn.bundle.gradients import gradient_check
 from refattn.bundle.manifest import READERS, check_schema
 from refattn.bundle.suites import build_suite
-from refattn.bundle.verify import verify
+from refattn.bundle.verifier import verify
 from refattn.cli import main
 from tests.strategies import engine_calls
 

@@ -21,3 +21,17 @@ def test_the_gpu_benchmark_dry_run_checks_and_reports(tmp_path, monkeypatch, cap
     assert all(report["determinism"].values())
     assert all("refattn_s" in row for row in report["timing"])
     assert "conformance:" in capsys.readouterr().out
+
+
+def test_the_gpu_path_imports_nothing_the_gpu_image_lacks():
+    """The GPU machine's image has no python-flint: the benchmark's imports must not need it."""
+    import subprocess
+    import sys
+
+    root = BENCH.parents[1]
+    code = ("import sys, refattn, refattn.bundle.suites, gpu_backend.launch, "
+            "gpu_backend.cupy_backend, gpu_backend.emulator_backend; "
+            "print(sorted(m for m in ('flint', 'numba') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
+                         text=True, check=True, env={"PYTHONPATH": str(root), "PATH": ""})
+    assert out.stdout.strip() == "[]"

@@ -24,7 +24,7 @@ from gpu_backend import launch
 from gpu_backend.emulator_backend import EmulatorDevice
 from gpu_backend.source import KERNEL_DIR
 from refattn.bundle.suites import build_suite
-from refattn.bundle.verify import verify
+from refattn.bundle.verifier import verify
 from refattn.bundle.write import write_bundle
 from refattn.dropout import Philox
 from refattn.masks import causal
