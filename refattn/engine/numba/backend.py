@@ -424,3 +424,43 @@ def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     if trace.materialized.get("mode") == "streaming":
         return _stream_backward(trace, grad_output)
     return _dense_backward(trace, grad_output)
+
+
+def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *,
+                   budget_bytes: int | None = None) -> tuple[np.ndarray, Gradients]:
+    """Output and gradients with no trace: the fused kernel (see :mod:`.fused`).
+
+    Every call the NumPy reference accepts runs: the dot, bilinear and cosine families, every
+    scale placement, softcap, sinks, bias, masks, dropout and GQA on the fused kernel, with the
+    calibrated BLAS provider and layout (:mod:`.providers`); the additive family (whose pair
+    tensor is (B, Hq, Q, K, Da)) falls back to the NumPy reference.
+
+    Parameters
+    ----------
+    call : AttentionCall
+    grad_output : (B, Hq, Q, Dv) float64 ndarray
+    budget_bytes : int, optional
+        Per-thread bytes of the (BQ x K) score buffers; the query block is the largest that
+        fits (the whole head when it does).
+
+    Examples
+    --------
+    >>> import numpy as np, refattn
+    >>> rng = np.random.default_rng(2)
+    >>> q, k, v = (rng.standard_normal((1, 2, 6, 4)) for _ in range(3))
+    >>> call = refattn.AttentionCall(q, k, v, softcap=2.0)
+    >>> out, g = refattn.value_and_grad(call, np.ones((1, 2, 6, 4)), backend="numba")
+    >>> ref = refattn.backward(refattn.forward(call), np.ones((1, 2, 6, 4)))
+    >>> bool(np.allclose(g.grad_q, ref.grad_q, rtol=1e-12, atol=1e-14))
+    True
+    """
+    from refattn.engine.numba import fused_host
+    from refattn.engine.reference import backward as ref_backward
+    from refattn.engine.reference import forward as ref_forward
+
+    if call.score.name == "additive":  # no fast path: the reference (documented fallback)
+        trace = ref_forward(call)
+        return trace.output, ref_backward(trace, grad_output)
+    options = {} if budget_bytes is None else {"budget": int(budget_bytes)}
+    out, grads, _ = fused_host.value_and_grad(call, grad_output, **options)
+    return out, grads

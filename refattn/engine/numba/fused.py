@@ -1,0 +1,317 @@
+"""Fused forward+backward in query blocks: output and gradients with no trace and no recompute.
+
+Owns :func:`fused_value_and_grad`, the kernel of the numba backend's ``value_and_grad``. Each
+task owns one (batch, kv head, chunk of query blocks); for every query head of that kv head and
+every query block of ``BQ`` rows it holds the block's whole score row range (``BQ x K``) in a
+per-thread buffer, so the softmax is exact per row (no online rescaling) and the backward runs
+at once from the same probabilities: six BLAS products per block (``S = Q K^T``,
+``O = P~ Z V``, ``dV += (P~ Z)^T dO``, ``dP = dO V^T``, ``dQ = dS K``, ``dK += dS^T Q``), the
+12 counted units of forward+backward and no recomputation of ``Q K^T``. ``BQ = Q`` is the
+whole-head form; a smaller ``BQ`` bounds the buffers for long keys. Key chunks of ``KC`` columns
+that a block's rows cannot see are skipped (their products and row work), and runs of visible
+chunks are one product each. The row work (softcap, bias, visibility, the sink, max, exp, sums,
+the dropout multiplier, ``D``, ``dS``) is fused per row. Each task writes only its own rows of
+dq and its own chunk's partial dk/dv, so results are bit-identical run to run for a given
+thread count. BLAS must be pinned to one thread around the kernel.
+"""
+
+from __future__ import annotations
+
+import math
+
+import numba
+import numpy as np
+from numba import prange
+
+from refattn.engine.numba._jit import kernel
+from refattn.engine.numba.blas import gemm
+from refattn.engine.numba.math import exp_shift, row_dot, row_sum
+from refattn.engine.numba.math import row_max as max_of_row
+from refattn.engine.numba.operands import at
+from refattn.engine.numba.philox import philox_row
+from refattn.engine.numba.tiles import FULL, INVISIBLE, classify, tile_mask
+
+__all__ = ["GBIAS_NONE", "GBIAS_OVER_K", "GBIAS_OVER_Q", "GBIAS_PER_ELEMENT",
+           "fused_value_and_grad"]
+
+DROP_NONE, DROP_DENSE, DROP_PHILOX = 0, 1, 2
+GBIAS_NONE, GBIAS_PER_ELEMENT, GBIAS_OVER_Q, GBIAS_OVER_K = 0, 1, 2, 3
+
+
+@kernel(inline="always")
+def _addr(x, a0, a1, n):
+    """Byte address of ``x[a0, a1, n, 0]`` (x C-contiguous in its last axis)."""
+    return x.ctypes.data + a0 * x.strides[0] + a1 * x.strides[1] + n * x.strides[2]
+
+
+@kernel(inline="always")
+def _addr5(x, c, a0, a1, n):
+    """Byte address of ``x[c, a0, a1, n, 0]``."""
+    return (x.ctypes.data + c * x.strides[0] + a0 * x.strides[1] + a1 * x.strides[2]
+            + n * x.strides[3])
+
+
+@kernel(inline="always")
+def _multipliers(z, drop, zdense, b, h, Hq, i, j0, n):
+    """``z[:n]`` = dropout multiplier of keys [j0, j0 + n) of row (b, h, i)."""
+    mode, k0, k1, offset, threshold, keep = drop
+    if mode == DROP_PHILOX:
+        philox_row(z, b * Hq + h, i, j0, n, k0, k1, offset, threshold, keep)
+    else:
+        for j in range(n):
+            z[j] = at(zdense[0], zdense[1], b, h, i, j0 + j)
+
+
+@kernel(inline="always")
+def _scale(x, n, a):
+    """In place: ``x[:n] *= a``."""
+    for j in range(n):
+        x[j] *= a
+
+
+@kernel(inline="always")
+def _grad_scores(p, g, n, d):
+    """In place: ``p[:n] = p * (g - d)`` (dS from P and G_P)."""
+    for j in range(n):
+        p[j] = p[j] * (g[j] - d)
+
+
+@kernel(parallel=True)
+def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, drop, zdense,
+                         softcap, sink, query_valid, sanitized, g_o, BQ, KC, C, fptr, nt,
+                         out, lse, row_max, dq, dk, dv, rowdot, dvec, gbias, gbias_mode,
+                         tiles):
+    """Forward and backward of a dot-score call, query block by query block.
+
+    Parameters
+    ----------
+    q : (B, Hq, Q, Dk) float64, C-contiguous; the placement's rounded query operand
+    k : (B, Hkv, K, Dk); v : (B, Hkv, K, Dv) float64, C-contiguous
+    head_map : (Hq,) int64
+    post, fq, fk : float
+        Multiplier of ``q . k`` (alpha for the post placement, else 1); factors of dq and dk.
+    tv : TileVisibility
+    has_bias : bool; bias : Strided float64 operand broadcast to (B, Hq, Q, K)
+    drop : (mode, key0, key1, offset, threshold, keep); zdense : Strided multiplier (mode 1)
+    softcap : float
+        c (0.0: no softcap).
+    sink : (Hq,) float64 (empty: no sink)
+    query_valid : (B, Q) bool
+    sanitized : (B, Hq, Q) bool; rows that get the temporary legal key 0
+    g_o : (B, Hq, Q, Dv) float64; G_O with unused rows zeroed
+    BQ, KC : int
+        Query block rows; key chunk columns (the skipping granularity).
+    C : int
+        Chunks of query blocks per (b, kv head) (tasks = B * Hkv * C).
+    fptr : int
+        Address of a Fortran-ABI dgemm.
+    nt : int
+        numba's thread count (one workspace per thread).
+    out : (B, Hq, Q, Dv); lse, row_max, rowdot, dvec : (B, Hq, Q); dq : (B, Hq, Q, Dk)
+        Written.
+    dk : (C, B, Hkv, K, Dk), dv : (C, B, Hkv, K, Dv)
+        Zero-filled; partials per chunk.
+    gbias : 4-D, per ``gbias_mode``: 1 (B, Hq, Q, K) per element; 2 (C, B, Hq, K) summed
+        over queries; 3 (B, Hq, Q, 1) summed over keys; zero-filled.
+    tiles : (tasks, 2) int64
+        Written: key chunks computed and skipped.
+    """
+    B, Hq, Q, Dk = q.shape
+    Hkv, K = k.shape[1], k.shape[2]
+    Dv = v.shape[3]
+    nqb = (Q + BQ - 1) // BQ
+    nkc = (K + KC - 1) // KC
+    has_cap = softcap > 0.0
+    has_sink = sink.shape[0] > 0
+    dropping = drop[0] != DROP_NONE
+    s_ws = np.empty((nt, BQ, K))  # scores, then P, then dS
+    w_ws = np.empty((nt, BQ, K))  # P~ Z, then dP
+    t_ws = np.empty((nt, BQ if has_cap else 1, K if has_cap else 1))  # capped scores
+    z_ws = np.empty((nt, K if dropping else 1))
+    cls_ws = np.empty((nt, nkc), dtype=np.int64)
+    mask_ws = np.empty((nt, 1, KC), dtype=np.bool_)
+    for task in prange(B * Hkv * C):
+        c = task % C
+        bg = task // C
+        b = bg // Hkv
+        g = bg - b * Hkv
+        tid = numba.get_thread_id()
+        s, w, tcap, z, cls, mask = s_ws[tid], w_ws[tid], t_ws[tid], z_ws[tid], cls_ws[tid], \
+            mask_ws[tid]
+        done = 0
+        skipped = 0
+        for h in range(Hq):
+            if head_map[h] != g:
+                continue
+            for qb in range(c, nqb, C):
+                i0 = qb * BQ
+                bq = min(BQ, Q - i0)
+                any_sanitized = False
+                for r in range(bq):
+                    any_sanitized = any_sanitized or sanitized[b, h, i0 + r]
+                for kc in range(nkc):
+                    j0 = kc * KC
+                    cls[kc] = classify(tv, b, h, i0, i0 + bq, j0, j0 + min(KC, K - j0))
+                    if kc == 0 and any_sanitized and cls[0] == INVISIBLE:
+                        cls[0] = 1  # PARTIAL: the temporary key 0 of a sanitised row
+                    if cls[kc] == INVISIBLE:
+                        skipped += 1
+                    else:
+                        done += 1
+                # S = post * Q K^T over each run of visible chunks
+                kc = 0
+                empty = True
+                while kc < nkc:
+                    if cls[kc] == INVISIBLE:
+                        kc += 1
+                        continue
+                    ke = kc
+                    while ke < nkc and cls[ke] != INVISIBLE:
+                        ke += 1
+                    ja, jb = kc * KC, min(ke * KC, K)
+                    gemm(fptr, False, True, bq, jb - ja, Dk, post, _addr(q, b, h, i0), Dk,
+                         _addr(k, b, g, ja), Dk, 0.0, s.ctypes.data + 8 * ja, K)
+                    kc = ke
+                    empty = False
+                # the forward row pass: softcap, bias, visibility, softmax, dropout
+                for r in range(bq):
+                    i = i0 + r
+                    m = sink[h] if has_sink else -np.inf
+                    for kc in range(nkc):
+                        if cls[kc] == INVISIBLE:
+                            continue
+                        j0 = kc * KC
+                        kw = min(KC, K - j0)
+                        row = s[r, j0:j0 + kw]
+                        if has_cap:
+                            for j in range(kw):
+                                x = softcap * math.tanh(row[j] / softcap)
+                                tcap[r, j0 + j] = x
+                                row[j] = x
+                        if has_bias:
+                            for j in range(kw):
+                                row[j] += at(bias[0], bias[1], b, h, i, j0 + j)
+                        if cls[kc] != FULL:  # this row's visibility in the chunk
+                            tile_mask(mask, tv, b, h, i, i + 1, j0, j0 + kw)
+                            keep0 = j0 == 0 and sanitized[b, h, i]
+                            for j in range(kw):
+                                if not mask[0, j] and not (keep0 and j == 0):
+                                    row[j] = -np.inf  # after the bias: no bias revives an edge
+                        m = max(m, max_of_row(row, kw))
+                    ell = math.exp(sink[h] - m) if has_sink else 0.0
+                    for kc in range(nkc):
+                        if cls[kc] == INVISIBLE:
+                            continue
+                        j0 = kc * KC
+                        kw = min(KC, K - j0)
+                        row = s[r, j0:j0 + kw]
+                        exp_shift(row, kw, m)
+                        ell += row_sum(row, kw)
+                    inv = 1.0 / ell
+                    for kc in range(nkc):
+                        if cls[kc] == INVISIBLE:
+                            continue
+                        j0 = kc * KC
+                        kw = min(KC, K - j0)
+                        _scale(s[r, j0:j0 + kw], kw, inv)
+                        if dropping:
+                            _multipliers(z, drop, zdense, b, h, Hq, i, j0, kw)
+                            for j in range(kw):
+                                w[r, j0 + j] = s[r, j0 + j] * z[j]
+                    lse[b, h, i] = m + math.log(ell)
+                    row_max[b, h, i] = m
+                pz = w if dropping else s
+                # O = P~ Z V over the visible runs (a block with none keeps zeros)
+                kc = 0
+                beta = 0.0
+                while kc < nkc:
+                    if cls[kc] == INVISIBLE:
+                        kc += 1
+                        continue
+                    ke = kc
+                    while ke < nkc and cls[ke] != INVISIBLE:
+                        ke += 1
+                    ja, jb = kc * KC, min(ke * KC, K)
+                    gemm(fptr, False, False, bq, Dv, jb - ja, 1.0, pz.ctypes.data + 8 * ja, K,
+                         _addr(v, b, g, ja), Dv, beta, _addr(out, b, h, i0), Dv)
+                    beta = 1.0
+                    kc = ke
+                for r in range(bq):
+                    i = i0 + r
+                    if empty or not query_valid[b, i]:
+                        for d in range(Dv):
+                            out[b, h, i, d] = 0.0  # unused rows are exactly zero
+                    dvec[b, h, i] = row_dot(g_o[b, h, i], out[b, h, i], Dv)  # D = G_O . O
+                # dV += (P~ Z)^T dO; dP = dO V^T (into w, after pz is read)
+                kc = 0
+                while kc < nkc:
+                    if cls[kc] == INVISIBLE:
+                        kc += 1
+                        continue
+                    ke = kc
+                    while ke < nkc and cls[ke] != INVISIBLE:
+                        ke += 1
+                    ja, jb = kc * KC, min(ke * KC, K)
+                    gemm(fptr, True, False, jb - ja, Dv, bq, 1.0, pz.ctypes.data + 8 * ja, K,
+                         _addr(g_o, b, h, i0), Dv, 1.0, _addr5(dv, c, b, g, ja), Dv)
+                    gemm(fptr, False, True, bq, jb - ja, Dv, 1.0, _addr(g_o, b, h, i0), Dv,
+                         _addr(v, b, g, ja), Dv, 0.0, w.ctypes.data + 8 * ja, K)
+                    kc = ke
+                # the backward row pass: G_P = dP Z, row_dot, dS = P (G_P - D) (x cap slope)
+                for r in range(bq):
+                    i = i0 + r
+                    d_i = dvec[b, h, i]
+                    rd = 0.0
+                    gb_row = 0.0
+                    for kc in range(nkc):
+                        if cls[kc] == INVISIBLE:
+                            continue
+                        j0 = kc * KC
+                        kw = min(KC, K - j0)
+                        if dropping:
+                            _multipliers(z, drop, zdense, b, h, Hq, i, j0, kw)
+                            for j in range(kw):
+                                w[r, j0 + j] *= z[j]
+                        p_row, g_row = s[r, j0:j0 + kw], w[r, j0:j0 + kw]
+                        rd += row_dot(p_row, g_row, kw)
+                        if gbias_mode == GBIAS_NONE and not has_cap:
+                            _grad_scores(p_row, g_row, kw, d_i)  # dS = P (G_P - D) in place
+                            continue
+                        for j in range(kw):
+                            gs = p_row[j] * (g_row[j] - d_i)  # grad_scores
+                            if gbias_mode == GBIAS_PER_ELEMENT:
+                                gbias[b, h, i, j0 + j] = gs
+                            elif gbias_mode == GBIAS_OVER_Q:
+                                gbias[c, b, h, j0 + j] += gs
+                            elif gbias_mode == GBIAS_OVER_K:
+                                gb_row += gs
+                            if has_cap:
+                                t = tcap[r, j0 + j] / softcap
+                                gs *= 1.0 - t * t
+                            p_row[j] = gs
+                    rowdot[b, h, i] = rd
+                    if gbias_mode == GBIAS_OVER_K:
+                        gbias[b, h, i, 0] = gb_row
+                # dQ = fq dS K; dK += fk dS^T Q over the visible runs
+                kc = 0
+                beta = 0.0
+                while kc < nkc:
+                    if cls[kc] == INVISIBLE:
+                        kc += 1
+                        continue
+                    ke = kc
+                    while ke < nkc and cls[ke] != INVISIBLE:
+                        ke += 1
+                    ja, jb = kc * KC, min(ke * KC, K)
+                    gemm(fptr, False, False, bq, Dk, jb - ja, fq, s.ctypes.data + 8 * ja, K,
+                         _addr(k, b, g, ja), Dk, beta, _addr(dq, b, h, i0), Dk)
+                    gemm(fptr, True, False, jb - ja, Dk, bq, fk, s.ctypes.data + 8 * ja, K,
+                         _addr(q, b, h, i0), Dk, 1.0, _addr5(dk, c, b, g, ja), Dk)
+                    beta = 1.0
+                    kc = ke
+                if empty:
+                    for r in range(bq):
+                        for d in range(Dk):
+                            dq[b, h, i0 + r, d] = 0.0
+        tiles[task, 0] = done
+        tiles[task, 1] = skipped

@@ -1,0 +1,237 @@
+"""The host side of the numba backend's ``value_and_grad``: one fused kernel per call.
+
+Owns turning a call into the arguments of :func:`~refattn.engine.numba.fused.fused_value_and_grad`
+(the placement's rounded operands, the bias, visibility, dropout and sink operands, the query
+block that fits the memory budget, the task layout), the score families that reduce to the dot
+kernel on rounded operands (bilinear: ``q W``; cosine: unit rows), and the reductions that
+finish on the host in a fixed order (kv-head partials, the bias gradient's broadcast axes, the
+sink gradient). The additive family has no fast path: it runs on the NumPy reference (its pair
+tensor is ``(B, Hq, Q, K, Da)``), which ``refattn.value_and_grad`` documents.
+"""
+
+from __future__ import annotations
+
+import math
+from typing import Any, NamedTuple
+
+import numba
+import numpy as np
+
+from refattn.call import AttentionCall
+from refattn.call.placement import operand_multipliers
+from refattn.dropout import Philox
+from refattn.engine.alloc import zeros_block
+from refattn.engine.numba.fused import (
+    GBIAS_NONE,
+    GBIAS_OVER_K,
+    GBIAS_OVER_Q,
+    GBIAS_PER_ELEMENT,
+    fused_value_and_grad,
+)
+from refattn.engine.numba.operands import ro, strided
+from refattn.engine.numba.philox import philox_params
+from refattn.engine.numba.providers import Provider, current_provider
+from refattn.engine.numba.tiles import tile_visibility
+from refattn.engine.reduce import reduce_to_shape
+from refattn.engine.trace import Gradients
+from refattn.errors import RefAttnError
+
+__all__ = ["Layout", "block_rows", "fused"]
+
+#: key chunk: the granularity at which invisible key ranges are skipped
+KEY_CHUNK = 256
+#: per-thread bytes of the score and probability buffers (BQ x K each) by default: blocks
+#: that stay in the caches beat whole heads (measured: 8 MiB gave 0.64-0.75 of DGEMM on an AMD
+#: EPYC against 0.53-0.65 for whole heads); the calibration picks it per machine
+BUFFER_BYTES = 8 << 20
+
+
+class Layout(NamedTuple):
+    """How the work is laid out: query block rows, chunks per (b, kv head), threads."""
+
+    block_q: int
+    chunks: int
+    threads: int
+    blas_threads: int
+
+
+def block_rows(Q: int, K: int, buffers: int, budget: int = BUFFER_BYTES) -> int:
+    """Query rows per block: all of Q when ``buffers`` (BQ x K) doubles fit the budget, else
+    the largest multiple of 32 that does (at least 32).
+
+    Examples
+    --------
+    >>> block_rows(2048, 2048, 2), block_rows(16384, 16384, 2, 64 << 20)
+    (256, 256)
+    >>> block_rows(300, 300, 2)
+    300
+    """
+    fit = budget // (8 * buffers * max(K, 1))
+    if fit >= Q:
+        return Q
+    return max(32, fit // 32 * 32)
+
+
+def _layout(call: AttentionCall, provider: Provider, budget: int) -> Layout:
+    a = call.axes
+    buffers = 3 if call.softcap is not None else 2
+    BQ = block_rows(a["Q"], a["K"], buffers, budget)
+    nqb = -(-a["Q"] // BQ)
+    threads = numba.get_num_threads()
+    groups = a["B"] * a["Hkv"]
+    if provider.layout == "blas" and groups * nqb < threads * 2:
+        return Layout(BQ, 1, 1, threads)  # one task at a time on threaded BLAS
+    chunks = 1 if groups >= threads else min(nqb, math.ceil(threads / groups))
+    return Layout(BQ, chunks, threads, 1)
+
+
+def _dropout(call: AttentionCall) -> tuple[tuple, Any]:
+    full = call.score_shape
+    source = call.dropout
+    none = (np.uint64(0), np.uint64(0), np.uint64(0), np.uint64(0), 1.0)
+    if source is None:
+        return (np.int64(0), *none), strided(None, full, np.float64)
+    if isinstance(source, Philox):
+        return (np.int64(2), *philox_params(source)), strided(None, full, np.float64)
+    z = source if isinstance(source, np.ndarray) else call.multiplier_full()
+    return (np.int64(1), *none), strided(z, full, np.float64)
+
+
+def _gbias(call: AttentionCall, C: int) -> tuple[int, tuple[int, ...]]:
+    B, Hq, Q, K = call.score_shape
+    if call.bias is None:
+        return GBIAS_NONE, (1, 1, 1, 1)
+    _, _, Qb, Kb = (1,) * (4 - call.bias.ndim) + call.bias.shape
+    if Kb == 1 and K > 1:
+        return GBIAS_OVER_K, (B, Hq, Q, 1)
+    if Qb == 1 and Q > 1:
+        return GBIAS_OVER_Q, (C, B, Hq, K)
+    return GBIAS_PER_ELEMENT, (B, Hq, Q, K)
+
+
+def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np.ndarray,
+          *, post: float, fq: float, fk: float, provider: Provider | None = None,
+          budget: int = BUFFER_BYTES) -> tuple[np.ndarray, dict[str, Any]]:
+    """Run the fused kernel on dot-score operands; return the output and raw gradients.
+
+    ``q_s`` (B, Hq, Q, D) and ``k_s`` (B, Hkv, K, D) are the operands whose dot product,
+    times ``post``, is the score; ``fq``, ``fk`` scale dq and dk. Returns ``out`` and a dict
+    with dq (of ``q_s``), dk, dv (kv heads), row_dot, row_dot_output, lse, grad_bias and
+    the layout and tile counts.
+    """
+    provider = provider or current_provider()
+    B, Hq, Q, K = call.score_shape
+    Hkv, Dk, Dv = call.k.shape[1], q_s.shape[3], call.v.shape[3]
+    lay = _layout(call, provider, budget)
+    drop, zop = _dropout(call)
+    mode, gshape = _gbias(call, lay.chunks)
+    full = call.score_shape
+    g_o = np.array(grad_output, dtype=np.float64, order="C")
+    if call.query_valid is not None:
+        np.copyto(g_o, 0.0, where=~call.query_valid_full())  # unused rows consume nothing
+    out, lse, row_max, dq, rowdot, dvec = zeros_block(
+        (B, Hq, Q, Dv), (B, Hq, Q), (B, Hq, Q), (B, Hq, Q, Dk), (B, Hq, Q), (B, Hq, Q))
+    C = lay.chunks
+    dk, dv, gbias = zeros_block((C, B, Hkv, K, Dk), (C, B, Hkv, K, Dv), gshape)
+    tasks = B * Hkv * C
+    tiles = np.zeros((tasks, 2), dtype=np.int64)
+    tv = tile_visibility(full, relation=call.relation) if call.relation is not None else \
+        tile_visibility(full, visible=call.visible)
+    sink = ro(call.sink) if call.sink is not None else np.zeros(0)
+    sanitized = ~call.row_has_key()
+    with provider.threads(lay.blas_threads), _numba_threads(lay.threads):
+        fused_value_and_grad(
+            ro(q_s), ro(k_s), ro(call.v), ro(call.head_map), post, fq, fk, tv,
+            call.bias is not None, strided(call.bias, full, np.float64), drop, zop,
+            float(call.softcap or 0.0), sink, ro(call.query_valid_full()[:, 0, :, 0]),
+            ro(np.ascontiguousarray(sanitized)), ro(g_o), lay.block_q, KEY_CHUNK, C,
+            provider.address, numba.get_num_threads(), out, lse, row_max, dq, dk, dv, rowdot,
+            dvec, gbias, mode, tiles)
+    grad_bias = None
+    if call.bias is not None:
+        partial = gbias.sum(axis=0)[:, :, None, :] if mode == GBIAS_OVER_Q else gbias
+        grad_bias = reduce_to_shape(partial, call.bias.shape)
+    done, skipped = (int(x) for x in tiles.sum(axis=0))
+    return out, {
+        "dq": dq, "dk": dk.sum(axis=0) if C > 1 else dk[0],
+        "dv": dv.sum(axis=0) if C > 1 else dv[0], "row_dot": rowdot, "row_dot_output": dvec,
+        "lse": lse, "grad_bias": grad_bias, "sanitized": sanitized,
+        "info": {"block_q": lay.block_q, "chunks": C, "threads": lay.threads,
+                 "blas_threads": lay.blas_threads, "provider": provider.name,
+                 "key_chunks_computed": done, "key_chunks_skipped": skipped},
+    }
+
+
+class _numba_threads:
+    """Run with ``n`` numba threads (restored afterwards)."""
+
+    def __init__(self, n: int) -> None:
+        self.n = n
+
+    def __enter__(self) -> None:
+        self.saved = numba.get_num_threads()
+        numba.set_num_threads(self.n)
+
+    def __exit__(self, *exc: object) -> None:
+        numba.set_num_threads(self.saved)
+
+
+def _unit(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    norm = np.sqrt((x * x).sum(axis=-1, keepdims=True))
+    clamped = norm < eps
+    n = np.where(clamped, eps, norm)
+    return x / n, n, clamped
+
+
+def _unit_backward(g_hat: np.ndarray, x_hat: np.ndarray, n: np.ndarray,
+                   clamped: np.ndarray) -> np.ndarray:
+    radial = (g_hat * x_hat).sum(axis=-1, keepdims=True)
+    return np.where(clamped, g_hat, g_hat - x_hat * radial) / n
+
+
+def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *,
+                   provider: Provider | None = None,
+                   budget: int = BUFFER_BYTES) -> tuple[np.ndarray, Gradients, dict[str, Any]]:
+    """Output, Gradients and the run's layout record of ``call`` on the fused kernel.
+
+    Raises
+    ------
+    RefAttnError
+        For the additive score family (no fast path; the caller falls back).
+    """
+    fam = call.score
+    mult = operand_multipliers(call.scale, call.scale_placement)
+    q_s = call.q if mult.query == 1.0 else call.q * mult.query
+    k_s = call.k if mult.key == 1.0 else call.k * mult.key
+    extra: dict[str, Any] = {}
+    match fam.name:
+        case "dot":
+            out, r = fused(call, grad_output, q_s, k_s, post=mult.post,
+                           fq=mult.query * mult.post, fk=mult.key * mult.post,
+                           provider=provider, budget=budget)
+            grad_q = r["dq"]
+        case "bilinear":  # u = (q_s W) . k_s: the dot kernel on q' = q_s W
+            W = fam.W if fam.W.ndim == 2 else fam.W[None]
+            q_m = q_s @ W  # (B, Hq, Q, Dk)
+            out, r = fused(call, grad_output, q_m, k_s, post=mult.post, fq=mult.post,
+                           fk=mult.key * mult.post, provider=provider, budget=budget)
+            grad_q = (r["dq"] @ W.swapaxes(-1, -2)) * mult.query  # (B, Hq, Q, Dq)
+            spec = "bhqd,bhqe->de" if fam.W.ndim == 2 else "bhqd,bhqe->hde"
+            extra["grad_score_params"] = {"W": np.einsum(spec, q_s, r["dq"])}
+        case "cosine":  # u = q_hat . k_hat: the dot kernel on unit rows
+            q_hat, nq, cq = _unit(q_s, fam.eps)
+            k_hat, nk, ck = _unit(k_s, fam.eps)
+            out, r = fused(call, grad_output, q_hat, k_hat, post=mult.post, fq=mult.post,
+                           fk=mult.post, provider=provider, budget=budget)
+            grad_q = _unit_backward(r["dq"], q_hat, nq, cq)
+            r["dk"] = _unit_backward(r["dk"], k_hat, nk, ck)
+        case other:
+            raise RefAttnError(f"score: the fused numba path has no {other!r} family")
+    if call.sink is not None:  # d lse / d sink = sink_probs; the sink carries no value row
+        sink_probs = np.exp(call.sink[None, :, None] - r["lse"])
+        extra["grad_sink"] = -(sink_probs * r["row_dot"]).sum(axis=(0, 2))
+    grads = Gradients(grad_output=grad_output, grad_v=r["dv"], grad_consumed=None,
+                      grad_probs=None, row_dot=r["row_dot"], row_dot_output=r["row_dot_output"],
+                      grad_scores=None, grad_q=grad_q, grad_k=r["dk"], grad_bias=r["grad_bias"],
+                      **extra)
+    return out, grads, r["info"]
