@@ -10,13 +10,13 @@ import sys
 from collections.abc import Sequence
 
 from refattn._version import __version__
-from refattn.cli import compare, diagnostics, golden, gradcheck, mask, verify
+from refattn.cli import calibrate, compare, diagnostics, golden, gradcheck, mask, verify
 from refattn.errors import RefAttnError
 
 __all__ = ["main"]
 
 #: subcommand modules, in help order
-COMMANDS = (golden, verify, compare, mask, diagnostics, gradcheck)
+COMMANDS = (golden, verify, compare, mask, diagnostics, gradcheck, calibrate)
 
 
 def build_parser() -> argparse.ArgumentParser:

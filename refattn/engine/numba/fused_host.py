@@ -57,19 +57,19 @@ class Layout(NamedTuple):
 
 def block_rows(Q: int, K: int, buffers: int, budget: int = BUFFER_BYTES) -> int:
     """Query rows per block: all of Q when ``buffers`` (BQ x K) doubles fit the budget, else
-    the largest multiple of 32 that does (at least 32).
+    the largest multiple of 32 that does (at least 32, at most Q).
 
     Examples
     --------
     >>> block_rows(2048, 2048, 2), block_rows(16384, 16384, 2, 64 << 20)
     (256, 256)
-    >>> block_rows(300, 300, 2)
-    300
+    >>> block_rows(300, 300, 2), block_rows(4, 40, 2, 1024)
+    (300, 4)
     """
     fit = budget // (8 * buffers * max(K, 1))
     if fit >= Q:
         return Q
-    return max(32, fit // 32 * 32)
+    return min(Q, max(32, fit // 32 * 32))
 
 
 def _layout(call: AttentionCall, provider: Provider, budget: int) -> Layout:
@@ -79,7 +79,7 @@ def _layout(call: AttentionCall, provider: Provider, budget: int) -> Layout:
     nqb = -(-a["Q"] // BQ)
     threads = numba.get_num_threads()
     groups = a["B"] * a["Hkv"]
-    if provider.layout == "blas" and groups * nqb < threads * 2:
+    if provider.layout == "blas":
         return Layout(BQ, 1, 1, threads)  # one task at a time on threaded BLAS
     chunks = 1 if groups >= threads else min(nqb, math.ceil(threads / groups))
     return Layout(BQ, chunks, threads, 1)
@@ -111,7 +111,7 @@ def _gbias(call: AttentionCall, C: int) -> tuple[int, tuple[int, ...]]:
 
 def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np.ndarray,
           *, post: float, fq: float, fk: float, provider: Provider | None = None,
-          budget: int = BUFFER_BYTES) -> tuple[np.ndarray, dict[str, Any]]:
+          budget: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """Run the fused kernel on dot-score operands; return the output and raw gradients.
 
     ``q_s`` (B, Hq, Q, D) and ``k_s`` (B, Hkv, K, D) are the operands whose dot product,
@@ -122,7 +122,7 @@ def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np
     provider = provider or current_provider()
     B, Hq, Q, K = call.score_shape
     Hkv, Dk, Dv = call.k.shape[1], q_s.shape[3], call.v.shape[3]
-    lay = _layout(call, provider, budget)
+    lay = _layout(call, provider, provider.budget if budget is None else budget)
     drop, zop = _dropout(call)
     mode, gshape = _gbias(call, lay.chunks)
     full = call.score_shape
@@ -157,7 +157,7 @@ def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np
         "dv": dv.sum(axis=0) if C > 1 else dv[0], "row_dot": rowdot, "row_dot_output": dvec,
         "lse": lse, "grad_bias": grad_bias, "sanitized": sanitized,
         "info": {"block_q": lay.block_q, "chunks": C, "threads": lay.threads,
-                 "blas_threads": lay.blas_threads, "provider": provider.name,
+                 "blas_threads": lay.blas_threads, **provider.record(),
                  "key_chunks_computed": done, "key_chunks_skipped": skipped},
     }
 
@@ -191,7 +191,7 @@ def _unit_backward(g_hat: np.ndarray, x_hat: np.ndarray, n: np.ndarray,
 
 def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *,
                    provider: Provider | None = None,
-                   budget: int = BUFFER_BYTES) -> tuple[np.ndarray, Gradients, dict[str, Any]]:
+                   budget: int | None = None) -> tuple[np.ndarray, Gradients, dict[str, Any]]:
     """Output, Gradients and the run's layout record of ``call`` on the fused kernel.
 
     Raises

@@ -1,0 +1,54 @@
+"""``refattn calibrate``: choose this machine's BLAS provider, thread layout and block budget."""
+
+from __future__ import annotations
+
+import argparse
+import json
+
+from refattn.errors import RefAttnError
+
+__all__ = ["add_parser"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "calibrate", help="time every BLAS provider, thread layout and buffer budget of the "
+        "numba value_and_grad at attention shapes and cache the fastest for this machine",
+    )
+    p.add_argument("--full", action="store_true",
+                   help="time two shapes (head dims 64 and 128) instead of one")
+    p.add_argument("--repeats", type=int, default=5,
+                   help="interleaved rounds per candidate; the minimum counts (default 5)")
+    p.add_argument("--show", action="store_true",
+                   help="print the cached calibration without re-running it")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from refattn.engine.numba import providers
+
+    path = providers.calibration_path()
+    if args.show:
+        try:
+            record = json.loads(path.read_text())
+        except (OSError, ValueError) as exc:
+            raise RefAttnError(f"no readable calibration at {path}: {exc}") from None
+        stale = record.get("fingerprint") != providers.fingerprint()
+        _print(record, path, note=" (stale: another machine or thread count)" if stale else "")
+        return 0
+    if args.repeats < 1:
+        raise RefAttnError(f"--repeats must be at least 1, got {args.repeats}")
+    shapes = providers.FULL_SHAPES if args.full else providers.QUICK_SHAPES
+    _print(providers.calibrate(shapes=shapes, repeats=args.repeats), path, note="")
+    return 0
+
+
+def _print(record: dict, path, note: str) -> None:
+    fp = record["fingerprint"]
+    print(f"cpu: {fp['cpu']} ({fp['cpus']} cpus, {fp['numba_threads']} numba threads)")
+    print("providers: " + "; ".join(fp["providers"]))
+    print("shapes (B, H, Q, K, D): " + ", ".join(str(tuple(s)) for s in record["shapes"]))
+    best = record["seconds"][record["choice"]]
+    for key, seconds in sorted(record["seconds"].items(), key=lambda kv: kv[1]):
+        print(f"  {key:<20} {seconds * 1e3:9.2f} ms  {seconds / best:5.2f}x")
+    print(f"choice: {record['choice']}  -> {path}{note}")

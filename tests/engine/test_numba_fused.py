@@ -1,0 +1,138 @@
+"""The numba backend's value_and_grad (the fused kernel) against the NumPy reference.
+
+Dot-family tensors are compared by their natural magnitude (tests/engine_compare.py) with
+rtol 1e-12; the bilinear and cosine families, which run the same kernel on transformed
+operands, per tensor with a normwise relative tolerance of 1e-12 (floored by the largest
+magnitude of the tensor's terms).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import numpy as np
+import pytest
+from hypothesis import HealthCheck, given, settings
+from hypothesis import strategies as st
+
+import refattn
+from refattn.bundle.suites import build_suite
+from refattn.engine.numba import fused_host, providers
+from refattn.masks import causal
+from tests.engine_compare import assert_close, natural_scales
+from tests.strategies import engine_calls
+
+RTOL = 1e-12
+CASES = {c.case_id: c for c in build_suite("conformance")}
+
+
+def assert_matches_reference(call, g_o, out, grads, what=""):
+    ref = refattn.forward(call)
+    rg = refattn.backward(ref, g_o)
+    if call.score.name == "dot":
+        scales = natural_scales(call, ref, rg)
+        assert_close(f"{what} output", out, ref.output, scales["output"], RTOL)
+    else:
+        np.testing.assert_allclose(out, ref.output, rtol=RTOL, atol=RTOL * np.abs(
+            ref.output).max(), err_msg=what)
+    for name, value in grads.tensors().items():
+        want = rg.tensors()[name]
+        assert value.shape == want.shape, (what, name)
+        if call.score.name == "dot" and name in scales:
+            assert_close(f"{what} {name}", value, want, scales[name], RTOL, zeros=False)
+        else:
+            floor = RTOL * max(np.abs(want).max(), np.abs(value).max(), 1e-300)
+            assert np.linalg.norm(value - want) <= RTOL * np.linalg.norm(want) + floor * \
+                np.sqrt(want.size), (what, name)
+
+
+@pytest.mark.parametrize("case_id", sorted(CASES))
+def test_conformance_case(case_id):
+    case = CASES[case_id]
+    out, grads = refattn.value_and_grad(case.call, case.grad_output, backend="numba")
+    assert_matches_reference(case.call, case.grad_output, out, grads, case_id)
+
+
+@st.composite
+def fused_calls(draw):
+    call = draw(engine_calls(max_len=40, max_width=6))
+    extra = {}
+    if draw(st.booleans()):
+        extra["softcap"] = draw(st.sampled_from([0.7, 4.0]))
+    if draw(st.booleans()):
+        extra["sink"] = np.linspace(-0.5, 1.5, call.q.shape[1])
+    placement = draw(st.sampled_from(["post", "q", "k", "split"]))
+    if placement != "post":
+        extra["scale_placement"] = placement
+    return dataclasses.replace(call, **extra) if extra else call
+
+
+@settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(call=fused_calls(), budget=st.sampled_from([None, 1 << 10]))
+def test_generated_calls(call, budget):
+    g_o = np.random.default_rng(2).standard_normal((*call.q.shape[:3], call.v.shape[3]))
+    out, grads, info = fused_host.value_and_grad(call, g_o, budget=budget)
+    assert_matches_reference(call, g_o, out, grads)
+    if budget is not None:  # the smallest block: 32 rows
+        assert info["block_q"] == min(32, call.q.shape[2])
+
+
+def test_small_blocks_and_chunks_are_bit_identical_run_to_run():
+    rng = np.random.default_rng(3)
+    q, k, v, g = (rng.standard_normal((1, 2, 100, 8)) for _ in range(4))
+    call = refattn.AttentionCall(q, k, v, bias=rng.standard_normal((1, 2, 1, 100)))
+    runs = [fused_host.value_and_grad(call, g, budget=1 << 10) for _ in range(2)]
+    assert runs[0][2]["block_q"] == 32 and runs[0][2]["chunks"] >= 1
+    assert np.array_equal(runs[0][0], runs[1][0])
+    for name, value in runs[0][1].tensors().items():
+        assert np.array_equal(value, runs[1][1].tensors()[name]), name
+    assert_matches_reference(call, g, runs[0][0], runs[0][1])
+
+
+def test_invisible_key_chunks_are_skipped():
+    rng = np.random.default_rng(4)
+    q, k, v, g = (rng.standard_normal((1, 1, 1024, 8)) for _ in range(4))
+    call = refattn.AttentionCall(q, k, v, visible=causal(1024, 1024, alignment="upper_left"))
+    out, grads, info = fused_host.value_and_grad(call, g, budget=256 * 1024 * 2 * 8)
+    # 4 query blocks of 256 rows x 4 key chunks of 256: the 6 above the diagonal are skipped
+    assert (info["key_chunks_computed"], info["key_chunks_skipped"]) == (10, 6)
+    assert_matches_reference(call, g, out, grads)
+
+
+def test_the_additive_family_falls_back_to_the_reference():
+    case = CASES["score_additive"]
+    out, grads = refattn.value_and_grad(case.call, case.grad_output, backend="numba")
+    trace = refattn.forward(case.call)
+    ref = refattn.backward(trace, case.grad_output)
+    np.testing.assert_array_equal(out, trace.output)  # the reference itself
+    for name, value in ref.tensors().items():
+        np.testing.assert_array_equal(grads.tensors()[name], value)
+
+
+def test_calibration_records_every_candidate_and_is_used(tmp_path, monkeypatch):
+    monkeypatch.setenv("REFATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("REFATTN_BLAS_PROVIDER", raising=False)
+    record = providers.calibrate(shapes=((1, 2, 64, 64, 8),), repeats=1)
+    names = {p.name for p in providers.available_providers()}
+    assert "openblas" in names
+    assert len(record["seconds"]) == len(names) * len(providers.LAYOUTS) * len(
+        providers.BUDGETS_MIB)
+    saved = json.loads(providers.calibration_path().read_text())
+    assert saved["choice"] == record["choice"] and saved["fingerprint"] == providers.fingerprint()
+    assert providers.current_provider().key == record["choice"]
+    providers.current_provider.cache_clear()
+
+
+def test_the_provider_override_and_its_errors(monkeypatch):
+    monkeypatch.setenv("REFATTN_BLAS_PROVIDER", "openblas/blas/4")
+    providers.current_provider.cache_clear()
+    p = providers.current_provider()
+    assert (p.name, p.layout, p.budget) == ("openblas", "blas", 4 << 20)
+    for bad, message in (("nope", "not available"), ("openblas/sideways", "layout"),
+                         ("openblas/heads/x", "budget")):
+        monkeypatch.setenv("REFATTN_BLAS_PROVIDER", bad)
+        providers.current_provider.cache_clear()
+        with pytest.raises(refattn.RefAttnError, match=message):
+            providers.current_provider()
+    providers.current_provider.cache_clear()
