@@ -25,9 +25,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
-    from refattn.engine.numba import providers
+    from refattn.engine.numba import calibration, providers
 
-    path = providers.calibration_path()
+    path = calibration.calibration_path()
     if args.show:
         try:
             record = json.loads(path.read_text())
@@ -38,8 +38,8 @@ def run(args: argparse.Namespace) -> int:
         return 0
     if args.repeats < 1:
         raise RefAttnError(f"--repeats must be at least 1, got {args.repeats}")
-    shapes = providers.FULL_SHAPES if args.full else providers.QUICK_SHAPES
-    _print(providers.calibrate(shapes=shapes, repeats=args.repeats), path, note="")
+    shapes = calibration.FULL_SHAPES if args.full else calibration.QUICK_SHAPES
+    _print(calibration.calibrate(shapes=shapes, repeats=args.repeats), path, note="")
     return 0
 
 

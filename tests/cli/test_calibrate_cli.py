@@ -5,12 +5,12 @@ from __future__ import annotations
 import json
 
 from refattn.cli import main
-from refattn.engine.numba import providers
+from refattn.engine.numba import calibration
 
 
 def test_calibrate_writes_the_choice_and_show_reads_it(tmp_path, monkeypatch, capsys):
     monkeypatch.setenv("REFATTN_CACHE_DIR", str(tmp_path))
-    monkeypatch.setattr(providers, "QUICK_SHAPES", ((1, 2, 64, 64, 8),))
+    monkeypatch.setattr(calibration, "QUICK_SHAPES", ((1, 2, 64, 64, 8),))
     assert main(["calibrate", "--repeats", "1"]) == 0
     out = capsys.readouterr().out
     record = json.loads((tmp_path / "calibration.json").read_text())
@@ -19,7 +19,7 @@ def test_calibrate_writes_the_choice_and_show_reads_it(tmp_path, monkeypatch, ca
     assert main(["calibrate", "--show"]) == 0
     shown = capsys.readouterr().out
     assert f"choice: {record['choice']}" in shown and "stale" not in shown
-    providers.current_provider.cache_clear()
+    calibration.current_provider.cache_clear()
 
 
 def test_calibrate_errors_are_one_line_exit_2(tmp_path, monkeypatch, capsys):

@@ -18,13 +18,17 @@ from hypothesis import strategies as st
 
 import refattn
 from refattn.bundle.suites import build_suite
-from refattn.engine.numba import fused_host, providers
+from refattn.engine.numba import calibration, fused_host, providers
 from refattn.masks import causal
 from tests.engine_compare import assert_close, natural_scales
 from tests.strategies import engine_calls
 
 RTOL = 1e-12
 CASES = {c.case_id: c for c in build_suite("conformance")}
+#: every provider of this process in both thread layouts
+PROVIDERS = [p.with_layout(layout) for p in providers.available_providers()
+             for layout in providers.LAYOUTS]
+PROVIDER = PROVIDERS[0]
 
 
 def assert_matches_reference(call, g_o, out, grads, what=""):
@@ -69,20 +73,23 @@ def fused_calls(draw):
 
 
 @settings(max_examples=40, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(call=fused_calls(), budget=st.sampled_from([None, 1 << 10]))
-def test_generated_calls(call, budget):
+@given(call=fused_calls(), budget=st.sampled_from([None, 1 << 10]),
+       provider=st.sampled_from(PROVIDERS))
+def test_generated_calls(call, budget, provider):
     g_o = np.random.default_rng(2).standard_normal((*call.q.shape[:3], call.v.shape[3]))
-    out, grads, info = fused_host.value_and_grad(call, g_o, budget=budget)
+    out, grads, info = fused_host.value_and_grad(call, g_o, provider=provider, budget=budget)
     assert_matches_reference(call, g_o, out, grads)
-    if budget is not None:  # the smallest block: 32 rows
-        assert info["block_q"] == min(32, call.q.shape[2])
+    if budget is not None:  # the whole head where it fits the budget, else 32 rows (Q <= 40)
+        Q, K = call.q.shape[2], call.k.shape[2]
+        fits = 8 * (3 if call.softcap is not None else 2) * K * Q <= budget
+        assert info["block_q"] == (Q if fits else min(32, Q))
 
 
 def test_small_blocks_and_chunks_are_bit_identical_run_to_run():
     rng = np.random.default_rng(3)
     q, k, v, g = (rng.standard_normal((1, 2, 100, 8)) for _ in range(4))
     call = refattn.AttentionCall(q, k, v, bias=rng.standard_normal((1, 2, 1, 100)))
-    runs = [fused_host.value_and_grad(call, g, budget=1 << 10) for _ in range(2)]
+    runs = [fused_host.value_and_grad(call, g, provider=PROVIDER, budget=1 << 10) for _ in range(2)]
     assert runs[0][2]["block_q"] == 32 and runs[0][2]["chunks"] >= 1
     assert np.array_equal(runs[0][0], runs[1][0])
     for name, value in runs[0][1].tensors().items():
@@ -94,7 +101,8 @@ def test_invisible_key_chunks_are_skipped():
     rng = np.random.default_rng(4)
     q, k, v, g = (rng.standard_normal((1, 1, 1024, 8)) for _ in range(4))
     call = refattn.AttentionCall(q, k, v, visible=causal(1024, 1024, alignment="upper_left"))
-    out, grads, info = fused_host.value_and_grad(call, g, budget=256 * 1024 * 2 * 8)
+    out, grads, info = fused_host.value_and_grad(call, g, provider=PROVIDER,
+                                                 budget=256 * 1024 * 2 * 8)
     # 4 query blocks of 256 rows x 4 key chunks of 256: the 6 above the diagonal are skipped
     assert (info["key_chunks_computed"], info["key_chunks_skipped"]) == (10, 6)
     assert_matches_reference(call, g, out, grads)
@@ -113,26 +121,26 @@ def test_the_additive_family_falls_back_to_the_reference():
 def test_calibration_records_every_candidate_and_is_used(tmp_path, monkeypatch):
     monkeypatch.setenv("REFATTN_CACHE_DIR", str(tmp_path))
     monkeypatch.delenv("REFATTN_BLAS_PROVIDER", raising=False)
-    record = providers.calibrate(shapes=((1, 2, 64, 64, 8),), repeats=1)
+    record = calibration.calibrate(shapes=((1, 2, 64, 64, 8),), repeats=1)
     names = {p.name for p in providers.available_providers()}
     assert "openblas" in names
     assert len(record["seconds"]) == len(names) * len(providers.LAYOUTS) * len(
-        providers.BUDGETS_MIB)
-    saved = json.loads(providers.calibration_path().read_text())
+        calibration.BUDGETS_MIB)
+    saved = json.loads(calibration.calibration_path().read_text())
     assert saved["choice"] == record["choice"] and saved["fingerprint"] == providers.fingerprint()
-    assert providers.current_provider().key == record["choice"]
-    providers.current_provider.cache_clear()
+    assert calibration.current_provider().key == record["choice"]
+    calibration.current_provider.cache_clear()
 
 
 def test_the_provider_override_and_its_errors(monkeypatch):
     monkeypatch.setenv("REFATTN_BLAS_PROVIDER", "openblas/blas/4")
-    providers.current_provider.cache_clear()
-    p = providers.current_provider()
+    calibration.current_provider.cache_clear()
+    p = calibration.current_provider()
     assert (p.name, p.layout, p.budget) == ("openblas", "blas", 4 << 20)
     for bad, message in (("nope", "not available"), ("openblas/sideways", "layout"),
                          ("openblas/heads/x", "budget")):
         monkeypatch.setenv("REFATTN_BLAS_PROVIDER", bad)
-        providers.current_provider.cache_clear()
+        calibration.current_provider.cache_clear()
         with pytest.raises(refattn.RefAttnError, match=message):
-            providers.current_provider()
-    providers.current_provider.cache_clear()
+            calibration.current_provider()
+    calibration.current_provider.cache_clear()

@@ -432,7 +432,7 @@ def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *,
 
     Every call the NumPy reference accepts runs: the dot, bilinear and cosine families, every
     scale placement, softcap, sinks, bias, masks, dropout and GQA on the fused kernel, with the
-    calibrated BLAS provider and layout (:mod:`.providers`); the additive family (whose pair
+    calibrated BLAS provider and layout (:mod:`.calibration`); the additive family (whose pair
     tensor is (B, Hq, Q, K, Da)) falls back to the NumPy reference.
 
     Parameters
@@ -455,6 +455,7 @@ def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *,
     True
     """
     from refattn.engine.numba import fused_host
+    from refattn.engine.numba.calibration import current_provider
     from refattn.engine.reference import backward as ref_backward
     from refattn.engine.reference import forward as ref_forward
 
@@ -462,5 +463,6 @@ def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *,
         trace = ref_forward(call)
         return trace.output, ref_backward(trace, grad_output)
     options = {} if budget_bytes is None else {"budget": int(budget_bytes)}
-    out, grads, _ = fused_host.value_and_grad(call, grad_output, **options)
+    out, grads, _ = fused_host.value_and_grad(call, grad_output, provider=current_provider(),
+                                              **options)
     return out, grads

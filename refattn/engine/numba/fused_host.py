@@ -30,7 +30,7 @@ from refattn.engine.numba.fused import (
 )
 from refattn.engine.numba.operands import ro, strided
 from refattn.engine.numba.philox import philox_params
-from refattn.engine.numba.providers import Provider, current_provider
+from refattn.engine.numba.providers import Provider
 from refattn.engine.numba.tiles import tile_visibility
 from refattn.engine.reduce import reduce_to_shape
 from refattn.engine.trace import Gradients
@@ -110,7 +110,7 @@ def _gbias(call: AttentionCall, C: int) -> tuple[int, tuple[int, ...]]:
 
 
 def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np.ndarray,
-          *, post: float, fq: float, fk: float, provider: Provider | None = None,
+          *, post: float, fq: float, fk: float, provider: Provider,
           budget: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
     """Run the fused kernel on dot-score operands; return the output and raw gradients.
 
@@ -119,7 +119,6 @@ def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np
     with dq (of ``q_s``), dk, dv (kv heads), row_dot, row_dot_output, lse, grad_bias and
     the layout and tile counts.
     """
-    provider = provider or current_provider()
     B, Hq, Q, K = call.score_shape
     Hkv, Dk, Dv = call.k.shape[1], q_s.shape[3], call.v.shape[3]
     lay = _layout(call, provider, provider.budget if budget is None else budget)
@@ -189,8 +188,7 @@ def _unit_backward(g_hat: np.ndarray, x_hat: np.ndarray, n: np.ndarray,
     return np.where(clamped, g_hat, g_hat - x_hat * radial) / n
 
 
-def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *,
-                   provider: Provider | None = None,
+def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *, provider: Provider,
                    budget: int | None = None) -> tuple[np.ndarray, Gradients, dict[str, Any]]:
     """Output, Gradients and the run's layout record of ``call`` on the fused kernel.
 

@@ -1,11 +1,10 @@
-"""BLAS providers for the numba kernels, and the per-machine choice among them.
+"""BLAS providers for the numba kernels.
 
-Owns :class:`Provider` (a Fortran-ABI ``dgemm`` address the kernels call, and how to set its
-thread count), the providers found in this process -- scipy's OpenBLAS always; Intel oneMKL
-from the ``mkl`` wheel (``pip install 'refattn[fast]'``) and BLIS where their libraries are
-installed -- and the one-time calibration that times them, in both thread layouts, at attention
-shapes and caches the winner per machine (``refattn calibrate`` re-runs it). The provider, its
-layout and the fingerprint of the machine are recorded with every benchmark figure.
+Owns :class:`Provider` (a Fortran-ABI ``dgemm`` address the kernels call, its thread layout and
+buffer budget, and how to set its thread count), the providers found in this process --
+scipy's OpenBLAS always; Intel oneMKL from the ``mkl`` wheel (``pip install 'refattn[fast]'``)
+and BLIS where their libraries are installed -- and the machine fingerprint a calibration
+(:mod:`.calibration`) is keyed on.
 """
 
 from __future__ import annotations
@@ -14,11 +13,9 @@ import contextlib
 import ctypes
 import ctypes.util
 import glob
-import json
 import os
 import platform
 import sys
-import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from functools import cache
@@ -26,13 +23,10 @@ from pathlib import Path
 from typing import Any
 
 from refattn.engine.numba.blas import dgemm_address, single_thread_blas
-from refattn.errors import RefAttnError
 
-__all__ = ["Provider", "available_providers", "calibrate", "calibration_path",
-           "current_provider", "fingerprint"]
+__all__ = ["LAYOUTS", "Provider", "available_providers", "cpu_model", "fingerprint"]
 
 LAYOUTS = ("heads", "blas")  # heads on numba threads, one BLAS thread each; or threaded BLAS
-BUDGETS_MIB = (2, 8, 32)  # per-thread score-buffer budgets a calibration tries
 
 
 @dataclass(frozen=True)
@@ -178,90 +172,3 @@ def fingerprint() -> dict[str, Any]:
     return {"cpu": cpu_model(), "cpus": os.cpu_count(), "numba_threads": numba.get_num_threads(),
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
             "providers": [f"{p.name} {p.version}" for p in available_providers()]}
-
-
-def calibration_path() -> Path:
-    """``$REFATTN_CACHE_DIR/calibration.json`` (default ``~/.cache/refattn``)."""
-    root = os.environ.get("REFATTN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "refattn")
-    return Path(root) / "calibration.json"
-
-
-#: the attention shapes timed by a calibration: (B, Hq, Q, K, D)
-QUICK_SHAPES = ((1, 4, 1024, 1024, 64),)
-FULL_SHAPES = ((1, 4, 1024, 1024, 64), (1, 2, 1024, 1024, 128))
-
-
-def calibrate(*, shapes: tuple[tuple[int, ...], ...] = QUICK_SHAPES, repeats: int = 5,
-              write: bool = True) -> dict[str, Any]:
-    """Time every provider, layout and buffer budget on ``value_and_grad`` at ``shapes``.
-
-    Returns the record written to :func:`calibration_path`: the fingerprint, every
-    ``provider/layout/budget`` time, and the fastest as the choice.
-    """
-    import numpy as np
-
-    from refattn.call import AttentionCall
-    from refattn.engine.numba.fused_host import value_and_grad
-
-    rng = np.random.default_rng(0)
-    calls = []
-    for B, H, Q, K, D in shapes:
-        q, k, v = (rng.standard_normal((B, H, n, D)) for n in (Q, K, K))
-        calls.append((AttentionCall(q, k, v), rng.standard_normal((B, H, Q, D))))
-    candidates = [base.with_layout(layout, mib << 20) for base in available_providers()
-                  for layout in LAYOUTS for mib in BUDGETS_MIB]
-    timings = {p.key: 0.0 for p in candidates}
-    for p in candidates:  # warm every candidate (compiles on first use)
-        for call, g in calls:
-            value_and_grad(call, g, provider=p)
-    for call, g in calls:
-        best = dict.fromkeys(timings, float("inf"))
-        for _ in range(repeats):  # interleaved rounds: drift in the machine hits every one
-            for p in candidates:
-                t0 = time.perf_counter()
-                value_and_grad(call, g, provider=p)
-                best[p.key] = min(best[p.key], time.perf_counter() - t0)
-        for key, seconds in best.items():
-            timings[key] += seconds
-    choice = min(timings, key=timings.__getitem__)
-    record = {"fingerprint": fingerprint(), "shapes": [list(s) for s in shapes],
-              "seconds": timings, "choice": choice}
-    if write:
-        path = calibration_path()
-        path.parent.mkdir(parents=True, exist_ok=True)
-        tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
-        os.replace(tmp, path)
-    current_provider.cache_clear()
-    return record
-
-
-@cache
-def current_provider() -> Provider:
-    """The calibrated provider and layout of this machine (calibrating once if needed).
-
-    ``REFATTN_BLAS_PROVIDER=name[/layout[/budget MiB]]`` overrides the calibration.
-    """
-    wanted = os.environ.get("REFATTN_BLAS_PROVIDER")
-    if not wanted:
-        try:
-            record = json.loads(calibration_path().read_text())
-            if record.get("fingerprint") == fingerprint():
-                wanted = record["choice"]
-        except (OSError, ValueError, KeyError):
-            pass
-    if not wanted:
-        wanted = calibrate()["choice"]
-    name, layout, budget = [*wanted.split("/"), "", ""][:3]
-    for p in available_providers():
-        if p.name == name:
-            if layout and layout not in LAYOUTS:
-                raise RefAttnError(f"REFATTN_BLAS_PROVIDER: layout {layout!r} is not one of "
-                                   f"{list(LAYOUTS)}")
-            if budget and not budget.isdigit():
-                raise RefAttnError(f"REFATTN_BLAS_PROVIDER: budget {budget!r} is not a whole "
-                                   "number of MiB")
-            return p.with_layout(layout or "heads", int(budget) << 20 if budget else None)
-    raise RefAttnError(f"REFATTN_BLAS_PROVIDER: provider {name!r} is not available here; "
-                       f"available: {[p.name for p in available_providers()]}")
