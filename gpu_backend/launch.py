@@ -196,7 +196,7 @@ def _prepare(call: AttentionCall, device: Device) -> _Launch:
     elif call.visible is not None:
         L.set("VIS_MODE", 1)
         L.strided("VIS", "VIS", np.asarray(call.visible, dtype=np.uint8), full)
-    sanitized = ~call.row_has_key()  # (B, Hq, Q): rows given the temporary key 0
+    sanitized = call.sanitized_rows()  # (B, Hq, Q): rows given the temporary key 0
     if sanitized.any():
         L.set("HAS_SANITIZED", 1)
         L.put("SANITIZED", sanitized.astype(np.uint8))

@@ -1,7 +1,9 @@
 """Position biases built from positions: ALiBi (attention with linear biases).
 
-Owns the finite ALiBi preference ``bias[b, h, i, j] = -m_h * |q_pos[i] - k_pos[j]|``, the
-standard head slopes of Press et al. and the chain rule from ``grad_bias`` to the slopes.
+Owns the finite ALiBi preference ``bias[b, h, i, j] = -m[b, h] * |q_pos[i] - k_pos[j]|`` with
+slopes per head ``(Hq,)`` or per batch row and head ``(B, Hq)`` (FlashAttention's
+``alibi_slopes`` accepts both), the standard head slopes of Press et al. and the chain rule
+from ``grad_bias`` to the slopes.
 Defers everything else to the call: the bias is an ordinary finite ``bias`` tensor, added
 after the scale (and softcap) and BEFORE visibility, so it never revives an illegal edge; its
 gradient is the engine's ``grad_bias``.
@@ -88,13 +90,27 @@ def _distance(q_pos: object, k_pos: object) -> np.ndarray:
     return np.sqrt(diff * diff)  # |i - j| (positions carry no derivative)
 
 
+def _slopes(slopes: object) -> np.ndarray:
+    """``slopes`` as a finite float64 (H,) or (B, H) array (never cast)."""
+    m = as_array("slopes", slopes)
+    check_float64("slopes", m)
+    if m.ndim not in (1, 2):
+        raise RefAttnError(
+            f"slopes: expected shape [H] (one slope per head) or [B,H] (per batch row and "
+            f"head), got {list(m.shape)}"
+        )
+    check_finite("slopes", m)
+    return m
+
+
 def alibi(slopes: np.ndarray, q_pos: object, k_pos: object) -> np.ndarray:
-    """ALiBi bias ``-slopes[h] * |q_pos[i] - k_pos[j]|`` for a call's ``bias=``.
+    """ALiBi bias ``-slopes[(b,) h] * |q_pos[i] - k_pos[j]|`` for a call's ``bias=``.
 
     Parameters
     ----------
-    slopes : (H,) float64 ndarray
-        Per-head slopes (e.g. :func:`alibi_slopes`).
+    slopes : (H,) or (B, H) float64 ndarray
+        Per-head slopes (e.g. :func:`alibi_slopes`), or one row of slopes per batch row
+        (FlashAttention's ``alibi_slopes`` of shape ``(batch, nheads)``).
     q_pos : (Q,) or (B, Q) integer or float64 ndarray
         Position of every query row.
     k_pos : (K,) or (B, K) integer or float64 ndarray
@@ -103,23 +119,37 @@ def alibi(slopes: np.ndarray, q_pos: object, k_pos: object) -> np.ndarray:
     Returns
     -------
     (B or 1, H, Q, K) float64 ndarray
-        Finite; broadcastable to the call's (B, Hq, Q, K).
+        Finite; broadcastable to the call's (B, Hq, Q, K). B is 1 only when the slopes and
+        both positions are shared by every batch row.
+
+    Raises
+    ------
+    RefAttnError
+        On non-float64 or non-finite slopes (naming the index), a slope array of another
+        rank, or batch axes of slopes and positions that do not broadcast.
 
     Examples
     --------
     >>> alibi(np.array([0.5]), np.arange(3), np.arange(3))[0, 0].tolist()
     [[-0.0, -0.5, -1.0], [-0.5, -0.0, -0.5], [-1.0, -0.5, -0.0]]
+    >>> per_batch = alibi(np.array([[0.5], [0.25]]), np.arange(2), np.arange(2))
+    >>> per_batch.shape, per_batch[1, 0].tolist()
+    ((2, 1, 2, 2), [[-0.0, -0.25], [-0.25, -0.0]])
     """
-    m = as_array("slopes", slopes)
-    check_float64("slopes", m)
-    if m.ndim != 1:
-        raise RefAttnError(f"slopes: expected shape [H], got {list(m.shape)}")
-    check_finite("slopes", m)
-    dist = _distance(q_pos, k_pos)  # (B, Q, K)
-    return -m[None, :, None, None] * dist[:, None]  # (B, H, Q, K)
+    m = _slopes(slopes)
+    dist = _distance(q_pos, k_pos)  # (Bd, Q, K)
+    if m.ndim == 1:
+        return -m[None, :, None, None] * dist[:, None]  # (Bd, H, Q, K)
+    if m.shape[0] != dist.shape[0] and 1 not in (m.shape[0], dist.shape[0]):
+        raise RefAttnError(
+            f"slopes: batch axis B={m.shape[0]} does not broadcast with the positions' batch "
+            f"axis B={dist.shape[0]}"
+        )
+    return -m[:, :, None, None] * dist[:, None]  # (B, H, Q, K)
 
 
-def alibi_slope_gradient(grad_bias: np.ndarray, q_pos: object, k_pos: object) -> np.ndarray:
+def alibi_slope_gradient(grad_bias: np.ndarray, q_pos: object, k_pos: object, *,
+                         per_batch: bool = False) -> np.ndarray:
     """Chain rule from the engine's ``grad_bias`` of an :func:`alibi` bias to the slopes.
 
     Parameters
@@ -128,24 +158,35 @@ def alibi_slope_gradient(grad_bias: np.ndarray, q_pos: object, k_pos: object) ->
         ``Gradients.grad_bias`` of a call whose bias was ``alibi(slopes, q_pos, k_pos)``.
     q_pos, k_pos
         The positions used to build the bias.
+    per_batch : bool
+        True for (B, H) slopes: the gradient keeps the batch axis.
 
     Returns
     -------
-    (H,) float64 ndarray
-        ``-sum_{b,i,j} grad_bias[b, h, i, j] * |q_pos[i] - k_pos[j]|``.
+    (H,) or (B, H) float64 ndarray
+        ``-sum_{b,i,j} grad_bias[b, h, i, j] * |q_pos[i] - k_pos[j]|`` (the sum over b is
+        omitted with ``per_batch=True``).
 
     Examples
     --------
     >>> g = np.ones((1, 2, 2, 2))
     >>> alibi_slope_gradient(g, np.arange(2), np.arange(2)).tolist()
     [-2.0, -2.0]
+    >>> alibi_slope_gradient(np.ones((3, 1, 2, 2)), np.arange(2), np.arange(2),
+    ...                      per_batch=True).tolist()
+    [[-2.0], [-2.0], [-2.0]]
     """
     g = as_array("grad_bias", grad_bias)
     check_float64("grad_bias", g)
-    dist = _distance(q_pos, k_pos)  # (B, Q, K)
-    if g.ndim != 4 or g.shape[0] != dist.shape[0] or g.shape[2:] != dist.shape[1:]:
+    dist = _distance(q_pos, k_pos)  # (Bd, Q, K)
+    Bd = dist.shape[0]
+    batch_ok = g.ndim == 4 and (g.shape[0] == Bd or (per_batch and Bd == 1))
+    if not batch_ok or g.shape[2:] != dist.shape[1:]:
         raise RefAttnError(
             f"grad_bias: expected the alibi bias shape [B,H,Q,K] with B, Q, K = "
-            f"{list(dist.shape)}, got {list(g.shape)}"
+            f"{list(dist.shape)}{' (or B of the slopes)' if per_batch else ''}, "
+            f"got {list(g.shape)}"
         )
+    if per_batch:  # (B, H): one slope gradient per batch row and head
+        return -np.einsum("bhqk,bqk->bh", g, np.broadcast_to(dist, (g.shape[0], *dist.shape[1:])))
     return -np.einsum("bhqk,bqk->h", g, dist)

@@ -107,7 +107,10 @@ class AttentionCall:
         The realised dropout multiplier Z (any finite real; inverted dropout is 0 or
         1/(1-p)), or a replayable stream that generates it.
     all_masked_rows : {"reject", "sanitize_then_zero_invalid_query"}
-        Policy for rows with no legal key. A consumed row with no legal key is always an error.
+        Policy for rows with no legal key. A consumed row with no legal key is an error,
+        except with a ``sink``: there such a row is well defined (every probability 0, the
+        sink takes all the mass, output 0, ``lse`` = the sink logit) under either policy, is
+        never sanitised, and the manifest lists it (``visibility.empty_rows_with_sink``).
     returned_weights : {"none", "pre_dropout", "post_dropout"}
         Which weights a caller asks for (recorded in the manifest).
     score : ScoreFamily, optional
@@ -120,7 +123,8 @@ class AttentionCall:
     softcap : float, optional
         ``c``: the scaled scores become ``c * tanh(s / c)`` before bias and visibility.
     sink : (Hq,) float64 ndarray, optional
-        Per-head sink logit that joins every row's softmax denominator with no value row.
+        Per-head sink logit that joins every row's softmax denominator with no value row
+        (FlashAttention's learnable sink); it makes a row with no legal key well defined.
 
     Raises
     ------
@@ -317,6 +321,8 @@ class AttentionCall:
             self._set("sink", _frozen_copy(sink))
 
     def _check_rows(self) -> None:
+        if self.sink is not None:  # the sink is every row's support: no row is ever empty
+            return
         empty = ~self.row_has_key()  # (B, Hq, Q)
         if not empty.any():
             return
@@ -328,7 +334,8 @@ class AttentionCall:
             what = "" if policy == "reject" else " and its query_valid is True"
             raise RefAttnError(
                 f"visible: row {format_index(idx, 'bhi')} has no legal key{what} under policy "
-                f"{policy!r} ({int(bad.sum())} such row(s))"
+                f"{policy!r} ({int(bad.sum())} such row(s)); a sink logit would make it "
+                "well defined (sink=)"
             )
 
     # -- derived views -----------------------------------------------------------------
@@ -404,6 +411,43 @@ class AttentionCall:
         return self._cached("_row_has_key",
                             lambda: np.broadcast_to(self.relation.row_any(), (B, Hq, Q)))
 
+    def sanitized_rows(self) -> np.ndarray:
+        """(B, Hq, Q) bool: rows given the temporary legal key 0 (Policy 3).
+
+        Rows with no legal key under ``sanitize_then_zero_invalid_query`` and no sink. With a
+        sink an empty row is well defined and never sanitised (all False).
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from refattn.masks import causal
+        >>> q, kv = np.zeros((1, 1, 3, 2)), np.zeros((1, 1, 2, 2))
+        >>> rel = causal(3, 2, alignment="lower_right")   # row 0 reads no key
+        >>> AttentionCall(q, kv, kv, visible=rel, sink=np.zeros(1)).sanitized_rows().any()
+        np.False_
+        """
+        if self.sink is not None:
+            return np.zeros(self.score_shape[:3], dtype=bool)
+        return ~self.row_has_key()
+
+    def empty_rows_with_sink(self) -> np.ndarray:
+        """(n, 3) int64: the (b, h, i) of rows with no legal key that the sink fills alone.
+
+        Empty (shape (0, 3)) without a sink or when every row has a legal key.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from refattn.masks import causal
+        >>> q, kv = np.zeros((1, 1, 3, 2)), np.zeros((1, 1, 2, 2))
+        >>> rel = causal(3, 2, alignment="lower_right")
+        >>> AttentionCall(q, kv, kv, visible=rel, sink=np.zeros(1)).empty_rows_with_sink().tolist()
+        [[0, 0, 0]]
+        """
+        if self.sink is None:
+            return np.zeros((0, 3), dtype=np.int64)
+        return np.argwhere(~self.row_has_key()).astype(np.int64)
+
     def _cached(self, name: str, build: Callable[[], Any]) -> Any:
         """``build()`` once per call, kept on the instance (the dataclass fields stay frozen)."""
         value = self.__dict__.get(name)
@@ -447,6 +491,15 @@ class AttentionCall:
         return {**base, "training": True, "mode": "explicit_multiplier", "p": None,
                 "rng_provenance": "explicit_multiplier_tensor",
                 "shape": self.ledger["dropout"]["shape"]}
+
+    def _sink_rows_manifest(self) -> dict[str, Any]:
+        """The rows a sink fills alone (present only when there are some)."""
+        rows = self.empty_rows_with_sink()
+        if not rows.size:
+            return {}
+        return {"empty_rows_with_sink": {
+            "count": int(rows.shape[0]), "rows_bhi": rows.tolist(),
+            "rule": "no legal key: probs 0, sink_probs 1, output 0, lse = sink logit"}}
 
     def _relation_manifest(self) -> dict[str, Any]:
         if self.relation is None:
@@ -494,7 +547,7 @@ class AttentionCall:
         """
         led = self.ledger
         Hkv = self.k.shape[1]
-        sanitized = int((~self.row_has_key()).sum()) if self.all_masked_rows != "reject" else 0
+        sanitized = int(self.sanitized_rows().sum()) if self.all_masked_rows != "reject" else 0
         out: dict[str, Any] = {
             "schema": "attention_call_v1",
             "axes": self.axes,
@@ -515,6 +568,7 @@ class AttentionCall:
                 "sanitized_rows": sanitized,
                 "applied": "after_finite_bias",
                 **self._relation_manifest(),
+                **self._sink_rows_manifest(),
             },
             "bias": None if self.bias is None else {
                 "role": "finite_preference_only", "shape": led["bias"]["shape"],

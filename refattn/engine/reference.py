@@ -128,7 +128,9 @@ def forward_arrays(
 
     vis = np.broadcast_to(visible, full)
     all_legal = bool(_core(vis).all())  # every edge legal (read without the broadcast)
-    sanitized = ~vis.any(axis=-1)  # (B, Hq, Q) rows with an empty legal support
+    # (B, Hq, Q) rows with an empty legal support; with a sink such a row is well defined
+    # (the sink takes all the mass) and keeps its empty support
+    sanitized = ~vis.any(axis=-1) if sink is None else np.zeros(full[:3], dtype=bool)
     if sanitized.any():
         vis = vis.copy()
         vis[..., 0] |= sanitized  # temporary legal key for unused rows only (Policy 3)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 import refattn
-from gradcheck import central_difference
+from gradcheck import assert_gradients, central_difference
 from refattn import AttentionCall, RefAttnError
 from refattn.call.bias import alibi, alibi_slope_gradient, alibi_slopes
 from refattn.call.scores import Additive
@@ -178,8 +178,12 @@ def test_alibi_gradient_flows_to_grad_bias_and_the_slopes():
 def test_alibi_rejects_bad_inputs():
     with pytest.raises(RefAttnError, match=r"slopes: expected dtype float64"):
         alibi(np.ones(2, np.float32), np.arange(2), np.arange(2))
-    with pytest.raises(RefAttnError, match=r"slopes: expected shape \[H\]"):
-        alibi(np.ones((2, 1)), np.arange(2), np.arange(2))
+    with pytest.raises(RefAttnError, match=r"slopes: expected shape \[H\] .* or \[B,H\]"):
+        alibi(np.ones((2, 1, 1)), np.arange(2), np.arange(2))
+    with pytest.raises(RefAttnError, match=r"slopes: non-finite value nan at index \(1, 0\)"):
+        alibi(np.array([[1.0], [np.nan]]), np.arange(2), np.arange(2))
+    with pytest.raises(RefAttnError, match=r"slopes: batch axis B=3 does not broadcast"):
+        alibi(np.ones((3, 2)), np.zeros((2, 3), int), np.zeros((2, 3), int))
     with pytest.raises(RefAttnError, match=r"q_pos: expected dtype float64"):
         alibi(np.ones(2), np.arange(2, dtype=np.float32), np.arange(2))
     with pytest.raises(RefAttnError, match=r"k_pos: non-finite"):
@@ -188,6 +192,51 @@ def test_alibi_rejects_bad_inputs():
         alibi(np.ones(2), np.zeros((2, 3), int), np.zeros((3, 3), int))
     with pytest.raises(RefAttnError, match=r"grad_bias: expected the alibi bias shape"):
         alibi_slope_gradient(np.ones((1, 2, 3, 3)), np.arange(2), np.arange(3))
+    with pytest.raises(RefAttnError, match=r"grad_bias: expected the alibi bias shape"):
+        alibi_slope_gradient(np.ones((2, 2, 2, 3)), np.zeros((3, 2)), np.zeros((3, 3)),
+                             per_batch=True)
+
+
+def test_alibi_per_batch_slopes_match_per_element_formula():
+    slopes = _rng(4).uniform(0.05, 1.0, (B, Hq))  # (B, Hq), FlashAttention's (batch, nheads)
+    q_pos, k_pos = np.arange(Q) + K - Q, np.arange(K)
+    bias = alibi(slopes, q_pos, k_pos)
+    assert bias.shape == (B, Hq, Q, K)
+    for b, h, i, j in np.ndindex(B, Hq, Q, K):
+        assert bias[b, h, i, j] == -slopes[b, h] * abs(int(q_pos[i]) - int(k_pos[j]))
+    # one row of (B, Hq) slopes equal to the (Hq,) slopes gives the same bias row
+    shared = alibi(slopes[1], q_pos, k_pos)
+    np.testing.assert_array_equal(bias[1], shared[0])
+
+
+def test_alibi_per_batch_slope_gradient_against_finite_differences():
+    slopes = _rng(5).uniform(0.2, 1.0, (B, Hq))  # (B, Hq)
+    q_pos, k_pos = np.arange(Q) + K - Q, np.arange(K)
+    call = _call(bias=alibi(slopes, q_pos, k_pos))
+    g_o = _rng(9).standard_normal((B, Hq, Q, Dv))
+    grads = _check_grads(call, ["bias"])  # the engine's grad_bias, checked numerically
+    assert grads.grad_bias.shape == (B, Hq, Q, K)
+    analytic = alibi_slope_gradient(grads.grad_bias, q_pos, k_pos, per_batch=True)  # (B, Hq)
+    assert analytic.shape == (B, Hq)
+
+    def loss(m):
+        return float(_loss(call, g_o, bias=alibi(m.reshape(B, Hq), q_pos, k_pos)))
+
+    numeric = central_difference(loss, slopes.ravel()).reshape(B, Hq)
+    np.testing.assert_allclose(analytic, numeric, rtol=1e-7, atol=1e-10)
+    # and the autograd-free checker on the slopes themselves: complex step through the bias
+    dist = np.abs(q_pos[:, None] - k_pos[None, :]).astype(np.float64)  # (Q, K), independent
+
+    def fn(m):
+        kw = {**_kwargs(call), "bias": -m[:, :, None, None] * dist}  # complex-safe
+        return forward_arrays(call.q, call.k, call.v, **kw)["output"]
+
+    def vjp(g, m):
+        gb = refattn.backward(refattn.forward(AttentionCall(
+            call.q, call.k, call.v, visible=call.visible, bias=alibi(m, q_pos, k_pos))), g)
+        return {"m": alibi_slope_gradient(gb.grad_bias, q_pos, k_pos, per_batch=True)}
+
+    assert_gradients(fn, vjp, {"m": slopes}, mode="full", seed=3)
 
 
 # -- sinks -------------------------------------------------------------------------------------
@@ -243,6 +292,84 @@ def test_sink_with_dropout_gqa_and_unused_query_rows():
     np.testing.assert_allclose(t.output, out, rtol=1e-13, atol=1e-15)
     grads = _check_grads(call, ["q", "k", "v", "sink"])
     assert np.all(grads.row_dot[:, :, 1] == 0.0)  # unused rows send nothing to the sink
+
+
+def _empty_row_call(*, policy="reject", query_valid=None, **kw):
+    """A call whose rows (b=0, i=0) have no legal key: row 0 of batch 0 sees nothing."""
+    rng = _rng(11)
+    q = rng.standard_normal((B, Hq, Q, Dk))
+    k = rng.standard_normal((B, Hkv, K, Dk))
+    v = rng.standard_normal((B, Hkv, K, Dv))
+    vis = np.ones((B, 1, Q, K), bool)
+    vis[0, 0, 0] = False  # (b=0, i=0): an empty legal support on every head
+    vis[1, 0, 2, :4] = False
+    return AttentionCall(q, k, v, visible=vis, sink=SINK, all_masked_rows=policy,
+                         query_valid=query_valid, **kw)
+
+
+@pytest.mark.parametrize("policy", ["reject", "sanitize_then_zero_invalid_query"])
+def test_sink_over_an_empty_row_takes_all_the_mass(policy):
+    call = _empty_row_call(policy=policy)  # accepted under either policy: the row is defined
+    t = refattn.forward(call)
+    # contract numbers: no legal key, so P = 0, the sink's mass is 1, O = 0 and lse = sink
+    assert np.all(t.probs[0, :, 0] == 0.0) and np.all(t.output[0, :, 0] == 0.0)
+    np.testing.assert_array_equal(t.sink_probs[0, :, 0], 1.0)
+    np.testing.assert_array_equal(t.lse[0, :, 0], SINK)
+    np.testing.assert_array_equal(t.row_max[0, :, 0], SINK)
+    assert not t.sanitized_rows.any()  # never given the temporary key 0
+    probs, out, sink_p = _loop(call)  # the per-element oracle, empty rows included
+    np.testing.assert_allclose(t.probs, probs, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(t.output, out, rtol=1e-13, atol=1e-15)
+    np.testing.assert_allclose(t.sink_probs, sink_p, rtol=1e-13, atol=1e-15)
+    rows = call.manifest()["visibility"]["empty_rows_with_sink"]
+    assert rows["count"] == Hq and rows["rows_bhi"] == [[0, h, 0] for h in range(Hq)]
+    assert call.manifest()["visibility"]["sanitized_rows"] == 0
+
+
+def test_sink_over_an_empty_row_backward_matches_complex_step():
+    call = _empty_row_call(bias=_rng(3).standard_normal((B, Hq, Q, K)))
+    grads = _check_grads(call, ["q", "k", "v", "bias", "sink"])  # complex step, every element
+    # the empty row's output is 0 whatever the sink: it sends nothing to q, bias or the sink
+    assert np.all(grads.grad_q[0, :, 0] == 0.0) and np.all(grads.row_dot[0, :, 0] == 0.0)
+    assert np.all(grads.grad_bias[0, :, 0] == 0.0)
+    t = refattn.forward(call)
+    np.testing.assert_allclose(grads.grad_sink, -(t.sink_probs * grads.row_dot).sum(axis=(0, 2)),
+                               rtol=1e-14)
+
+
+@pytest.mark.parametrize("backend", ["exact", "numba"])
+def test_sink_over_an_empty_row_on_other_backends(backend):
+    call = _empty_row_call(softcap=CAP)
+    g_o = _rng(12).standard_normal((B, Hq, Q, Dv))
+    ref_t = refattn.forward(call)
+    ref_g = refattn.backward(ref_t, g_o)
+    if backend == "numba":  # the fused value_and_grad runs sinks
+        out, g = refattn.value_and_grad(call, g_o, backend="numba")
+        lse = None
+    else:
+        t = refattn.forward(call, backend=backend)
+        out, g, lse = t.output, refattn.backward(t, g_o), t.lse
+        np.testing.assert_array_equal(t.lse[0, :, 0], SINK)
+        assert not t.sanitized_rows.any()
+    assert np.all(out[0, :, 0] == 0.0)
+    np.testing.assert_allclose(out, ref_t.output, rtol=1e-12, atol=1e-14)
+    if lse is not None:
+        np.testing.assert_allclose(lse, ref_t.lse, rtol=1e-14)
+    for name in ("grad_q", "grad_k", "grad_v", "grad_sink"):
+        np.testing.assert_allclose(getattr(g, name), getattr(ref_g, name), rtol=1e-11,
+                                   atol=1e-13, err_msg=name)
+
+
+def test_without_a_sink_the_all_masked_row_policies_are_unchanged():
+    q = np.zeros((1, 1, 2, 2))
+    vis = np.array([[False, False], [True, True]])
+    with pytest.raises(RefAttnError, match=r"row \(b=0, h=0, i=0\) has no legal key under "
+                                           r"policy 'reject'"):
+        AttentionCall(q, q, q, visible=vis)
+    call = AttentionCall(q, q, q, visible=vis, all_masked_rows="sanitize_then_zero_invalid_query",
+                         query_valid=np.array([False, True]).reshape(1, 1, 2, 1))
+    assert refattn.forward(call).sanitized_rows.tolist() == [[[True, False]]]
+    assert "empty_rows_with_sink" not in call.manifest()["visibility"]
 
 
 @pytest.mark.parametrize(

@@ -248,7 +248,7 @@ def forward_tensors(call: AttentionCall, rounding: Rounding) -> dict[str, Any]:
     biased = scores if call.bias is None else rounding.ieee(np.add, scores, call.bias)
 
     vis = call.visible_full()
-    sanitized = ~call.row_has_key()  # (B, Hq, Q) rows with no legal key
+    sanitized = call.sanitized_rows()  # (B, Hq, Q) rows given key 0 (never with a sink)
     if sanitized.any():
         vis = vis.copy()
         vis[..., 0] |= sanitized  # temporary legal key 0 for unused rows (the policy's rule)

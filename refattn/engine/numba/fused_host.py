@@ -137,7 +137,7 @@ def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np
     tv = tile_visibility(full, relation=call.relation) if call.relation is not None else \
         tile_visibility(full, visible=call.visible)
     sink = ro(call.sink) if call.sink is not None else np.zeros(0)
-    sanitized = ~call.row_has_key()
+    sanitized = call.sanitized_rows()  # never with a sink: the sink fills an empty row
     with provider.threads(lay.blas_threads), _numba_threads(lay.threads):
         fused_value_and_grad(
             ro(q_s), ro(k_s), ro(call.v), ro(call.head_map), post, fq, fk, tv,
