@@ -335,11 +335,15 @@ def from_cu_seqlens(
 
     Segment s reads keys ``[cu_seqlens_k[s], cu_seqlens_k[s+1])`` from its query rows
     ``[cu_seqlens_q[s], cu_seqlens_q[s+1])``; with ``causal=True`` the blocks must be square
-    and each is lower-triangular.
+    and each is lower-triangular. A repeated offset is an empty sequence (FlashAttention's
+    varlen API allows it): it adds no block; a sequence with queries but no keys leaves its
+    rows empty (legal only under an all-masked-row policy or with a sink).
 
     Examples
     --------
     >>> from_cu_seqlens([0, 1, 3], causal=True)[0, 0].astype(int).tolist()
+    [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
+    >>> from_cu_seqlens([0, 1, 1, 3], causal=True)[0, 0].astype(int).tolist()  # one empty
     [[1, 0, 0], [0, 1, 0], [0, 1, 1]]
     """
     cu_q = _cu_seqlens(cu_seqlens_q)
@@ -366,6 +370,8 @@ def to_cu_seqlens(visible: Any) -> VarlenLowering:
 
     Only relations that varlen metadata expresses exactly are accepted: consecutive blocks
     tiling every query and key row, each block either fully visible or (square and) causal.
+    Empty sequences leave no trace in a relation, so the offsets returned never repeat;
+    ``from_cu_seqlens`` of them is the same relation as that of offsets with empty sequences.
 
     Parameters
     ----------

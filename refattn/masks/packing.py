@@ -2,6 +2,8 @@
 
 Owns the conversions between per-example lengths, ``cu_seqlens``, segment ids with
 per-segment positions, and padded versus packed tensors, plus the contract's pair counts.
+Empty sequences are legal (a length of 0, a repeated ``cu_seqlens`` offset, as FlashAttention's
+varlen API allows); offsets that decrease are refused naming the entries.
 Defers the block-diagonal visibility relation built from segment ids to
 :mod:`refattn.masks` and its lowering to cu_seqlens to :mod:`refattn.masks.framework`.
 """
@@ -66,11 +68,17 @@ def _lengths(x: object) -> np.ndarray:
     arr = int_array("lengths", x)
     if arr.ndim != 1 or arr.size == 0:
         raise RefAttnError(f"lengths: expected a non-empty 1-D array, got shape {list(arr.shape)}")
-    bad = np.flatnonzero(arr < 1)
+    bad = np.flatnonzero(arr < 0)
     if bad.size:
         s = int(bad[0])
         raise RefAttnError(
-            f"lengths: entry {s} is {int(arr[s])}; every packed example needs at least one token"
+            f"lengths: entry {s} is {int(arr[s])}; a sequence length is >= 0 (0 is an empty "
+            "sequence)"
+        )
+    if int(arr.sum()) == 0:
+        raise RefAttnError(
+            f"lengths: every one of the {arr.size} sequences is empty; a packed row needs at "
+            "least one token"
         )
     return arr
 
@@ -81,7 +89,8 @@ def cu_seqlens_from_lengths(lengths: Any) -> np.ndarray:
     Parameters
     ----------
     lengths : (n,) integer array_like
-        Example lengths, each >= 1.
+        Sequence lengths, each >= 0 (an empty sequence repeats an offset, as in
+        FlashAttention's varlen API), at least one token in total.
 
     Returns
     -------
@@ -91,6 +100,8 @@ def cu_seqlens_from_lengths(lengths: Any) -> np.ndarray:
     --------
     >>> cu_seqlens_from_lengths([3, 4, 5, 4]).tolist()
     [0, 3, 7, 12, 16]
+    >>> cu_seqlens_from_lengths([3, 0, 2]).tolist()   # sequence 1 is empty
+    [0, 3, 3, 5]
     """
     return np.concatenate([[0], np.cumsum(_lengths(lengths))])  # int64: lengths are int64
 
@@ -103,12 +114,18 @@ def _cu_seqlens(x: object) -> np.ndarray:
         )
     if int(cu[0]) != 0:
         raise RefAttnError(f"cu_seqlens: must start at 0, got {int(cu[0])}")
-    steps = np.flatnonzero(np.diff(cu) < 1)
+    steps = np.flatnonzero(np.diff(cu) < 0)
     if steps.size:
         s = int(steps[0])
         raise RefAttnError(
-            f"cu_seqlens: must be strictly increasing, got {int(cu[s])} then {int(cu[s + 1])} "
-            f"at entries {s}, {s + 1} (every example needs at least one token)"
+            f"cu_seqlens: must be sorted (non-decreasing), got {int(cu[s])} then "
+            f"{int(cu[s + 1])} at entries {s}, {s + 1} (a repeated offset is an empty sequence; "
+            "a decreasing one is not a sequence)"
+        )
+    if int(cu[-1]) == 0:
+        raise RefAttnError(
+            f"cu_seqlens: every one of the {cu.size - 1} sequences is empty (last offset 0); a "
+            "packed row needs at least one token"
         )
     return cu
 
@@ -119,12 +136,14 @@ def segments_from_cu_seqlens(cu_seqlens: Any) -> PackedSegments:
     Parameters
     ----------
     cu_seqlens : (n + 1,) integer array_like
-        Starts at 0, strictly increasing.
+        Starts at 0, non-decreasing (a repeated offset is an empty sequence), last offset > 0.
 
     Returns
     -------
     PackedSegments
-        ``segment_ids`` and ``positions``, both (T,) int64 with ``T = cu_seqlens[-1]``.
+        ``segment_ids`` and ``positions``, both (T,) int64 with ``T = cu_seqlens[-1]``. The
+        segment id of a token is the index s of its sequence in ``cu_seqlens``, so an empty
+        sequence's id appears on no token.
 
     Examples
     --------
@@ -133,6 +152,8 @@ def segments_from_cu_seqlens(cu_seqlens: Any) -> PackedSegments:
     [0, 0, 0, 1, 1, 1, 1, 2, 2, 3, 3, 3]
     >>> seg.positions.tolist()
     [0, 1, 2, 0, 1, 2, 3, 0, 1, 0, 1, 2]
+    >>> segments_from_cu_seqlens([0, 2, 2, 3]).segment_ids.tolist()   # sequence 1 is empty
+    [0, 0, 2]
     """
     cu = _cu_seqlens(cu_seqlens)
     lengths = np.diff(cu)  # (n,)
@@ -149,7 +170,8 @@ def pack(x: Any, lengths: Any) -> Packed:
     x : (B, H, L, D) float64 ndarray
         Right-padded examples.
     lengths : (B,) integer array_like
-        Real length of each example, ``1 <= lengths[b] <= L``.
+        Real length of each example, ``0 <= lengths[b] <= L`` (0: an empty example, which
+        repeats an offset of ``cu_seqlens``), at least one token in total.
 
     Returns
     -------
@@ -196,7 +218,7 @@ def unpack(values: Any, cu_seqlens: Any, *, length: int | None = None) -> np.nda
     Returns
     -------
     (B, H, L, D) float64 ndarray
-        Rows past each example's length are exactly 0.
+        Rows past each example's length are exactly 0 (every row of an empty example).
 
     Examples
     --------
@@ -226,11 +248,14 @@ def pair_counts(lengths: Any) -> PairCounts:
     """Query-key pair counts: padded, independent and unrestricted concatenation.
 
     Logical counts before any causal saving; not a statement about what a backend stores.
+    An empty example (length 0) adds no pair, but still a padded slot row.
 
     Examples
     --------
     >>> pair_counts([3, 4, 5, 4])
     PairCounts(padded=100, independent=66, unrestricted=256)
+    >>> pair_counts([3, 0, 2])
+    PairCounts(padded=27, independent=13, unrestricted=25)
     """
     lengths = _lengths(lengths)
     return PairCounts(

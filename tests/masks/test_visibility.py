@@ -320,7 +320,7 @@ def test_cli_mask_reports_empty_rows_and_errors(capsys):
     (["mask", "--lengths", "2,3", "--q", "4"], "--lengths: packed Q and K are the total length 5"),
     (["mask", "--lengths", "2,3", "--causal", "lower_right"],
      "--lengths: packed examples use per-example positions"),
-    (["mask", "--lengths", "2,0"], "lengths: entry 1 is 0"),
+    (["mask", "--lengths", "0,0"], "lengths: every one of the 2 sequences is empty"),
     (["mask", "--q", "3", "--window", "none", "none"], "window: (None, None) restricts nothing"),
 ])
 def test_cli_mask_rejections(argv, message, capsys):

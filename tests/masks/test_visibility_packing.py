@@ -60,17 +60,21 @@ def test_pack_unpack_round_trip():
 
 
 # -- packing conformance: packed block-diagonal causal == each example alone ----------------
-def _examples(seed: int = 0):
+def _examples(seed: int = 0, lengths=LENGTHS):
     rng = np.random.default_rng(seed)
-    L = max(LENGTHS)
-    q, k, v, g = (rng.standard_normal((len(LENGTHS), H, L, d)) for d in (DK, DK, DV, DV))
+    L = max(lengths)
+    q, k, v, g = (rng.standard_normal((len(lengths), H, L, d)) for d in (DK, DK, DV, DV))
     return q, k, v, g
 
 
-def _alone(q, k, v, g):
-    """Each example run on its own with its own causal triangle."""
+def _alone(q, k, v, g, lengths=LENGTHS):
+    """Each example run on its own with its own causal triangle (an empty one has no rows)."""
     outs, grads = [], []
-    for b, n in enumerate(LENGTHS):
+    for b, n in enumerate(lengths):
+        if n == 0:
+            outs.append(None)
+            grads.append(None)
+            continue
         call = AttentionCall(q[b:b + 1, :, :n], k[b:b + 1, :, :n], v[b:b + 1, :, :n],
                              visible=causal(n, n, alignment="upper_left"))
         trace = refattn.forward(call)
@@ -79,14 +83,64 @@ def _alone(q, k, v, g):
     return outs, grads
 
 
-def _packed_run(q, k, v, g, *, segments: bool, causal_: bool = True, global_positions=False):
-    pq, pk, pv, pg = (pack(x, LENGTHS) for x in (q, k, v, g))
-    pos = np.arange(16)[None] if global_positions else pq.positions
+def _packed_run(q, k, v, g, *, segments: bool, causal_: bool = True, global_positions=False,
+                lengths=LENGTHS):
+    pq, pk, pv, pg = (pack(x, lengths) for x in (q, k, v, g))
+    T = int(sum(lengths))
+    pos = np.arange(T)[None] if global_positions else pq.positions
     ids = pq.segment_ids if segments else None
     rel = relation(pos, pos, causal=causal_, q_segment=ids, k_segment=ids)
     trace = refattn.forward(AttentionCall(pq.values, pk.values, pv.values, visible=rel))
     grads = refattn.backward(trace, pg.values)
     return rel, trace, grads, pq.cu_seqlens
+
+
+#: the contract's lengths, and batches with empty sequences (repeated cu_seqlens offsets) at
+#: the start, in the middle, twice in a row and at the end
+EQUIVALENCE_LENGTHS = [LENGTHS, [0, 3, 4], [3, 0, 4, 5], [2, 0, 0, 3, 1], [4, 1, 0]]
+
+
+@pytest.mark.parametrize("lengths", EQUIVALENCE_LENGTHS, ids=str)
+def test_packed_equals_separate_with_empty_sequences(lengths):
+    q, k, v, g = _examples(5, lengths)
+    outs, grads = _alone(q, k, v, g, lengths)
+    rel, trace, pgrads, cu = _packed_run(q, k, v, g, segments=True, lengths=lengths)
+    assert cu.tolist() == [0, *np.cumsum(lengths).tolist()]  # empty ones repeat an offset
+    tol = dict(rtol=1e-12, atol=1e-14)
+    out = unpack(trace.output, cu)
+    gq, gk, gv = (unpack(getattr(pgrads, n), cu) for n in ("grad_q", "grad_k", "grad_v"))
+    assert out.shape[0] == len(lengths)
+    for b, n in enumerate(lengths):
+        if n == 0:  # an empty sequence: nothing packed, an all-zero row block unpacked
+            assert (out[b] == 0.0).all() and (gk[b] == 0.0).all()
+            continue
+        np.testing.assert_allclose(out[b:b + 1, :, :n], outs[b], **tol)
+        np.testing.assert_allclose(gq[b:b + 1, :, :n], grads[b].grad_q, **tol)
+        np.testing.assert_allclose(gk[b:b + 1, :, :n], grads[b].grad_k, **tol)
+        np.testing.assert_allclose(gv[b:b + 1, :, :n], grads[b].grad_v, **tol)
+    # the varlen encoding: the dense relation equals the packed segments' relation
+    dense = from_cu_seqlens(cu, causal=True)
+    np.testing.assert_array_equal(dense, rel.dense())
+    # lowering back gives the same relation (the empty sequences leave no trace in it)
+    low = to_cu_seqlens(dense)
+    np.testing.assert_array_equal(from_cu_seqlens(low.cu_seqlens_q, causal=low.causal), dense)
+    assert low.cu_seqlens_q.tolist() == [0, *np.cumsum([n for n in lengths if n]).tolist()]
+    # the pair counts count no pair for an empty sequence
+    assert pair_counts(lengths).independent == int(from_cu_seqlens(cu, causal=False).sum())
+
+
+def test_varlen_cross_attention_with_an_empty_key_sequence():
+    # sequence 1 has 2 queries and no key: its rows are empty (rejected by default, and
+    # well defined with a sink: the sink takes all the mass)
+    vis = from_cu_seqlens([0, 2, 4, 5], cu_seqlens_k=[0, 3, 3, 5], causal=False)
+    assert vis.shape == (1, 1, 5, 5)
+    assert not vis[0, 0, 2:4].any() and vis[0, 0, :2, :3].all() and vis[0, 0, 4, 3:].all()
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 1, 5, 2))
+    with pytest.raises(RefAttnError, match=r"row \(b=0, h=0, i=2\) has no legal key"):
+        AttentionCall(q, q, q, visible=vis)
+    t = refattn.forward(AttentionCall(q, q, q, visible=vis, sink=np.array([0.25])))
+    assert (t.output[0, 0, 2:4] == 0.0).all() and (t.lse[0, 0, 2:4] == 0.25).all()
 
 
 def test_packed_block_diagonal_causal_equals_each_example_alone_forward_and_backward():
@@ -160,15 +214,21 @@ def test_padded_batch_matches_packed():
 
 
 PACKING_REJECTIONS = [
-    (lambda: cu_seqlens_from_lengths([3, 0, 2]),
-     "lengths: entry 1 is 0; every packed example needs at least one token"),
+    (lambda: cu_seqlens_from_lengths([3, -1, 2]),
+     "lengths: entry 1 is -1; a sequence length is >= 0"),
+    (lambda: cu_seqlens_from_lengths([0, 0]),
+     "lengths: every one of the 2 sequences is empty"),
     (lambda: cu_seqlens_from_lengths([3.0, 2.0]),
      "lengths: expected an integer array, got dtype float64"),
     (lambda: cu_seqlens_from_lengths([[1, 2]]),
      r"lengths: expected a non-empty 1-D array, got shape \[1, 2\]"),
     (lambda: segments_from_cu_seqlens([1, 3]), "cu_seqlens: must start at 0, got 1"),
-    (lambda: segments_from_cu_seqlens([0, 3, 3]),
-     "cu_seqlens: must be strictly increasing, got 3 then 3 at entries 1, 2"),
+    (lambda: segments_from_cu_seqlens([0, 3, 2, 5]),
+     r"cu_seqlens: must be sorted \(non-decreasing\), got 3 then 2 at entries 1, 2"),
+    (lambda: segments_from_cu_seqlens([0, 0, 0]),
+     "cu_seqlens: every one of the 2 sequences is empty"),
+    (lambda: from_cu_seqlens([0, 2, 1], causal=False), "cu_seqlens: must be sorted"),
+    (lambda: pack(np.zeros((2, 1, 3, 1)), [0, 0]), "lengths: every one of the 2 sequences"),
     (lambda: segments_from_cu_seqlens([0]),
      r"cu_seqlens: expected a 1-D array of at least 2 offsets, got shape \[1\]"),
     (lambda: segments_from_cu_seqlens([0.0, 2.0]),
