@@ -5,9 +5,6 @@ numba's own ``np.dot`` uses) and the context that pins that BLAS to one thread w
 ``prange`` threads call it concurrently. The function pointer is a run-time argument (never a
 compile-time constant), so every kernel that calls :func:`gemm` can be cached with
 ``cache=True``. Defers everything else to the kernels that call it.
-
-Numba's on-disk cache keys a kernel on its own source file only; after editing this module,
-delete ``refattn/engine/__pycache__/*.nb[ci]`` so dependent kernels recompile.
 """
 
 from __future__ import annotations

@@ -10,9 +10,12 @@ at once from the same probabilities: six BLAS products per block (``S = Q K^T``,
 whole-head form; a smaller ``BQ`` bounds the buffers for long keys. Key chunks of ``KC`` columns
 that a block's rows cannot see are skipped (their products and row work), and runs of visible
 chunks are one product each. The row work (softcap, bias, visibility, the sink, max, exp, sums,
-the dropout multiplier, ``D``, ``dS``) is fused per row. Each task writes only its own rows of
-dq and its own chunk's partial dk/dv, so results are bit-identical run to run for a given
-thread count. BLAS must be pinned to one thread around the kernel.
+the dropout multiplier, ``D``, ``dS``) is fused per row, in three passes over a row's visible
+chunks (max; exp and sum; dot and dS) with vector reductions: ``P = E / ell`` with
+``E = exp(s - m)`` is never formed -- the products take ``E`` and the ``1 / ell`` of a row goes
+into ``O``, the rows of ``dO`` that ``dV`` reads, and ``dS = E (G_P - D) / ell``. Each task
+writes only its own rows of dq and its own chunk's partial dk/dv, so results are bit-identical
+run to run for a given thread count. BLAS must be pinned to one thread around the kernel.
 """
 
 from __future__ import annotations
@@ -63,24 +66,17 @@ def _multipliers(z, drop, zdense, b, h, Hq, i, j0, n):
 
 
 @kernel(inline="always")
-def _scale(x, n, a):
-    """In place: ``x[:n] *= a``."""
+def _grad_scores(e, g, n, d, inv):
+    """In place: ``e[:n] = (e * (g - d)) * inv`` (dS from E = exp(s - m), G_P, D, 1 / ell)."""
     for j in range(n):
-        x[j] *= a
-
-
-@kernel(inline="always")
-def _grad_scores(p, g, n, d):
-    """In place: ``p[:n] = p * (g - d)`` (dS from P and G_P)."""
-    for j in range(n):
-        p[j] = p[j] * (g[j] - d)
+        e[j] = (e[j] * (g[j] - d)) * inv
 
 
 @kernel(parallel=True)
 def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, drop, zdense,
                          softcap, sink, query_valid, sanitized, g_o, BQ, KC, C, fptr, nt,
-                         out, lse, row_max, dq, dk, dv, rowdot, dvec, gbias, gbias_mode,
-                         tiles):
+                         s_ws, w_ws, t_ws, z_ws, u_ws, out, lse, row_max, dq, dk, dv, rowdot, dvec,
+                         gbias, gbias_mode, tiles):
     """Forward and backward of a dot-score call, query block by query block.
 
     Parameters
@@ -107,6 +103,11 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
         Address of a Fortran-ABI dgemm.
     nt : int
         numba's thread count (one workspace per thread).
+    s_ws, w_ws : (>= nt, >= BQ * K) float64
+        Scratch: per thread the scores, then P, then dS; P~ Z, then dP (contents ignored).
+    t_ws : (>= nt, >= BQ * K) float64 with a softcap (capped scores), else any
+    z_ws : (>= nt, >= K) float64 with dropout (one row of multipliers), else any
+    u_ws : (>= nt, >= BQ * (Dv + 1)) float64: the block's G_O rows over ell, and 1 / ell
     out : (B, Hq, Q, Dv); lse, row_max, rowdot, dvec : (B, Hq, Q); dq : (B, Hq, Q, Dk)
         Written.
     dk : (C, B, Hkv, K, Dk), dv : (C, B, Hkv, K, Dv)
@@ -124,10 +125,6 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
     has_cap = softcap > 0.0
     has_sink = sink.shape[0] > 0
     dropping = drop[0] != DROP_NONE
-    s_ws = np.empty((nt, BQ, K))  # scores, then P, then dS
-    w_ws = np.empty((nt, BQ, K))  # P~ Z, then dP
-    t_ws = np.empty((nt, BQ if has_cap else 1, K if has_cap else 1))  # capped scores
-    z_ws = np.empty((nt, K if dropping else 1))
     cls_ws = np.empty((nt, nkc), dtype=np.int64)
     mask_ws = np.empty((nt, 1, KC), dtype=np.bool_)
     for task in prange(B * Hkv * C):
@@ -136,8 +133,13 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
         b = bg // Hkv
         g = bg - b * Hkv
         tid = numba.get_thread_id()
-        s, w, tcap, z, cls, mask = s_ws[tid], w_ws[tid], t_ws[tid], z_ws[tid], cls_ws[tid], \
-            mask_ws[tid]
+        s = s_ws[tid, :BQ * K].reshape((BQ, K))
+        w = w_ws[tid, :BQ * K].reshape((BQ, K))
+        tcap = t_ws[tid, :BQ * K].reshape((BQ, K)) if has_cap else t_ws[tid, :1].reshape((1, 1))
+        z = z_ws[tid]
+        inv_ell = u_ws[tid, :BQ]
+        g_scaled = u_ws[tid, BQ:BQ * (Dv + 1)].reshape((BQ, Dv))
+        cls, mask = cls_ws[tid], mask_ws[tid]
         done = 0
         skipped = 0
         for h in range(Hq):
@@ -207,21 +209,22 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                         row = s[r, j0:j0 + kw]
                         exp_shift(row, kw, m)
                         ell += row_sum(row, kw)
-                    inv = 1.0 / ell
-                    for kc in range(nkc):
-                        if cls[kc] == INVISIBLE:
-                            continue
-                        j0 = kc * KC
-                        kw = min(KC, K - j0)
-                        _scale(s[r, j0:j0 + kw], kw, inv)
-                        if dropping:
+                    inv_ell[r] = 1.0 / ell  # P = E / ell is never formed: O, dV and dS scale
+                    if dropping:
+                        for kc in range(nkc):
+                            if cls[kc] == INVISIBLE:
+                                continue
+                            j0 = kc * KC
+                            kw = min(KC, K - j0)
                             _multipliers(z, drop, zdense, b, h, Hq, i, j0, kw)
                             for j in range(kw):
                                 w[r, j0 + j] = s[r, j0 + j] * z[j]
                     lse[b, h, i] = m + math.log(ell)
                     row_max[b, h, i] = m
-                pz = w if dropping else s
-                # O = P~ Z V over the visible runs (a block with none keeps zeros)
+                    for d in range(Dv):
+                        g_scaled[r, d] = g_o[b, h, i, d] * inv_ell[r]
+                pz = w if dropping else s  # E Z (E = exp(s - m)): P~ Z = E Z / ell
+                # O = (E Z V) / ell over the visible runs (a block with none keeps zeros)
                 kc = 0
                 beta = 0.0
                 while kc < nkc:
@@ -241,8 +244,11 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                     if empty or not query_valid[b, i]:
                         for d in range(Dv):
                             out[b, h, i, d] = 0.0  # unused rows are exactly zero
+                    else:
+                        for d in range(Dv):
+                            out[b, h, i, d] *= inv_ell[r]
                     dvec[b, h, i] = row_dot(g_o[b, h, i], out[b, h, i], Dv)  # D = G_O . O
-                # dV += (P~ Z)^T dO; dP = dO V^T (into w, after pz is read)
+                # dV += (E Z)^T (dO / ell); dP = dO V^T (into w, after pz is read)
                 kc = 0
                 while kc < nkc:
                     if cls[kc] == INVISIBLE:
@@ -253,7 +259,7 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                         ke += 1
                     ja, jb = kc * KC, min(ke * KC, K)
                     gemm(fptr, True, False, jb - ja, Dv, bq, 1.0, pz.ctypes.data + 8 * ja, K,
-                         _addr(g_o, b, h, i0), Dv, 1.0, _addr5(dv, c, b, g, ja), Dv)
+                         g_scaled.ctypes.data, Dv, 1.0, _addr5(dv, c, b, g, ja), Dv)
                     gemm(fptr, False, True, bq, jb - ja, Dv, 1.0, _addr(g_o, b, h, i0), Dv,
                          _addr(v, b, g, ja), Dv, 0.0, w.ctypes.data + 8 * ja, K)
                     kc = ke
@@ -261,6 +267,7 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                 for r in range(bq):
                     i = i0 + r
                     d_i = dvec[b, h, i]
+                    inv = inv_ell[r]
                     rd = 0.0
                     gb_row = 0.0
                     for kc in range(nkc):
@@ -272,13 +279,13 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                             _multipliers(z, drop, zdense, b, h, Hq, i, j0, kw)
                             for j in range(kw):
                                 w[r, j0 + j] *= z[j]
-                        p_row, g_row = s[r, j0:j0 + kw], w[r, j0:j0 + kw]
-                        rd += row_dot(p_row, g_row, kw)
+                        e_row, g_row = s[r, j0:j0 + kw], w[r, j0:j0 + kw]
+                        rd += row_dot(e_row, g_row, kw)
                         if gbias_mode == GBIAS_NONE and not has_cap:
-                            _grad_scores(p_row, g_row, kw, d_i)  # dS = P (G_P - D) in place
+                            _grad_scores(e_row, g_row, kw, d_i, inv)  # dS, in place
                             continue
                         for j in range(kw):
-                            gs = p_row[j] * (g_row[j] - d_i)  # grad_scores
+                            gs = (e_row[j] * (g_row[j] - d_i)) * inv  # grad_scores
                             if gbias_mode == GBIAS_PER_ELEMENT:
                                 gbias[b, h, i, j0 + j] = gs
                             elif gbias_mode == GBIAS_OVER_Q:
@@ -288,8 +295,8 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                             if has_cap:
                                 t = tcap[r, j0 + j] / softcap
                                 gs *= 1.0 - t * t
-                            p_row[j] = gs
-                    rowdot[b, h, i] = rd
+                            e_row[j] = gs
+                    rowdot[b, h, i] = rd * inv
                     if gbias_mode == GBIAS_OVER_K:
                         gbias[b, h, i, 0] = gb_row
                 # dQ = fq dS K; dK += fk dS^T Q over the visible runs

@@ -11,7 +11,10 @@ tensor is ``(B, Hq, Q, K, Da)``), which ``refattn.value_and_grad`` documents.
 
 from __future__ import annotations
 
+import contextlib
 import math
+import threading
+from collections.abc import Iterator
 from typing import Any, NamedTuple
 
 import numba
@@ -36,7 +39,7 @@ from refattn.engine.reduce import reduce_to_shape
 from refattn.engine.trace import Gradients
 from refattn.errors import RefAttnError
 
-__all__ = ["Layout", "block_rows", "fused"]
+__all__ = ["Layout", "block_rows", "fused", "running", "task_layout", "value_and_grad"]
 
 #: key chunk: the granularity at which invisible key ranges are skipped
 KEY_CHUNK = 256
@@ -72,7 +75,23 @@ def block_rows(Q: int, K: int, buffers: int, budget: int = BUFFER_BYTES) -> int:
     return min(Q, max(32, fit // 32 * 32))
 
 
-def _layout(call: AttentionCall, provider: Provider, budget: int) -> Layout:
+def task_layout(call: AttentionCall, provider: Provider, budget: int) -> Layout:
+    """The query block and thread layout of ``call`` under ``provider`` and ``budget`` bytes.
+
+    ``heads`` layout: tasks (batch, kv head, chunk of query blocks) on numba's threads with
+    one BLAS thread each, in enough chunks to occupy every thread; ``blas`` layout: one task
+    at a time on the library's threads.
+
+    Examples
+    --------
+    >>> import numpy as np, refattn
+    >>> from refattn.engine.numba.providers import available_providers
+    >>> x = np.zeros((1, 2, 1024, 64))
+    >>> blas = available_providers()[0].with_layout("blas")
+    >>> lay = task_layout(refattn.AttentionCall(x, x, x), blas, 4 << 20)
+    >>> lay.block_q, lay.chunks, lay.threads
+    (256, 1, 1)
+    """
     a = call.axes
     buffers = 3 if call.softcap is not None else 2
     BQ = block_rows(a["Q"], a["K"], buffers, budget)
@@ -83,6 +102,43 @@ def _layout(call: AttentionCall, provider: Provider, budget: int) -> Layout:
         return Layout(BQ, 1, 1, threads)  # one task at a time on threaded BLAS
     chunks = 1 if groups >= threads else min(nqb, math.ceil(threads / groups))
     return Layout(BQ, chunks, threads, 1)
+
+
+@contextlib.contextmanager
+def running(lay: Layout, provider: Provider) -> Iterator[None]:
+    """Run with numba and ``provider`` on the threads ``lay`` gives them (restored after)."""
+    saved = numba.get_num_threads()
+    with provider.threads(lay.blas_threads):
+        numba.set_num_threads(lay.threads)
+        try:
+            yield
+        finally:
+            numba.set_num_threads(saved)
+
+
+_SCRATCH = threading.local()
+
+
+def _scratch(lay: Layout, K: int, Dv: int, cap: bool,
+             dropping: bool) -> tuple[np.ndarray, ...]:
+    """The kernel's per-thread scratch buffers, kept between calls of this Python thread.
+
+    Fresh ``(BQ x K)`` buffers cost a page fault per 4 KiB on every call (about 4 ms for the
+    default 8 MiB a thread, 8% of a (1, 4, 1024, 1024, 64) call); reusing them is free. The
+    buffers grow to the largest call seen and are released with the thread.
+    """
+    n = lay.block_q * K
+    need = {"s": n, "w": n, "t": n if cap else 1, "z": K if dropping else 1,
+            "u": lay.block_q * (Dv + 1)}
+    held = getattr(_SCRATCH, "buffers", {})
+    for name, size in need.items():
+        have = held.get(name)
+        if have is None or have.shape[0] < lay.threads or have.shape[1] < size:
+            rows = max(lay.threads, 0 if have is None else have.shape[0])
+            cols = max(size, 0 if have is None else have.shape[1])
+            held[name] = np.empty((rows, cols))
+    _SCRATCH.buffers = held
+    return held["s"], held["w"], held["t"], held["z"], held["u"]
 
 
 def _dropout(call: AttentionCall) -> tuple[tuple, Any]:
@@ -121,7 +177,7 @@ def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np
     """
     B, Hq, Q, K = call.score_shape
     Hkv, Dk, Dv = call.k.shape[1], q_s.shape[3], call.v.shape[3]
-    lay = _layout(call, provider, provider.budget if budget is None else budget)
+    lay = task_layout(call, provider, provider.budget if budget is None else budget)
     drop, zop = _dropout(call)
     mode, gshape = _gbias(call, lay.chunks)
     full = call.score_shape
@@ -138,14 +194,15 @@ def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np
         tile_visibility(full, visible=call.visible)
     sink = ro(call.sink) if call.sink is not None else np.zeros(0)
     sanitized = call.sanitized_rows()  # never with a sink: the sink fills an empty row
-    with provider.threads(lay.blas_threads), _numba_threads(lay.threads):
+    with running(lay, provider):
         fused_value_and_grad(
             ro(q_s), ro(k_s), ro(call.v), ro(call.head_map), post, fq, fk, tv,
             call.bias is not None, strided(call.bias, full, np.float64), drop, zop,
             float(call.softcap or 0.0), sink, ro(call.query_valid_full()[:, 0, :, 0]),
             ro(np.ascontiguousarray(sanitized)), ro(g_o), lay.block_q, KEY_CHUNK, C,
-            provider.address, numba.get_num_threads(), out, lse, row_max, dq, dk, dv, rowdot,
-            dvec, gbias, mode, tiles)
+            provider.address, lay.threads, *_scratch(lay, K, Dv, call.softcap is not None,
+                                                     drop[0] != 0),
+            out, lse, row_max, dq, dk, dv, rowdot, dvec, gbias, mode, tiles)
     grad_bias = None
     if call.bias is not None:
         partial = gbias.sum(axis=0)[:, :, None, :] if mode == GBIAS_OVER_Q else gbias
@@ -159,20 +216,6 @@ def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np
                  "blas_threads": lay.blas_threads, **provider.record(),
                  "key_chunks_computed": done, "key_chunks_skipped": skipped},
     }
-
-
-class _numba_threads:
-    """Run with ``n`` numba threads (restored afterwards)."""
-
-    def __init__(self, n: int) -> None:
-        self.n = n
-
-    def __enter__(self) -> None:
-        self.saved = numba.get_num_threads()
-        numba.set_num_threads(self.n)
-
-    def __exit__(self, *exc: object) -> None:
-        numba.set_num_threads(self.saved)
 
 
 def _unit(x: np.ndarray, eps: float) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

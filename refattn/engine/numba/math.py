@@ -14,6 +14,7 @@ import math
 import numpy as np
 from llvmlite import ir
 from numba import types
+from numba.core import cgutils
 from numba.extending import intrinsic
 
 from refattn.engine.numba._jit import kernel
@@ -43,26 +44,43 @@ def _bits_to_float(typingctx, x):
     return sig, codegen
 
 
-@kernel(fastmath={"contract"}, inline="always")
+@intrinsic
+def _fma(typingctx, a, b, c):
+    """``a * b + c`` rounded once (``llvm.fma.f64``: vectorisable, the same on every CPU)."""
+    sig = types.float64(types.float64, types.float64, types.float64)
+
+    def codegen(context, builder, signature, args):
+        d = ir.DoubleType()
+        fn = cgutils.get_or_insert_function(builder.module, ir.FunctionType(d, [d, d, d]),
+                                            "llvm.fma.f64")
+        return builder.call(fn, args)
+
+    return sig, codegen
+
+
+@kernel(inline="always")
 def _exp(t):
-    """exp(t) for t <= 709.7 (t = -inf gives exactly 0.0)."""
+    """exp(t) for t <= 709.7 (t = -inf gives exactly 0.0).
+
+    Horner's scheme in fused multiply-adds, explicit so that the rounding does not depend on
+    the caller's fastmath flags (numba inlines this body into the kernels).
+    """
     x = min(max(t, -746.0), _MAX_ARG)
     kf = np.floor(x * _LOG2E + 0.5)
-    r = (x - kf * _LN2_HI) - kf * _LN2_LO  # |r| <= ln2 / 2
-    p = _C13
-    p = p * r + _C12
-    p = p * r + _C11
-    p = p * r + _C10
-    p = p * r + _C9
-    p = p * r + _C8
-    p = p * r + _C7
-    p = p * r + _C6
-    p = p * r + _C5
-    p = p * r + _C4
-    p = p * r + _C3
-    p = p * r + _C2
-    p = p * r + 1.0
-    p = p * r + 1.0
+    r = _fma(-kf, _LN2_LO, _fma(-kf, _LN2_HI, x))  # |r| <= ln2 / 2
+    p = _fma(_C13, r, _C12)
+    p = _fma(p, r, _C11)
+    p = _fma(p, r, _C10)
+    p = _fma(p, r, _C9)
+    p = _fma(p, r, _C8)
+    p = _fma(p, r, _C7)
+    p = _fma(p, r, _C6)
+    p = _fma(p, r, _C5)
+    p = _fma(p, r, _C4)
+    p = _fma(p, r, _C3)
+    p = _fma(p, r, _C2)
+    p = _fma(p, r, 1.0)
+    p = _fma(p, r, 1.0)
     k = np.int64(kf)
     k1 = k >> 1  # 2^k = 2^k1 * 2^(k-k1): both factors normal, so subnormals round once
     s1 = _bits_to_float((k1 + 1023) << 52)
@@ -92,32 +110,78 @@ def exp1(t):
     return _exp(t)
 
 
+_V8 = ir.VectorType(ir.DoubleType(), 8)
+_LANES = types.UniTuple(types.float64, 8)
+
+
+def _lanes8(step: str):
+    """An intrinsic ``(x, y, blocks) -> 8 lanes``: lane l folds ``x[8 i + l]`` (times
+    ``y[8 i + l]`` for ``dot``) over blocks i = 0 .. blocks - 1 in order, with ``<8 x double>``
+    loads and one vector operation per block (no reassociation: each lane is the scalar chain
+    ``a = a (+|max) x``, so the result equals eight interleaved scalar accumulators bit for
+    bit). ``x`` and ``y`` are contiguous 1-D float64 arrays of at least ``8 * blocks`` items.
+    """
+
+    @intrinsic
+    def lanes(typingctx, x, y, blocks):
+        for a in (x, y):
+            if not (isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float64
+                    and a.layout == "C"):
+                return None
+        sig = _LANES(x, y, blocks)
+
+        def codegen(context, builder, signature, args):
+            xa = context.make_array(signature.args[0])(context, builder, args[0])
+            ya = context.make_array(signature.args[1])(context, builder, args[1])
+            start = -math.inf if step == "max" else 0.0
+            acc = cgutils.alloca_once_value(builder, ir.Constant(_V8, [start] * 8))
+            px = builder.bitcast(xa.data, _V8.as_pointer())
+            py = builder.bitcast(ya.data, _V8.as_pointer())
+            with cgutils.for_range(builder, args[2]) as loop:
+                v = builder.load(builder.gep(px, [loop.index]), align=8)
+                a = builder.load(acc)
+                if step == "max":  # a = max(a, v): v where v > a (exact in any order)
+                    new = builder.select(builder.fcmp_ordered(">", v, a), v, a)
+                elif step == "dot":  # no contraction: the product rounds, then the sum
+                    w = builder.load(builder.gep(py, [loop.index]), align=8)
+                    new = builder.fadd(a, builder.fmul(v, w))
+                else:
+                    new = builder.fadd(a, v)
+                builder.store(new, acc)
+            a = builder.load(acc)
+            items = [builder.extract_element(a, ir.Constant(ir.IntType(32), i))
+                     for i in range(8)]
+            return context.make_tuple(builder, signature.return_type, items)
+
+        return sig, codegen
+
+    return lanes
+
+
+_sum8, _dot8, _max8 = _lanes8("sum"), _lanes8("dot"), _lanes8("max")
+
+
+@kernel(inline="always")
+def _tree(v):
+    """The fixed combination of eight lanes: ((0+1)+(2+3))+((4+5)+(6+7))."""
+    return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))
+
+
 @kernel
 def row_sum(x, n):
-    """``sum(x[:n])`` with eight interleaved partial sums combined in a fixed tree.
+    """``sum(x[:n])`` with eight interleaved partial sums (lane ``l`` adds ``x[8 i + l]``)
+    combined in a fixed tree, then the tail; ``x`` a contiguous 1-D float64 view.
 
     Examples
     --------
     >>> row_sum(np.arange(11.0), 11)
     55.0
     """
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
-    j = 0
-    while j + 8 <= n:
-        s0 += x[j]
-        s1 += x[j + 1]
-        s2 += x[j + 2]
-        s3 += x[j + 3]
-        s4 += x[j + 4]
-        s5 += x[j + 5]
-        s6 += x[j + 6]
-        s7 += x[j + 7]
-        j += 8
+    blocks = n // 8
     tail = 0.0
-    while j < n:
+    for j in range(8 * blocks, n):
         tail += x[j]
-        j += 1
-    return (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) + tail
+    return _tree(_sum8(x, x, blocks)) + tail
 
 
 @kernel
@@ -129,23 +193,11 @@ def row_dot(x, y, n):
     >>> row_dot(np.arange(3.0), np.ones(3), 3)
     3.0
     """
-    s0 = s1 = s2 = s3 = s4 = s5 = s6 = s7 = 0.0
-    j = 0
-    while j + 8 <= n:
-        s0 += x[j] * y[j]
-        s1 += x[j + 1] * y[j + 1]
-        s2 += x[j + 2] * y[j + 2]
-        s3 += x[j + 3] * y[j + 3]
-        s4 += x[j + 4] * y[j + 4]
-        s5 += x[j + 5] * y[j + 5]
-        s6 += x[j + 6] * y[j + 6]
-        s7 += x[j + 7] * y[j + 7]
-        j += 8
+    blocks = n // 8
     tail = 0.0
-    while j < n:
+    for j in range(8 * blocks, n):
         tail += x[j] * y[j]
-        j += 1
-    return (((s0 + s1) + (s2 + s3)) + ((s4 + s5) + (s6 + s7))) + tail
+    return _tree(_dot8(x, y, blocks)) + tail
 
 
 @kernel
@@ -157,19 +209,9 @@ def row_max(x, n):
     >>> row_max(np.array([1.0, -np.inf, 3.0, 2.0]), 4)
     3.0
     """
-    m0 = m1 = m2 = m3 = m4 = m5 = m6 = m7 = -np.inf
-    j = 0
-    while j + 8 <= n:
-        m0 = max(m0, x[j])
-        m1 = max(m1, x[j + 1])
-        m2 = max(m2, x[j + 2])
-        m3 = max(m3, x[j + 3])
-        m4 = max(m4, x[j + 4])
-        m5 = max(m5, x[j + 5])
-        m6 = max(m6, x[j + 6])
-        m7 = max(m7, x[j + 7])
-        j += 8
-    while j < n:
-        m0 = max(m0, x[j])
-        j += 1
-    return max(max(max(m0, m1), max(m2, m3)), max(max(m4, m5), max(m6, m7)))
+    blocks = n // 8
+    v = _max8(x, x, blocks)
+    m = max(max(max(v[0], v[1]), max(v[2], v[3])), max(max(v[4], v[5]), max(v[6], v[7])))
+    for j in range(8 * blocks, n):
+        m = max(m, x[j])
+    return m

@@ -1,0 +1,242 @@
+"""Where the fused kernel's time goes: its six GEMMs alone, each GEMM alone, the row pass, and a
+memory copy of the row pass's bytes.
+
+Owns ``_gemms``, an ``@njit(parallel=True)`` kernel that walks exactly the tasks, query blocks and
+visible key ranges of :func:`refattn.engine.numba.fused.fused_value_and_grad` (same provider,
+thread layout and block size, from :func:`~refattn.engine.numba.fused_host.task_layout`) and
+issues a chosen subset of its six products (``S = Q K^T``, ``O = P V``, ``dV += P^T dO``,
+``dP = dO V^T``, ``dQ = dS K``, ``dK += dS^T Q``) with no row work; and ``_copy``, which copies
+the same score blocks in the same layout. :func:`breakdown` times, interleaved in rounds:
+
+- ``fused``: the real kernel (``fused_host.value_and_grad``);
+- ``gemms``: all six products, no row work -- the floor of this algorithm on this BLAS;
+- each product alone (its GFLOP/s at the attention shape, less ``launch``: the same kernel
+  issuing no product);
+- ``copy``: a plain copy of the bytes the row pass moves. Per visible score element the forward
+  row pass reads S and writes P (one copy's worth), the backward reads P and dP and writes dS
+  (one and a half): 2.5 copies of the block, which ``_copy`` performs.
+
+``row pass = fused - gemms`` (everything that is not a product: softmax, D, dS, tile
+classification). Usage::
+
+    python3 benchmarks/fused_floor.py                  # the issue's shapes
+    python3 benchmarks/fused_floor.py --shape 1,16,16,2048,2048,128 --causal
+"""
+
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+import numba
+import numpy as np
+from numba import njit, prange
+
+ROOT = Path(__file__).resolve().parents[1]
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from refattn import AttentionCall  # noqa: E402
+from refattn.engine.numba.blas import gemm  # noqa: E402
+from refattn.engine.numba.calibration import current_provider  # noqa: E402
+from refattn.engine.numba.fused import _addr  # noqa: E402
+from refattn.engine.numba.fused_host import (  # noqa: E402
+    KEY_CHUNK,
+    running,
+    task_layout,
+    value_and_grad,
+)
+from refattn.masks import causal as causal_relation  # noqa: E402
+
+__all__ = ["PRODUCTS", "breakdown"]
+
+PRODUCTS = ("S=QK^T", "O=PV", "dV+=P^TdO", "dP=dOV^T", "dQ=dSK", "dK+=dS^TQ")
+
+
+@njit(cache=True, parallel=True)
+def _gemms(q, k, v, g_o, head_map, BQ, KC, C, causal, which, fptr, s_ws, w_ws, out, dq, dk,
+           dv):
+    """The fused kernel's products (bit p of ``which`` enables ``PRODUCTS[p]``), no row work."""
+    B, Hq, Q, Dk = q.shape
+    Hkv, K = k.shape[1], k.shape[2]
+    Dv = v.shape[3]
+    nqb = (Q + BQ - 1) // BQ
+    for task in prange(B * Hkv * C):
+        c = task % C
+        bg = task // C
+        b = bg // Hkv
+        g = bg - b * Hkv
+        tid = numba.get_thread_id()
+        s, w = s_ws[tid], w_ws[tid]
+        for h in range(Hq):
+            if head_map[h] != g:
+                continue
+            for qb in range(c, nqb, C):
+                i0 = qb * BQ
+                bq = min(BQ, Q - i0)
+                kn = min(K, (i0 + bq + KC - 1) // KC * KC) if causal else K  # visible keys
+                if which & 1:
+                    gemm(fptr, False, True, bq, kn, Dk, 1.0, _addr(q, b, h, i0), Dk,
+                         _addr(k, b, g, 0), Dk, 0.0, s.ctypes.data, K)
+                if which & 2:
+                    gemm(fptr, False, False, bq, Dv, kn, 1.0, s.ctypes.data, K,
+                         _addr(v, b, g, 0), Dv, 0.0, _addr(out, b, h, i0), Dv)
+                if which & 4:
+                    gemm(fptr, True, False, kn, Dv, bq, 1.0, s.ctypes.data, K,
+                         _addr(g_o, b, h, i0), Dv, 1.0, _addr(dv, c, b, g), Dv)
+                if which & 8:
+                    gemm(fptr, False, True, bq, kn, Dv, 1.0, _addr(g_o, b, h, i0), Dv,
+                         _addr(v, b, g, 0), Dv, 0.0, w.ctypes.data, K)
+                if which & 16:
+                    gemm(fptr, False, False, bq, Dk, kn, 1.0, s.ctypes.data, K,
+                         _addr(k, b, g, 0), Dk, 0.0, _addr(dq, b, h, i0), Dk)
+                if which & 32:
+                    gemm(fptr, True, False, kn, Dk, bq, 1.0, s.ctypes.data, K,
+                         _addr(q, b, h, i0), Dk, 1.0, _addr(dk, c, b, g), Dk)
+
+
+@njit(cache=True, parallel=True)
+def _copy(B, Hq, Hkv, Q, K, head_map, BQ, KC, C, causal, s_ws, w_ws):
+    """2.5 copies of every visible score block, in the fused kernel's task layout."""
+    nqb = (Q + BQ - 1) // BQ
+    for task in prange(B * Hkv * C):
+        c = task % C
+        g = (task // C) % Hkv
+        tid = numba.get_thread_id()
+        s, w = s_ws[tid], w_ws[tid]
+        for h in range(Hq):
+            if head_map[h] != g:
+                continue
+            for qb in range(c, nqb, C):
+                bq = min(BQ, Q - qb * BQ)
+                kn = min(K, (qb * BQ + bq + KC - 1) // KC * KC) if causal else K
+                for r in range(bq):  # forward: read S, write P (one copy)
+                    w[r, :kn] = s[r, :kn]
+                half = kn // 2
+                for r in range(bq):  # backward: read P and dP, write dS (one and a half)
+                    s[r, :kn] = w[r, :kn]
+                    w[r, :half] = s[r, :half]
+
+
+def _ds_operands(shape: tuple[int, ...], causal: bool) -> tuple[AttentionCall, np.ndarray]:
+    B, Hq, Hkv, Q, K, D = shape
+    rng = np.random.default_rng(0)
+    q, k, v = (rng.standard_normal((B, h, n, D)) for h, n in ((Hq, Q), (Hkv, K), (Hkv, K)))
+    visible = causal_relation(Q, K, alignment="upper_left") if causal else None
+    return AttentionCall(q, k, v, visible=visible), rng.standard_normal((B, Hq, Q, D))
+
+
+def _interleaved(fns: dict[str, Any], rounds: int) -> dict[str, tuple[float, float]]:
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    for fn in fns.values():
+        fn()  # warm: compile, first touch
+    for _ in range(rounds):
+        for name, fn in fns.items():
+            time.sleep(0.1)
+            t0 = time.perf_counter()
+            fn()
+            times[name].append(time.perf_counter() - t0)
+    return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
+
+
+def visible_elements(shape: tuple[int, ...], causal: bool) -> int:
+    """Score elements a causal (upper-left) or full call computes: B * Hq * visible pairs."""
+    B, Hq, _, Q, K, _ = shape
+    pairs = sum(min(K, i + 1) for i in range(Q)) if causal else Q * K
+    return B * Hq * pairs
+
+
+def breakdown(shape: tuple[int, ...], *, causal: bool = False, rounds: int = 5,
+              provider: Any = None) -> dict[str, Any]:
+    """Time the fused kernel, its six products together and alone, and the row-pass copy.
+
+    ``shape`` is (B, Hq, Hkv, Q, K, D). Returns medians and minima (seconds), GFLOP/s of each
+    product, the row pass (fused - gemms) in ns per visible element and over the copy time.
+    """
+    provider = provider or current_provider()
+    call, g_o = _ds_operands(shape, causal)
+    B, Hq, Hkv, Q, K, D = shape
+    lay = task_layout(call, provider, provider.budget)
+    C, nt = lay.chunks, lay.threads
+    out, dq = np.zeros((B, Hq, Q, D)), np.zeros((B, Hq, Q, D))
+    dk, dv = np.zeros((C, B, Hkv, K, D)), np.zeros((C, B, Hkv, K, D))
+    q, k, v = call.q, call.k, call.v
+    s_ws, w_ws = np.ones((nt, lay.block_q, K)), np.ones((nt, lay.block_q, K))  # held, as fused's
+
+    def products(which: int):
+        def run() -> None:
+            with running(lay, provider):
+                _gemms(q, k, v, g_o, call.head_map, lay.block_q, KEY_CHUNK, C, causal, which,
+                       provider.address, s_ws, w_ws, out, dq, dk, dv)
+        return run
+
+    def copy() -> None:
+        with running(lay, provider):
+            _copy(B, Hq, Hkv, Q, K, call.head_map, lay.block_q, KEY_CHUNK, C, causal, s_ws, w_ws)
+
+    fns = {"fused": lambda: value_and_grad(call, g_o, provider=provider), "gemms": products(63),
+           "copy": copy, "launch": products(0)}
+    fns |= {name: products(1 << p) for p, name in enumerate(PRODUCTS)}
+    med = _interleaved(fns, rounds)
+    # one product's flops: 2 x visible score elements x D (kn rounds up to KEY_CHUNK: ignored)
+    elements = visible_elements(shape, causal)
+    flops = 2.0 * elements * D
+    row = med["fused"][0] - med["gemms"][0]
+    return {
+        "shape": list(shape), "causal": causal, "provider": provider.record(),
+        "layout": lay._asdict(),
+        "seconds": {name: {"median": m, "min": n} for name, (m, n) in med.items()},
+        "gemm_gflops": {p: flops / (med[p][0] - med["launch"][0]) / 1e9 for p in PRODUCTS},
+        "gemms_gflops": 6 * flops / med["gemms"][0] / 1e9,
+        "row_pass_s": row, "row_pass_share": row / med["fused"][0],
+        "row_pass_ns_per_element": row / elements * 1e9 * nt,
+        "row_pass_over_copy": row / med["copy"][0],
+    }
+
+
+def format_breakdown(r: dict[str, Any]) -> list[str]:
+    """Lines for one :func:`breakdown` record."""
+    s = r["seconds"]
+    lay = r["layout"]
+    lines = [
+        f"  fused {s['fused']['median']:.4f} s = six GEMMs {s['gemms']['median']:.4f} s "
+        f"({r['gemms_gflops']:.1f} GF/s) + row pass {r['row_pass_s']:.4f} s "
+        f"({100 * r['row_pass_share']:.0f}%, {r['row_pass_ns_per_element']:.2f} ns/element "
+        f"per thread; {r['row_pass_over_copy']:.2f}x a copy of its bytes, "
+        f"copy {s['copy']['median']:.4f} s)  [block {lay['block_q']} rows, "
+        f"{lay['chunks']} chunks, {lay['threads']} numba x {lay['blas_threads']} BLAS threads]",
+        "  per GEMM alone (GF/s): " + ", ".join(
+            f"{p} {g:.1f}" for p, g in r["gemm_gflops"].items()),
+    ]
+    return lines
+
+
+ISSUE_SHAPES = [((1, 8, 8, 512, 512, 64), False), ((2, 8, 8, 1024, 1024, 64), False),
+                ((1, 16, 16, 2048, 2048, 128), False), ((1, 8, 8, 4096, 4096, 64), False),
+                ((1, 16, 16, 2048, 2048, 128), True), ((1, 32, 8, 2048, 2048, 128), False)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--shape", help="B,Hq,Hkv,Q,K,D (default: the issue's shapes)")
+    p.add_argument("--causal", action="store_true")
+    p.add_argument("--rounds", type=int, default=5)
+    args = p.parse_args(argv)
+    cases = ISSUE_SHAPES
+    if args.shape:
+        cases = [(tuple(int(x) for x in args.shape.split(",")), args.causal)]
+    provider = current_provider()
+    print(f"provider {provider.key} ({provider.version}); numba threads {numba.get_num_threads()}")
+    for shape, causal in cases:
+        r = breakdown(shape, causal=causal, rounds=args.rounds, provider=provider)
+        print(f"{shape}{' causal' if causal else ''}:")
+        print("\n".join(format_breakdown(r)), flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
