@@ -179,20 +179,31 @@ def _prepare(call: AttentionCall, device: Device) -> _Launch:
         z = call.dropout if isinstance(call.dropout, np.ndarray) else call.multiplier_full()
         L.set("DROP_MODE", 1)
         L.strided("Z", "Z", z, full)
-    if call.relation is not None:
+    if call.relation is not None:  # a relation or a union / intersection: leaves + program
         rel = call.relation
-        args = rel.kernel_arguments()
+        Br, Hr, Qr, Kr = rel.shape
+        leaves = [leaf.kernel_arguments() for leaf in rel.leaves()]
+
+        def stack(get: Any, dtype: Any, width: tuple[int, ...]) -> np.ndarray:
+            return np.stack([np.broadcast_to(np.asarray(get(a), dtype=dtype), width)
+                             for a in leaves])  # (L, ...) each leaf broadcast to the relation
+
         L.set("VIS_MODE", 2)
-        L.set("REL_B", rel.shape[0])
-        L.set("REL_H", rel.shape[1])
-        L.set("TOPOLOGY", args.topology)
-        L.set("HAS_SEGMENTS", int(args.has_segments))
-        for name, value in (("Q_POS", args.q_pos), ("K_POS", args.k_pos),
-                            ("Q_SEG", args.q_segment), ("K_SEG", args.k_segment),
-                            ("PREFIX", args.prefix_length), ("LEFT", args.left),
-                            ("RIGHT", args.right)):
-            L.put(name, np.asarray(value, dtype=np.int64))
-        L.put("KEY_VALID", np.asarray(args.key_valid, dtype=np.uint8))
+        L.set("REL_B", Br)
+        L.set("REL_H", Hr)
+        program = np.asarray(rel.program(), dtype=np.int64)
+        L.set("REL_PROGRAM_LEN", program.size)
+        L.put("REL_PROGRAM", program)
+        L.put("REL_LEAF", np.array([[int(a.has_segments), int(a.topology)] for a in leaves],
+                                   dtype=np.int64))
+        for name, get, width in (
+                ("Q_POS", lambda a: a.q_pos, (Br, Qr)), ("K_POS", lambda a: a.k_pos, (Br, Kr)),
+                ("Q_SEG", lambda a: a.q_segment, (Br, Qr)),
+                ("K_SEG", lambda a: a.k_segment, (Br, Kr)),
+                ("PREFIX", lambda a: a.prefix_length, (Br, Hr)),
+                ("LEFT", lambda a: a.left, (Hr,)), ("RIGHT", lambda a: a.right, (Hr,))):
+            L.put(name, stack(get, np.int64, width))
+        L.put("KEY_VALID", stack(lambda a: a.key_valid, np.uint8, (Br, Kr)))
     elif call.visible is not None:
         L.set("VIS_MODE", 1)
         L.strided("VIS", "VIS", np.asarray(call.visible, dtype=np.uint8), full)

@@ -46,15 +46,22 @@ def visibility_inputs(
     max_q: int = 6,
     max_k: int = 6,
     max_pos: int = 8,
+    sizes: tuple[int, int, int, int] | None = None,
 ) -> dict[str, Any]:
     """Keyword arguments for ``compile_visibility`` / ``relation`` (always a valid request).
 
     Covers key padding, causal, two-sided segments, prefix (shared or per head, never with
-    causal) and windows (None sides, per-head bounds).
+    causal) and windows (None sides, per-head bounds). ``sizes=(B, H, Q, K)`` fixes Q and K
+    and lets B and H be 1 or the given size (terms of one composition).
     """
-    B = draw(st.integers(1, max_batch))
-    Q = draw(st.integers(1, max_q))
-    K = draw(st.integers(1, max_k))
+    if sizes is None:
+        B = draw(st.integers(1, max_batch))
+        Q = draw(st.integers(1, max_q))
+        K = draw(st.integers(1, max_k))
+    else:
+        B = draw(st.sampled_from(sorted({1, sizes[0]})))
+        Q, K = sizes[2], sizes[3]
+        max_heads = sizes[1]
     ints = st.integers(-2, max_pos)
     q_pos = np.array(draw(st.lists(st.lists(ints, min_size=Q, max_size=Q),
                                    min_size=B, max_size=B)), dtype=np.int64)
@@ -64,7 +71,10 @@ def visibility_inputs(
                                        min_size=B, max_size=B)), dtype=bool)
     kwargs: dict[str, Any] = {"q_pos": q_pos, "k_pos": k_pos, "key_valid": key_valid}
     per_head = max_heads > 1 and draw(st.booleans())
-    H = draw(st.integers(2, max_heads)) if per_head else 1
+    if sizes is not None:
+        H = max_heads if per_head else 1
+    else:
+        H = draw(st.integers(2, max_heads)) if per_head else 1
     if draw(st.booleans()):
         segs = st.integers(0, 2)
         kwargs["q_segment"] = np.array(draw(st.lists(st.lists(segs, min_size=Q, max_size=Q),
@@ -94,6 +104,32 @@ def visibility_inputs(
             left = draw(st.integers(0, 4))
         kwargs["window"] = (left, right)
     return kwargs
+
+
+@st.composite
+def composed_relations(draw: st.DrawFn, *, max_terms: int = 3, max_depth: int = 2) -> Any:
+    """A union / intersection of coordinate relations (``a | b``, ``a & b``, nested).
+
+    The terms share Q and K; each one's batch and head axes are 1 or the composition's.
+    """
+    from refattn.masks import relation
+
+    sizes = (draw(st.integers(1, 2)), draw(st.integers(1, 3)), draw(st.integers(1, 6)),
+             draw(st.integers(1, 6)))
+
+    def term(depth: int) -> Any:
+        if depth >= max_depth or draw(st.booleans()):
+            return relation(**draw(visibility_inputs(sizes=sizes)))
+        n = draw(st.integers(2, max_terms))
+        parts = [term(depth + 1) for _ in range(n)]
+        op = draw(st.sampled_from(["or", "and"]))
+        out = parts[0]
+        for p in parts[1:]:
+            out = (out | p) if op == "or" else (out & p)
+        return out
+
+    first, second = term(1), term(1)
+    return (first | second) if draw(st.booleans()) else (first & second)
 
 
 @st.composite

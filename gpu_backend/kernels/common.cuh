@@ -24,8 +24,9 @@ __device__ __forceinline__ double refattn_neg_inf() {
 enum RefattnPtr {
     X_Q, X_K, X_V, X_HEAD_MAP,                       // (B,Hq,Q,Dk) (B,Hkv,K,Dk) (B,Hkv,K,Dv) (Hq)
     X_BIAS, X_Z, X_VIS,                              // strided operands, broadcast to (B,Hq,Q,K)
-    X_Q_POS, X_K_POS, X_KEY_VALID, X_Q_SEG, X_K_SEG, // relation: (Br,Q) (Br,K) (Br,K) (Br,Q) (Br,K)
-    X_PREFIX, X_LEFT, X_RIGHT,                       // relation: (Br,Hr) (Hr) (Hr)
+    X_Q_POS, X_K_POS, X_KEY_VALID, X_Q_SEG, X_K_SEG, // leaves: (L,Br,Q) (L,Br,K) (L,Br,K) (L,Br,Q) (L,Br,K)
+    X_PREFIX, X_LEFT, X_RIGHT,                       // leaves: (L,Br,Hr) (L,Hr) (L,Hr)
+    X_REL_LEAF, X_REL_PROGRAM,                       // (L,2) has_segments, topology; (n) postfix
     X_SANITIZED, X_QUERY_VALID, X_SINK,              // (B,Hq,Q) u8, (B,Q) u8, (Hq)
     X_OUT, X_LSE, X_ROW_MAX,                         // forward outputs
     X_G_O, X_D,                                      // backward inputs: G_O (B,Hq,Q,Dv), D (B,Hq,Q)
@@ -42,8 +43,8 @@ enum RefattnInt {
     P_B, P_HQ, P_HKV, P_Q, P_K, P_DK, P_DV,
     P_VIS_MODE,          // 0 every edge, 1 dense bool tensor, 2 relation
     P_REL_B, P_REL_H,    // the relation's batch and head extents (1 = shared)
-    P_TOPOLOGY,          // 0 bidirectional, 1 causal, 2 prefix
-    P_HAS_SEGMENTS, P_HAS_BIAS, P_HAS_SOFTCAP, P_HAS_SINK, P_HAS_SANITIZED,
+    P_REL_PROGRAM_LEN,   // length of the postfix program over the leaves (1: one leaf)
+    P_HAS_BIAS, P_HAS_SOFTCAP, P_HAS_SINK, P_HAS_SANITIZED,
     P_DROP_MODE,         // 0 none, 1 dense multiplier tensor, 2 Philox stream
     P_PHILOX_KEY0, P_PHILOX_KEY1, P_PHILOX_OFFSET, P_PHILOX_THRESHOLD,
     P_GBIAS_MODE,        // 0 none, 1 per element (B,Hq,Q,K), 2 summed over q (B,Hq,K),

@@ -21,7 +21,7 @@ from refattn.bundle.read import LoadedCase, load
 from refattn.call import AttentionCall, scores
 from refattn.dropout import from_manifest
 from refattn.errors import RefAttnError
-from refattn.masks import VisibilityRelation
+from refattn.masks import relation_from_manifest
 
 __all__ = ["CaseSpec", "case_spec", "with_strides"]
 
@@ -195,11 +195,12 @@ class CaseSpec:
                 raise RefAttnError(f"{self.case_id}: unknown score family {other!r}")
 
     def relation(self) -> Any:
-        """The :class:`~refattn.masks.VisibilityRelation` the call was built from, or None."""
+        """The relation the call was built from (a :class:`~refattn.masks.VisibilityRelation` or
+        a composition of them), or None."""
         record = self.call_manifest["visibility"].get("relation")
         if record is None:
             return None
-        return VisibilityRelation.from_manifest(record)
+        return relation_from_manifest(record)
 
     def to_call(self) -> AttentionCall:
         """Rebuild the :class:`~refattn.AttentionCall`, including the recorded input strides.

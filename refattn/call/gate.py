@@ -29,7 +29,7 @@ from refattn._version import __version__
 from refattn.call.placement import PLACEMENTS, ScalePlacement, placement_record
 from refattn.call.scores import Dot, ScoreFamily
 from refattn.errors import RefAttnError
-from refattn.masks import VisibilityRelation
+from refattn.masks import BaseRelation
 from refattn.records import float_record, tensor_record
 
 __all__ = ["AttentionCall", "MultiplierSource"]
@@ -86,13 +86,14 @@ class AttentionCall:
         Keys (physical storage: Hkv heads).
     v : (B, Hkv, K, Dv) float64 ndarray
         Values; value row j belongs to the same source row as key j.
-    visible : bool ndarray broadcastable to (B, Hq, Q, K), or VisibilityRelation, optional
+    visible : bool ndarray broadcastable to (B, Hq, Q, K), or a relation, optional
         True means the edge (query i reads key j) exists. Default: every edge exists. A
-        :class:`~refattn.masks.VisibilityRelation` is kept as given (``visible`` and
-        ``relation`` are then the relation): the gate checks its rows block by block, streaming
-        kernels evaluate it per tile, and :meth:`visible_array` builds the dense form only
-        when a dense consumer asks. The manifest records its layout, alignment, window
-        convention and head sharing.
+        :class:`~refattn.masks.VisibilityRelation`, or a union / intersection of them
+        (``a | b``, ``a & b``: :class:`~refattn.masks.ComposedRelation`), is kept as given
+        (``visible`` and ``relation`` are then the relation): the gate checks its rows block
+        by block, streaming kernels evaluate it per tile, and :meth:`visible_array` builds
+        the dense form only when a dense consumer asks. The manifest records its layout,
+        alignment, window convention and head sharing.
     query_valid : bool ndarray broadcastable to (B, 1, Q, 1), optional
         Whether an output row is consumed. Rows with False get exactly zero output and
         exactly zero gradient contributions.
@@ -147,7 +148,7 @@ class AttentionCall:
     k: np.ndarray
     v: np.ndarray
     _: KW_ONLY
-    visible: np.ndarray | VisibilityRelation | None = None
+    visible: np.ndarray | BaseRelation | None = None
     query_valid: np.ndarray | None = None
     bias: np.ndarray | None = None
     scale: float | None = None
@@ -160,7 +161,7 @@ class AttentionCall:
     softcap: float | None = None
     sink: np.ndarray | None = None
     ledger: dict[str, Any] = field(init=False, repr=False)
-    relation: VisibilityRelation | None = field(init=False, repr=False, default=None)
+    relation: BaseRelation | None = field(init=False, repr=False, default=None)
 
     def __post_init__(self) -> None:
         try:
@@ -251,7 +252,7 @@ class AttentionCall:
         self._validate_modifiers(Hq)
 
         # visibility and query validity
-        if isinstance(self.visible, VisibilityRelation):  # evaluated lazily, never copied
+        if isinstance(self.visible, BaseRelation):  # evaluated lazily, never copied
             rel = self.visible
             self._set("relation", rel)
             check_broadcastable("visible", np.broadcast_to(np.False_, rel.shape), full,

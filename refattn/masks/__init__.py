@@ -1,7 +1,8 @@
 """Visibility: which query reads which key, built from coordinates and named conventions.
 
-Owns the predicate (:class:`VisibilityRelation`, :mod:`~refattn.masks.relation`), its
-constructors (:mod:`~refattn.masks.constructors`), window conventions, packed (varlen)
+Owns the predicate (:class:`VisibilityRelation`, :mod:`~refattn.masks.relation`), its union and
+intersection (``a | b``, ``a & b``: :class:`ComposedRelation`, :mod:`~refattn.masks.algebra`),
+its constructors (:mod:`~refattn.masks.constructors`), window conventions, packed (varlen)
 sequences, block masks for tiled kernels, lowering to and from framework mask encodings
 (:mod:`~refattn.masks.framework`) and text rendering. This package is the public face of the
 feature; modules inside it import each other directly, never this ``__init__``. It imports only
@@ -21,6 +22,7 @@ q\\k  0 1 2
 
 from __future__ import annotations
 
+from refattn.masks.algebra import BaseRelation, ComposedRelation
 from refattn.masks.constructors import (
     CausalAlignment,
     causal,
@@ -38,12 +40,14 @@ from refattn.masks.packing import (
     segments_from_cu_seqlens,
     unpack,
 )
-from refattn.masks.relation import KernelArguments, VisibilityRelation
+from refattn.masks.relation import KernelArguments, VisibilityRelation, relation_from_manifest
 from refattn.masks.render import EmptyRow, empty_rows, render
 from refattn.masks.windows import Window, window_from_inclusive, window_to_inclusive
 
 __all__ = [
+    "BaseRelation",
     "CausalAlignment",
+    "ComposedRelation",
     "EmptyRow",
     "KernelArguments",
     "Packed",
@@ -59,6 +63,7 @@ __all__ = [
     "pack",
     "pair_counts",
     "relation",
+    "relation_from_manifest",
     "render",
     "segments_from_cu_seqlens",
     "unpack",

@@ -17,7 +17,7 @@ import numpy as np
 
 from refattn._checks import as_array, check_bool
 from refattn.errors import RefAttnError
-from refattn.masks.relation import VisibilityRelation
+from refattn.masks.algebra import BaseRelation
 from refattn.masks.render import as4
 
 __all__ = ["ABSENT", "FULL", "PARTIAL", "BlockMask", "block_mask_to_dense", "to_block_mask"]
@@ -95,7 +95,7 @@ def _counts_dense(vis: np.ndarray, qs: np.ndarray, ks: np.ndarray) -> np.ndarray
     return np.add.reduceat(per_q, ks, axis=3)  # (B, H, nQ, nK)
 
 
-def _counts_tiles(rel: VisibilityRelation, qs: np.ndarray, ks: np.ndarray) -> np.ndarray:
+def _counts_tiles(rel: BaseRelation, qs: np.ndarray, ks: np.ndarray) -> np.ndarray:
     B, H, Q, K = rel.shape
     qe = np.append(qs[1:], Q)
     counts = np.zeros((B, H, qs.size, ks.size), dtype=np.int64)
@@ -123,8 +123,9 @@ def to_block_mask(visible: Any, block_size: Any = 128) -> BlockMask:
 
     Parameters
     ----------
-    visible : bool ndarray of shape (Q, K) or (B, H, Q, K), or VisibilityRelation
-        A relation is evaluated tile by tile from its coordinates (no dense mask is built).
+    visible : bool ndarray of shape (Q, K) or (B, H, Q, K), or a relation
+        A relation (coordinates or a union / intersection of them) is evaluated tile by
+        tile from its coordinates (no dense mask is built).
     block_size : int or (int, int)
         ``q_block`` and ``kv_block`` (FlexAttention's default is 128).
 
@@ -142,7 +143,7 @@ def to_block_mask(visible: Any, block_size: Any = 128) -> BlockMask:
     [[1, 0], [2, 1]]
     """
     q_block, kv_block = _block_size(block_size)
-    if isinstance(visible, VisibilityRelation):
+    if isinstance(visible, BaseRelation):
         shape = visible.shape
         qs, ks = _starts(shape[2], q_block), _starts(shape[3], kv_block)
         counts = _counts_tiles(visible, qs, ks)

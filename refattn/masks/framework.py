@@ -24,9 +24,9 @@ from refattn._checks import (
     format_index,
 )
 from refattn.errors import RefAttnError
+from refattn.masks.algebra import BaseRelation
 from refattn.masks.constructors import causal
 from refattn.masks.packing import _cu_seqlens, segments_from_cu_seqlens
-from refattn.masks.relation import VisibilityRelation
 from refattn.masks.render import as4, dense_relation
 
 __all__ = [
@@ -88,7 +88,7 @@ def to_sdpa_bool(
 
     Parameters
     ----------
-    visible : bool ndarray broadcastable to (B, Hq, Q, K), or VisibilityRelation
+    visible : bool ndarray broadcastable to (B, Hq, Q, K), or a relation
     score_shape : (B, Hq, Q, K) tuple, optional
         When given, ``visible`` must broadcast to it.
     all_masked_rows : {"reject", "allow"}
@@ -136,7 +136,7 @@ def to_mha_attn_mask(
 
     Parameters
     ----------
-    visible : (Q, K) or (B, H, Q, K) bool ndarray, or VisibilityRelation
+    visible : (Q, K) or (B, H, Q, K) bool ndarray, or a relation
         B may be 1 or ``batch``; H may be 1 or ``num_heads``.
     num_heads : int
         H of the module.
@@ -212,7 +212,7 @@ def to_key_padding_mask(visible: Any, *, all_masked_rows: RowPolicy = "reject") 
 
     Parameters
     ----------
-    visible : (B, H, Q, K) bool ndarray or VisibilityRelation
+    visible : (B, H, Q, K) bool ndarray or a relation (coordinates, or a union / intersection)
     all_masked_rows : {"reject", "allow"}
 
     Returns
@@ -375,7 +375,7 @@ def to_cu_seqlens(visible: Any) -> VarlenLowering:
 
     Parameters
     ----------
-    visible : (1, 1, Q, K) or (Q, K) bool ndarray, or VisibilityRelation
+    visible : (1, 1, Q, K) or (Q, K) bool ndarray, or a relation
 
     Returns
     -------
@@ -464,7 +464,7 @@ def to_sdpa_causal(
 
     Parameters
     ----------
-    visible : bool ndarray broadcastable to (B, Hq, Q, K), or VisibilityRelation
+    visible : bool ndarray broadcastable to (B, Hq, Q, K), or a relation
     mode : {"auto", "flag"}
         "flag" raises instead of falling back to an explicit mask.
     all_masked_rows : {"reject", "allow"}
@@ -483,7 +483,7 @@ def to_sdpa_causal(
     """
     if mode not in ("auto", "flag"):
         raise RefAttnError(f"mode: expected 'auto' or 'flag', got {mode!r}")
-    rel = visible if isinstance(visible, VisibilityRelation) else None
+    rel = visible if isinstance(visible, BaseRelation) else None
     vis = dense_relation("visible", visible)
     Q, K = vis.shape[-2:]
     vis4 = as4(vis)

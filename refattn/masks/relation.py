@@ -1,8 +1,10 @@
 """The frozen visibility relation: coordinates, labels and the one predicate over them.
 
-Owns :class:`VisibilityRelation` (validation of its fields, per-element / per-tile / dense
-evaluation, the JSON manifest and its inverse) and :class:`KernelArguments` (the same fields as
-fixed-shape arrays for compiled tile kernels). Defers the constructors to
+Owns :class:`VisibilityRelation` (validation of its fields, per-element evaluation, the JSON
+manifest and its inverse), :class:`KernelArguments` (the same fields as fixed-shape arrays for
+compiled tile kernels) and :func:`relation_from_manifest` (a coordinate relation or a
+composition of them, from its manifest). Defers per-tile and dense evaluation and the union /
+intersection operators to :mod:`refattn.masks.algebra`, the constructors to
 :mod:`refattn.masks`, window conventions to :mod:`refattn.masks.windows` and input checks to
 :mod:`refattn.masks._inputs`.
 """
@@ -23,9 +25,11 @@ from refattn.masks._inputs import (
     prefix_lengths,
     window_bounds,
 )
+from refattn.masks.algebra import BaseRelation, ComposedRelation
 from refattn.masks.windows import Window, window_to_inclusive
 
-__all__ = ["Alignment", "KernelArguments", "Layout", "VisibilityRelation", "WindowConvention"]
+__all__ = ["Alignment", "KernelArguments", "Layout", "VisibilityRelation", "WindowConvention",
+           "relation_from_manifest"]
 
 Layout = Literal["padded", "packed", "cache"]
 Alignment = Literal["upper_left", "lower_right", "explicit_positions", "none"]
@@ -81,7 +85,7 @@ def _listed(x: WindowBound | np.ndarray) -> Any:
 
 
 @dataclass(frozen=True, eq=False)
-class VisibilityRelation:
+class VisibilityRelation(BaseRelation):
     r"""A visibility relation described by coordinates, not by a dense matrix.
 
     For batch row b, head h, query row i and key row j, with ``p = q_pos[b, i]`` and
@@ -100,7 +104,9 @@ class VisibilityRelation:
     ``left`` / ``right`` count keys strictly before / after the query position, so the
     diagonal ``r == p`` always passes the window (FlashAttention / JAX / ONNX convention).
     A backend may evaluate this per element, per tile (:meth:`tile`) or densely
-    (:meth:`dense`); every evaluation must give the same truth values.
+    (:meth:`dense`); every evaluation must give the same truth values. ``a | b`` and
+    ``a & b`` compose relations (:class:`~refattn.masks.algebra.ComposedRelation`), keeping
+    their coordinates.
 
     Build one with :func:`relation` (which also converts windows from the convention that
     counts the query itself); direct construction takes the normalized fields below and
@@ -291,15 +297,6 @@ class VisibilityRelation:
         return "causal" if self.causal else "bidirectional"
 
     # -- evaluation ----------------------------------------------------------------------
-    def _check_index(self, name: str, idx: np.ndarray, size: int) -> None:
-        if idx.dtype.kind not in "iu":
-            raise RefAttnError(f"{name}: expected integer indices, got dtype {idx.dtype}")
-        if idx.size and (int(idx.min()) < 0 or int(idx.max()) >= size):
-            raise RefAttnError(
-                f"{name}: indices must lie in [0, {size}), got range "
-                f"[{int(idx.min())}, {int(idx.max())}]"
-            )
-
     def mask_mod(self, b: Any, h: Any, q_idx: Any, kv_idx: Any) -> np.ndarray:
         """Evaluate the predicate at broadcastable index arrays (FlexAttention ``mask_mod``).
 
@@ -343,84 +340,13 @@ class VisibilityRelation:
                 out = out & (r - p <= _bound_at(right, h))
         return np.broadcast_to(out, shape).copy()
 
-    def dense(self) -> np.ndarray:
-        """The dense relation.
+    def leaves(self) -> tuple[VisibilityRelation, ...]:
+        """``(self,)``: a coordinate relation is its own one leaf."""
+        return (self,)
 
-        Returns
-        -------
-        (B, H, Q, K) bool ndarray
-            H is 1 when every head shares the relation (then it broadcasts over Hq).
-
-        Examples
-        --------
-        >>> from refattn.masks import causal
-        >>> causal(2, 2, alignment="upper_left").dense().shape
-        (1, 1, 2, 2)
-        """
-        B, H, Q, K = self.shape
-        return self.mask_mod(
-            np.arange(B)[:, None, None, None], np.arange(H)[None, :, None, None],
-            np.arange(Q)[None, None, :, None], np.arange(K)[None, None, None, :],
-        )
-
-    def tile(self, b: int, i0: int, i1: int, j0: int, j1: int, *, h: int = 0) -> np.ndarray:
-        """The relation on query rows ``[i0, i1)`` and key rows ``[j0, j1)``, from coordinates.
-
-        Evaluates the predicate for this tile only; the dense relation is never built.
-
-        Parameters
-        ----------
-        b : int
-            Batch row.
-        i0, i1, j0, j1 : int
-            Half-open query-row and key-row ranges, ``0 <= i0 <= i1 <= Q`` and likewise for K.
-        h : int
-            Head (only meaningful for a per-head relation).
-
-        Returns
-        -------
-        (i1 - i0, j1 - j0) bool ndarray
-
-        Examples
-        --------
-        >>> from refattn.masks import causal
-        >>> causal(4, 4, alignment="upper_left").tile(0, 2, 4, 0, 4).astype(int).tolist()
-        [[1, 1, 1, 0], [1, 1, 1, 1]]
-        """
-        _, _, Q, K = self.shape
-        for lo, hi, size, name in ((i0, i1, Q, "i"), (j0, j1, K, "j")):
-            if not (0 <= lo <= hi <= size):
-                raise RefAttnError(
-                    f"tile: expected 0 <= {name}0 <= {name}1 <= {size}, got [{lo}, {hi})"
-                )
-        return self.mask_mod(b, h, np.arange(i0, i1)[:, None], np.arange(j0, j1)[None, :])
-
-    def row_any(self, *, block_elements: int = 1 << 20) -> np.ndarray:
-        """Whether each query row has at least one legal key, without the dense relation.
-
-        Evaluates :meth:`tile` over blocks of whole rows of at most ``block_elements``
-        edges, so the memory used is bounded by the block, not by Q x K.
-
-        Returns
-        -------
-        (B, H, Q) bool ndarray
-            Equal to ``self.dense().any(axis=-1)``.
-
-        Examples
-        --------
-        >>> from refattn.masks import causal
-        >>> causal(3, 2, alignment="lower_right").row_any().tolist()
-        [[[False, True, True]]]
-        """
-        B, H, Q, K = self.shape
-        out = np.zeros((B, H, Q), dtype=bool)
-        rows = max(1, block_elements // max(K, 1))
-        for b in range(B):
-            for h in range(H):
-                for i0 in range(0, Q, rows):
-                    i1 = min(Q, i0 + rows)
-                    out[b, h, i0:i1] = self.tile(b, i0, i1, 0, K, h=h).any(axis=-1)
-        return out
+    def program(self) -> np.ndarray:
+        """``[0]``: push the one leaf (see :meth:`BaseRelation.program`)."""
+        return np.zeros(1, dtype=np.int64)
 
     def kernel_arguments(self) -> KernelArguments:
         """The relation's fields as fixed-shape arrays (see :class:`KernelArguments`).
@@ -520,3 +446,32 @@ class VisibilityRelation:
             alignment=manifest["alignment"],
             window_convention=manifest["window_convention"] or "excludes_query",
         )
+
+
+def relation_from_manifest(manifest: dict[str, Any]) -> BaseRelation:
+    """Rebuild a relation, or a composition of relations, from its manifest.
+
+    Parameters
+    ----------
+    manifest : dict
+        A ``visibility_relation_v1`` or ``visibility_composition_v1`` record.
+
+    Returns
+    -------
+    VisibilityRelation or ComposedRelation
+
+    Examples
+    --------
+    >>> from refattn.masks import causal
+    >>> rel = causal(2, 4, alignment="upper_left") | causal(2, 4, alignment="lower_right")
+    >>> back = relation_from_manifest(rel.manifest())
+    >>> bool((back.dense() == rel.dense()).all()), back.op
+    (True, 'or')
+    """
+    schema = manifest.get("schema")
+    if schema == "visibility_composition_v1":
+        terms = manifest.get("terms")
+        if not isinstance(terms, list):
+            raise RefAttnError("manifest: a visibility_composition_v1 record needs a 'terms' list")
+        return ComposedRelation(manifest["op"], [relation_from_manifest(t) for t in terms])
+    return VisibilityRelation.from_manifest(manifest)

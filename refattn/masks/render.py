@@ -15,7 +15,7 @@ import numpy as np
 
 from refattn._checks import as_array, check_bool
 from refattn.errors import RefAttnError
-from refattn.masks.relation import VisibilityRelation
+from refattn.masks.algebra import BaseRelation
 
 __all__ = ["EmptyRow", "as4", "dense_relation", "empty_rows", "render"]
 
@@ -29,14 +29,15 @@ class EmptyRow(NamedTuple):
 
 
 def dense_relation(name: str, visible: Any) -> np.ndarray:
-    """A relation's :meth:`~VisibilityRelation.dense`, or a checked bool array (shape kept).
+    """A relation's :meth:`~refattn.masks.BaseRelation.dense` (a coordinate relation or a
+    composition), or a checked bool array (shape kept).
 
     Examples
     --------
     >>> dense_relation("visible", np.eye(2, dtype=bool)).shape
     (2, 2)
     """
-    if isinstance(visible, VisibilityRelation):
+    if isinstance(visible, BaseRelation):
         return visible.dense()
     arr = as_array(name, visible)
     check_bool(name, arr)
@@ -57,7 +58,7 @@ def empty_rows(visible: Any) -> list[EmptyRow]:
 
     Parameters
     ----------
-    visible : bool ndarray of shape (Q, K), (H, Q, K) or (B, H, Q, K), or a VisibilityRelation
+    visible : bool ndarray of shape (Q, K), (H, Q, K) or (B, H, Q, K), or a relation
         Missing leading axes count as size 1.
 
     Returns
