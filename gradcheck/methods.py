@@ -28,6 +28,8 @@ from typing import Literal
 
 import numpy as np
 
+from gradcheck.errors import GradcheckError
+
 __all__ = [
     "CD_STEP",
     "CS_STEP",
@@ -295,7 +297,7 @@ def central_jvp(
     (True, True)
     """
     if levels < 1:
-        raise ValueError(f"levels: expected >= 1, got {levels}")
+        raise GradcheckError(f"levels: expected >= 1, got {levels}")
     x = inputs[name]
     diffs, steps, noises = [], [], []
     for k in range(levels):

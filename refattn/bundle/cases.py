@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from typing import Any, NamedTuple
 
 import numpy as np
-from threadpoolctl import threadpool_limits
+from threadpoolctl import threadpool_info, threadpool_limits
 
 from refattn.call import AttentionCall
 from refattn.engine import backward, forward
@@ -22,7 +22,7 @@ from refattn.errors import RefAttnError
 from refattn.records import float_record
 
 __all__ = ["GENERATORS", "Computed", "GoldenCase", "case_conventions", "case_tensors",
-           "compute"]
+           "compute", "numpy_environment"]
 
 #: backends that may generate a golden bundle: ``exact`` (default; correctly rounded, the same
 #: bytes on every machine) and ``numpy`` (IEEE float64 in BLAS order; depends on the machine)
@@ -91,6 +91,25 @@ def compute(case: GoldenCase, backend: str = "exact") -> Computed:
     return Computed(trace, grads)
 
 
+def numpy_environment() -> dict[str, Any]:
+    """What the bytes of a ``numpy``-generated case depend on: numpy's version and the BLAS
+    libraries it calls (name, version, architecture). A numpy bundle records it; verify
+    requires bit identity only where it matches (on the same BLAS the one-thread generator
+    is deterministic).
+
+    Examples
+    --------
+    >>> sorted(numpy_environment())
+    ['blas', 'numpy']
+    """
+    blas = sorted(
+        {(str(i.get("internal_api")), str(i.get("version")), str(i.get("architecture")))
+         for i in threadpool_info() if i.get("user_api") == "blas"
+         and "numpy" in str(i.get("filepath", "")).lower()})  # numpy's own, not scipy's
+    return {"numpy": np.__version__,
+            "blas": [{"library": a, "version": v, "architecture": c} for a, v, c in blas]}
+
+
 def case_tensors(trace: Trace, grads: Gradients) -> dict[str, np.ndarray]:
     """Every tensor a case file stores, by canonical name, C-contiguous."""
     tensors = {**trace.tensors(), **grads.tensors()}
@@ -100,7 +119,8 @@ def case_tensors(trace: Trace, grads: Gradients) -> dict[str, np.ndarray]:
 
 
 def case_conventions(case: GoldenCase) -> dict[str, Any]:
-    """The conventions a manifest entry records: the call's policies plus the case's own."""
+    """The conventions a manifest entry records: the call's policies, its relation's causal
+    alignment and window convention, and the case's own (which must agree: verify checks)."""
     call = case.call
     conv = {
         "polarity": "true_means_legal",
@@ -112,5 +132,9 @@ def case_conventions(case: GoldenCase) -> dict[str, Any]:
         "causal_alignment": "none",
         "window_convention": "none",
     }
+    if call.relation is not None:  # a relation names its own alignment and window convention
+        rel = call.relation.manifest()
+        conv["causal_alignment"] = rel.get("alignment") or "none"
+        conv["window_convention"] = rel.get("window_convention") or "none"
     conv.update(case.conventions)
     return conv

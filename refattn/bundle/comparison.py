@@ -34,7 +34,7 @@ from refattn.bundle.tolerances import (
 )
 from refattn.errors import RefAttnError
 
-__all__ = ["TRACE_ORDER", "Report", "TensorReport", "compare"]
+__all__ = ["CHECKS", "TRACE_ORDER", "Report", "TensorReport", "compare", "required_tensors"]
 
 #: canonical names in trace order: inputs, forward stages, backward stages
 TRACE_ORDER = (
@@ -44,6 +44,44 @@ TRACE_ORDER = (
     "grad_output", "grad_v", "grad_consumed", "grad_probs", "row_dot", "row_dot_output",
     "grad_scores", "grad_softcap_input", "grad_q", "grad_k", "grad_bias", "grad_sink",
 )
+
+
+#: what a candidate is checked for: its forward output, its output and every input gradient,
+#: or only the tensors it lists (at least one)
+CHECKS = ("auto", "forward", "gradients", "listed")
+_INPUT_GRADIENTS = ("grad_q", "grad_k", "grad_v", "grad_bias", "grad_sink")
+
+
+def required_tensors(check: str, golden_names: Any, candidate_names: Any = ()) -> tuple[str, ...]:
+    """The tensors a candidate must contain for ``check`` against a golden case.
+
+    ``forward``: ``output``. ``gradients``: ``output`` and every input gradient the golden
+    stores (``grad_q``, ``grad_k``, ``grad_v``, and ``grad_bias``, ``grad_sink``,
+    ``grad_score_<param>`` where the call has them). ``auto``: ``gradients`` when the candidate
+    holds any input gradient, else ``forward``. ``listed``: only the tensors the candidate
+    holds (a study of single stages); it must hold at least one.
+
+    Examples
+    --------
+    >>> required_tensors("auto", ["output", "grad_q", "grad_k", "grad_v"], ["output"])
+    ('output',)
+    >>> required_tensors("auto", ["output", "grad_q", "grad_k", "grad_v"], ["grad_k"])
+    ('output', 'grad_q', 'grad_k', 'grad_v')
+    """
+    if check not in CHECKS:
+        raise RefAttnError(f"check: expected one of {list(CHECKS)}, got {check!r}")
+    golden_names = set(golden_names)
+    if check == "listed":
+        return ()
+    if check == "auto":
+        grads = any(n in _INPUT_GRADIENTS or n.startswith("grad_score_")
+                    for n in candidate_names)
+        check = "gradients" if grads else "forward"
+    need = ["output"]
+    if check == "gradients":
+        need += [n for n in _INPUT_GRADIENTS if n in golden_names or n in _INPUT_GRADIENTS[:3]]
+        need += sorted(n for n in golden_names if n.startswith("grad_score_"))
+    return tuple(need)
 
 
 def _order_key(name: str) -> tuple[int, str]:
@@ -158,7 +196,9 @@ class Report:
 
     @property
     def passed(self) -> bool:
-        return all(t.passed for t in self.tensors)
+        """True when at least one tensor was compared and every row passed (a candidate
+        missing a tensor its check needs has a failing row for it)."""
+        return bool(self.tensors) and all(t.passed for t in self.tensors)
 
     @property
     def first_failure(self) -> str | None:
@@ -351,6 +391,7 @@ def compare(
     *,
     dtype: Any = None,
     tolerances: Tolerances | None = None,
+    check: str = "listed",
 ) -> Report:
     """Compare a candidate's tensors with a golden case under the precision's rule.
 
@@ -367,6 +408,12 @@ def compare(
         ``"float64"`` selects the per-element rule; float32, float16 and bfloat16 select the
         reference-relative rule.
     tolerances : Tolerances, optional
+    check : {"auto", "forward", "gradients", "listed"}
+        What the candidate must contain (:func:`required_tensors`): ``output`` at least, and
+        every input gradient of the golden for a gradient comparison (``auto``: when the
+        candidate holds any); ``listed`` (the default here; ``refattn compare`` defaults to
+        ``auto``) compares only the tensors given. A missing one is a failing row that names
+        it; an empty candidate never passes.
 
     Returns
     -------
@@ -390,6 +437,9 @@ def compare(
     >>> r = compare({"output": out.astype(np.float32)}, spec)
     >>> r.precision, r.passed, r["output"].rule
     ('float32', True, 'reference_relative')
+    >>> lse_only = {"lse": spec.tensors["lse"]}
+    >>> compare({}, spec).passed, compare(lse_only, spec, check="forward").passed
+    (False, False)
     >>> bad = out.copy(); bad[0, 0, 1, 0] += 1e-6
     >>> r = compare({"output": bad}, spec)
     >>> r.passed, r.first_failure, r["output"].worst_index
@@ -403,6 +453,7 @@ def compare(
                            f"{type(candidate).__name__}")
     spec, gold = _golden_parts(golden)
     cand = {str(name): as_numpy(str(name), x) for name, x in candidate.items()}
+    required = required_tensors(check, gold, cand)
     precision = precision_name(resolve_dtype(dtype)) if dtype is not None else (
         _infer_precision(cand))
     lp_dtype = resolve_dtype(precision)
@@ -436,6 +487,13 @@ def compare(
         else:
             rows.append(_numeric(name, c, g, precision=precision, tol=tol, naive=naive,
                                  dtype=lp_dtype))
-    missing = tuple(sorted((n for n in gold if n not in cand), key=_order_key))
+    for name in required:
+        if name not in cand:
+            kind = "gradient" if name.startswith("grad_") else "forward"
+            rows.append(TensorReport(name, "structure", False, f"missing: the candidate has no "
+                                     f"{name!r}, which a {kind} comparison needs"))
+    rows.sort(key=lambda r: _order_key(r.name))
+    missing = tuple(sorted((n for n in gold if n not in cand and n not in required),
+                           key=_order_key))
     case_id = spec.case_id if spec is not None else None
     return Report(case_id, precision, tuple(rows), missing, tol)

@@ -30,7 +30,9 @@ def with_strides(x: np.ndarray, stride: list[int]) -> np.ndarray:
     """A view holding ``x``'s values with the given element strides (the recorded layout).
 
     Non-negative, non-overlapping layouts are rebuilt exactly; anything else (a zero or
-    negative stride) returns a C-contiguous copy.
+    negative stride, or a layout spanning more than 64 times the tensor's elements, which a
+    hostile manifest could use to exhaust memory) returns a C-contiguous copy, and the
+    rebuilt call's manifest then differs from the stored one where verify reports it.
 
     Examples
     --------
@@ -44,6 +46,8 @@ def with_strides(x: np.ndarray, stride: list[int]) -> np.ndarray:
     if len(stride) != x.ndim or any(s <= 0 for s in stride) or x.size == 0:
         return np.ascontiguousarray(x)
     span = 1 + sum((n - 1) * s for n, s in zip(x.shape, stride, strict=True))
+    if span > 64 * x.size + 4096:
+        return np.ascontiguousarray(x)
     buf = np.zeros(span, dtype=x.dtype)
     view = np.lib.stride_tricks.as_strided(
         buf, shape=x.shape, strides=[s * x.itemsize for s in stride], writeable=True
@@ -200,7 +204,14 @@ class CaseSpec:
         record = self.call_manifest["visibility"].get("relation")
         if record is None:
             return None
-        return relation_from_manifest(record)
+        try:
+            return relation_from_manifest(record)
+        except (KeyError, TypeError, ValueError, OverflowError, IndexError) as exc:
+            if isinstance(exc, RefAttnError):
+                raise
+            raise RefAttnError(f"{self.case_id}: the visibility relation in the manifest "
+                               f"cannot be rebuilt ({type(exc).__name__}: "
+                               f"{str(exc)[:120]})") from None
 
     def to_call(self) -> AttentionCall:
         """Rebuild the :class:`~refattn.AttentionCall`, including the recorded input strides.

@@ -1,9 +1,12 @@
 """Verify a golden bundle, reading straight through: bundle -> call -> engine -> compare -> report.
 
 Owns :func:`verify` (``refattn verify DIR``). For every case, in order and each step owned by
-one module: (1) the manifest is read and its schema checked (:mod:`refattn.bundle.manifest`);
-(2) the file's and every tensor's sha256 are checked against it and the case is loaded
-(:mod:`refattn.bundle.read`); (3) the call is rebuilt from the file (:mod:`refattn.bundle.spec`);
+one module: (1) the manifest is read from inside the bundle and validated against its
+published JSON Schema (:mod:`refattn.bundle.manifest`); (2) each case file is read from inside
+the bundle only (no link followed, regular files only, size bounded), the file's and every
+tensor's sha256 are checked and the case is loaded (:mod:`refattn.bundle.read`); (3) the call
+is rebuilt from the file (:mod:`refattn.bundle.spec`) and the recorded conventions and flags
+are checked against it;
 (4) the engine recomputes it and every stored tensor is compared
 (:mod:`refattn.bundle.recompute`); (5) the stored backward is checked against numeric
 derivatives (:mod:`refattn.bundle.gradients`); (6) with ``exact``, every element is confirmed
@@ -14,16 +17,18 @@ correctly rounded (:mod:`refattn.analysis.certificate`); (7) the verdicts are co
 from __future__ import annotations
 
 import os
+import stat
 import zlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from refattn.analysis.certificate import certify
+from refattn.bundle.cases import numpy_environment
 from refattn.bundle.gradients import GradcheckMethod, check_method, check_stored_gradients
 from refattn.bundle.manifest import check_schema, read_manifest
-from refattn.bundle.read import check_case_file, load
-from refattn.bundle.recompute import Unsupported
+from refattn.bundle.read import check_case_file, load_bytes
+from refattn.bundle.recompute import Unsupported, check_recorded
 from refattn.bundle.recompute import recompute as recompute_case
 from refattn.bundle.report import CaseResult, Problem, VerifyReport
 from refattn.bundle.spec import case_spec
@@ -36,14 +41,21 @@ __all__ = ["verify"]
 # -- one case --------------------------------------------------------------------------------
 def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manifest: Any, *,
                  recompute: bool, gradcheck: bool, method: GradcheckMethod,
-                 backend: str | None, exact: bool) -> CaseResult:
-    rel = entry.get("file", f"cases/{case_id}.safetensors")
-    path = directory / rel
-    checked, problems = check_case_file(case_id, path, entry)
-    if problems:
+                 backend: str | None, exact: bool, bit_identical: bool | None) -> CaseResult:
+    rel = entry["file"]
+    if rel != f"cases/{case_id}.safetensors":
+        return CaseResult(case_id, 0, problems=(Problem(
+            case_id, None, "file", f"manifest names file {rel!r}; case {case_id!r} must be "
+            f"stored as 'cases/{case_id}.safetensors'"),))
+    checked, problems, data = check_case_file(case_id, directory, entry)
+    if problems or data is None:
         return CaseResult(case_id, checked, problems=tuple(problems))
     try:
-        spec = case_spec(load(path, manifest=manifest))
+        loaded = load_bytes(data, rel, manifest=manifest, file_name=Path(rel).name)
+        if loaded.case_id != case_id:
+            raise RefAttnError(f"{rel}: the file holds case {loaded.case_id!r}, not {case_id!r}")
+        spec = case_spec(loaded)
+        problems += check_recorded(spec, spec.to_call())
     except RefAttnError as exc:
         return CaseResult(case_id, checked, problems=(Problem(case_id, None, "file", str(exc)),))
     max_err = identical = grad_err = None
@@ -52,7 +64,8 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
     notes: list[str] = []
     if recompute:
         try:
-            max_err, identical, found, case = recompute_case(spec, backend)
+            max_err, identical, found, case = recompute_case(spec, backend,
+                                                             bit_identical=bit_identical)
             problems += found
         except Unsupported as exc:
             notes.append(str(exc))
@@ -130,16 +143,37 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
     directory = Path(directory)
     raw = read_manifest(directory / "manifest.json")
     manifest = check_schema(raw)
+    generator = manifest.get("generator") or {}
+    same_numpy = generator.get("backend") == "numpy" and all(
+        generator.get(k) == v for k, v in numpy_environment().items())
     results = [
         _verify_case(directory, case_id, entry, manifest, recompute=recompute,
                      gradcheck=gradcheck, method=gradcheck_method, backend=backend,
-                     exact=exact)
+                     exact=exact, bit_identical=True if same_numpy else None)
         for case_id, entry in sorted(manifest["cases"].items())
     ]
-    listed = {Path(e.get("file", "")).name for e in manifest["cases"].values()}
-    bundle_problems = tuple(
-        Problem(None, None, "bundle", f"cases/{p.name} is not listed in the manifest")
-        for p in sorted((directory / "cases").glob("*.safetensors")) if p.name not in listed
-    )
     return VerifyReport(str(directory), manifest.get("suite"), str(raw.get("schema_version")),
-                        tuple(results), bundle_problems)
+                        tuple(results), tuple(_listing_problems(directory, manifest)))
+
+
+def _listing_problems(directory: Path, manifest: Mapping[str, Any]) -> list[Problem]:
+    """Entries of ``cases/`` the manifest does not list (by relative path, not basename) and
+    anything there that is not a regular file (a link, a FIFO, a device, a directory)."""
+    listed = {e["file"] for e in manifest["cases"].values()}
+    out: list[Problem] = []
+    try:
+        entries = sorted(os.scandir(directory / "cases"), key=lambda e: e.name)
+    except FileNotFoundError:
+        entries = []
+    except OSError as exc:
+        return [Problem(None, None, "bundle", f"cannot list cases/ ({exc.strerror})")]
+    for e in entries:
+        rel = f"cases/{e.name}"
+        mode = e.stat(follow_symlinks=False).st_mode
+        if not stat.S_ISREG(mode):
+            kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
+            out.append(Problem(None, None, "bundle", f"{rel} is {kind}; a bundle holds only "
+                               "regular files"))
+        elif rel not in listed:
+            out.append(Problem(None, None, "bundle", f"{rel} is not listed in the manifest"))
+    return out

@@ -26,6 +26,7 @@ from refattn._checks import (
     format_index,
 )
 from refattn._version import __version__
+from refattn.call.hazards import check_forward_overflow
 from refattn.call.placement import PLACEMENTS, ScalePlacement, placement_record
 from refattn.call.scores import Dot, ScoreFamily
 from refattn.errors import RefAttnError
@@ -71,6 +72,21 @@ def _positive_real(name: str, x: object, what: str) -> float:
     return value
 
 
+def _refuse_scalar_dropout(dropout: object) -> None:
+    """``dropout=0.1`` is not a probability here: Z would be 0.1 everywhere. Say what to pass."""
+    if isinstance(dropout, (bool, int, float, np.number)) or (
+            isinstance(dropout, np.ndarray) and dropout.ndim == 0):
+        value = dropout.item() if isinstance(dropout, (np.ndarray, np.number)) else dropout
+        raise RefAttnError(
+            f"dropout: got the number {value!r}; dropout= takes the multiplier Z (or a stream "
+            "that makes it), not a probability, and a bare number would multiply every "
+            f"probability by {value!r}. For dropout with p={value!r} pass "
+            f"dropout=refattn.dropout.Philox({value!r}, seed=...) (a replayable stream), or "
+            f"an explicit multiplier array Z of 0 and 1/(1-p) broadcastable to (B, Hq, Q, K), "
+            f"e.g. dropout=np.where(rng.random((B, Hq, Q, K)) < {value!r}, 0.0, "
+            f"1 / (1 - {value!r})); dropout=None turns it off")
+
+
 @dataclass(frozen=True, eq=False)
 class AttentionCall:
     """Frozen description of one scaled-dot-product attention call (``attention_call_v1``).
@@ -106,7 +122,9 @@ class AttentionCall:
         Query head h reads kv head ``head_map[h]``; default grouped ``h // (Hq // Hkv)``.
     dropout : float64 ndarray broadcastable to (B, Hq, Q, K), or MultiplierSource, optional
         The realised dropout multiplier Z (any finite real; inverted dropout is 0 or
-        1/(1-p)), or a replayable stream that generates it.
+        1/(1-p)), or a replayable stream that generates it (e.g.
+        :class:`refattn.dropout.Philox`). A bare number such as ``0.1`` is refused: it is
+        not a probability here.
     all_masked_rows : {"reject", "sanitize_then_zero_invalid_query"}
         Policy for rows with no legal key. A consumed row with no legal key is an error,
         except with a ``sink``: there such a row is well defined (every probability 0, the
@@ -282,6 +300,7 @@ class AttentionCall:
             self._set("bias", _frozen_copy(bias))
 
         # dropout multiplier
+        _refuse_scalar_dropout(self.dropout)
         if self.dropout is not None and not isinstance(self.dropout, MultiplierSource):
             z = as_array("dropout", self.dropout)
             check_float64("dropout", z)
@@ -301,6 +320,7 @@ class AttentionCall:
             )
         self._check_rows()
         self._set("ledger", ledger)
+        check_forward_overflow(self)  # scores, bias, sink and output stay finite
 
     def _validate_modifiers(self, Hq: int) -> None:
         """Scale placement, softcap and sink (the finite score modifiers)."""

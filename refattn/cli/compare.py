@@ -32,6 +32,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "tensors (default 2)")
     p.add_argument("--k-gradient", type=float, help="lower precision: multiplier for "
                    "gradients (default 3)")
+    p.add_argument("--check", choices=("auto", "forward", "gradients", "listed"),
+                   default="auto", help="what the candidate must contain: forward (output), "
+                   "gradients (output and every input gradient of the case), listed (only what "
+                   "it holds, at least one tensor); default auto: gradients when the candidate "
+                   "holds any input gradient, else forward")
     p.add_argument("--floor-factor", type=float, help="lower precision: floor multiplier "
                    "(default 2)")
     p.set_defaults(func=run)
@@ -56,6 +61,6 @@ def run(args: argparse.Namespace) -> int:
     if mpath.is_file():  # the bundle's schema version must be one this refattn reads
         manifest = check_schema(read_manifest(mpath))
     report = compare(read_candidate(args.candidate), load(golden, manifest=manifest),
-                     dtype=args.dtype, tolerances=tol)
+                     dtype=args.dtype, tolerances=tol, check=args.check)
     print(report.format())
     return 0 if report.passed else 1

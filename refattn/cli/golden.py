@@ -13,7 +13,12 @@ __all__ = ["add_parser"]
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("golden", help="write golden fixture files (safetensors + manifest)")
-    p.add_argument("--out", required=True, help="bundle directory to write")
+    p.add_argument("--out", required=True, help="bundle directory to write: absent, empty or "
+                   "an earlier bundle (written as one transaction; a link, a file, a foreign "
+                   "manifest or a concurrent writer is refused)")
+    p.add_argument("--force", action="store_true",
+                   help="write beside files refattn did not write (they are left untouched; "
+                   "a foreign manifest.json or a foreign file in cases/ is refused even so)")
     p.add_argument("--suite", default="conformance", choices=sorted(SUITES),
                    help="which suite of cases to write (default: conformance)")
     p.add_argument("--backend", default="exact", choices=GENERATORS,
@@ -24,7 +29,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 def run(args: argparse.Namespace) -> int:
     cases = build_suite(args.suite)
-    path = write_bundle(args.out, cases, suite=args.suite, backend=args.backend)
+    path = write_bundle(args.out, cases, suite=args.suite, backend=args.backend,
+                        force=args.force)
     print(f"wrote {len(cases)} case(s) of suite {args.suite!r} ({args.backend}) to "
           f"{path.parent} ({path.name})")
     return 0

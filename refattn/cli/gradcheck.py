@@ -17,6 +17,7 @@ from gradcheck.identities import attention_identities
 from refattn.call import AttentionCall
 from refattn.dropout import Philox
 from refattn.engine import backward, forward
+from refattn.engine.memory import available_bytes
 from refattn.errors import RefAttnError
 from refattn.masks import causal as causal_relation
 
@@ -37,6 +38,38 @@ def _shape(text: str) -> tuple[int, ...]:
     return dims
 
 
+def _seed(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text!r}") \
+            from None
+    if not 0 <= value < 2**64:
+        raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text!r}")
+    return value
+
+
+def _positive(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
+    return value
+
+
+def _probability(text: str) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not 0.0 <= value < 1.0:
+        raise argparse.ArgumentTypeError(f"expected a dropout probability in [0, 1), got "
+                                         f"{text!r}")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser("gradcheck", help="check refattn's backward with the gradient checker")
     p.add_argument("--shape", required=True, type=_shape, metavar="B,Hq,Hkv,Q,K,Dk,Dv",
@@ -44,17 +77,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--causal", choices=("upper_left", "lower_right"), default=None,
                    metavar="ALIGN", help="causal visibility with this alignment "
                    "(upper_left or lower_right)")
-    p.add_argument("--dropout", type=float, default=0.0, metavar="P",
+    p.add_argument("--dropout", type=_probability, default=0.0, metavar="P",
                    help="dropout probability of the Philox stream (default 0: off)")
-    p.add_argument("--seed", type=int, default=0, metavar="S", help="dropout stream seed")
+    p.add_argument("--seed", type=_seed, default=0, metavar="S", help="dropout stream seed")
     p.add_argument("--bias", choices=("none", "full", "broadcast"), default="none",
                    help="add a (B,Hq,Q,K) bias or a (1,Hq,1,K) broadcast bias")
-    p.add_argument("--data-seed", type=int, default=0, help="seed of the random q, k, v, bias")
+    p.add_argument("--data-seed", type=_seed, default=0, help="seed of the random q, k, v, bias")
     p.add_argument("--mode", choices=("auto", "full", "directional"), default="auto")
     p.add_argument("--method", choices=("auto", "complex_step", "central"), default="auto")
-    p.add_argument("--directions", type=int, default=3,
+    p.add_argument("--directions", type=_positive, default=3,
                    help="random directions per input in directional mode")
-    p.add_argument("--check-seed", type=int, default=0,
+    p.add_argument("--check-seed", type=_seed, default=0,
                    help="seed of the checker's cotangents and directions")
     p.add_argument("--no-identities", action="store_true",
                    help="skip the attention identities")
@@ -82,6 +115,12 @@ def build_call(
     (6, (1, 1, 3, 4), 0.25)
     """
     B, Hq, Hkv, Q, K, Dk, Dv = shape
+    # refuse before drawing the inputs: the checker holds about 16 (B, Hq, Q, K) arrays
+    need = 8 * (16 * B * Hq * Q * K + B * (Hq * Q + 2 * Hkv * K) * (Dk + Dv))
+    have = available_bytes()
+    if have is not None and need > have:
+        raise RefAttnError(f"--shape: {','.join(map(str, shape))} needs about {need} bytes, "
+                           f"more than the {have} bytes of memory available")
     rng = np.random.default_rng(data_seed)
     q = rng.standard_normal((B, Hq, Q, Dk))  # (B, Hq, Q, Dk)
     k = rng.standard_normal((B, Hkv, K, Dk))  # (B, Hkv, K, Dk)

@@ -8,7 +8,9 @@ from __future__ import annotations
 import argparse
 import sys
 from collections.abc import Sequence
+from typing import NoReturn
 
+from gradcheck.errors import GradcheckError
 from refattn._version import __version__
 from refattn.cli import calibrate, compare, diagnostics, golden, gradcheck, mask, verify
 from refattn.errors import RefAttnError
@@ -19,6 +21,13 @@ __all__ = ["main"]
 COMMANDS = (golden, verify, compare, mask, diagnostics, gradcheck, calibrate)
 
 
+class _Parser(argparse.ArgumentParser):
+    """An argument parser whose errors are one line on stderr and exit code 2."""
+
+    def error(self, message: str) -> NoReturn:
+        self.exit(2, f"{self.prog}: error: {' '.join(message.split())}\n")
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The argument parser with every registered subcommand.
 
@@ -27,7 +36,7 @@ def build_parser() -> argparse.ArgumentParser:
     >>> build_parser().parse_args(["golden", "--out", "bundle"]).suite
     'conformance'
     """
-    parser = argparse.ArgumentParser(
+    parser = _Parser(
         prog="refattn", description="float64 reference engine for scaled-dot-product attention"
     )
     parser.add_argument("--version", action="version", version=f"refattn {__version__}")
@@ -40,16 +49,29 @@ def build_parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     """Run the command line; returns the exit status (errors print one line, exit 2).
 
+    A bad argument, a :class:`~refattn.errors.RefAttnError` and an operating-system error
+    (a full disk, a read-only directory) each print one line naming what failed and return 2.
+
     Examples
     --------
-    >>> main(["--version"])  # doctest: +SKIP
+    >>> main(["mask", "--q", "0"])
+    2
     """
-    args = build_parser().parse_args(argv)
+    try:
+        args = build_parser().parse_args(argv)
+    except SystemExit as exc:  # --help, --version (0) or a bad argument (2, one line printed)
+        return exc.code if isinstance(exc.code, int) else 2
     try:
         return int(args.func(args) or 0)
-    except RefAttnError as exc:
-        print(f"refattn {args.command}: error: {exc}", file=sys.stderr)
-        return 2
+    except (RefAttnError, GradcheckError) as exc:
+        message = " ".join(str(exc).split())  # one line, whatever the message held
+    except OSError as exc:
+        where = f"{exc.filename}: " if exc.filename else ""
+        message = f"{where}{exc.strerror or exc}"
+    except MemoryError:
+        message = "out of memory (the call is too large for this machine)"
+    print(f"refattn {args.command}: error: {message}", file=sys.stderr)
+    return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

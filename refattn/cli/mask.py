@@ -18,12 +18,41 @@ from refattn.masks.packing import cu_seqlens_from_lengths, segments_from_cu_seql
 __all__ = ["add_parser", "run"]
 
 
+def _int(text: str, *, low: int, what: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}") from None
+    if value < low:
+        raise argparse.ArgumentTypeError(f"expected {what}, got {text!r}")
+    if value > _MAX:
+        raise argparse.ArgumentTypeError(f"expected {what} of at most {_MAX}, got {text!r}")
+    return value
+
+
+#: the largest axis size or position accepted (a mask is drawn as text)
+_MAX = 2**20
+
+
+def _positive(text: str) -> int:
+    return _int(text, low=1, what="a positive integer")
+
+
+def _count(text: str) -> int:
+    return _int(text, low=0, what="a non-negative integer")
+
+
 def _bound(text: str) -> int | None:
-    return None if text.lower() == "none" else int(text)
+    if text.lower() == "none":
+        return None
+    return _int(text, low=0, what="a non-negative integer or 'none'")
 
 
 def _lengths(text: str) -> list[int]:
-    return [int(x) for x in text.split(",") if x.strip()]
+    values = [_positive(x) for x in text.split(",") if x.strip()]
+    if not values:
+        raise argparse.ArgumentTypeError(f"expected positive lengths L0,L1,..., got {text!r}")
+    return values
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -33,18 +62,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         description="Build a visibility relation from coordinates and print the q\\k matrix "
         "(1 = the query reads the key). Example: refattn mask --q 2 --k 5 --causal lower_right",
     )
-    p.add_argument("--q", type=int, help="query rows Q (default: K, or the packed total)")
-    p.add_argument("--k", type=int, help="key rows K (default: Q, or the packed total)")
+    p.add_argument("--q", type=_positive, help="query rows Q (default: K, or the packed total)")
+    p.add_argument("--k", type=_positive, help="key rows K (default: Q, or the packed total)")
     p.add_argument("--causal", choices=["upper_left", "lower_right"],
                    help="causal relation with this alignment (named, never inferred)")
-    p.add_argument("--q-start", type=int, metavar="POS",
+    p.add_argument("--q-start", type=_count, metavar="POS",
                    help="absolute position of the first query (cache decode; causal by "
                         "positions, keys at 0..K-1)")
-    p.add_argument("--key-valid", type=int, metavar="N",
+    p.add_argument("--key-valid", type=_count, metavar="N",
                    help="only the first N keys are valid (the rest are padding / unused slots)")
     p.add_argument("--lengths", type=_lengths, metavar="L0,L1,...",
                    help="packed examples of these lengths: block-diagonal, positions reset")
-    p.add_argument("--prefix", type=int, metavar="P", help="prefix-LM boundary")
+    p.add_argument("--prefix", type=_count, metavar="P", help="prefix-LM boundary")
     p.add_argument("--window", nargs=2, type=_bound, metavar=("LEFT", "RIGHT"),
                    help="keys before / after the query ('none' = unbounded)")
     p.add_argument("--window-convention", choices=["excludes_query", "includes_query"],
@@ -59,7 +88,7 @@ def run(args: argparse.Namespace) -> int:
     if args.lengths:
         seg = segments_from_cu_seqlens(cu_seqlens_from_lengths(args.lengths))
         total = seg.positions.size
-        if (args.q or total) != total or (args.k or total) != total:
+        if args.q not in (None, total) or args.k not in (None, total):
             raise RefAttnError(f"--lengths: packed Q and K are the total length {total}")
         if args.causal == "lower_right" or args.q_start is not None:
             raise RefAttnError("--lengths: packed examples use per-example positions; "
@@ -70,8 +99,8 @@ def run(args: argparse.Namespace) -> int:
                        prefix_length=args.prefix, window=args.window,
                        window_convention=args.window_convention)
     else:
-        Q = args.q or args.k
-        K = args.k or args.q
+        Q = args.q if args.q is not None else args.k
+        K = args.k if args.k is not None else args.q
         if Q is None:
             raise RefAttnError("--q/--k: give at least one of them (or --lengths)")
         if args.q_start is not None and args.causal is not None:

@@ -18,6 +18,7 @@ import numpy as np
 
 from refattn._checks import as_array, check_finite, check_float64, check_shape
 from refattn.call import AttentionCall
+from refattn.call.hazards import check_backward_overflow
 from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
 
@@ -89,6 +90,7 @@ def _check_grad_output(call: AttentionCall, grad_output: object) -> np.ndarray:
     B, Hq, Q, _ = call.q.shape
     check_shape("grad_output", g, (B, Hq, Q, call.v.shape[3]), "B,Hq,Q,Dv")
     check_finite("grad_output", g)
+    check_backward_overflow(call, g)  # every gradient stays finite
     return g
 
 

@@ -14,6 +14,7 @@ import numpy as np
 from refattn.call import AttentionCall
 from refattn.call.placement import OperandMultipliers, operand_multipliers
 from refattn.call.scores import Dot, ScoreFamily
+from refattn.engine.memory import check_memory
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
 from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
@@ -291,16 +292,29 @@ def _call_arrays(call: AttentionCall) -> dict:
     }
 
 
-def forward(call: AttentionCall, **options: object) -> Trace:
+def forward(call: AttentionCall, *, max_bytes: int | None = None, **options: object) -> Trace:
     """Reference forward of a validated call (see :func:`refattn.forward`).
 
-    The reference is always dense and takes no backend options; any option is an error.
+    The reference is always dense; its one option is ``max_bytes``: the estimated peak
+    memory (:func:`refattn.engine.memory.dense_bytes`) is checked against it, or against the
+    available memory, before anything is allocated. Any other option is an error.
+
+    Examples
+    --------
+    >>> import refattn
+    >>> x = np.zeros((1, 1, 4096, 8))
+    >>> try:
+    ...     refattn.forward(refattn.AttentionCall(x, x, x), max_bytes=2**20)
+    ... except RefAttnError as exc:
+    ...     print("materialize=False" in str(exc))
+    True
     """
     if options:
         raise RefAttnError(
-            f"backend: 'numpy' takes no options, got {sorted(options)} (the reference always "
-            "materialises every tensor; use backend='numba' for materialize=False)"
+            f"backend: 'numpy' takes only max_bytes, got {sorted(options)} (the reference "
+            "always materialises every tensor; use backend='numba' for materialize=False)"
         )
+    check_memory(call, "forward", backend="numpy", max_bytes=max_bytes)
     fwd = forward_arrays(
         call.q, call.k, call.v, visible=call.visible_full(), bias=call.bias,
         multiplier=call.multiplier_full(), **_call_arrays(call),
@@ -309,8 +323,10 @@ def forward(call: AttentionCall, **options: object) -> Trace:
 
 
 def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
-    """Reference backward of a trace (see :func:`refattn.backward`)."""
+    """Reference backward of a trace (see :func:`refattn.backward`); its peak memory is
+    checked against the available memory first."""
     call = trace.call
+    check_memory(call, "backward", backend="numpy")
     fwd = {name: getattr(trace, name) for name in
            ("probs", "dropout_multiplier", "consumed", "output", "scores", "sink_probs")}
     grads = backward_arrays(

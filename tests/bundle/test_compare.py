@@ -257,9 +257,9 @@ def test_compare_command(tmp_path, capsys):
     write_bundle(tmp_path / "b", build_suite("contract")[:2], suite="contract")
     case = tmp_path / "b" / "cases" / "loop7_cross_attention_padded_source.safetensors"
     gold = load(case).tensors
+    grads = ("grad_q", "grad_k", "grad_v", "grad_bias")  # every input gradient of the case
     good = write_candidate(tmp_path / "good.safetensors",
-                           {"output": gold["output"].astype(BF16), "grad_k": gold["grad_k"]
-                            .astype(BF16)})
+                           {n: gold[n].astype(BF16) for n in ("output", *grads)})
     assert main(["compare", str(case), str(good)]) == 0
     assert "precision bfloat16" in capsys.readouterr().out
     bad_out = np.array(gold["output"])

@@ -298,7 +298,7 @@ def test_unknown_backend_lists_known_ones():
 
 def test_reference_backend_rejects_options():
     call = _random_call(np.random.default_rng(1))
-    with pytest.raises(RefAttnError, match=r"'numpy' takes no options, got \['materialize'\]"):
+    with pytest.raises(RefAttnError, match=r"'numpy' takes only max_bytes, got \['materialize'\]"):
         refattn.forward(call, backend="numpy", materialize=False)
 
 

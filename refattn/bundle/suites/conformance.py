@@ -33,6 +33,7 @@ from refattn.call import AttentionCall
 from refattn.call.bias import alibi, alibi_slopes
 from refattn.call.scores import Additive, Bilinear, Cosine
 from refattn.dropout import Philox
+from refattn.errors import RefAttnError
 from refattn.masks import causal, from_positions, relation
 
 __all__ = ["CASES", "cases"]
@@ -62,7 +63,7 @@ def _case(case_id: str, comment: str, *flags: str, conventions: dict[str, Any] |
             return GoldenCase(case_id, call, g_o, comment, tuple(flags), conventions or {})
 
         if case_id in CASES:
-            raise ValueError(f"duplicate conformance case {case_id!r}")
+            raise RefAttnError(f"case_id: duplicate conformance case {case_id!r}")
         CASES[case_id] = make
         return build
 

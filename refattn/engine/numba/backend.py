@@ -33,6 +33,7 @@ import numpy as np
 from refattn.call import AttentionCall
 from refattn.dropout import Philox
 from refattn.engine.alloc import zeros_block
+from refattn.engine.memory import check_memory
 from refattn.engine.numba.blas import dgemm_address, single_thread_blas
 from refattn.engine.numba.kernels import dense_backward_rows, dense_forward_rows
 from refattn.engine.numba.operands import Strided, ro, strided
@@ -353,6 +354,7 @@ def forward(
     materialize: bool = True,
     block_q: int | None = None,
     block_k: int | None = None,
+    max_bytes: int | None = None,
     **unknown: Any,
 ) -> Trace:
     """numba forward of a validated call (see :func:`refattn.forward`).
@@ -366,6 +368,10 @@ def forward(
         lse and sanitized_rows only; every (B, Hq, Q, K) field of the trace is None.
     block_q, block_k : int, optional
         Streaming tile (default :data:`BLOCK_Q` x :data:`BLOCK_K`, capped at Q and K).
+    max_bytes : int, optional
+        Dense mode: refuse, before allocating, a call whose estimated peak memory
+        (:func:`refattn.engine.memory.dense_bytes`) exceeds this (default: the available
+        memory).
 
     Returns
     -------
@@ -393,7 +399,7 @@ def forward(
     if unknown:
         raise RefAttnError(
             f"numba backend: unknown option(s) {sorted(unknown)}; known: materialize, "
-            "block_q, block_k"
+            "block_q, block_k, max_bytes"
         )
     if not isinstance(materialize, (bool, np.bool_)):
         raise RefAttnError(f"materialize: expected True or False, got {materialize!r}")
@@ -401,6 +407,7 @@ def forward(
     if materialize:
         if block_q is not None or block_k is not None:
             raise RefAttnError("block_q/block_k: tile sizes apply only with materialize=False")
+        check_memory(call, "forward", backend="numba", max_bytes=max_bytes)
         return _dense_forward(call)
     return _stream_forward(call, block_q, block_k)
 
@@ -423,6 +430,7 @@ def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     """
     if trace.materialized.get("mode") == "streaming":
         return _stream_backward(trace, grad_output)
+    check_memory(trace.call, "backward", backend="numba")
     return _dense_backward(trace, grad_output)
 
 

@@ -1,0 +1,340 @@
+"""File-system primitives of a bundle: confined reads, durable writes, the writer's lock.
+
+A bundle is untrusted input and its directory belongs to a user, so every file operation of
+the bundle package goes through here. Owns :func:`check_relative` (a manifest path is a plain
+relative path inside the bundle), :func:`read_confined` (open such a path component by
+component from the bundle's directory without following any link, open only regular files,
+check the size before reading: a FIFO or device never blocks and is never read),
+:func:`read_regular` (the same checks for a path the user named), :func:`write_new` and
+:func:`fsync_dir` (files and directories reach the disk before a rename publishes them),
+:func:`exchange` (two directories swapped by one ``renameat2(RENAME_EXCHANGE)``) and
+:class:`DirectoryLock` (an ``flock`` on the bundle directory itself: the kernel releases it
+when the writer dies, and there is no lock file to leave behind or to redirect with a link).
+Every ``OSError`` becomes a :class:`~refattn.errors.RefAttnError` naming the path. Knows nothing
+of manifests or cases.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import stat
+from pathlib import Path, PurePosixPath
+from typing import Any
+
+from refattn.errors import RefAttnError
+
+__all__ = ["MAX_CASE_BYTES", "MAX_MANIFEST_BYTES", "DirectoryLock", "check_relative",
+           "exchange", "fsync_dir", "os_error", "read_confined", "read_regular", "write_new"]
+
+#: the largest manifest.json read (bytes); checked with fstat before reading
+MAX_MANIFEST_BYTES = 64 * 2**20
+#: the largest case file read (bytes) when its manifest entry gives no tighter bound
+MAX_CASE_BYTES = 4 * 2**30
+
+_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
+_NONBLOCK = getattr(os, "O_NONBLOCK", 0)
+_DIRECTORY = getattr(os, "O_DIRECTORY", 0)
+_NOCTTY = getattr(os, "O_NOCTTY", 0)
+_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+
+
+def os_error(path: str | os.PathLike, exc: OSError, doing: str) -> RefAttnError:
+    """A one-line :class:`RefAttnError` for an ``OSError`` on ``path``.
+
+    Examples
+    --------
+    >>> str(os_error("out/manifest.json", OSError(errno.ENOSPC, "No space left on device"),
+    ...              "cannot write"))
+    'out/manifest.json: cannot write (No space left on device)'
+    """
+    reason = exc.strerror or str(exc) or type(exc).__name__
+    return RefAttnError(f"{path}: {doing} ({reason})")
+
+
+def _kind(mode: int) -> str:
+    for test, name in ((stat.S_ISDIR, "a directory"), (stat.S_ISLNK, "a symbolic link"),
+                       (stat.S_ISFIFO, "a FIFO"), (stat.S_ISCHR, "a character device"),
+                       (stat.S_ISBLK, "a block device"), (stat.S_ISSOCK, "a socket")):
+        if test(mode):
+            return name
+    return "not a regular file"
+
+
+def check_relative(rel: Any, *, what: str = "file") -> tuple[str, ...]:
+    """The components of a manifest path that must stay inside the bundle.
+
+    A plain relative POSIX path: no leading ``/``, no ``..`` or ``.`` component, no empty
+    component, no backslash or NUL. Returns its components.
+
+    Raises
+    ------
+    RefAttnError
+        Naming the path and why it is refused.
+
+    Examples
+    --------
+    >>> check_relative("cases/a.safetensors")
+    ('cases', 'a.safetensors')
+    >>> check_relative("../etc/passwd")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+        ...
+    refattn.errors.RefAttnError: file: '../etc/passwd' leaves the bundle ('..' component); ...
+    """
+    hint = "expected a relative path inside the bundle such as 'cases/<case_id>.safetensors'"
+    if not isinstance(rel, str) or not rel:
+        raise RefAttnError(f"{what}: {rel!r} is not a path; {hint}")
+    if "\\" in rel or "\x00" in rel:
+        raise RefAttnError(f"{what}: {rel!r} contains a backslash or NUL; {hint}")
+    if rel.startswith("/") or PurePosixPath(rel).is_absolute():
+        raise RefAttnError(f"{what}: {rel!r} is an absolute path; {hint}")
+    parts = tuple(rel.split("/"))
+    for part in parts:
+        if part == "..":
+            raise RefAttnError(f"{what}: {rel!r} leaves the bundle ('..' component); {hint}")
+        if part in ("", "."):
+            raise RefAttnError(f"{what}: {rel!r} has an empty or '.' component; {hint}")
+    return parts
+
+
+def _read_fd(fd: int, shown: str, max_bytes: int) -> bytes:
+    """Read a regular file's descriptor whole, refusing anything else or anything too big."""
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
+        raise RefAttnError(f"{shown}: is {_kind(st.st_mode)}; only regular files are read")
+    if st.st_size > max_bytes:
+        raise RefAttnError(f"{shown}: {st.st_size} bytes exceeds the limit of {max_bytes} "
+                           "bytes for this file")
+    chunks, total = [], 0
+    while True:
+        chunk = os.read(fd, min(1 << 24, max_bytes + 1 - total))
+        if not chunk:
+            break
+        chunks.append(chunk)
+        total += len(chunk)
+        if total > max_bytes:
+            raise RefAttnError(f"{shown}: grew past the limit of {max_bytes} bytes while read")
+    return b"".join(chunks)
+
+
+def read_regular(path: str | os.PathLike, *, max_bytes: int, what: str = "file") -> bytes:
+    """Read a file the user named: a regular file (links followed), at most ``max_bytes``.
+
+    A FIFO, device or directory is refused without blocking (the file is opened
+    non-blocking and checked with ``fstat`` before any read).
+
+    Examples
+    --------
+    >>> read_regular("/dev/null", max_bytes=10)
+    Traceback (most recent call last):
+        ...
+    refattn.errors.RefAttnError: /dev/null: is a character device; only regular files are read
+    """
+    try:
+        fd = os.open(path, os.O_RDONLY | _NONBLOCK | _NOCTTY | _CLOEXEC)
+    except OSError as exc:
+        raise os_error(path, exc, f"cannot read the {what}") from None
+    try:
+        return _read_fd(fd, str(path), max_bytes)
+    except OSError as exc:
+        raise os_error(path, exc, f"cannot read the {what}") from None
+    finally:
+        os.close(fd)
+
+
+def read_confined(root: str | os.PathLike, rel: Any, *, max_bytes: int,
+                  what: str = "file") -> bytes:
+    """Read ``root/rel`` without leaving ``root``: every component opened relative to its
+    parent with ``O_NOFOLLOW`` (a symbolic link anywhere below ``root`` is refused), the
+    last one non-blocking and only if it is a regular file of at most ``max_bytes``.
+
+    Parameters
+    ----------
+    root : path
+        The bundle directory (the user's choice: a link to it is followed).
+    rel : str
+        A manifest path, checked by :func:`check_relative`.
+    max_bytes : int
+        The largest file read; checked with ``fstat`` before reading.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "cases").mkdir()
+    >>> _ = (d / "cases" / "a.safetensors").write_bytes(b"12345")
+    >>> read_confined(d, "cases/a.safetensors", max_bytes=100)
+    b'12345'
+    >>> (d / "cases" / "l.safetensors").symlink_to("/etc/hostname")
+    >>> read_confined(d, "cases/l.safetensors", max_bytes=100)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+        ...
+    refattn.errors.RefAttnError: cases/l.safetensors: is a symbolic link; ...
+    """
+    parts = check_relative(rel, what=what)
+    shown = "/".join(parts)
+    fds: list[int] = []
+    try:
+        try:
+            fds.append(os.open(root, os.O_RDONLY | _DIRECTORY | _CLOEXEC))
+        except OSError as exc:
+            raise os_error(root, exc, "cannot open the bundle directory") from None
+        for i, part in enumerate(parts):
+            last = i == len(parts) - 1
+            flags = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | (
+                _NONBLOCK | _NOCTTY if last else _DIRECTORY)
+            try:
+                fds.append(os.open(part, flags, dir_fd=fds[-1]))
+            except OSError as exc:
+                where = "/".join(parts[: i + 1])
+                if exc.errno in (errno.ELOOP, errno.EMLINK) or (
+                        exc.errno == errno.ENOTDIR and _is_link(fds[-1], part)):
+                    raise RefAttnError(
+                        f"{where}: is a symbolic link; links inside a bundle are not "
+                        "followed (a bundle is read only from its own directory)") from None
+                raise os_error(where, exc, f"cannot read the {what}") from None
+        try:
+            return _read_fd(fds[-1], shown, max_bytes)
+        except OSError as exc:
+            raise os_error(shown, exc, f"cannot read the {what}") from None
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)
+
+
+def _is_link(dir_fd: int, name: str) -> bool:
+    try:
+        return stat.S_ISLNK(os.lstat(name, dir_fd=dir_fd).st_mode)
+    except OSError:
+        return False
+
+
+def write_new(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+    """Create ``path`` (which must not exist; links are not followed), write ``data`` and
+    fsync it. Any failure (a full disk, a read-only directory) removes the partial file and
+    raises a :class:`RefAttnError` naming the path."""
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
+    except OSError as exc:
+        raise os_error(path, exc, "cannot create") from None
+    try:
+        view = memoryview(data)
+        while view:
+            n = os.write(fd, view)
+            view = view[n:]
+        os.fsync(fd)
+    except OSError as exc:
+        os.close(fd)
+        Path(path).unlink(missing_ok=True)  # our own partial file
+        raise os_error(path, exc, "cannot write") from None
+    os.close(fd)
+
+
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory, so that the names created or renamed in it are on disk."""
+    try:
+        fd = os.open(path, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    except OSError as exc:
+        raise os_error(path, exc, "cannot open the directory to sync it") from None
+    try:
+        os.fsync(fd)
+    except OSError as exc:
+        if exc.errno not in (errno.EINVAL, errno.ENOTSUP):  # some file systems cannot
+            raise os_error(path, exc, "cannot sync the directory") from None
+    finally:
+        os.close(fd)
+
+
+_RENAME_EXCHANGE = 2
+_AT_FDCWD = -100
+
+
+def _renameat2() -> Any:
+    name = ctypes.util.find_library("c")
+    try:
+        libc = ctypes.CDLL(name, use_errno=True)
+        fn = libc.renameat2
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = [ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p,
+                   ctypes.c_uint]
+    fn.restype = ctypes.c_int
+    return fn
+
+
+def exchange(a: str | os.PathLike, b: str | os.PathLike) -> bool:
+    """Swap two directory entries atomically (Linux ``renameat2(RENAME_EXCHANGE)``).
+
+    Returns False where the system or file system cannot (the caller then falls back to
+    two renames); raises a :class:`RefAttnError` on any other failure.
+    """
+    fn = _renameat2()
+    if fn is None:
+        return False
+    rc = fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE)
+    if rc == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in (errno.ENOSYS, errno.EINVAL, errno.ENOTSUP):
+        return False
+    raise os_error(b, OSError(err, os.strerror(err)), "cannot swap the new bundle in")
+
+
+class DirectoryLock:
+    """An exclusive, non-blocking ``flock`` on a directory (the bundle being written).
+
+    The lock belongs to the directory's inode, not to a lock file: nothing is left behind,
+    a link cannot redirect it (the directory is opened with ``O_NOFOLLOW``), and the kernel
+    drops it when the holder exits or is killed. A second writer is refused at once.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> d = tempfile.mkdtemp()
+    >>> with DirectoryLock(d):
+    ...     try:
+    ...         DirectoryLock(d).__enter__()
+    ...     except RefAttnError as exc:
+    ...         print(str(exc).split(";")[0].endswith("is being written by another process"))
+    True
+    """
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self.fd: int | None = None
+
+    def __enter__(self) -> DirectoryLock:
+        import fcntl  # POSIX; refattn's bundles are written on Linux and macOS
+
+        for _ in range(5):  # the directory may be swapped while we open it: re-check
+            try:
+                fd = os.open(self.path, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC)
+            except OSError as exc:
+                raise os_error(self.path, exc, "cannot open the bundle directory to lock "
+                               "it") from None
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except OSError as exc:
+                os.close(fd)
+                if exc.errno in (errno.EWOULDBLOCK, errno.EAGAIN, errno.EACCES):
+                    raise RefAttnError(
+                        f"{self.path}: is being written by another process; another "
+                        "'refattn golden' holds this bundle's lock (wait for it to finish, "
+                        "or write to another directory)") from None
+                raise os_error(self.path, exc, "cannot lock the bundle directory") from None
+            try:
+                same = os.fstat(fd).st_ino == os.lstat(self.path).st_ino
+            except OSError:
+                same = False
+            if same:
+                self.fd = fd
+                return self
+            os.close(fd)
+        raise RefAttnError(f"{self.path}: keeps changing while it is locked; is another "
+                           "program replacing it?")
+
+    def __exit__(self, *exc: object) -> None:
+        if self.fd is not None:
+            os.close(self.fd)  # closing the descriptor releases the flock
+            self.fd = None

@@ -1,0 +1,382 @@
+"""Write a bundle as one transaction into a directory that belongs to a user.
+
+Owns :class:`BundleTransaction`, the write side of ``refattn golden --out DIR``:
+
+1. ``DIR`` must be a real directory (or absent): a symbolic link or an existing file is
+   refused, never followed or replaced.
+2. The writer takes an exclusive lock on ``DIR`` (:class:`~refattn.bundle.fsio.DirectoryLock`);
+   a second writer is refused with a clear message.
+3. ``DIR`` is surveyed. refattn's own files are a ``manifest.json`` whose schema is
+   ``refattn_golden``, the case files in ``cases/`` that carry refattn's metadata, and the
+   temporary files an interrupted refattn left. Anything else is the user's: a foreign
+   ``manifest.json``, a link, or any file inside ``cases/`` that refattn did not write is always
+   refused (refattn would have to overwrite or delete it); other files beside the bundle are
+   refused unless ``force``, and then left untouched.
+4. The whole bundle is written into a temporary sibling directory ``.DIR.refattn-staging-*``,
+   every file and directory fsynced, and swapped in with one ``renameat2(RENAME_EXCHANGE)``
+   (or one rename when ``DIR`` was empty); the parent directory is fsynced; then the previous
+   bundle, now in the staging directory, is removed file by file (refattn's files only). A run
+   killed at any point leaves the previous bundle in ``DIR`` intact and, at worst, a staging
+   directory that the next run removes. With ``force`` beside foreign files, those files must
+   stay where they are, so the bundle's files are replaced one by one instead (each atomically,
+   case files first, ``manifest.json`` last, stale refattn cases removed at the end).
+
+Defers the primitives to :mod:`refattn.bundle.fsio`; knows nothing of cases or engines.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import secrets
+import stat
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from refattn.bundle.format import META_KEY, SCHEMA
+from refattn.bundle.fsio import (
+    MAX_MANIFEST_BYTES,
+    DirectoryLock,
+    exchange,
+    fsync_dir,
+    os_error,
+    write_new,
+)
+from refattn.errors import RefAttnError
+
+__all__ = ["STAGING_MARK", "BundleTransaction", "Survey", "survey"]
+
+#: the infix of the temporary sibling directories a writer stages a bundle in
+STAGING_MARK = ".refattn-staging-"
+_CASE_NAME = re.compile(r"^[A-Za-z0-9_.-]+\.safetensors$")
+#: temporary files earlier refattn versions' atomic writes left when killed
+_OLD_TMP = re.compile(r"^\.(manifest\.json|[A-Za-z0-9_.-]+\.safetensors)\.[A-Za-z0-9_]+\.tmp$")
+_HEADER_LIMIT = 100 * 2**20
+
+
+@dataclass
+class Survey:
+    """What an existing bundle directory holds (paths relative to it)."""
+
+    own: list[str] = field(default_factory=list)
+    foreign: list[str] = field(default_factory=list)
+    blockers: list[str] = field(default_factory=list)
+
+
+def _open_nofollow(path: Path) -> int:
+    return os.open(path, os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+                   | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+
+
+def _is_refattn_case(path: Path) -> bool:
+    """A regular file whose safetensors header carries refattn's metadata key."""
+    try:
+        fd = _open_nofollow(path)
+    except OSError:
+        return False
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            return False
+        head = os.read(fd, 8)
+        n = int.from_bytes(head, "little") if len(head) == 8 else -1
+        if not 0 < n <= _HEADER_LIMIT:
+            return False
+        raw = os.read(fd, n)
+        header = json.loads(raw)
+        meta = json.loads(header["__metadata__"][META_KEY])
+        return isinstance(meta, dict) and meta.get("schema") == SCHEMA
+    except (OSError, ValueError, KeyError, TypeError, RecursionError):
+        return False
+    finally:
+        os.close(fd)
+
+
+def _is_refattn_manifest(path: Path) -> tuple[bool, str]:
+    try:
+        fd = _open_nofollow(path)
+    except OSError as exc:
+        return False, exc.strerror or "cannot open"
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            return False, "not a regular file"
+        if st.st_size > MAX_MANIFEST_BYTES:
+            return False, f"{st.st_size} bytes, larger than any refattn manifest"
+        data = os.read(fd, st.st_size + 1)
+        doc = json.loads(data.decode("utf-8"))
+    except (OSError, ValueError, RecursionError) as exc:
+        return False, f"not refattn JSON ({type(exc).__name__})"
+    finally:
+        os.close(fd)
+    if not isinstance(doc, dict) or doc.get("schema") != SCHEMA:
+        shown = doc.get("schema") if isinstance(doc, dict) else type(doc).__name__
+        return False, f"its schema is {shown!r}, not {SCHEMA!r}"
+    return True, ""
+
+
+def survey(out: Path) -> Survey:
+    """Classify every entry of an existing bundle directory (links are never followed).
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp()); _ = (d / "notes.txt").write_text("mine")
+    >>> s = survey(d); s.own, s.foreign, s.blockers
+    ([], ['notes.txt'], [])
+    """
+    s = Survey()
+    try:
+        entries = sorted(os.scandir(out), key=lambda e: e.name)
+    except OSError as exc:
+        raise os_error(out, exc, "cannot list the output directory") from None
+    for entry in entries:
+        name = entry.name
+        if name == "manifest.json":
+            ok, why = (False, "a symbolic link") if entry.is_symlink() else (
+                _is_refattn_manifest(Path(entry.path)))
+            if ok:
+                s.own.append(name)
+            else:
+                s.blockers.append(f"manifest.json is not a refattn manifest ({why}); refattn "
+                                  "never overwrites a file it did not write")
+        elif name == "cases":
+            if entry.is_symlink() or not entry.is_dir(follow_symlinks=False):
+                what = "a symbolic link" if entry.is_symlink() else "not a directory"
+                s.blockers.append(f"cases is {what}; refattn writes its case files only "
+                                  "into a real cases/ directory and never follows a link")
+                continue
+            _survey_cases(Path(entry.path), s)
+        elif _OLD_TMP.match(name) and entry.is_file(follow_symlinks=False):
+            s.own.append(name)
+        else:
+            s.foreign.append(name)
+    return s
+
+
+def _survey_cases(cases: Path, s: Survey) -> None:
+    try:
+        entries = sorted(os.scandir(cases), key=lambda e: e.name)
+    except OSError as exc:
+        raise os_error(cases, exc, "cannot list the cases directory") from None
+    for entry in entries:
+        rel = f"cases/{entry.name}"
+        if entry.is_symlink():
+            s.blockers.append(f"{rel} is a symbolic link; refattn does not follow or replace "
+                              "links inside a bundle")
+        elif _CASE_NAME.match(entry.name) and _is_refattn_case(Path(entry.path)):
+            s.own.append(rel)
+        elif _OLD_TMP.match(entry.name) and entry.is_file(follow_symlinks=False):
+            s.own.append(rel)
+        else:
+            s.blockers.append(f"{rel} was not written by refattn; cases/ holds only refattn's "
+                              "case files (move it out of cases/)")
+
+
+def _remove_own(root: Path, rels: list[str]) -> None:
+    """Remove refattn's own files (never a link, never a directory's foreign content)."""
+    for rel in sorted(rels, key=lambda r: -r.count("/")):
+        path = root / rel
+        try:
+            if stat.S_ISREG(os.lstat(path).st_mode):
+                path.unlink()
+        except FileNotFoundError:
+            pass
+        except OSError as exc:
+            raise os_error(path, exc, "cannot remove refattn's previous file") from None
+
+
+def _rmdir_quiet(path: Path) -> None:
+    try:
+        path.rmdir()
+    except OSError:
+        pass  # not empty (something that is not ours) or gone: leave it
+
+
+def _discard_staging(staging: Path) -> None:
+    """Remove a staging directory of ours: its refattn files, then the directories."""
+    try:
+        s = survey(staging)
+    except RefAttnError:
+        return
+    _remove_own(staging, s.own)
+    _rmdir_quiet(staging / "cases")
+    _rmdir_quiet(staging)
+
+
+class BundleTransaction:
+    """Lock, check and (on :meth:`commit`) replace a bundle directory in one step.
+
+    Parameters
+    ----------
+    out : path
+        The bundle directory (created with its parents when absent).
+    force : bool
+        Write beside files refattn did not write (they are left untouched).
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> d = Path(tempfile.mkdtemp()) / "bundle"
+    >>> with BundleTransaction(d) as tx:
+    ...     tx.commit({"cases/a.safetensors": b"x", "manifest.json": b"{}"})
+    >>> sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+    ['cases', 'cases/a.safetensors', 'manifest.json']
+    """
+
+    def __init__(self, out: str | os.PathLike, *, force: bool = False) -> None:
+        self.out = Path(os.path.abspath(os.fspath(out)))
+        self.force = bool(force)
+        self.lock = DirectoryLock(self.out)
+
+    # -- entry: refuse early, before any arithmetic -----------------------------------------
+    def __enter__(self) -> BundleTransaction:
+        out = self.out
+        try:
+            st = os.lstat(out)
+        except FileNotFoundError:
+            st = None
+        except OSError as exc:
+            raise os_error(out, exc, "cannot inspect the output directory") from None
+        if st is not None and stat.S_ISLNK(st.st_mode):
+            raise RefAttnError(f"--out {out}: is a symbolic link; refattn does not follow it "
+                               "(pass the directory it points to)")
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise RefAttnError(f"--out {out}: exists and is not a directory; expected a "
+                               "bundle directory (absent, empty, or an earlier bundle)")
+        if st is None:
+            try:
+                out.mkdir(parents=True, exist_ok=True)
+            except OSError as exc:
+                raise os_error(out, exc, "cannot create the output directory") from None
+        self.lock.__enter__()
+        try:
+            self._check(survey(out))
+            self._clean_stale_staging()
+        except BaseException:
+            self.lock.__exit__()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.lock.__exit__()
+
+    def _check(self, s: Survey) -> None:
+        if s.blockers:
+            raise RefAttnError(f"--out {self.out}: {s.blockers[0]}"
+                               + (f" (and {len(s.blockers) - 1} more)" if len(s.blockers) > 1
+                                  else ""))
+        if s.foreign and not self.force:
+            shown = ", ".join(s.foreign[:3]) + (" ..." if len(s.foreign) > 3 else "")
+            raise RefAttnError(
+                f"--out {self.out}: holds {len(s.foreign)} file(s) refattn did not write "
+                f"({shown}); choose an empty or bundle directory, or pass --force to write "
+                "beside them (they are left untouched)")
+
+    def _stagings(self) -> list[Path]:
+        prefix = f".{self.out.name}{STAGING_MARK}"
+        try:
+            return [Path(e.path) for e in os.scandir(self.out.parent)
+                    if e.name.startswith(prefix) and e.is_dir(follow_symlinks=False)]
+        except OSError:
+            return []
+
+    def _clean_stale_staging(self) -> None:
+        """Staging directories of killed runs (we hold the lock: none is in use)."""
+        for staging in self._stagings():
+            _discard_staging(staging)
+
+    # -- the commit ---------------------------------------------------------------------------
+    def commit(self, files: Mapping[str, bytes]) -> None:
+        """Write ``files`` (relative path -> bytes; ``manifest.json`` among them) as the
+        bundle, replacing refattn's previous files and nothing else."""
+        if self.lock.fd is None:
+            raise RefAttnError("bundle transaction: commit() outside its with block")
+        s = survey(self.out)  # again, under the lock: the user may have added files
+        self._check(s)
+        if s.foreign:
+            self._commit_in_place(files, s)
+        else:
+            self._commit_swap(files, s)
+
+    def _stage(self, files: Mapping[str, bytes]) -> Path:
+        parent = self.out.parent
+        staging = parent / f".{self.out.name}{STAGING_MARK}{secrets.token_hex(6)}"
+        try:
+            staging.mkdir()
+        except OSError as exc:
+            raise os_error(staging, exc, "cannot create the staging directory") from None
+        try:
+            dirs = {staging}
+            for rel, data in sorted(files.items(), key=lambda kv: kv[0] == "manifest.json"):
+                path = staging / rel
+                if path.parent not in dirs:
+                    try:
+                        path.parent.mkdir(parents=True)
+                    except OSError as exc:
+                        raise os_error(path.parent, exc, "cannot create") from None
+                    dirs.add(path.parent)
+                write_new(path, data)
+            for d in sorted(dirs, key=lambda p: -len(p.parts)):
+                fsync_dir(d)
+            try:
+                os.chmod(staging, stat.S_IMODE(os.stat(self.out).st_mode))
+            except OSError as exc:
+                raise os_error(staging, exc, "cannot set the directory's mode") from None
+        except BaseException:
+            _discard_staging(staging)
+            raise
+        return staging
+
+    def _commit_swap(self, files: Mapping[str, bytes], s: Survey) -> None:
+        staging = self._stage(files)
+        parent = self.out.parent
+        try:
+            if exchange(staging, self.out):
+                old = staging  # the previous bundle now lives in the staging directory
+            else:  # no RENAME_EXCHANGE here: move the old bundle aside, then one rename
+                old = parent / f".{self.out.name}{STAGING_MARK}{secrets.token_hex(6)}"
+                try:
+                    os.rename(self.out, old)
+                except OSError as exc:
+                    raise os_error(self.out, exc, "cannot move the previous bundle aside") \
+                        from None
+                try:
+                    os.rename(staging, self.out)
+                except OSError as exc:
+                    os.rename(old, self.out)  # put the previous bundle back
+                    raise os_error(self.out, exc, "cannot rename the new bundle in") from None
+        except BaseException:
+            _discard_staging(staging)
+            raise
+        fsync_dir(parent)
+        _remove_own(old, s.own)
+        _rmdir_quiet(old / "cases")
+        _rmdir_quiet(old)
+        fsync_dir(parent)
+
+    def _commit_in_place(self, files: Mapping[str, bytes], s: Survey) -> None:
+        """Beside foreign files (``force``): each file replaced atomically, manifest last."""
+        out = self.out
+        cases = out / "cases"
+        if not cases.exists():
+            try:
+                cases.mkdir()
+            except OSError as exc:
+                raise os_error(cases, exc, "cannot create") from None
+        order = sorted(files, key=lambda rel: rel == "manifest.json")
+        for rel in order:
+            target = out / rel
+            tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
+            write_new(tmp, files[rel])
+            try:
+                os.replace(tmp, target)
+            except OSError as exc:
+                tmp.unlink(missing_ok=True)
+                raise os_error(target, exc, "cannot rename into place") from None
+            fsync_dir(target.parent)
+        stale = [rel for rel in s.own if rel not in files]
+        _remove_own(out, stale)
+        fsync_dir(cases)
+        fsync_dir(out)
