@@ -18,6 +18,7 @@ from safetensors.numpy import save
 
 from refattn._checks import as_array
 from refattn.bundle.format import atomic_write
+from refattn.bundle.fsio import MAX_CASE_BYTES, read_regular
 from refattn.bundle.tolerances import resolve_dtype
 from refattn.errors import RefAttnError
 
@@ -67,10 +68,7 @@ def read_candidate(path: str | os.PathLike) -> dict[str, np.ndarray]:
         Naming the file (and tensor) when the file is truncated or its header is invalid.
     """
     path = Path(path)
-    try:
-        data = path.read_bytes()
-    except OSError as exc:
-        raise RefAttnError(f"{path}: cannot read ({exc.strerror})") from None
+    data = read_regular(path, max_bytes=MAX_CASE_BYTES, what="candidate file")
     if len(data) < 8:
         raise RefAttnError(f"{path}: truncated file ({len(data)} bytes, no header length)")
     n = int.from_bytes(data[:8], "little")
@@ -78,24 +76,40 @@ def read_candidate(path: str | os.PathLike) -> dict[str, np.ndarray]:
         raise RefAttnError(f"{path}: truncated file (header needs {8 + n} bytes, has {len(data)})")
     try:
         header = json.loads(data[8 : 8 + n])
-    except json.JSONDecodeError as exc:
-        raise RefAttnError(f"{path}: safetensors header is not JSON ({exc})") from None
+        if not isinstance(header, dict):
+            raise TypeError(f"the header is a JSON {type(header).__name__}, not an object")
+    except (ValueError, TypeError, RecursionError) as exc:
+        raise RefAttnError(f"{path}: safetensors header is not a JSON object ({exc})") from None
     body = memoryview(data)[8 + n :]
     out: dict[str, np.ndarray] = {}
     for name, rec in header.items():
         if name == "__metadata__":
             continue
-        if rec.get("dtype") not in _ST_DTYPES:
-            raise RefAttnError(f"{path}: tensor {name!r} has unsupported dtype {rec.get('dtype')}")
-        dtype = resolve_dtype("bfloat16") if rec["dtype"] == "BF16" else np.dtype(
-            _ST_DTYPES[rec["dtype"]])
-        dtype = dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
-        start, stop = rec["data_offsets"]
-        if stop > len(body):
-            raise RefAttnError(f"{path}: truncated file (tensor {name!r} ends past the data)")
-        arr = np.frombuffer(body[start:stop], dtype=dtype).reshape(rec["shape"])
-        out[name] = arr.astype(arr.dtype.newbyteorder("="), copy=True)
+        try:
+            out[name] = _tensor(rec, body)
+        except RefAttnError as exc:
+            raise RefAttnError(f"{path}: tensor {name!r}: {exc}") from None
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            raise RefAttnError(f"{path}: tensor {name!r} has a malformed header entry "
+                               f"({type(exc).__name__}: {exc})") from None
     return out
+
+
+def _tensor(rec: Any, body: memoryview) -> np.ndarray:
+    if not isinstance(rec, dict) or rec.get("dtype") not in _ST_DTYPES:
+        shown = rec.get("dtype") if isinstance(rec, dict) else rec
+        raise RefAttnError(f"unsupported dtype {shown!r}")
+    dtype = resolve_dtype("bfloat16") if rec["dtype"] == "BF16" else np.dtype(
+        _ST_DTYPES[rec["dtype"]])
+    dtype = dtype.newbyteorder("<") if dtype.itemsize > 1 else dtype
+    start, stop = (int(x) for x in rec["data_offsets"])
+    shape = [int(x) for x in rec["shape"]]
+    if not 0 <= start <= stop <= len(body):
+        raise RefAttnError("truncated file (the tensor's data ends past the file)")
+    if min(shape, default=1) < 0:
+        raise RefAttnError(f"negative shape {shape}")
+    arr = np.frombuffer(body[start:stop], dtype=dtype).reshape(shape)
+    return arr.astype(arr.dtype.newbyteorder("="), copy=True)
 
 
 def write_candidate(path: str | os.PathLike, tensors: Mapping[str, Any]) -> Path:

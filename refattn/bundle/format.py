@@ -21,6 +21,8 @@ from typing import Any
 
 import numpy as np
 
+from refattn.errors import RefAttnError
+
 __all__ = ["META_KEY", "SCHEMA", "SCHEMA_VERSION", "atomic_write", "dump_json", "tensor_sha256"]
 
 SCHEMA = "refattn_golden"
@@ -44,19 +46,33 @@ def tensor_sha256(x: np.ndarray) -> str:
 
 
 def atomic_write(path: Path, data: bytes) -> None:
-    """Write ``data`` to ``path`` via a temporary file in the same directory and a rename."""
+    """Write ``data`` to ``path`` via a fsynced temporary file in the same directory, a
+    rename and a fsync of the directory. An ``OSError`` (a full disk, a read-only directory)
+    removes the temporary file and becomes a :class:`~refattn.errors.RefAttnError` naming
+    ``path``."""
     path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+    tmp = None
     try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o644)
         os.replace(tmp, path)
+        dir_fd = os.open(path.parent, os.O_RDONLY)
+        try:
+            os.fsync(dir_fd)
+        finally:
+            os.close(dir_fd)
+    except OSError as exc:
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
+        raise RefAttnError(f"{path}: cannot write ({exc.strerror or exc})") from None
     except BaseException:
-        Path(tmp).unlink(missing_ok=True)
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)
         raise
 
 

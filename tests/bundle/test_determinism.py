@@ -71,3 +71,25 @@ def test_exact_golden_bytes_do_not_depend_on_the_numpy_version(tmp_path):
     assert _digest(here) == _digest(there)
     manifest = json.loads((there / "manifest.json").read_text())
     assert "numpy" not in json.dumps(manifest)  # no numpy version anywhere in an exact bundle
+
+
+def test_the_numpy_generator_runs_blas_on_one_thread(monkeypatch):
+    """What makes numpy golden bytes independent of the BLAS thread count (issue 16): the
+    generator pins every BLAS pool to one thread while it computes, whatever the caller set
+    (a threaded BLAS may split a product's sum differently with more threads)."""
+    from threadpoolctl import threadpool_info, threadpool_limits
+
+    from refattn.bundle import cases
+    from refattn.bundle.suites import build_suite
+
+    seen: list[int] = []
+    real = cases.forward
+
+    def recording(call, **kw):
+        seen.extend(i["num_threads"] for i in threadpool_info() if i["user_api"] == "blas")
+        return real(call, **kw)
+
+    monkeypatch.setattr(cases, "forward", recording)
+    with threadpool_limits(limits=2):
+        cases.compute(build_suite("contract")[0], "numpy")
+    assert seen and set(seen) == {1}
