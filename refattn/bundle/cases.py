@@ -45,6 +45,10 @@ class GoldenCase:
         Wycheproof-style labels, e.g. ``("LowerRightCausal", "AllDroppedRow")``.
     conventions : dict
         Conventions beyond the call manifest (causal alignment, window convention, ...).
+    layout : PagedKV, optional
+        The physical inputs the call was built from (:class:`refattn.call.paged.PagedKV`, a
+        paged KV cache): they are stored as given beside the canonical tensors, with the
+        page gradients ``grad_k_pages`` and ``grad_v_pages``.
     """
 
     case_id: str
@@ -53,6 +57,7 @@ class GoldenCase:
     comment: str
     flags: tuple[str, ...] = ()
     conventions: Mapping[str, Any] = field(default_factory=dict)
+    layout: Any = None
 
     def __post_init__(self) -> None:
         if not self.case_id or not all(c.isalnum() or c in "_-." for c in self.case_id):
@@ -110,11 +115,19 @@ def numpy_environment() -> dict[str, Any]:
             "blas": [{"library": a, "version": v, "architecture": c} for a, v, c in blas]}
 
 
-def case_tensors(trace: Trace, grads: Gradients) -> dict[str, np.ndarray]:
-    """Every tensor a case file stores, by canonical name, C-contiguous."""
+def case_tensors(trace: Trace, grads: Gradients, layout: Any = None) -> dict[str, np.ndarray]:
+    """Every tensor a case file stores, by canonical name, C-contiguous.
+
+    With a ``layout`` (a paged KV cache, :class:`refattn.call.paged.PagedKV`) its inputs as
+    given and the gradients mapped back onto them (``grad_k_pages``, ``grad_v_pages``) too.
+    """
     tensors = {**trace.tensors(), **grads.tensors()}
     if isinstance(trace.call.dropout, np.ndarray):  # explicit Z, not a MultiplierSource
         tensors["dropout"] = trace.call.dropout  # the multiplier as given (pre-broadcast)
+    if layout is not None:
+        pages = layout.page_gradients(grads)
+        tensors.update(layout.tensors(), grad_k_pages=pages.grad_k_pages,
+                       grad_v_pages=pages.grad_v_pages)
     return {name: np.ascontiguousarray(t) for name, t in tensors.items()}
 
 

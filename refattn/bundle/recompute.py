@@ -197,7 +197,7 @@ def recompute(spec: CaseSpec, backend: str | None = None, *,
         except RefAttnError as exc:
             raise Unsupported(f"backend {backend!r} cannot run this case: {exc}") from None
     regenerated = backend == generator
-    fresh = case_tensors(trace, grads)
+    fresh = case_tensors(trace, grads, case.layout)
     problems: list[Problem] = []
     for name in sorted(set(spec.tensors) - set(fresh)) if regenerated else ():
         problems.append(Problem(spec.case_id, name, "recompute",

@@ -19,6 +19,7 @@ import numpy as np
 from refattn.bundle.cases import GoldenCase, case_conventions, case_tensors, compute
 from refattn.bundle.read import LoadedCase, load
 from refattn.call import AttentionCall, scores
+from refattn.call.paged import PagedKV
 from refattn.dropout import from_manifest
 from refattn.errors import RefAttnError
 from refattn.masks import relation_from_manifest
@@ -261,7 +262,19 @@ class CaseSpec:
             raise RefAttnError(f"{self.case_id}: tensor 'grad_output' is missing")
         conv = dict(self.conventions)
         return GoldenCase(self.case_id, self.to_call(), self.tensors["grad_output"],
-                          self.comment, tuple(self.flags), conv)
+                          self.comment, tuple(self.flags), conv, self.paged())
+
+    def paged(self) -> Any:
+        """The paged KV cache the case stores as given (conventions ``kv_layout: paged``), or
+        None."""
+        if self.conventions.get("kv_layout") != "paged":
+            return None
+        t = self.tensors
+        for name in ("k_pages", "v_pages", "block_table", "seqlens"):
+            if name not in t:
+                raise RefAttnError(f"{self.case_id}: a paged case needs tensor {name!r}")
+        return PagedKV(t["k_pages"], t["v_pages"], t["block_table"], t["seqlens"],
+                       int(self.conventions["page_size"]))
 
 
 def _stream_from_manifest(record: Mapping[str, Any]) -> Any:
@@ -285,7 +298,8 @@ def case_spec(source: LoadedCase | GoldenCase | str | os.PathLike) -> CaseSpec:
         source = load(Path(source))
     if isinstance(source, GoldenCase):
         trace, grads = compute(source)
-        return CaseSpec(source.case_id, case_tensors(trace, grads), trace.manifest(),
+        return CaseSpec(source.case_id, case_tensors(trace, grads, source.layout),
+                        trace.manifest(),
                         case_conventions(source), tuple(sorted(source.flags)), source.comment)
     if isinstance(source, LoadedCase):
         entry = source.manifest_entry

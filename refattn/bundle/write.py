@@ -60,7 +60,7 @@ def encode_case(case: GoldenCase, backend: str = "exact") -> tuple[bytes, dict[s
     ('cases/loop6_two_query_training_trace.safetensors', True)
     """
     trace, grads = compute(case, backend)
-    tensors = case_tensors(trace, grads)
+    tensors = case_tensors(trace, grads, case.layout)
     records = {
         name: {"sha256": tensor_sha256(t), "dtype": str(t.dtype), "shape": list(t.shape)}
         for name, t in sorted(tensors.items())

@@ -16,7 +16,10 @@ padding; query_valid with the sanitise policy; packed segments; prefix-LM; slidi
 broadcast bias, ALiBi; Philox dropout, explicit inverted and real multipliers, an all-dropped
 row, returned weights; logits around +-1000, tied maxima, singleton support, a single key,
 Dk != Dv, non-contiguous inputs, explicit and pre-applied scales; every score family
-(dot, bilinear, additive, cosine), every scale placement and every modifier (softcap, sink).
+(dot, bilinear, additive, cosine), every scale placement and every modifier (softcap, sink);
+a sink over rows with no legal key, unions and intersections of relations (StreamingLLM's
+window OR first tokens, document-causal masks), packed batches with empty sequences, a paged
+KV cache stored as given, and ALiBi slopes per batch row and head.
 """
 
 from __future__ import annotations
@@ -31,10 +34,11 @@ from refattn.bundle.cases import GoldenCase
 from refattn.bundle.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call, loop7_call
 from refattn.call import AttentionCall
 from refattn.call.bias import alibi, alibi_slopes
+from refattn.call.paged import paged_call
 from refattn.call.scores import Additive, Bilinear, Cosine
 from refattn.dropout import Philox
 from refattn.errors import RefAttnError
-from refattn.masks import causal, from_positions, relation
+from refattn.masks import causal, from_positions, relation, segments_from_cu_seqlens
 
 __all__ = ["CASES", "cases"]
 
@@ -49,18 +53,24 @@ def _rng(case_id: str) -> np.random.Generator:
 def _case(case_id: str, comment: str, *flags: str, conventions: dict[str, Any] | None = None
           ) -> Callable[[Callable[[np.random.Generator], dict[str, Any]]],
                         Callable[[np.random.Generator], dict[str, Any]]]:
-    """Register a builder ``f(rng) -> dict(q, k, v, [grad_output], **call keywords)``."""
+    """Register a builder ``f(rng) -> dict(q, k, v, [grad_output], **call keywords)``, or
+    ``dict(paged=PagedCall, [grad_output])`` for a case stored with its paged inputs."""
 
     def register(build: Callable[[np.random.Generator], dict[str, Any]]) -> Any:
         def make() -> GoldenCase:
             rng = _rng(case_id)
             kw = build(rng)
-            q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
             g_o = kw.pop("grad_output", None)
-            call = AttentionCall(q, k, v, **kw)
+            paged = kw.pop("paged", None)  # a PagedCall: the call and its paged inputs
+            if paged is not None:
+                call, layout = paged.call, paged.paged
+                conv = {**(conventions or {}), **layout.conventions()}
+            else:
+                q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
+                call, layout, conv = AttentionCall(q, k, v, **kw), None, conventions or {}
             if g_o is None:
-                g_o = rng.standard_normal((*q.shape[:3], v.shape[3]))  # (B, Hq, Q, Dv)
-            return GoldenCase(case_id, call, g_o, comment, tuple(flags), conventions or {})
+                g_o = rng.standard_normal((*call.q.shape[:3], call.v.shape[3]))  # (B,Hq,Q,Dv)
+            return GoldenCase(case_id, call, g_o, comment, tuple(flags), conv, layout)
 
         if case_id in CASES:
             raise RefAttnError(f"case_id: duplicate conformance case {case_id!r}")
@@ -551,6 +561,81 @@ def _(rng):
 def _(rng):
     return {**_qkv(rng, 1, 4, 2, 5, 5, 4), "sink": rng.standard_normal(4), "softcap": 3.0,
             "visible": causal(5, 5, alignment="upper_left")}
+
+
+# -- what kernel authors test (issue 19) ---------------------------------------------------------
+@_case("sink_empty_rows_lower_right", "Sink over rows with no legal key: lower-right causal with "
+       "Q=5 > K=3, rows 0 and 1 read nothing; all mass to the sink, output 0, lse = sink logit",
+       "Sink", "EmptyRowWithSink", "LowerRightCausal",
+       conventions={**LR, "empty_row_with_sink": "probs 0, sink_probs 1, output 0, lse = sink"})
+def _(rng):
+    return {**_qkv(rng, 1, 2, 1, 5, 3, 4), "visible": causal(5, 3, alignment="lower_right"),
+            "sink": np.array([0.75, -1.5])}
+
+
+def _streaming_llm(T: int, window: int, first: int):
+    pos = np.arange(T)[None]
+    return (relation(pos, pos, causal=True, window=(window, 0))
+            | relation(pos, pos, pos < first, causal=True))
+
+
+@_case("streaming_llm_window_or_first_tokens", "Union of relations: a causal window of 2 keys "
+       "before the query OR the first 3 tokens (StreamingLLM, FlashAttention sink_token_length)",
+       "ComposedRelation", "RelationUnion", "SlidingWindow",
+       conventions={**POS, "window_convention": "excludes_query", "relation_composition": "or"})
+def _(rng):
+    return {**_qkv(rng, 1, 2, 2, 10, 10, 4), "visible": _streaming_llm(10, 2, 3)}
+
+
+@_case("document_causal_intersection", "Intersection of a union: causal AND (same document OR "
+       "the shared prompt token 0), documents starting at 0, 3 and 6", "ComposedRelation",
+       "RelationIntersection", "RelationUnion", "PackedSegments",
+       conventions={"causal_alignment": "composed", "window_convention": "none",
+                    "relation_composition": "and(causal, or(same_document, key_0))"})
+def _(rng):
+    pos = np.arange(9)[None]
+    seg = np.array([[0, 0, 0, 1, 1, 1, 2, 2, 2]])
+    rel = causal(9, 9, alignment="upper_left") & (
+        relation(pos, pos, q_segment=seg, k_segment=seg) | relation(pos, pos, pos == 0))
+    return {**_qkv(rng, 1, 2, 1, 9, 9, 4), "visible": rel}
+
+
+_CU_EMPTY = np.array([0, 3, 3, 7, 7, 9])  # sequences 1 and 3 are empty (repeated offsets)
+
+
+@_case("packed_empty_sequences", "Varlen batch with empty sequences: cu_seqlens [0, 3, 3, 7, 7, 9] "
+       "(sequences 1 and 3 hold no token), block-diagonal causal", "PackedSegments",
+       "EmptySequence", "CausalSquare",
+       conventions={**POS, "cu_seqlens": _CU_EMPTY.tolist(), "empty_sequences": [1, 3]})
+def _(rng):
+    seg = segments_from_cu_seqlens(_CU_EMPTY)
+    ids, local = seg.segment_ids[None], seg.positions[None]
+    rel = relation(local, local, q_segment=ids, k_segment=ids, causal=True)
+    return {**_qkv(rng, 1, 2, 2, 9, 9, 4), "visible": rel}
+
+
+@_case("paged_kv_decode", "Paged KV cache: 2 decode tokens per sequence, pages of 4 slots via a "
+       "block table; the pages stored as given, their gradients mapped back (unread pages 0)", "PagedKV", "ChunkedDecode",
+       "ExplicitPositions", "GQA", conventions=POS)
+def _(rng):
+    table = np.array([[4, 1, 6], [0, 5, -1]])  # -1: padding past sequence 1's last page
+    lens = np.array([11, 6])
+    q = rng.standard_normal((2, 4, 2, 4))  # (B, Hq, Q, Dk)
+    k_pages = rng.standard_normal((7, 4, 2, 4))  # (num_pages, page_size, Hkv, Dk)
+    v_pages = rng.standard_normal((7, 4, 2, 3))  # (num_pages, page_size, Hkv, Dv)
+    return {"paged": paged_call(q, k_pages, v_pages, table, lens, 4)}
+
+
+@_case("alibi_per_batch_slopes", "ALiBi with slopes per batch row and head (B, Hq), as "
+       "FlashAttention's alibi_slopes (batch, nheads), bottom-right positions, causal",
+       "ALiBi", "PerBatchSlopes", "LowerRightCausal",
+       conventions={**LR, "alibi_slopes": "per batch row and head (B, Hq)",
+                    "alibi_bias": "-slope[b, h] * |q_pos[i] - k_pos[j]|, q_pos = arange(Q) + K - Q"})
+def _(rng):
+    slopes = np.array([[0.5, 0.125], [0.25, 0.0625]])  # (B, Hq)
+    bias = alibi(slopes, np.arange(3) + 3, np.arange(6))  # (B, Hq, Q, K)
+    return {**_qkv(rng, 2, 2, 2, 3, 6, 4), "bias": bias,
+            "visible": causal(3, 6, alignment="lower_right")}
 
 
 # -- the contract's own fixtures ---------------------------------------------------------------
