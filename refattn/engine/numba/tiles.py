@@ -150,53 +150,28 @@ def _per_head(a, h):
 
 
 @kernel(inline="always")
-def _leaf_visible(tv, n, b, h, i, j):
-    """Leaf n's predicate at one element (coordinates mode)."""
-    lf = tv[4][n]
-    q_pos, k_pos, key_valid, q_seg, k_seg = tv[5][n], tv[6][n], tv[7][n], tv[8][n], tv[9][n]
-    prefix, left, right = tv[10][n], tv[11][n], tv[12][n]
-    if not key_valid[b, j]:
+def _leaf_predicate(has_seg, topo, has_left, has_right, key_ok, q_seg, k_seg, p, r, P, lw,
+                    rw):
+    """One leaf's predicate on scalars (coordinates already read).
+
+    Scalars only: numba passes arrays to a helper with reference-count updates that cost
+    more than the predicate itself when paid per element.
+    """
+    if not key_ok:
         return False
-    if lf[_HAS_SEG] and q_seg[b, i] != k_seg[b, j]:
+    if has_seg != 0 and q_seg != k_seg:
         return False
-    p = q_pos[b, i]
-    r = k_pos[b, j]
-    topo = lf[_TOPO]
     if topo == TOPO_CAUSAL:
         if r > p:
             return False
     elif topo == TOPO_PREFIX:
-        P = prefix[b, h] if prefix.shape[1] > 1 else prefix[b, 0]
         if not ((p < P and r < P) or (p >= P and r <= p)):
             return False
-    if lf[_HAS_LEFT]:
-        lw = _per_head(left, h)
-        if lw >= 0 and p - r > lw:
-            return False
-    if lf[_HAS_RIGHT]:
-        rw = _per_head(right, h)
-        if rw >= 0 and r - p > rw:
-            return False
+    if has_left != 0 and lw >= 0 and p - r > lw:
+        return False
+    if has_right != 0 and rw >= 0 and r - p > rw:
+        return False
     return True
-
-
-@kernel(inline="always")
-def _visible(tv, b, h, i, j):
-    """The relation's predicate at one element: its program over the leaves' truth values
-    (a stack of bits in one integer; the composition's depth is bounded on the host)."""
-    prog = tv[3]
-    if prog.shape[0] == 1:
-        return _leaf_visible(tv, prog[0], b, h, i, j)
-    stack = 0
-    for t in range(prog.shape[0]):
-        op = prog[t]
-        if op >= 0:
-            stack = (stack << 1) | (1 if _leaf_visible(tv, op, b, h, i, j) else 0)
-        else:
-            x = stack & 1
-            y = (stack >> 1) & 1
-            stack = ((stack >> 2) << 1) | ((x & y) if op == OP_AND else (x | y))
-    return (stack & 1) == 1
 
 
 @kernel(inline="always")
@@ -303,6 +278,9 @@ def classify(tv, b, h, i0, i1, j0, j1):
 def tile_mask(out, tv, b, h, i0, i1, j0, j1):
     """``out[:i1-i0, :j1-j0]`` = visibility of the tile; returns the number of visible edges.
 
+    Coordinates mode evaluates the program over the leaves' predicates per element; the
+    arrays are read in this loop (never handed to a helper per element).
+
     Examples
     --------
     >>> from refattn.masks import relation
@@ -314,14 +292,34 @@ def tile_mask(out, tv, b, h, i0, i1, j0, j1):
     """
     mode = tv[0][0]
     n = 0
+    if mode != MODE_COORDS:
+        for i in range(i0, i1):
+            for j in range(j0, j1):
+                vis = True if mode == MODE_ALL else at(tv[1], tv[2], b, h, i, j)
+                out[i - i0, j - j0] = vis
+                n += vis
+        return n
+    prog, flags, q_pos, k_pos, key_valid = tv[3], tv[4], tv[5], tv[6], tv[7]
+    q_seg, k_seg, prefix, left, right = tv[8], tv[9], tv[10], tv[11], tv[12]
+    hp = h if prefix.shape[2] > 1 else 0
+    hw = h if left.shape[1] > 1 else 0
     for i in range(i0, i1):
         for j in range(j0, j1):
-            if mode == MODE_ALL:
-                vis = True
-            elif mode == MODE_DENSE:
-                vis = at(tv[1], tv[2], b, h, i, j)
-            else:
-                vis = _visible(tv, b, h, i, j)
+            stack = 0
+            for t in range(prog.shape[0]):
+                op = prog[t]
+                if op >= 0:
+                    bit = _leaf_predicate(
+                        flags[op, _HAS_SEG], flags[op, _TOPO], flags[op, _HAS_LEFT],
+                        flags[op, _HAS_RIGHT], key_valid[op, b, j], q_seg[op, b, i],
+                        k_seg[op, b, j], q_pos[op, b, i], k_pos[op, b, j], prefix[op, b, hp],
+                        left[op, hw], right[op, hw])
+                    stack = (stack << 1) | (1 if bit else 0)
+                else:
+                    x = stack & 1
+                    y = (stack >> 1) & 1
+                    stack = ((stack >> 2) << 1) | ((x & y) if op == OP_AND else (x | y))
+            vis = (stack & 1) == 1
             out[i - i0, j - j0] = vis
             n += vis
     return n
