@@ -144,3 +144,24 @@ def test_the_provider_override_and_its_errors(monkeypatch):
         with pytest.raises(refattn.RefAttnError, match=message):
             calibration.current_provider()
     calibration.current_provider.cache_clear()
+
+
+@pytest.mark.parametrize("layout", providers.LAYOUTS)
+def test_one_layer_of_threads_at_a_time(layout):
+    """heads: numba's threads, each BLAS on one thread; blas: one numba thread, BLAS threaded."""
+    import numba
+    from threadpoolctl import threadpool_info
+
+    x = np.zeros((1, 2, 256, 8))
+    provider = PROVIDER.with_layout(layout)
+    lay = fused_host.task_layout(refattn.AttentionCall(x, x, x), provider, provider.budget)
+    outside = numba.get_num_threads()
+    with fused_host.running(lay, provider):
+        blas = {i["filepath"]: i["num_threads"] for i in threadpool_info()
+                if i["user_api"] == "blas"}
+        inside = numba.get_num_threads()
+    assert numba.get_num_threads() == outside  # restored
+    if layout == "heads":
+        assert inside == outside and set(blas.values()) == {1}
+    else:
+        assert inside == 1 and lay.blas_threads == outside
