@@ -68,7 +68,7 @@ def test_page_gradients_land_on_the_pages_read():
 
 
 def test_page_gradients_against_complex_step_on_the_pages():
-    q, kp, vp, g = _inputs(Q=3, seed=1)
+    q, kp, vp, _ = _inputs(Q=3, seed=1)
     pc = paged_call(q, kp, vp, TABLE, LENS, PS, bias=np.full((1, HQ, 3, 12), 0.25),
                     sink=np.linspace(-1, 1, HQ))
     call = pc.call

@@ -615,8 +615,8 @@ def _(rng):
 
 
 @_case("paged_kv_decode", "Paged KV cache: 2 decode tokens per sequence, pages of 4 slots via a "
-       "block table; the pages stored as given, their gradients mapped back (unread pages 0)", "PagedKV", "ChunkedDecode",
-       "ExplicitPositions", "GQA", conventions=POS)
+       "block table; the pages stored as given, their gradients mapped back (unread pages 0)",
+       "PagedKV", "ChunkedDecode", "ExplicitPositions", "GQA", conventions=POS)
 def _(rng):
     table = np.array([[4, 1, 6], [0, 5, -1]])  # -1: padding past sequence 1's last page
     lens = np.array([11, 6])
@@ -630,7 +630,8 @@ def _(rng):
        "FlashAttention's alibi_slopes (batch, nheads), bottom-right positions, causal",
        "ALiBi", "PerBatchSlopes", "LowerRightCausal",
        conventions={**LR, "alibi_slopes": "per batch row and head (B, Hq)",
-                    "alibi_bias": "-slope[b, h] * |q_pos[i] - k_pos[j]|, q_pos = arange(Q) + K - Q"})
+                    "alibi_bias": "-slope[b, h] * |q_pos[i] - k_pos[j]|, "
+                                  "q_pos = arange(Q) + K - Q"})
 def _(rng):
     slopes = np.array([[0.5, 0.125], [0.25, 0.0625]])  # (B, Hq)
     bias = alibi(slopes, np.arange(3) + 3, np.arange(6))  # (B, Hq, Q, K)
