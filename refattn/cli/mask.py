@@ -49,9 +49,9 @@ def _bound(text: str) -> int | None:
 
 
 def _lengths(text: str) -> list[int]:
-    values = [_positive(x) for x in text.split(",") if x.strip()]
+    values = [_count(x) for x in text.split(",") if x.strip()]  # empty sequences are allowed
     if not values:
-        raise argparse.ArgumentTypeError(f"expected positive lengths L0,L1,..., got {text!r}")
+        raise argparse.ArgumentTypeError(f"expected lengths L0,L1,..., got {text!r}")
     return values
 
 
