@@ -120,3 +120,12 @@ def test_generated_compositions_stream_like_their_dense_masks(rel):
     np.testing.assert_array_equal(t1.output, t2.output)
     g1, g2 = refattn.backward(t1, g), refattn.backward(t2, g)
     np.testing.assert_array_equal(g1.grad_q, g2.grad_q)
+
+
+@pytest.mark.parametrize("name", ["streaming_llm", "document_causal"])
+def test_gradients_through_a_composed_relation_match_complex_step(name):
+    from tests.call_vjp import assert_call_gradients
+
+    rel = streaming_llm(9, 2, 2) if name == "streaming_llm" else document_causal(9, [0, 4, 6])
+    composed, _, _ = _pair(rel, 4, Hq=2, Hkv=1, bias=np.full((1, 2, 9, 9), 0.5))
+    assert_call_gradients(composed, ["q", "k", "v", "bias"])  # every element, complex step

@@ -129,6 +129,18 @@ def test_packed_equals_separate_with_empty_sequences(lengths):
     assert pair_counts(lengths).independent == int(from_cu_seqlens(cu, causal=False).sum())
 
 
+def test_packed_call_with_empty_sequences_gradients_match_complex_step():
+    from tests.call_vjp import assert_call_gradients
+
+    lengths = [2, 0, 3, 0]
+    q, k, v, _ = _examples(6, lengths)
+    pq, pk, pv = (pack(x, lengths) for x in (q, k, v))
+    ids, pos = pq.segment_ids, pq.positions
+    call = AttentionCall(pq.values, pk.values, pv.values,
+                         visible=relation(pos, pos, causal=True, q_segment=ids, k_segment=ids))
+    assert_call_gradients(call, ["q", "k", "v"])  # every element, complex step
+
+
 def test_varlen_cross_attention_with_an_empty_key_sequence():
     # sequence 1 has 2 queries and no key: its rows are empty (rejected by default, and
     # well defined with a sink: the sink takes all the mass)
