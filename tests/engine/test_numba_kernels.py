@@ -55,6 +55,41 @@ def test_exp_special_values_and_shift():
     assert tail[1] == 7.0
 
 
+def test_exp_vector_lanes_and_scalar_tail_agree_bit_for_bit():
+    # the same values at every lane of a block of eight and in the scalar tail (n % 8)
+    rng = np.random.default_rng(5)
+    values = np.concatenate([-np.abs(rng.standard_normal(50)) * 40, [-np.inf, -745.15, -0.0]])
+    for offset in range(9):
+        x = np.concatenate([np.zeros(offset), values])
+        vec = x.copy()
+        exp_shift(vec, x.size, 0.25)
+        one = np.array([v for t in x for v in _exp_alone(t)])
+        np.testing.assert_array_equal(vec.view(np.int64), one.view(np.int64))
+
+
+def _exp_alone(t: float) -> np.ndarray:
+    y = np.array([t])
+    exp_shift(y, 1, 0.25)  # n = 1: the scalar tail only
+    return y
+
+
+def test_row_reductions_are_eight_interleaved_partial_sums():
+    # the order is part of the result: lane l adds x[8 i + l] in order, then a fixed tree
+    x = np.random.default_rng(6).standard_normal(37) * 10.0 ** np.arange(-18, 19)
+    y = np.linspace(-1.0, 1.0, x.size)
+    lanes = [0.0] * 8
+    dots = [0.0] * 8
+    for j in range(32):
+        lanes[j % 8] += x[j]
+        dots[j % 8] += x[j] * y[j]
+
+    def tree(v):
+        return ((v[0] + v[1]) + (v[2] + v[3])) + ((v[4] + v[5]) + (v[6] + v[7]))
+
+    assert row_sum(x, 37) == tree(lanes) + sum(x[32:].tolist())
+    assert row_dot(x, y, 37) == tree(dots) + sum((x[32:] * y[32:]).tolist())
+
+
 @settings(max_examples=100, deadline=None)
 @given(st.lists(st.floats(-1e6, 1e6), min_size=0, max_size=40))
 def test_row_reductions_against_exact_sums(values):

@@ -58,15 +58,20 @@ def _fma(typingctx, a, b, c):
     return sig, codegen
 
 
+_V8 = ir.VectorType(ir.DoubleType(), 8)
+_HORNER = (_C13, _C12, _C11, _C10, _C9, _C8, _C7, _C6, _C5, _C4, _C3, _C2, 1.0, 1.0)
+
+
 @kernel(inline="always")
 def _exp(t):
     """exp(t) for t <= 709.7 (t = -inf gives exactly 0.0).
 
-    Horner's scheme in fused multiply-adds, explicit so that the rounding does not depend on
-    the caller's fastmath flags (numba inlines this body into the kernels).
+    Every rounding is explicit (fused multiply-adds where the scheme wants them), so the
+    result does not depend on the caller's fastmath flags; :func:`_exp8_shift` is the same
+    sequence of operations on eight lanes.
     """
     x = min(max(t, -746.0), _MAX_ARG)
-    kf = np.floor(x * _LOG2E + 0.5)
+    kf = np.floor(_fma(x, _LOG2E, 0.5))
     r = _fma(-kf, _LN2_LO, _fma(-kf, _LN2_HI, x))  # |r| <= ln2 / 2
     p = _fma(_C13, r, _C12)
     p = _fma(p, r, _C11)
@@ -89,9 +94,67 @@ def _exp(t):
     return 0.0 if t < _MIN_ARG else y
 
 
-@kernel(fastmath={"contract"})
+def _vconst(value: float) -> ir.Constant:
+    return ir.Constant(_V8, [value] * 8)
+
+
+@intrinsic
+def _exp8_shift(typingctx, x, blocks, m):
+    """In place on ``x[:8 * blocks]``: ``x[j] = exp(x[j] - m)``, eight lanes at a time.
+
+    The operations of :func:`_exp` on ``<8 x double>`` (so results are bit-identical to it),
+    written as explicit vectors: LLVM's loop vectoriser stops at 256 bits on CPUs it tunes to
+    prefer them (Intel's AVX-512 server cores), explicit vectors use the full 512.
+    """
+    if not (isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float64
+            and x.layout == "C"):
+        return None
+    sig = types.void(x, blocks, types.float64)
+
+    def codegen(context, builder, signature, args):
+        mod = builder.module
+        i64v = ir.VectorType(ir.IntType(64), 8)
+
+        def vfn(name: str, arity: int) -> ir.Function:
+            return cgutils.get_or_insert_function(mod, ir.FunctionType(_V8, [_V8] * arity),
+                                                  name)
+
+        fma, floor = vfn("llvm.fma.v8f64", 3), vfn("llvm.floor.v8f64", 1)
+        xa = context.make_array(signature.args[0])(context, builder, args[0])
+        px = builder.bitcast(xa.data, _V8.as_pointer())
+        mvec = ir.Constant(_V8, ir.Undefined)
+        for i in range(8):
+            mvec = builder.insert_element(mvec, args[2], ir.Constant(ir.IntType(32), i))
+        with cgutils.for_range(builder, args[1]) as loop:
+            ptr = builder.gep(px, [loop.index])
+            t = builder.fsub(builder.load(ptr, align=8), mvec)
+            lo = builder.select(builder.fcmp_ordered(">=", t, _vconst(-746.0)), t,
+                                _vconst(-746.0))  # max(t, -746)
+            xc = builder.select(builder.fcmp_ordered("<=", lo, _vconst(_MAX_ARG)), lo,
+                                _vconst(_MAX_ARG))  # min(., 709.7)
+            kf = builder.call(floor, [builder.call(fma, [xc, _vconst(_LOG2E), _vconst(0.5)])])
+            nk = builder.fneg(kf)
+            r = builder.call(fma, [nk, _vconst(_LN2_LO),
+                                   builder.call(fma, [nk, _vconst(_LN2_HI), xc])])
+            p = _vconst(_HORNER[0])
+            for c in _HORNER[1:]:
+                p = builder.call(fma, [p, r, _vconst(c)])
+            k = builder.fptosi(kf, i64v)
+            k1 = builder.ashr(k, ir.Constant(i64v, [1] * 8))
+            bias, shift = ir.Constant(i64v, [1023] * 8), ir.Constant(i64v, [52] * 8)
+            s1 = builder.bitcast(builder.shl(builder.add(k1, bias), shift), _V8)
+            s2 = builder.bitcast(builder.shl(builder.add(builder.sub(k, k1), bias), shift), _V8)
+            y = builder.fmul(builder.fmul(p, s1), s2)
+            under = builder.fcmp_ordered("<", t, _vconst(_MIN_ARG))
+            builder.store(builder.select(under, _vconst(0.0), y), ptr, align=8)
+        return context.get_dummy_value()
+
+    return sig, codegen
+
+
+@kernel
 def exp_shift(x, n, m):
-    """In place: ``x[j] = exp(x[j] - m)`` for j < n (``x`` a 1-D float64 view).
+    """In place: ``x[j] = exp(x[j] - m)`` for j < n (``x`` a contiguous 1-D float64 view).
 
     Examples
     --------
@@ -100,7 +163,9 @@ def exp_shift(x, n, m):
     >>> bool(abs(x[0] - np.exp(-1.0)) < 1e-16), x[1:].tolist()
     (True, [0.0, 1.0])
     """
-    for j in range(n):
+    blocks = n // 8
+    _exp8_shift(x, blocks, m)
+    for j in range(8 * blocks, n):
         x[j] = _exp(x[j] - m)
 
 
@@ -110,7 +175,6 @@ def exp1(t):
     return _exp(t)
 
 
-_V8 = ir.VectorType(ir.DoubleType(), 8)
 _LANES = types.UniTuple(types.float64, 8)
 
 
