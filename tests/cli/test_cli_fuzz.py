@@ -84,7 +84,8 @@ def test_any_argument_list_exits_0_1_or_2_with_one_line_errors(places, data, cap
 
 
 @pytest.mark.parametrize("argv", [
-    ["mask", "--q", "0"], ["mask", "--k", "-2"], ["mask", "--lengths", "-1,3"], ["mask", "--lengths", "0,0"],
+    ["mask", "--q", "0"], ["mask", "--k", "-2"], ["mask", "--lengths", "-1,3"],
+    ["mask", "--lengths", "0,0"],
     ["mask", "--window", "-1", "2", "--q", "3"],
     ["gradcheck", "--shape", "1,1,1,2,2,2,2", "--data-seed", "-1"],
     ["gradcheck", "--shape", "1,1,1,2,2,2,2", "--data-seed", "18446744073709551616"],
