@@ -39,7 +39,7 @@ PLANTED = [
      "refattn layers"),
     ("refattn/masks/relation.py", "from refattn.call import AttentionCall",
      "refattn layers"),
-    ("refattn/masks/relation.py", "from refattn.masks import blocks",
+    ("refattn/masks/relation.py", "from refattn.masks import constructors",
      "no import cycles"),
     ("refattn/bundle/read.py", "from refattn.bundle import comparison",
      "bundle steps read straight through"),
