@@ -43,13 +43,13 @@ if str(ROOT) not in sys.path:
 from refattn import AttentionCall  # noqa: E402
 from refattn.engine.numba.blas import gemm  # noqa: E402
 from refattn.engine.numba.calibration import current_provider  # noqa: E402
-from refattn.engine.numba.fused import _addr  # noqa: E402
 from refattn.engine.numba.fused_host import (  # noqa: E402
     KEY_CHUNK,
     running,
     task_layout,
     value_and_grad,
 )
+from refattn.engine.numba.operands import address  # noqa: E402
 from refattn.masks import causal as causal_relation  # noqa: E402
 
 __all__ = ["PRODUCTS", "breakdown"]
@@ -80,23 +80,23 @@ def _gemms(q, k, v, g_o, head_map, BQ, KC, C, causal, which, fptr, s_ws, w_ws, o
                 bq = min(BQ, Q - i0)
                 kn = min(K, (i0 + bq + KC - 1) // KC * KC) if causal else K  # visible keys
                 if which & 1:
-                    gemm(fptr, False, True, bq, kn, Dk, 1.0, _addr(q, b, h, i0), Dk,
-                         _addr(k, b, g, 0), Dk, 0.0, s.ctypes.data, K)
+                    gemm(fptr, False, True, bq, kn, Dk, 1.0, address(q, b, h, i0), Dk,
+                         address(k, b, g, 0), Dk, 0.0, s.ctypes.data, K)
                 if which & 2:
                     gemm(fptr, False, False, bq, Dv, kn, 1.0, s.ctypes.data, K,
-                         _addr(v, b, g, 0), Dv, 0.0, _addr(out, b, h, i0), Dv)
+                         address(v, b, g, 0), Dv, 0.0, address(out, b, h, i0), Dv)
                 if which & 4:
                     gemm(fptr, True, False, kn, Dv, bq, 1.0, s.ctypes.data, K,
-                         _addr(g_o, b, h, i0), Dv, 1.0, _addr(dv, c, b, g), Dv)
+                         address(g_o, b, h, i0), Dv, 1.0, address(dv, c, b, g), Dv)
                 if which & 8:
-                    gemm(fptr, False, True, bq, kn, Dv, 1.0, _addr(g_o, b, h, i0), Dv,
-                         _addr(v, b, g, 0), Dv, 0.0, w.ctypes.data, K)
+                    gemm(fptr, False, True, bq, kn, Dv, 1.0, address(g_o, b, h, i0), Dv,
+                         address(v, b, g, 0), Dv, 0.0, w.ctypes.data, K)
                 if which & 16:
                     gemm(fptr, False, False, bq, Dk, kn, 1.0, s.ctypes.data, K,
-                         _addr(k, b, g, 0), Dk, 0.0, _addr(dq, b, h, i0), Dk)
+                         address(k, b, g, 0), Dk, 0.0, address(dq, b, h, i0), Dk)
                 if which & 32:
                     gemm(fptr, True, False, kn, Dk, bq, 1.0, s.ctypes.data, K,
-                         _addr(q, b, h, i0), Dk, 1.0, _addr(dk, c, b, g), Dk)
+                         address(q, b, h, i0), Dk, 1.0, address(dk, c, b, g), Dk)
 
 
 @njit(cache=True, parallel=True)

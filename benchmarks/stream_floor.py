@@ -23,7 +23,7 @@ from refattn import AttentionCall
 from refattn.engine.alloc import zeros_block
 from refattn.engine.numba.backend import BLOCK_K, BLOCK_Q, _sub_block
 from refattn.engine.numba.blas import dgemm_address, gemm, gemm_split, single_thread_blas
-from refattn.engine.numba.stream import _addr
+from refattn.engine.numba.operands import address
 
 __all__ = ["floor_runner"]
 
@@ -45,10 +45,10 @@ def _forward_gemms(q, k, v, BQ, BK, sub, fptr, nt, out):
         s = s_ws[numba.get_thread_id()]
         for j0 in range(0, K, BK):
             bk = min(BK, K - j0)
-            gemm(fptr, False, True, bq, bk, Dk, 1.0, _addr(q, b, h, i0), Dk,
-                 _addr(k, b, h, j0), Dk, 0.0, s.ctypes.data, BK)
+            gemm(fptr, False, True, bq, bk, Dk, 1.0, address(q, b, h, i0), Dk,
+                 address(k, b, h, j0), Dk, 0.0, s.ctypes.data, BK)
             gemm_split(fptr, False, False, bq, Dv, bk, 1.0, s.ctypes.data, BK,
-                       _addr(v, b, h, j0), Dv, 1.0, _addr(out, b, h, i0), Dv, sub, sub)
+                       address(v, b, h, j0), Dv, 1.0, address(out, b, h, i0), Dv, sub, sub)
 
 
 @njit(cache=True, parallel=True)
@@ -68,16 +68,16 @@ def _backward_gemms(q, k, v, g, BQ, BK, sub, fptr, nt, dq, dk, dv):
             bk = min(BK, K - j0)
             for i0 in range(0, Q, BQ):
                 bq = min(BQ, Q - i0)
-                gemm(fptr, False, True, bq, bk, Dk, 1.0, _addr(q, b, h, i0), Dk,
-                     _addr(k, b, h, j0), Dk, 0.0, p.ctypes.data, BK)
-                gemm(fptr, False, True, bq, bk, Dv, 1.0, _addr(g, b, h, i0), Dv,
-                     _addr(v, b, h, j0), Dv, 0.0, gs.ctypes.data, BK)
+                gemm(fptr, False, True, bq, bk, Dk, 1.0, address(q, b, h, i0), Dk,
+                     address(k, b, h, j0), Dk, 0.0, p.ctypes.data, BK)
+                gemm(fptr, False, True, bq, bk, Dv, 1.0, address(g, b, h, i0), Dv,
+                     address(v, b, h, j0), Dv, 0.0, gs.ctypes.data, BK)
                 gemm_split(fptr, True, False, bk, Dv, bq, 1.0, p.ctypes.data, BK,
-                           _addr(g, b, h, i0), Dv, 1.0, _addr(dv, b, h, j0), Dv, sub, sub)
+                           address(g, b, h, i0), Dv, 1.0, address(dv, b, h, j0), Dv, sub, sub)
                 gemm_split(fptr, False, False, bq, Dk, bk, 1.0, gs.ctypes.data, BK,
-                           _addr(k, b, h, j0), Dk, 1.0, _addr(dq, b, h, i0), Dk, sub, sub)
+                           address(k, b, h, j0), Dk, 1.0, address(dq, b, h, i0), Dk, sub, sub)
                 gemm_split(fptr, True, False, bk, Dk, bq, 1.0, gs.ctypes.data, BK,
-                           _addr(q, b, h, i0), Dk, 1.0, _addr(dk, b, h, j0), Dk, sub, sub)
+                           address(q, b, h, i0), Dk, 1.0, address(dk, b, h, j0), Dk, sub, sub)
 
 
 def floor_runner(q: np.ndarray, k: np.ndarray, v: np.ndarray, g: np.ndarray

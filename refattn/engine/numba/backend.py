@@ -36,9 +36,8 @@ from refattn.engine.alloc import zeros_block
 from refattn.engine.memory import check_memory
 from refattn.engine.numba.blas import dgemm_address, single_thread_blas
 from refattn.engine.numba.kernels import dense_backward_rows, dense_forward_rows
-from refattn.engine.numba.operands import Strided, ro, strided
+from refattn.engine.numba.operands import DROP_DENSE, DROP_NONE, DROP_PHILOX, Strided, ro, strided
 from refattn.engine.numba.philox import philox_fill, philox_params
-from refattn.engine.numba.stream import DROP_DENSE, DROP_NONE, DROP_PHILOX
 from refattn.engine.numba.stream import stream_backward as _stream_backward_kernel
 from refattn.engine.numba.stream import stream_forward as _stream_forward_kernel
 from refattn.engine.numba.tiles import tile_visibility

@@ -30,39 +30,32 @@ from refattn.engine.numba._jit import kernel
 from refattn.engine.numba.blas import gemm
 from refattn.engine.numba.math import exp_shift, row_dot, row_sum
 from refattn.engine.numba.math import row_max as max_of_row
-from refattn.engine.numba.operands import at
-from refattn.engine.numba.philox import philox_row
+from refattn.engine.numba.operands import DROP_NONE, address, at, multiplier_row
 from refattn.engine.numba.tiles import FULL, INVISIBLE, classify, tile_mask
 
 __all__ = ["GBIAS_NONE", "GBIAS_OVER_K", "GBIAS_OVER_Q", "GBIAS_PER_ELEMENT",
            "fused_value_and_grad"]
 
-DROP_NONE, DROP_DENSE, DROP_PHILOX = 0, 1, 2
 GBIAS_NONE, GBIAS_PER_ELEMENT, GBIAS_OVER_Q, GBIAS_OVER_K = 0, 1, 2, 3
 
 
 @kernel(inline="always")
-def _addr(x, a0, a1, n):
-    """Byte address of ``x[a0, a1, n, 0]`` (x C-contiguous in its last axis)."""
-    return x.ctypes.data + a0 * x.strides[0] + a1 * x.strides[1] + n * x.strides[2]
-
-
-@kernel(inline="always")
-def _addr5(x, c, a0, a1, n):
-    """Byte address of ``x[c, a0, a1, n, 0]``."""
-    return (x.ctypes.data + c * x.strides[0] + a0 * x.strides[1] + a1 * x.strides[2]
-            + n * x.strides[3])
-
-
-@kernel(inline="always")
-def _multipliers(z, drop, zdense, b, h, Hq, i, j0, n):
-    """``z[:n]`` = dropout multiplier of keys [j0, j0 + n) of row (b, h, i)."""
-    mode, k0, k1, offset, threshold, keep = drop
-    if mode == DROP_PHILOX:
-        philox_row(z, b * Hq + h, i, j0, n, k0, k1, offset, threshold, keep)
-    else:
-        for j in range(n):
-            z[j] = at(zdense[0], zdense[1], b, h, i, j0 + j)
+def _visible_runs(cls, nkc, KC, K, runs):
+    """``runs[:n]`` = (first, end) key columns of each run of visible chunks; returns n."""
+    n = 0
+    kc = 0
+    while kc < nkc:
+        if cls[kc] == INVISIBLE:
+            kc += 1
+            continue
+        ke = kc
+        while ke < nkc and cls[ke] != INVISIBLE:
+            ke += 1
+        runs[n, 0] = kc * KC
+        runs[n, 1] = min(ke * KC, K)
+        n += 1
+        kc = ke
+    return n
 
 
 @kernel(inline="always")
@@ -126,6 +119,7 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
     has_sink = sink.shape[0] > 0
     dropping = drop[0] != DROP_NONE
     cls_ws = np.empty((nt, nkc), dtype=np.int64)
+    runs_ws = np.empty((nt, (nkc + 1) // 2, 2), dtype=np.int64)
     mask_ws = np.empty((nt, 1, KC), dtype=np.bool_)
     for task in prange(B * Hkv * C):
         c = task % C
@@ -139,7 +133,7 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
         z = z_ws[tid]
         inv_ell = u_ws[tid, :BQ]
         g_scaled = u_ws[tid, BQ:BQ * (Dv + 1)].reshape((BQ, Dv))
-        cls, mask = cls_ws[tid], mask_ws[tid]
+        cls, mask, runs = cls_ws[tid], mask_ws[tid], runs_ws[tid]
         done = 0
         skipped = 0
         for h in range(Hq):
@@ -161,20 +155,12 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                     else:
                         done += 1
                 # S = post * Q K^T over each run of visible chunks
-                kc = 0
-                empty = True
-                while kc < nkc:
-                    if cls[kc] == INVISIBLE:
-                        kc += 1
-                        continue
-                    ke = kc
-                    while ke < nkc and cls[ke] != INVISIBLE:
-                        ke += 1
-                    ja, jb = kc * KC, min(ke * KC, K)
-                    gemm(fptr, False, True, bq, jb - ja, Dk, post, _addr(q, b, h, i0), Dk,
-                         _addr(k, b, g, ja), Dk, 0.0, s.ctypes.data + 8 * ja, K)
-                    kc = ke
-                    empty = False
+                nruns = _visible_runs(cls, nkc, KC, K, runs)
+                empty = nruns == 0
+                for u in range(nruns):
+                    ja, jb = runs[u, 0], runs[u, 1]
+                    gemm(fptr, False, True, bq, jb - ja, Dk, post, address(q, b, h, i0), Dk,
+                         address(k, b, g, ja), Dk, 0.0, s.ctypes.data + 8 * ja, K)
                 # the forward row pass: softcap, bias, visibility, softmax, dropout
                 for r in range(bq):
                     i = i0 + r
@@ -216,7 +202,7 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                                 continue
                             j0 = kc * KC
                             kw = min(KC, K - j0)
-                            _multipliers(z, drop, zdense, b, h, Hq, i, j0, kw)
+                            multiplier_row(z, drop, zdense, b, h, Hq, i, j0, kw)
                             for j in range(kw):
                                 w[r, j0 + j] = s[r, j0 + j] * z[j]
                     lse[b, h, i] = m + math.log(ell)
@@ -225,20 +211,11 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                         g_scaled[r, d] = g_o[b, h, i, d] * inv_ell[r]
                 pz = w if dropping else s  # E Z (E = exp(s - m)): P~ Z = E Z / ell
                 # O = (E Z V) / ell over the visible runs (a block with none keeps zeros)
-                kc = 0
-                beta = 0.0
-                while kc < nkc:
-                    if cls[kc] == INVISIBLE:
-                        kc += 1
-                        continue
-                    ke = kc
-                    while ke < nkc and cls[ke] != INVISIBLE:
-                        ke += 1
-                    ja, jb = kc * KC, min(ke * KC, K)
+                for u in range(nruns):
+                    ja, jb = runs[u, 0], runs[u, 1]
                     gemm(fptr, False, False, bq, Dv, jb - ja, 1.0, pz.ctypes.data + 8 * ja, K,
-                         _addr(v, b, g, ja), Dv, beta, _addr(out, b, h, i0), Dv)
-                    beta = 1.0
-                    kc = ke
+                         address(v, b, g, ja), Dv, 1.0 if u > 0 else 0.0,
+                         address(out, b, h, i0), Dv)
                 for r in range(bq):
                     i = i0 + r
                     if empty or not query_valid[b, i]:
@@ -249,20 +226,12 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                             out[b, h, i, d] *= inv_ell[r]
                     dvec[b, h, i] = row_dot(g_o[b, h, i], out[b, h, i], Dv)  # D = G_O . O
                 # dV += (E Z)^T (dO / ell); dP = dO V^T (into w, after pz is read)
-                kc = 0
-                while kc < nkc:
-                    if cls[kc] == INVISIBLE:
-                        kc += 1
-                        continue
-                    ke = kc
-                    while ke < nkc and cls[ke] != INVISIBLE:
-                        ke += 1
-                    ja, jb = kc * KC, min(ke * KC, K)
+                for u in range(nruns):
+                    ja, jb = runs[u, 0], runs[u, 1]
                     gemm(fptr, True, False, jb - ja, Dv, bq, 1.0, pz.ctypes.data + 8 * ja, K,
-                         g_scaled.ctypes.data, Dv, 1.0, _addr5(dv, c, b, g, ja), Dv)
-                    gemm(fptr, False, True, bq, jb - ja, Dv, 1.0, _addr(g_o, b, h, i0), Dv,
-                         _addr(v, b, g, ja), Dv, 0.0, w.ctypes.data + 8 * ja, K)
-                    kc = ke
+                         g_scaled.ctypes.data, Dv, 1.0, address(dv[c], b, g, ja), Dv)
+                    gemm(fptr, False, True, bq, jb - ja, Dv, 1.0, address(g_o, b, h, i0), Dv,
+                         address(v, b, g, ja), Dv, 0.0, w.ctypes.data + 8 * ja, K)
                 # the backward row pass: G_P = dP Z, row_dot, dS = P (G_P - D) (x cap slope)
                 for r in range(bq):
                     i = i0 + r
@@ -276,7 +245,7 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                         j0 = kc * KC
                         kw = min(KC, K - j0)
                         if dropping:
-                            _multipliers(z, drop, zdense, b, h, Hq, i, j0, kw)
+                            multiplier_row(z, drop, zdense, b, h, Hq, i, j0, kw)
                             for j in range(kw):
                                 w[r, j0 + j] *= z[j]
                         e_row, g_row = s[r, j0:j0 + kw], w[r, j0:j0 + kw]
@@ -300,22 +269,13 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                     if gbias_mode == GBIAS_OVER_K:
                         gbias[b, h, i, 0] = gb_row
                 # dQ = fq dS K; dK += fk dS^T Q over the visible runs
-                kc = 0
-                beta = 0.0
-                while kc < nkc:
-                    if cls[kc] == INVISIBLE:
-                        kc += 1
-                        continue
-                    ke = kc
-                    while ke < nkc and cls[ke] != INVISIBLE:
-                        ke += 1
-                    ja, jb = kc * KC, min(ke * KC, K)
+                for u in range(nruns):
+                    ja, jb = runs[u, 0], runs[u, 1]
                     gemm(fptr, False, False, bq, Dk, jb - ja, fq, s.ctypes.data + 8 * ja, K,
-                         _addr(k, b, g, ja), Dk, beta, _addr(dq, b, h, i0), Dk)
+                         address(k, b, g, ja), Dk, 1.0 if u > 0 else 0.0,
+                         address(dq, b, h, i0), Dk)
                     gemm(fptr, True, False, jb - ja, Dk, bq, fk, s.ctypes.data + 8 * ja, K,
-                         _addr(q, b, h, i0), Dk, 1.0, _addr5(dk, c, b, g, ja), Dk)
-                    beta = 1.0
-                    kc = ke
+                         address(q, b, h, i0), Dk, 1.0, address(dk[c], b, g, ja), Dk)
                 if empty:
                     for r in range(bq):
                         for d in range(Dk):

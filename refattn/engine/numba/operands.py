@@ -16,8 +16,13 @@ from typing import NamedTuple
 import numpy as np
 
 from refattn.engine.numba._jit import kernel
+from refattn.engine.numba.philox import philox_row
 
-__all__ = ["Strided", "at", "ro", "strided"]
+__all__ = ["DROP_DENSE", "DROP_NONE", "DROP_PHILOX", "Strided", "address", "at", "multiplier_row",
+           "ro", "strided"]
+
+#: dropout modes of the kernels' ``drop`` tuple: none, a dense multiplier operand, Philox
+DROP_NONE, DROP_DENSE, DROP_PHILOX = 0, 1, 2
 
 
 def ro(x: np.ndarray) -> np.ndarray:
@@ -69,3 +74,24 @@ def strided(x: np.ndarray | None, full: tuple[int, int, int, int], dtype: type) 
 def at(data, st, b, h, i, j):
     """Element (b, h, i, j) of a :class:`Strided` operand."""
     return data[b * st[0] + h * st[1] + i * st[2] + j * st[3]]
+
+
+@kernel(inline="always")
+def address(x, a0, a1, n):
+    """Byte address of ``x[a0, a1, n, ...]`` (``x`` C-contiguous after its first three axes)."""
+    return x.ctypes.data + a0 * x.strides[0] + a1 * x.strides[1] + n * x.strides[2]
+
+
+@kernel(inline="always")
+def multiplier_row(z, drop, zdense, b, h, Hq, i, j0, n):
+    """``z[:n]`` = dropout multiplier of keys [j0, j0 + n) of row (b, h, i).
+
+    ``drop`` is (mode, key0, key1, offset, threshold, keep); mode DROP_PHILOX draws the
+    stream by coordinates, DROP_DENSE reads the :class:`Strided` operand ``zdense``.
+    """
+    mode, k0, k1, offset, threshold, keep = drop
+    if mode == DROP_PHILOX:
+        philox_row(z, b * Hq + h, i, j0, n, k0, k1, offset, threshold, keep)
+    else:
+        for j in range(n):
+            z[j] = at(zdense[0], zdense[1], b, h, i, j0 + j)

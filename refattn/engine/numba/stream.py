@@ -36,31 +36,10 @@ from refattn.engine.numba._jit import kernel
 from refattn.engine.numba.blas import gemm, gemm_split
 from refattn.engine.numba.math import exp1, exp_shift, row_dot, row_sum
 from refattn.engine.numba.math import row_max as max_of_row
-from refattn.engine.numba.operands import at
-from refattn.engine.numba.philox import philox_row
+from refattn.engine.numba.operands import DROP_NONE, address, at, multiplier_row
 from refattn.engine.numba.tiles import FULL, INVISIBLE, PARTIAL, classify, tile_mask
 
 __all__ = ["stream_backward", "stream_forward"]
-
-DROP_NONE, DROP_DENSE, DROP_PHILOX = 0, 1, 2
-
-
-@kernel(inline="always")
-def _addr(x, b, h, n):
-    """Byte address of ``x[b, h, n, 0]`` (x C-contiguous in its last axis)."""
-    return x.ctypes.data + b * x.strides[0] + h * x.strides[1] + n * x.strides[2]
-
-
-@kernel(inline="always")
-def _multiplier_row(z, drop, zdense, b, h, Hq, i, j0, n):
-    """``z[:n]`` = dropout multiplier of keys [j0, j0 + n) of row (b, h, i)."""
-    mode, k0, k1, offset, threshold, keep = drop
-    if mode == DROP_PHILOX:
-        philox_row(z, b * Hq + h, i, j0, n, k0, k1, offset, threshold, keep)
-    else:
-        for j in range(n):
-            z[j] = at(zdense[0], zdense[1], b, h, i, j0 + j)
-
 
 @kernel(inline="always")
 def _tile_class(mask, tv, b, h, i0, bq, j0, bk):
@@ -160,8 +139,8 @@ def stream_forward(q, k, v, head_map, scale, tv, has_bias, bias, drop, zdense, q
                 continue
             done += 1
             # s = alpha * (q_i @ k_j^T): (bq, Dk) x (Dk, bk); BLAS applies alpha to the sum
-            gemm(fptr, False, True, bq, bk, Dk, scale, _addr(q, b, h, i0), Dk,
-                 _addr(k, b, hk, j0), Dk, 0.0, s.ctypes.data, BK)
+            gemm(fptr, False, True, bq, bk, Dk, scale, address(q, b, h, i0), Dk,
+                 address(k, b, hk, j0), Dk, 0.0, s.ctypes.data, BK)
             for r in range(bq):
                 i = i0 + r
                 row = s[r]
@@ -180,12 +159,12 @@ def stream_forward(q, k, v, head_map, scale, tv, has_bias, bias, drop, zdense, q
                     for d in range(Dv):
                         o[i, d] *= corr
                 if drop_mode != DROP_NONE:
-                    _multiplier_row(zrow, drop, zdense, b, h, Hq, i, j0, bk)
+                    multiplier_row(zrow, drop, zdense, b, h, Hq, i, j0, bk)
                     for j in range(bk):
                         row[j] *= zrow[j]
             # o_i += (P~ Z)_ij @ v_j: (bq, bk) x (bk, Dv)
             gemm_split(fptr, False, False, bq, Dv, bk, 1.0, s.ctypes.data, BK,
-                       _addr(v, b, hk, j0), Dv, 1.0, _addr(out, b, h, i0), Dv, sub, sub)
+                       address(v, b, hk, j0), Dv, 1.0, address(out, b, h, i0), Dv, sub, sub)
         for r in range(bq):
             i = i0 + r
             if ell[r] == 0.0:  # no legal key: the temporary key 0 (the gate allows it only
@@ -200,7 +179,7 @@ def stream_forward(q, k, v, head_map, scale, tv, has_bias, bias, drop, zdense, q
                 sanitized[b, h, i] = True
                 z0 = 1.0
                 if drop_mode != DROP_NONE:
-                    _multiplier_row(zrow, drop, zdense, b, h, Hq, i, 0, 1)
+                    multiplier_row(zrow, drop, zdense, b, h, Hq, i, 0, 1)
                     z0 = zrow[0]
                 for d in range(Dv):
                     o[i, d] = z0 * v[b, hk, 0, d]
@@ -286,11 +265,11 @@ def stream_backward(q, k, v, head_map, scale, tv, has_bias, bias, drop, zdense, 
                             skipped += 1
                             continue
                         done += 1
-                        gemm(fptr, False, True, bq, bk, Dk, scale, _addr(q, b, h, i0), Dk,
-                             _addr(k, b, hk, j0), Dk, 0.0, p.ctypes.data, BK)
+                        gemm(fptr, False, True, bq, bk, Dk, scale, address(q, b, h, i0), Dk,
+                             address(k, b, hk, j0), Dk, 0.0, p.ctypes.data, BK)
                         # G_Pdrop = dO_i @ v_j^T: (bq, Dv) x (Dv, bk)
-                        gemm(fptr, False, True, bq, bk, Dv, 1.0, _addr(g_o, b, h, i0), Dv,
-                             _addr(v, b, hk, j0), Dv, 0.0, gs.ctypes.data, BK)
+                        gemm(fptr, False, True, bq, bk, Dv, 1.0, address(g_o, b, h, i0), Dv,
+                             address(v, b, hk, j0), Dv, 0.0, gs.ctypes.data, BK)
                         for r in range(bq):
                             i = i0 + r
                             row = p[r]
@@ -300,7 +279,7 @@ def stream_backward(q, k, v, head_map, scale, tv, has_bias, bias, drop, zdense, 
                             exp_shift(row, bk, lse[b, h, i])  # P = exp(x - lse)
                             if drop_mode != DROP_NONE:
                                 zr = zt[r]
-                                _multiplier_row(zr, drop, zdense, b, h, Hq, i, j0, bk)
+                                multiplier_row(zr, drop, zdense, b, h, Hq, i, j0, bk)
                                 for j in range(bk):
                                     pz[r, j] = row[j] * zr[j]
                                     gs[r, j] *= zr[j]  # G_P = G_Pdrop * Z
@@ -317,15 +296,15 @@ def stream_backward(q, k, v, head_map, scale, tv, has_bias, bias, drop, zdense, 
                         pa = pz.ctypes.data if drop_mode != DROP_NONE else p.ctypes.data
                         # dv_j += (P Z)^T dO_i: (bk, bq) x (bq, Dv)
                         gemm_split(fptr, True, False, bk, Dv, bq, 1.0, pa, BK,
-                                   _addr(g_o, b, h, i0), Dv, 1.0, _addr(dv, b, h, j0), Dv,
+                                   address(g_o, b, h, i0), Dv, 1.0, address(dv, b, h, j0), Dv,
                                    sub, sub)
                         # dq_i += alpha dS k_j: (bq, bk) x (bk, Dk)
                         gemm_split(fptr, False, False, bq, Dk, bk, scale, gs.ctypes.data, BK,
-                                   _addr(k, b, hk, j0), Dk, 1.0, _addr(dq[c], b, h, i0), Dk,
+                                   address(k, b, hk, j0), Dk, 1.0, address(dq[c], b, h, i0), Dk,
                                    sub, sub)
                         # dk_j += alpha dS^T q_i: (bk, bq) x (bq, Dk)
                         gemm_split(fptr, True, False, bk, Dk, bq, scale, gs.ctypes.data, BK,
-                                   _addr(q, b, h, i0), Dk, 1.0, _addr(dk, b, h, j0), Dk,
+                                   address(q, b, h, i0), Dk, 1.0, address(dk, b, h, j0), Dk,
                                    sub, sub)
         tiles[task, 0] = done
         tiles[task, 1] = skipped
