@@ -256,8 +256,10 @@ def measure(cases: list[Case], *, gemm: float, rss: bool, budget: float,
             rounds: int) -> list[dict[str, Any]]:
     from fused_floor import breakdown, format_breakdown
 
+    from refattn._progress import progress  # a bar on a terminal only
+
     results = []
-    for case in cases:
+    for case in progress(cases, desc="benchmark", unit="shape"):
         variants = [v for v in VARIANTS if applies(v, case)]
         fns = {v: runner(v, case) for v in variants}
         for fn in fns.values():

@@ -41,6 +41,7 @@ if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
 
 from refattn import AttentionCall  # noqa: E402
+from refattn._progress import progress  # noqa: E402
 from refattn.engine.numba.blas import gemm  # noqa: E402
 from refattn.engine.numba.calibration import current_provider  # noqa: E402
 from refattn.engine.numba.fused_host import (  # noqa: E402
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> int:
         cases = [(tuple(int(x) for x in args.shape.split(",")), args.causal)]
     provider = current_provider()
     print(f"provider {provider.key} ({provider.version}); numba threads {numba.get_num_threads()}")
-    for shape, causal in cases:
+    for shape, causal in progress(cases, desc="fused floor", unit="shape"):  # terminal only
         r = breakdown(shape, causal=causal, rounds=args.rounds, provider=provider)
         print(f"{shape}{' causal' if causal else ''}:")
         print("\n".join(format_breakdown(r)), flush=True)

@@ -27,6 +27,7 @@ resolved in float64 and is not reported as wrong.
 
 from __future__ import annotations
 
+import sys
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Literal
 
@@ -55,6 +56,8 @@ Projector = Callable[[np.ndarray], np.ndarray]
 #: the term-magnitude rounding bound is consulted once an error reaches this share of the
 #: tolerance (so a ratio near 1 in a report is borderline, not an artefact of laziness)
 TERM_TRIGGER = 0.1
+#: seconds a check must run before its progress bar appears (automatic mode)
+PROGRESS_DELAY = 0.5
 
 
 class GradientCheckError(AssertionError):
@@ -170,6 +173,7 @@ def check_vjp(
     null_space: Mapping[str, Projector] | None = None,
     localize: bool = True,
     term_scale: Callable[..., Mapping[str, np.ndarray]] | None = None,
+    progress: bool | None = None,
 ) -> Report:
     """Check a hand-written vector-Jacobian product against numeric derivatives.
 
@@ -220,6 +224,10 @@ def check_vjp(
         input): the sum of ``|terms|`` the vjp adds up for each element, whose
         ``eps``-multiple bounds the vjp's own rounding. Consulted only for comparisons that
         come within a tenth of the tolerance without it.
+    progress : bool or None
+        A progress bar (tqdm, on standard error) over the numeric derivatives: None (default)
+        only on a terminal and once the check has run for half a second, False never, True
+        always.
 
     Returns
     -------
@@ -324,12 +332,14 @@ def check_vjp(
 
     # -- comparisons -------------------------------------------------------------------
     reports: dict[str, InputReport] = {}
-    if mode == "full":
-        cols = {n: _full_columns(checker, n, cotangents[0]) for n in names}
-    else:
-        cols = {n: _directional_columns(checker, n, cotangents, seed=int(seed),
-                                        null=null_space.get(n), first=first.get(n),
-                                        dirs=dirs[n]) for n in names}
+    total = sum(inputs[n].size for n in names) if mode == "full" else rounds * len(names)
+    with _progress_bar(total, progress) as bar:
+        if mode == "full":
+            cols = {n: _full_columns(checker, n, cotangents[0], bar) for n in names}
+        else:
+            cols = {n: _directional_columns(checker, n, cotangents, seed=int(seed),
+                                            null=null_space.get(n), first=first.get(n),
+                                            dirs=dirs[n], bar=bar) for n in names}
     # rms Jacobian column norm per input: the rounding floor (global when an input has none)
     col_scale = {n: c["col_rms"] for n, c in cols.items()}
     global_scale = max(col_scale.values(), default=0.0)
@@ -361,7 +371,32 @@ def check_vjp(
     )
 
 
-def _full_columns(checker: _Checker, name: str, v: np.ndarray) -> dict[str, Any]:
+class _NoBar:
+    """Stands in for a tqdm bar when none is drawn."""
+
+    def __enter__(self) -> _NoBar:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+    def update(self, n: int = 1) -> None:
+        return None
+
+
+def _progress_bar(total: int, enabled: bool | None) -> Any:
+    """A tqdm bar over ``total`` numeric derivatives (refattn's policy, without refattn: None
+    draws it only on a terminal after half a second, False never, True always)."""
+    if enabled is False:
+        return _NoBar()
+    from tqdm import tqdm
+
+    auto = {"disable": None, "delay": PROGRESS_DELAY} if enabled is None else {}
+    return tqdm(total=total, desc="gradcheck", unit="jvp", file=sys.stderr, leave=False,
+                dynamic_ncols=True, **auto)
+
+
+def _full_columns(checker: _Checker, name: str, v: np.ndarray, bar: Any) -> dict[str, Any]:
     """Every element's numeric derivative ``<v, J e_i>`` with estimate and column norm."""
     x = checker.inputs[name]
     num, err, norm, wabs = (np.zeros(x.shape) for _ in range(4))
@@ -377,6 +412,7 @@ def _full_columns(checker: _Checker, name: str, v: np.ndarray) -> dict[str, Any]
         num[idx], norm[idx], wabs[idx] = p.value / wi, p.norm / abs(wi), abs(wi)
         if p.kink:
             kinks.append(tuple(int(j) for j in idx))
+        bar.update(1)
     # rounding noise pooled over every column of this input (same fn, same neighbourhood)
     err = pooled_errors(projections).reshape(x.shape) / np.where(wabs > 0, wabs, 1.0)
     col_rms = float(np.sqrt(np.mean(norm**2))) if norm.size else 0.0
@@ -386,7 +422,7 @@ def _full_columns(checker: _Checker, name: str, v: np.ndarray) -> dict[str, Any]
 
 def _directional_columns(
     checker: _Checker, name: str, cotangents: list[np.ndarray], *, seed: int,
-    null: Projector | None, first: Jvp | None, dirs: list[np.ndarray],
+    null: Projector | None, first: Jvp | None, dirs: list[np.ndarray], bar: Any,
 ) -> dict[str, Any]:
     """``<v_r, J w_r>`` for each round's direction, with estimates and norms."""
     x = checker.inputs[name]
@@ -410,6 +446,7 @@ def _directional_columns(
         num[r], norm[r], wnorm[r] = p.value, p.norm, np.linalg.norm(w)
         if p.kink:
             kinks.append(r)
+        bar.update(1)
     err = pooled_errors(projections)  # rounding noise pooled over the rounds
     ok = wnorm > 0
     col_rms = float(np.sqrt(np.mean((norm[ok] / wnorm[ok]) ** 2))) if ok.any() else 0.0

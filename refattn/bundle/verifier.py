@@ -23,6 +23,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
+from refattn._progress import progress as progress_bar
 from refattn.analysis.certificate import certify
 from refattn.bundle.cases import numpy_environment
 from refattn.bundle.gradients import GradcheckMethod, check_method, check_stored_gradients
@@ -97,7 +98,8 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
 # -- the bundle -----------------------------------------------------------------------------
 def verify(directory: str | os.PathLike, *, recompute: bool = True,
            gradcheck: bool = True, gradcheck_method: GradcheckMethod = "auto",
-           backend: str | None = None, exact: bool = False) -> VerifyReport:
+           backend: str | None = None, exact: bool = False,
+           progress: bool | None = None) -> VerifyReport:
     """Verify every case of the bundle in ``directory``.
 
     Parameters
@@ -120,6 +122,9 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
         ``check_vjp``: gradcheck's checker (complex step, element by element for small
         cases); ``central_difference``: :func:`gradient_check` along one random direction
         per input; ``auto``: the first when available.
+    progress : bool or None
+        A progress bar over the cases on standard error: None (default) on a terminal only,
+        False never, True always.
 
     Returns
     -------
@@ -150,7 +155,8 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
         _verify_case(directory, case_id, entry, manifest, recompute=recompute,
                      gradcheck=gradcheck, method=gradcheck_method, backend=backend,
                      exact=exact, bit_identical=True if same_numpy else None)
-        for case_id, entry in sorted(manifest["cases"].items())
+        for case_id, entry in progress_bar(sorted(manifest["cases"].items()), desc="verify",
+                                           enabled=progress)
     ]
     return VerifyReport(str(directory), manifest.get("suite"), str(raw.get("schema_version")),
                         tuple(results), tuple(_listing_problems(directory, manifest)))

@@ -21,6 +21,7 @@ from typing import Any
 import safetensors
 from safetensors.numpy import save
 
+from refattn._progress import progress as progress_bar
 from refattn._version import __version__
 from refattn.analysis.reference_error import reference_error
 from refattn.bundle.cases import (
@@ -99,7 +100,8 @@ def _generator(backend: str) -> dict[str, Any]:
 
 
 def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: str,
-                 backend: str = "exact", force: bool = False) -> Path:
+                 backend: str = "exact", force: bool = False,
+                 progress: bool | None = None) -> Path:
     """Compute every case and write the bundle ``out`` as one transaction, reproducibly.
 
     Parameters
@@ -115,6 +117,9 @@ def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: 
     force : bool
         Write beside files refattn did not write (they are left untouched). A foreign
         ``manifest.json`` or a foreign file inside ``cases/`` is refused even then.
+    progress : bool or None
+        A progress bar over the cases on standard error: None (default) on a terminal only,
+        False never, True always (:func:`refattn._progress.progress`).
 
     Returns
     -------
@@ -148,7 +153,9 @@ def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: 
     out = Path(out)
     with BundleTransaction(out, force=force) as tx:  # refuse before any arithmetic
         encoded: dict[str, tuple[bytes, dict[str, Any]]] = {}
-        for case in cases:  # compute everything first: a failing case writes nothing
+        cases = list(cases)
+        for case in progress_bar(cases, desc=f"golden {suite}", enabled=progress):
+            # compute everything first: a failing case writes nothing
             if case.case_id in encoded:
                 raise RefAttnError(f"case_id: duplicate case {case.case_id!r} in suite "
                                    f"{suite!r}")

@@ -24,13 +24,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--backend", default="exact", choices=GENERATORS,
                    help="generator: exact (default; every tensor correctly rounded, the same "
                    "bytes on every machine) or numpy (float64 in BLAS order, machine-dependent)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (one is drawn only on a terminal anyway)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     cases = build_suite(args.suite)
     path = write_bundle(args.out, cases, suite=args.suite, backend=args.backend,
-                        force=args.force)
+                        force=args.force, progress=False if args.quiet else None)
     print(f"wrote {len(cases)} case(s) of suite {args.suite!r} ({args.backend}) to "
           f"{path.parent} ({path.name})")
     return 0

@@ -91,6 +91,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="seed of the checker's cotangents and directions")
     p.add_argument("--no-identities", action="store_true",
                    help="skip the attention identities")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (one is drawn only on a terminal anyway)")
     p.set_defaults(func=run)
 
 
@@ -156,7 +158,8 @@ def run(args: argparse.Namespace) -> int:
               f"bias {args.bias}" if args.bias != "none" else None]
     print(f"refattn gradcheck: {axes}" + "".join(f"; {e}" for e in extras if e))
     report = check_attention(call, mode=args.mode, method=args.method,
-                             directions=args.directions, seed=args.check_seed)
+                             directions=args.directions, seed=args.check_seed,
+                             progress=False if args.quiet else None)
     print(report)
     ok = report.passed
     if not args.no_identities:

@@ -28,12 +28,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact", action="store_true",
                    help="also run the rounding certificate: every stored element must be the "
                    "correctly rounded value of its definition (independent interval check)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (one is drawn only on a terminal anyway)")
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
     report = verify(args.directory, recompute=not args.no_recompute,
                     gradcheck=not args.no_gradcheck, gradcheck_method=args.gradcheck_method,
-                    backend=args.backend, exact=args.exact)
+                    backend=args.backend, exact=args.exact,
+                    progress=False if args.quiet else None)
     print(report.format())
     return 0 if report.passed else 1

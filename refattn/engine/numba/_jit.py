@@ -9,6 +9,11 @@ next run recompile. The stamp is installed as a numba cache locator that answers
 functions defined in this package; where numba's cache internals are not as expected, the
 kernels are compiled without an on-disk cache instead (correct, only slower to start).
 
+The first compilation in a process of any function of this package (a cache miss: numba
+reports it as a ``numba:compile`` event, which a load from the on-disk cache never raises)
+prints one line on standard error, :data:`COMPILE_NOTICE`, so that a user knows why the
+first call takes seconds; ``REFATTN_QUIET=1`` silences it.
+
 Kernel modules of this package import nothing else from refattn (an import contract in
 ``pyproject.toml`` enforces it), so these files are the whole of what a kernel depends on.
 """
@@ -17,6 +22,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import sys
 from collections.abc import Callable
 from functools import cache
 from pathlib import Path
@@ -24,7 +30,7 @@ from typing import Any
 
 import numba
 
-__all__ = ["CACHE_KEYED", "kernel", "source_stamp"]
+__all__ = ["CACHE_KEYED", "COMPILE_NOTICE", "kernel", "source_stamp"]
 
 _PACKAGE_DIR = Path(__file__).resolve().parent
 
@@ -87,6 +93,37 @@ def _install_locator() -> bool:
 
 #: whether kernels use the keyed on-disk cache (False: compiled afresh in every process)
 CACHE_KEYED: bool = os.environ.get("REFATTN_NUMBA_CACHE", "1") != "0" and _install_locator()
+
+#: printed once per process, on standard error, when this package's first kernel compiles
+COMPILE_NOTICE = ("refattn: compiling CPU kernels, about 20 s once; cached after"
+                  if CACHE_KEYED else
+                  "refattn: compiling CPU kernels, about 20 s (on-disk cache off: every process)")
+
+
+def _install_notice() -> None:
+    """Print :data:`COMPILE_NOTICE` when numba starts compiling one of this package's
+    functions for the first time in this process (never for a load from the disk cache)."""
+    from numba.core import event
+
+    class _FirstCompile(event.Listener):
+        printed = False
+
+        def on_start(self, ev: Any) -> None:
+            if self.printed or os.environ.get("REFATTN_QUIET", "") not in ("", "0"):
+                return
+            func = getattr((ev.data or {}).get("dispatcher"), "py_func", None)
+            code = getattr(func, "__code__", None)
+            if code is not None and Path(code.co_filename).resolve().parent == _PACKAGE_DIR:
+                self.printed = True
+                print(COMPILE_NOTICE, file=sys.stderr, flush=True)
+
+        def on_end(self, ev: Any) -> None:
+            return None
+
+    event.register("numba:compile", _FirstCompile())
+
+
+_install_notice()
 
 
 def kernel(func: Callable[..., Any] | None = None, **options: Any) -> Any:
