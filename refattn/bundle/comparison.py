@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import Any
 
 import numpy as np
@@ -34,7 +34,8 @@ from refattn.bundle.tolerances import (
 )
 from refattn.errors import RefAttnError
 
-__all__ = ["CHECKS", "TRACE_ORDER", "Report", "TensorReport", "compare", "required_tensors"]
+__all__ = ["CHECKS", "LEGEND", "TRACE_ORDER", "Report", "TensorReport", "compare", "plain",
+           "required_tensors"]
 
 #: canonical names in trace order: inputs, forward stages, backward stages
 TRACE_ORDER = (
@@ -159,16 +160,70 @@ class TensorReport:
     top_relative: tuple[RelativeError, ...] = ()
 
     def line(self) -> str:
-        """One table row."""
-        status = "ok" if self.passed else "FAIL"
+        """One table row: ``FAIL`` or ``ok`` first, then the columns :data:`LEGEND` explains."""
+        mark = "ok" if self.passed else "FAIL"
+        if self.rule == "structure":  # nothing was compared numerically: say why instead
+            return (f"{mark:<4} {self.name:<20} {self.rule:<18} {'-':<10} {'-':<10} {'-':<11} "
+                    f"{'-':<7} {'-':>15}  {self.reason or ''}")
         ratio = "-" if self.ratio is None else f"{self.ratio:.3g}"
         worst = "-" if self.worst_index is None else (
-            f"{format_index(self.worst_index)} {self.worst_candidate:.17g} vs "
-            f"{self.worst_golden:.17g}"
+            f"{format_index(self.worst_index)} {plain(self.worst_candidate)} vs "
+            f"{plain(self.worst_golden)}"
         )
-        return (f"{self.name:<20} {self.rule:<18} {status:<4} {self.max_abs_error:<10.3e} "
+        return (f"{mark:<4} {self.name:<20} {self.rule:<18} {self.max_abs_error:<10.3e} "
                 f"{self.bound:<10.3e} {self.margin:<+11.3e} {ratio:<7} "
                 f"{self.failing_count:>6} ({self.failing_percent:6.2f}%)  {worst}")
+
+    def to_dict(self) -> dict[str, Any]:
+        """The row as JSON-ready values (non-finite floats as ``"nan"``, ``"inf"``,
+        ``"-inf"``; indices as lists).
+
+        Examples
+        --------
+        >>> TensorReport("output", "float64", True, worst_candidate=float("nan")).to_dict()[
+        ...     "worst_candidate"]
+        'nan'
+        """
+        out = {f.name: _json_value(getattr(self, f.name)) for f in fields(self)
+               if f.name != "top_relative"}
+        out["top_relative"] = [{f.name: _json_value(getattr(r, f.name)) for f in fields(r)}
+                               for r in self.top_relative]
+        return out
+
+
+def plain(x: float) -> str:
+    """A float as plain text that reads back exactly: ``0.1``, ``-2.5e-300``, ``nan``, ``inf``.
+
+    Examples
+    --------
+    >>> plain(np.float64(0.1)), plain(float("nan")), plain(-np.inf)
+    ('0.1', 'nan', '-inf')
+    """
+    return repr(float(x))
+
+
+def _json_value(x: Any) -> Any:
+    """JSON-ready: numpy scalars as Python ones, non-finite floats as strings, tuples as lists."""
+    if isinstance(x, (tuple, list)):
+        return [_json_value(v) for v in x]
+    if isinstance(x, (bool, np.bool_)):
+        return bool(x)
+    if isinstance(x, (int, np.integer)):
+        return int(x)
+    if isinstance(x, (float, np.floating)):
+        return float(x) if np.isfinite(x) else plain(x)
+    return x
+
+
+#: what each column of :meth:`Report.format` means (printed above the table)
+LEGEND = (
+    "columns: FAIL/ok = verdict; max_err = largest |candidate - golden| over the elements",
+    "  finite in both; bound = the error allowed at the worst element (float64 rule:",
+    "  atol + rtol*|golden|) or for the whole tensor (lower precision: k * the naive",
+    "  algorithm's own error + floor); margin = max_err - bound (> 0 fails); ratio = max_err /",
+    "  the naive algorithm's error (lower precision only); failing = elements over their bound;",
+    "  worst = the worst element's index in the tensor, then candidate vs golden there",
+)
 
 
 @dataclass(frozen=True)
@@ -210,18 +265,23 @@ class Report:
                 return t
         raise KeyError(name)
 
-    def format(self) -> str:
-        """The report as text: one row per tensor, then the details of every failure."""
+    def rule_text(self) -> str:
+        """The rule in words, e.g. ``|a-g| <= 1e-12 + 1e-10*|g| per element``."""
         tol = self.tolerances
-        rule = (f"|a-g| <= {tol.atol:g} + {tol.rtol:g}*|g| per element"
-                if self.precision == "float64" else
-                f"max|a-g| <= k*max|naive_{self.precision}-g| + floor "
+        if self.precision == "float64":
+            return f"|a-g| <= {tol.atol:g} + {tol.rtol:g}*|g| per element"
+        return (f"max|a-g| <= k*max|naive_{self.precision}-g| + floor "
                 f"(k={tol.k_forward:g} forward, {tol.k_gradient:g} gradients)")
-        lines = [
-            f"case {self.case_id or '?'}: precision {self.precision}; rule {rule}",
-            f"{'tensor':<20} {'rule':<18} {'':<4} {'max_err':<10} {'bound':<10} "
-            f"{'margin':<11} {'ratio':<7} {'failing':>6}            worst (candidate vs golden)",
-        ]
+
+    def format(self, *, legend: bool = True) -> str:
+        """The report as text: the rule, a legend of the columns, one row per tensor (failing
+        rows start with ``FAIL``), then the details of every failure and the verdict."""
+        lines = [f"case {self.case_id or '?'}: precision {self.precision}; "
+                 f"rule {self.rule_text()}"]
+        if legend:
+            lines += LEGEND
+        lines.append(f"{'':<4} {'tensor':<20} {'rule':<18} {'max_err':<10} {'bound':<10} "
+                     f"{'margin':<11} {'ratio':<7} {'failing':>15}  worst: candidate vs golden")
         lines += [t.line() for t in self.tensors]
         if self.missing:
             lines.append(f"not compared (absent from candidate): {', '.join(self.missing)}")
@@ -234,10 +294,33 @@ class Report:
                              f"mismatches {t.nonfinite_mismatches}")
             for r in t.top_relative:
                 lines.append(f"  rel {r.relative:.3e} at {format_index(r.index)}: "
-                             f"{r.candidate:.17g} vs {r.golden:.17g}")
+                             f"{plain(r.candidate)} vs {plain(r.golden)}")
         first = self.first_failure
-        lines.append("PASS" if first is None else f"FAILED: first failing stage {first}")
+        failed = sum(not t.passed for t in self.tensors)
+        lines.append("PASS" if first is None else
+                     f"FAILED: {failed} of {len(self.tensors)} tensor(s); first failing stage "
+                     f"{first}")
         return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready values (``refattn compare --json``).
+
+        Examples
+        --------
+        >>> from refattn.bundle.suites import build_suite
+        >>> from refattn.bundle.spec import case_spec
+        >>> spec = case_spec(build_suite("contract")[1])
+        >>> d = compare({"output": spec.tensors["output"]}, spec).to_dict()
+        >>> d["passed"], d["tensors"][0]["name"], d["rule"]
+        (True, 'output', '|a-g| <= 1e-12 + 1e-10*|g| per element')
+        """
+        tol = {f.name: _json_value(getattr(self.tolerances, f.name))
+               for f in fields(self.tolerances)}
+        tol = {n: dict(v) if isinstance(v, Mapping) else v for n, v in tol.items()}
+        return {"case_id": self.case_id, "precision": self.precision, "rule": self.rule_text(),
+                "passed": self.passed, "first_failure": self.first_failure,
+                "missing": list(self.missing), "tolerances": tol,
+                "tensors": [t.to_dict() for t in self.tensors]}
 
 
 # -- the comparison --------------------------------------------------------------------------
@@ -303,7 +386,7 @@ def _numeric(name: str, c_in: np.ndarray, g: np.ndarray, *, precision: str,
     if nonfinite_mm:
         first = first_index(class_diff)
         reasons.append(f"non-finite positions differ at {nonfinite_mm} element(s), first "
-                       f"{format_index(first)}: {c[first]!r} vs {g[first]!r}")
+                       f"{format_index(first)}: {plain(c[first])} vs {plain(g[first])}")
     ref_err = ratio = None
     if precision == "float64":
         atol, rtol = tol.float64_for(name)

@@ -8,10 +8,31 @@ formatting; the checks that fill them live in :mod:`refattn.bundle.read`,
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Literal
+import math
+from dataclasses import asdict, dataclass
+from typing import Any, Literal
 
-__all__ = ["CaseResult", "Problem", "Stage", "VerifyReport"]
+__all__ = ["LEGEND", "CaseResult", "Problem", "Stage", "VerifyReport"]
+
+#: what each column of :meth:`VerifyReport.format` means (printed above the table)
+LEGEND = (
+    "columns: FAIL/ok = the case's verdict; files = the case file and its tensors' sha256 "
+    "(ok/FAIL);",
+    "  sha = tensors whose sha256 matched the manifest; recompute = the case recomputed by "
+    "its generator:",
+    "  bit-identical, or max|stored - recomputed| under the float64 rule; gradcheck = the "
+    "stored gradients",
+    "  against numeric derivatives: worst error/tolerance (<= 1 passes), the mode and the "
+    "inputs checked;",
+    "  rounding cert. (--exact) = elements confirmed correctly rounded",
+)
+
+
+def _json_float(x: float | None) -> float | str | None:
+    """A float for JSON: non-finite as ``"nan"``, ``"inf"``, ``"-inf"``."""
+    if x is None or math.isfinite(x):
+        return x
+    return repr(float(x))
 
 Stage = Literal["bundle", "file", "tensor", "recompute", "manifest", "gradcheck", "certificate"]
 
@@ -92,8 +113,18 @@ class CaseResult:
             if any(p.stage == "certificate" for p in self.problems):
                 cert = "FAIL"
             cert = f"{cert:<14} "
-        return (f"{self.case_id:<44} {integrity:<5} {self.tensors_checked:>3}  {recompute:<22} "
-                f"{grad:<28} {cert}{'ok' if self.passed else 'FAIL'}")
+        return (f"{'ok' if self.passed else 'FAIL':<4} {self.case_id:<44} {integrity:<5} "
+                f"{self.tensors_checked:>3}  {recompute:<22} {grad:<28} {cert}".rstrip())
+
+    def to_dict(self) -> dict[str, Any]:
+        """The result as JSON-ready values (``refattn verify --json``)."""
+        out = asdict(self)
+        out["passed"] = self.passed
+        out["recompute_error"] = _json_float(self.recompute_error)
+        out["gradcheck_error"] = _json_float(self.gradcheck_error)
+        out["gradcheck_inputs"] = list(self.gradcheck_inputs)
+        out["notes"] = list(self.notes)
+        return out
 
 
 @dataclass(frozen=True)
@@ -114,20 +145,39 @@ class VerifyReport:
     def all_problems(self) -> tuple[Problem, ...]:
         return self.problems + tuple(p for c in self.cases for p in c.problems)
 
-    def format(self) -> str:
-        """The table, then one line per problem naming case, tensor and reason."""
+    def format(self, *, legend: bool = True) -> str:
+        """A legend, the table (failing cases start with ``FAIL``), then one line per problem
+        naming case, tensor and reason, and the verdict."""
         exact = any(c.certified is not None for c in self.cases)
-        cert = f"{'rounding cert.':<14} " if exact else ""
+        cert = f"{'rounding cert.':<14}" if exact else ""
         lines = [
             f"bundle {self.directory}: suite {self.suite!r}, schema {self.schema_version}, "
             f"{len(self.cases)} case(s)",
-            f"{'case':<44} {'files':<5} {'sha':>3}  {'recompute':<22} "
-            f"{'gradcheck (err/tol)':<28} {cert}result",
         ]
+        if legend:
+            lines += LEGEND
+        lines.append(f"{'':<4} {'case':<44} {'files':<5} {'sha':>3}  {'recompute':<22} "
+                     f"{'gradcheck (err/tol)':<28} {cert}".rstrip())
         lines += [c.line(exact=exact) for c in self.cases]
         lines += [f"note case={c.case_id}: {n}" for c in self.cases for n in c.notes]
         lines += [str(p) for p in self.all_problems]
         n_bad = sum(not c.passed for c in self.cases)
         lines.append("PASS" if self.passed else
-                     f"FAILED: {n_bad} case(s), {len(self.all_problems)} problem(s)")
+                     f"FAILED: {n_bad} of {len(self.cases)} case(s), "
+                     f"{len(self.all_problems)} problem(s)")
         return "\n".join(lines)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The report as JSON-ready values (``refattn verify --json``).
+
+        Examples
+        --------
+        >>> r = VerifyReport("b", "contract", "1", (CaseResult("c", 3, 0.0, True),))
+        >>> d = r.to_dict()
+        >>> d["passed"], d["cases"][0]["bit_identical"], d["problems"]
+        (True, True, [])
+        """
+        return {"directory": self.directory, "suite": self.suite,
+                "schema_version": self.schema_version, "passed": self.passed,
+                "cases": [c.to_dict() for c in self.cases],
+                "problems": [asdict(p) for p in self.problems]}

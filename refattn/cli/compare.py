@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 from pathlib import Path
 
 from refattn.bundle.candidates import read_candidate
@@ -39,6 +40,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "holds any input gradient, else forward")
     p.add_argument("--floor-factor", type=float, help="lower precision: floor multiplier "
                    "(default 2)")
+    p.add_argument("--json", action="store_true", help="print the report as one JSON document "
+                   "(non-finite numbers as the strings nan, inf, -inf)")
+    p.add_argument("--no-legend", action="store_true",
+                   help="leave out the lines that explain the columns")
     p.set_defaults(func=run)
 
 
@@ -62,5 +67,8 @@ def run(args: argparse.Namespace) -> int:
         manifest = check_schema(read_manifest(mpath))
     report = compare(read_candidate(args.candidate), load(golden, manifest=manifest),
                      dtype=args.dtype, tolerances=tol, check=args.check)
-    print(report.format())
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(report.format(legend=not args.no_legend))
     return 0 if report.passed else 1

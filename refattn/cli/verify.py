@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 
 from refattn.bundle.verifier import verify
 
@@ -28,6 +29,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--exact", action="store_true",
                    help="also run the rounding certificate: every stored element must be the "
                    "correctly rounded value of its definition (independent interval check)")
+    p.add_argument("--json", action="store_true",
+                   help="print the report as one JSON document")
+    p.add_argument("--no-legend", action="store_true",
+                   help="leave out the lines that explain the columns")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (one is drawn only on a terminal anyway)")
     p.set_defaults(func=run)
@@ -38,5 +43,8 @@ def run(args: argparse.Namespace) -> int:
                     gradcheck=not args.no_gradcheck, gradcheck_method=args.gradcheck_method,
                     backend=args.backend, exact=args.exact,
                     progress=False if args.quiet else None)
-    print(report.format())
+    if args.json:
+        print(json.dumps(report.to_dict(), indent=1))
+    else:
+        print(report.format(legend=not args.no_legend))
     return 0 if report.passed else 1
