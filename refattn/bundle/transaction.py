@@ -20,6 +20,15 @@ Owns :class:`BundleTransaction`, the write side of ``refattn golden --out DIR``:
    directory that the next run removes. With ``force`` beside foreign files, those files must
    stay where they are, so the bundle's files are replaced one by one instead (each atomically,
    case files first, ``manifest.json`` last, stale refattn cases removed at the end).
+5. A resumable transaction (``resume=KEY``, the mode of ``refattn sweep``) stages into a
+   persistent sibling ``.DIR.refattn-resume-KEY/`` instead: ``bundle/`` is the bundle being
+   built and ``notes/`` holds one small file per staged case (its manifest entry). Files
+   arrive one at a time (:meth:`BundleTransaction.stage`: a fsynced temporary file renamed
+   into place, so a staged file is whole or absent), survive a killed run, and are read back
+   by the next run with the same key; :meth:`~BundleTransaction.commit` writes the manifest
+   into ``bundle/`` and swaps it in exactly as above, then removes the resume directory. A
+   resume directory of another key beside ``DIR`` is another run's unfinished work: it is
+   refused, never removed.
 
 Defers the primitives to :mod:`refattn.bundle.fsio`; knows nothing of cases or engines.
 """
@@ -42,14 +51,20 @@ from refattn.bundle.fsio import (
     exchange,
     fsync_dir,
     os_error,
+    read_confined,
     write_new,
 )
 from refattn.errors import RefAttnError
 
-__all__ = ["STAGING_MARK", "BundleTransaction", "Survey", "survey"]
+__all__ = ["RESUME_MARK", "STAGING_MARK", "BundleTransaction", "Survey", "survey"]
 
 #: the infix of the temporary sibling directories a writer stages a bundle in
 STAGING_MARK = ".refattn-staging-"
+#: the infix of the persistent sibling directory a resumable writer stages a bundle in
+RESUME_MARK = ".refattn-resume-"
+_RESUME_KEY = re.compile(r"^[0-9a-f]{1,64}$")
+_NOTE_NAME = re.compile(r"^[A-Za-z0-9_.-]+\.json$")
+_TMP_NAME = re.compile(r"^\.[A-Za-z0-9_.-]+\.[0-9a-f]+\.tmp$")
 _CASE_NAME = re.compile(r"^[A-Za-z0-9_.-]+\.safetensors$")
 #: temporary files earlier refattn versions' atomic writes left when killed
 _OLD_TMP = re.compile(r"^\.(manifest\.json|[A-Za-z0-9_.-]+\.safetensors)\.[A-Za-z0-9_]+\.tmp$")
@@ -225,10 +240,15 @@ class BundleTransaction:
     ['cases', 'cases/a.safetensors', 'manifest.json']
     """
 
-    def __init__(self, out: str | os.PathLike, *, force: bool = False) -> None:
+    def __init__(self, out: str | os.PathLike, *, force: bool = False,
+                 resume: str | None = None) -> None:
         self.out = Path(os.path.abspath(os.fspath(out)))
         self.force = bool(force)
         self.lock = DirectoryLock(self.out)
+        if resume is not None and not (isinstance(resume, str) and _RESUME_KEY.match(resume)):
+            raise RefAttnError(f"resume: expected 1-64 lowercase hex digits, got {resume!r}")
+        self.resume = resume
+        self.resume_dir: Path | None = None
 
     # -- entry: refuse early, before any arithmetic -----------------------------------------
     def __enter__(self) -> BundleTransaction:
@@ -254,6 +274,8 @@ class BundleTransaction:
         try:
             self._check(survey(out))
             self._clean_stale_staging()
+            if self.resume is not None:
+                self._open_resume()
         except BaseException:
             self.lock.__exit__()
             raise
@@ -287,15 +309,130 @@ class BundleTransaction:
         for staging in self._stagings():
             _discard_staging(staging)
 
+    # -- the resumable staging directory ------------------------------------------------------
+    def _resume_dirs(self) -> list[Path]:
+        prefix = f".{self.out.name}{RESUME_MARK}"
+        try:
+            return sorted(Path(e.path) for e in os.scandir(self.out.parent)
+                          if e.name.startswith(prefix))
+        except OSError:
+            return []
+
+    def _open_resume(self) -> None:
+        """Create or reuse ``.DIR.refattn-resume-KEY/``; refuse another key's directory."""
+        own = self.out.parent / f".{self.out.name}{RESUME_MARK}{self.resume}"
+        others = [d for d in self._resume_dirs() if d != own]
+        if others:
+            raise RefAttnError(
+                f"--out {self.out}: {others[0]} holds the unfinished work of another run "
+                f"(key {others[0].name.rsplit(RESUME_MARK, 1)[-1]!r}, not {self.resume!r}); "
+                "finish it by rerunning that SPEC, or remove that directory")
+        try:
+            st = os.lstat(own)
+        except FileNotFoundError:
+            st = None
+        except OSError as exc:
+            raise os_error(own, exc, "cannot inspect the resume directory") from None
+        if st is not None and not stat.S_ISDIR(st.st_mode):
+            raise RefAttnError(f"{own}: is not a directory; refattn stages a resumable bundle "
+                               "there (move it away)")
+        try:
+            for d in (own, own / "bundle", own / "bundle" / "cases", own / "notes"):
+                d.mkdir(exist_ok=True)
+        except OSError as exc:
+            raise os_error(own, exc, "cannot create the resume directory") from None
+        for sub in (own / "bundle", own / "bundle" / "cases", own / "notes"):
+            st = os.lstat(sub)
+            if not stat.S_ISDIR(st.st_mode):
+                raise RefAttnError(f"{sub}: is not a directory (refattn never follows a link "
+                                   "inside its resume directory)")
+            for entry in os.scandir(sub):  # temporary files of a killed run: ours, partial
+                if _TMP_NAME.match(entry.name) and entry.is_file(follow_symlinks=False):
+                    Path(entry.path).unlink(missing_ok=True)
+        fsync_dir(self.out.parent)
+        self.resume_dir = own
+
+    def _resume_path(self, rel: str, *, note: bool = False) -> Path:
+        if self.resume_dir is None or self.lock.fd is None:
+            raise RefAttnError("bundle transaction: staging needs resume= and the with block")
+        if note:
+            if not _NOTE_NAME.match(rel):
+                raise RefAttnError(f"note: {rel!r} is not a note name (<name>.json)")
+            return self.resume_dir / "notes" / rel
+        if rel != "manifest.json" and not (rel.startswith("cases/")
+                                           and _CASE_NAME.match(rel[len("cases/"):])):
+            raise RefAttnError(f"stage: {rel!r} is not a bundle file (cases/<case_id>"
+                               ".safetensors or manifest.json)")
+        return self.resume_dir / "bundle" / rel
+
+    def stage(self, rel: str, data: bytes, *, note: bool = False) -> None:
+        """Add one file to the resumable staging directory, whole or not at all.
+
+        ``rel`` is a bundle path (``cases/<case_id>.safetensors``), or with ``note=True`` the
+        name of a note (``<name>.json``). Written to a fsynced temporary file and renamed
+        over any earlier version, then the directory is fsynced.
+        """
+        target = self._resume_path(rel, note=note)
+        tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
+        write_new(tmp, data)
+        try:
+            os.replace(tmp, target)
+        except OSError as exc:
+            tmp.unlink(missing_ok=True)
+            raise os_error(target, exc, "cannot rename into place") from None
+        fsync_dir(target.parent)
+
+    def staged(self, rel: str, *, note: bool = False, max_bytes: int = 2**34) -> bytes | None:
+        """The bytes of a staged file or note (no link followed), or None when absent."""
+        target = self._resume_path(rel, note=note)
+        root = target.parent
+        try:
+            return read_confined(root, target.name, max_bytes=max_bytes, what="staged file")
+        except RefAttnError:
+            if not os.path.lexists(target):
+                return None
+            raise
+
+    def staged_names(self, *, note: bool = False) -> list[str]:
+        """Staged case files (``cases/...``) or notes, sorted."""
+        if self.resume_dir is None:
+            return []
+        where = self.resume_dir / ("notes" if note else "bundle/cases")
+        pattern = _NOTE_NAME if note else _CASE_NAME
+        names = sorted(e.name for e in os.scandir(where)
+                       if pattern.match(e.name) and e.is_file(follow_symlinks=False))
+        return names if note else [f"cases/{n}" for n in names]
+
+    def unstage(self, rel: str, *, note: bool = False) -> None:
+        """Remove one staged file or note (refattn's own; absent is fine)."""
+        target = self._resume_path(rel, note=note)
+        _remove_own(target.parent, [target.name])
+
+    def discard_resume(self) -> None:
+        """Remove the resume directory: its refattn files, then the directories."""
+        own = self.resume_dir
+        if own is None:
+            return
+        _remove_own(own / "notes", self.staged_names(note=True))
+        _discard_staging(own / "bundle")
+        _rmdir_quiet(own / "notes")
+        _rmdir_quiet(own)
+        fsync_dir(self.out.parent)
+        self.resume_dir = None
+
     # -- the commit ---------------------------------------------------------------------------
     def commit(self, files: Mapping[str, bytes]) -> None:
         """Write ``files`` (relative path -> bytes; ``manifest.json`` among them) as the
-        bundle, replacing refattn's previous files and nothing else."""
+        bundle, replacing refattn's previous files and nothing else.
+
+        A resumable transaction's bundle is its staged files plus ``files``."""
         if self.lock.fd is None:
             raise RefAttnError("bundle transaction: commit() outside its with block")
         s = survey(self.out)  # again, under the lock: the user may have added files
         self._check(s)
-        if s.foreign:
+        if self.resume_dir is not None:
+            self._commit_resume(files, s)
+        elif s.foreign:
             self._commit_in_place(files, s)
         else:
             self._commit_swap(files, s)
@@ -355,6 +492,46 @@ class BundleTransaction:
         _rmdir_quiet(old / "cases")
         _rmdir_quiet(old)
         fsync_dir(parent)
+
+    def _commit_resume(self, files: Mapping[str, bytes], s: Survey) -> None:
+        own = self.resume_dir
+        if own is None:
+            raise RefAttnError("bundle transaction: no resume directory to commit")
+        for rel, data in files.items():
+            self.stage(rel, data)
+        bundle = own / "bundle"
+        for d in (bundle / "cases", bundle):
+            fsync_dir(d)
+        if s.foreign:  # beside the user's files: replaced one by one, manifest last
+            staged = {rel: self.staged(rel) or b"" for rel in self.staged_names()}
+            staged["manifest.json"] = self.staged("manifest.json") or b""
+            self._commit_in_place(staged, s)
+            self.discard_resume()
+            return
+        try:
+            os.chmod(bundle, stat.S_IMODE(os.stat(self.out).st_mode))
+        except OSError as exc:
+            raise os_error(bundle, exc, "cannot set the directory's mode") from None
+        parent = self.out.parent
+        if exchange(bundle, self.out):
+            old = bundle  # the previous bundle now lives in the resume directory
+        else:
+            old = parent / f".{self.out.name}{STAGING_MARK}{secrets.token_hex(6)}"
+            try:
+                os.rename(self.out, old)
+            except OSError as exc:
+                raise os_error(self.out, exc, "cannot move the previous bundle aside") \
+                    from None
+            try:
+                os.rename(bundle, self.out)
+            except OSError as exc:
+                os.rename(old, self.out)
+                raise os_error(self.out, exc, "cannot rename the new bundle in") from None
+        fsync_dir(parent)
+        _remove_own(old, s.own)
+        _rmdir_quiet(old / "cases")
+        _rmdir_quiet(old)
+        self.discard_resume()
 
     def _commit_in_place(self, files: Mapping[str, bytes], s: Survey) -> None:
         """Beside foreign files (``force``): each file replaced atomically, manifest last."""

@@ -36,21 +36,52 @@ from refattn.bundle.spec import case_spec
 from refattn.engine import BACKENDS
 from refattn.errors import RefAttnError
 
-__all__ = ["verify"]
+__all__ = ["check_file", "listing_problems", "verify", "verify_case_bytes"]
 
 
 # -- one case --------------------------------------------------------------------------------
-def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manifest: Any, *,
-                 recompute: bool, gradcheck: bool, method: GradcheckMethod,
-                 backend: str | None, exact: bool, bit_identical: bool | None) -> CaseResult:
+def check_file(directory: Path, case_id: str, entry: Mapping[str, Any]
+               ) -> tuple[CaseResult | None, int, bytes | None]:
+    """Step (2)'s reading: the case file's path, bytes and checksums, from inside the bundle.
+
+    Returns ``(verdict, tensors checked, bytes)``: a final :class:`CaseResult` when the file
+    fails (then no bytes), else None and the file's bytes for :func:`verify_case_bytes`.
+    """
     rel = entry["file"]
     if rel != f"cases/{case_id}.safetensors":
         return CaseResult(case_id, 0, problems=(Problem(
             case_id, None, "file", f"manifest names file {rel!r}; case {case_id!r} must be "
-            f"stored as 'cases/{case_id}.safetensors'"),))
+            f"stored as 'cases/{case_id}.safetensors'"),)), 0, None
     checked, problems, data = check_case_file(case_id, directory, entry)
     if problems or data is None:
-        return CaseResult(case_id, checked, problems=tuple(problems))
+        return CaseResult(case_id, checked, problems=tuple(problems)), checked, None
+    return None, checked, data
+
+
+def verify_case_bytes(case_id: str, entry: Mapping[str, Any], data: bytes, checked: int, *,
+                      recompute: bool = True, gradcheck: bool = True,
+                      method: GradcheckMethod = "auto", backend: str | None = None,
+                      exact: bool = False, bit_identical: bool | None = None) -> CaseResult:
+    """Steps (3)-(6) of one case whose bytes :func:`check_file` read (a worker's task in
+    ``refattn verify --workers``): the verdict :func:`verify` gives that case."""
+    return _verify_case(Path("."), case_id, entry, {"cases": {case_id: entry}},
+                        recompute=recompute, gradcheck=gradcheck, method=method,
+                        backend=backend, exact=exact, bit_identical=bit_identical,
+                        loaded=(checked, data))
+
+
+def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manifest: Any, *,
+                 recompute: bool, gradcheck: bool, method: GradcheckMethod,
+                 backend: str | None, exact: bool, bit_identical: bool | None,
+                 loaded: tuple[int, bytes] | None = None) -> CaseResult:
+    rel = entry["file"]
+    if loaded is None:
+        verdict, checked, data = check_file(directory, case_id, entry)
+        if verdict is not None or data is None:
+            return verdict or CaseResult(case_id, checked)
+    else:
+        checked, data = loaded
+    problems: list[Problem] = []
     try:
         loaded = load_bytes(data, rel, manifest=manifest, file_name=Path(rel).name)
         if loaded.case_id != case_id:
@@ -183,3 +214,7 @@ def _listing_problems(directory: Path, manifest: Mapping[str, Any]) -> list[Prob
         elif rel not in listed:
             out.append(Problem(None, None, "bundle", f"{rel} is not listed in the manifest"))
     return out
+
+
+#: entries of ``cases/`` that the manifest does not list, and non-regular files there
+listing_problems = _listing_problems

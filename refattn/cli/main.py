@@ -12,13 +12,22 @@ from typing import NoReturn
 
 from gradcheck.errors import GradcheckError
 from refattn._version import __version__
-from refattn.cli import calibrate, compare, diagnostics, golden, gradcheck, mask, verify
+from refattn.cli import (
+    calibrate,
+    compare,
+    diagnostics,
+    golden,
+    gradcheck,
+    mask,
+    sweep,
+    verify,
+)
 from refattn.errors import RefAttnError
 
 __all__ = ["main"]
 
 #: subcommand modules, in help order
-COMMANDS = (golden, verify, compare, mask, diagnostics, gradcheck, calibrate)
+COMMANDS = (golden, sweep, verify, compare, mask, diagnostics, gradcheck, calibrate)
 
 
 class _Parser(argparse.ArgumentParser):

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 
-from refattn.bundle.verifier import verify
+from refattn.cli.sweep import add_cluster_arguments
+from refattn.distributed.cluster import connect
+from refattn.distributed.verification import verify
 
 __all__ = ["add_parser"]
 
@@ -35,14 +37,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="leave out the lines that explain the columns")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (one is drawn only on a terminal anyway)")
+    add_cluster_arguments(p)  # --workers N / --scheduler ADDR: the cases checked in parallel
     p.set_defaults(func=run)
 
 
 def run(args: argparse.Namespace) -> int:
-    report = verify(args.directory, recompute=not args.no_recompute,
-                    gradcheck=not args.no_gradcheck, gradcheck_method=args.gradcheck_method,
-                    backend=args.backend, exact=args.exact,
-                    progress=False if args.quiet else None)
+    with connect(workers=args.workers, scheduler=args.scheduler, timeout=args.timeout) as client:
+        report = verify(args.directory, client=client, recompute=not args.no_recompute,
+                        gradcheck=not args.no_gradcheck, gradcheck_method=args.gradcheck_method,
+                        backend=args.backend, exact=args.exact,
+                        progress=False if args.quiet else None)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:

@@ -26,9 +26,12 @@ def places(tmp_path_factory) -> dict[str, str]:
     os.mkfifo(root / "fifo")
     (root / "link").symlink_to(bundle)
     case = bundle / "cases" / "loop7_cross_attention_padded_source.safetensors"
+    (root / "spec.toml").write_text('name = "fuzz"\n[[grid]]\nshape = [[1, 1, 1, 2, 2, 2, 2]]\n')
+    (root / "bad.toml").write_text('name = "fuzz"\n[[grid]]\nshape = [[1, 1, 1, 2, 2, 2]]\n')
     return {"bundle": str(bundle), "file": str(root / "file.txt"), "fifo": str(root / "fifo"),
             "link": str(root / "link"), "case": str(case), "missing": str(root / "nope"),
-            "fresh": str(root / "fresh")}
+            "fresh": str(root / "fresh"), "spec": str(root / "spec.toml"),
+            "bad_spec": str(root / "bad.toml")}
 
 
 NUMBERS = ["0", "-1", "1", "2", "3", "2**64", "18446744073709551616", "1e400", "nan", "0.5",
@@ -43,6 +46,8 @@ OPTIONS = {
     "compare": ["--case", "--dtype", "--atol", "--rtol", "--check", "--k-forward"],
     "diagnostics": ["--k", "--json"],
     "golden": ["--out", "--suite", "--backend", "--force"],
+    # no --workers or --scheduler: a fuzz example must not start clusters (tests/distributed)
+    "sweep": ["--out", "--force", "--quiet", "--timeout"],
 }
 CHOICES = ["upper_left", "lower_right", "contract", "numpy", "exact", "float32", "full",
            "forward", "gradients", "directional", "central_difference", "excludes_query"]
@@ -54,13 +59,16 @@ def argument_lists(draw, places: dict[str, str]) -> list[str]:
     tokens = st.sampled_from(NUMBERS) | st.sampled_from(CHOICES) | st.sampled_from(
         [places[k] for k in sorted(places)]) | st.sampled_from(OPTIONS[command])
     args = draw(st.lists(tokens, max_size=6))
-    if command in ("verify", "compare", "diagnostics"):  # positional paths first
+    if command in ("verify", "compare", "diagnostics", "sweep"):  # positional paths first
         n = 2 if command == "compare" else 1
         args = draw(st.lists(st.sampled_from(sorted(places.values())), min_size=n,
                              max_size=n)) + args
     if command == "golden":  # the conformance suite is slow: only the contract suite; and
         # never a relative --out (it would write into the working directory): the last wins
         args += ["--suite", "contract", "--out", draw(st.sampled_from(
+            [places[k] for k in ("bundle", "file", "fifo", "link", "fresh")]))]
+    if command == "sweep":  # never a relative --out either
+        args += ["--out", draw(st.sampled_from(
             [places[k] for k in ("bundle", "file", "fifo", "link", "fresh")]))]
     if command == "gradcheck":  # bounded sizes: a fuzz run must stay quick
         args = [a for a in args if a != "--shape"] + ["--shape", draw(st.sampled_from(

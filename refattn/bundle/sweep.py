@@ -1,0 +1,607 @@
+"""Sweep SPECs: a grid or list of golden cases, expanded to named cases with stable ids.
+
+Owns what ``refattn sweep SPEC`` reads: :func:`read_spec` (TOML through the standard library's
+``tomllib``, YAML through PyYAML imported on first use), :func:`check_spec` (the published
+JSON Schema ``schema/sweep-v1.json``, validated with ``jsonschema``: an unknown key, an empty
+grid or an empty list of values is a named error), :func:`expand` (every grid's combinations
+and every listed case, normalised, deduplicated and validated by building each call) and
+:func:`build_case` (the :class:`~refattn.bundle.cases.GoldenCase` of one normalised
+description).
+
+A case's id is a readable slug and the first 12 hex digits of the sha256 of its normalised
+description (canonical JSON), and its random tensors come from a generator seeded by the same
+hash: the id and the bytes of a case depend on the case alone, never on the grid's order or
+on the other cases. Writing the bundle is :mod:`refattn.bundle.write`'s; running the cases on
+workers is :mod:`refattn.distributed`'s.
+"""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import itertools
+import json
+import math
+import os
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from typing import Any, NamedTuple
+
+import jsonschema
+import numpy as np
+
+from refattn.bundle.cases import GoldenCase
+from refattn.bundle.fsio import read_regular
+from refattn.call import AttentionCall
+from refattn.call.bias import alibi, alibi_slopes
+from refattn.call.scores import Additive, Bilinear, Cosine
+from refattn.dropout import Philox
+from refattn.errors import RefAttnError
+from refattn.masks import causal, relation, segments_from_cu_seqlens
+
+__all__ = ["DESCRIPTION_VERSION", "MAX_CASES", "Sweep", "SweepCase", "build_case",
+           "case_cost_order", "case_id", "check_spec", "cost", "expand", "load_sweep",
+           "normalize", "read_spec", "spec_schema"]
+
+#: version of the normalised case description (part of every case's hash: a change to how a
+#: description becomes tensors bumps it, so old ids never name new bytes)
+DESCRIPTION_VERSION = 1
+#: the most cases one SPEC may expand to
+MAX_CASES = 1_000_000
+_MAX_SPEC_BYTES = 16 * 2**20
+_SHAPE_AXES = ("B", "Hq", "Hkv", "Q", "K", "Dk", "Dv")
+_BUILTIN_DEFAULTS: dict[str, Any] = {
+    "score": "dot", "scale": "default", "mask": "none", "bias": "none", "dropout": "none",
+    "seed": 0, "generator": "exact",
+}
+
+
+class SweepCase(NamedTuple):
+    """One expanded case: its id, normalised description and where the SPEC defined it."""
+
+    case_id: str
+    description: dict[str, Any]
+    origin: str
+
+
+@dataclass(frozen=True)
+class Sweep:
+    """An expanded SPEC: its name, identity and cases (sorted by id).
+
+    Attributes
+    ----------
+    name : str
+    sweep_id : str
+        16 hex digits: sha256 of the name and the sorted case ids. A bundle records it, and
+        a directory holding another sweep is refused.
+    cases : tuple of SweepCase
+    duplicates : int
+        Descriptions the SPEC listed more than once (kept once).
+    """
+
+    name: str
+    sweep_id: str
+    cases: tuple[SweepCase, ...]
+    duplicates: int = 0
+
+    @property
+    def suite(self) -> str:
+        """The suite name a sweep bundle records: ``sweep:<name>``."""
+        return f"sweep:{self.name}"
+
+    @property
+    def generators(self) -> tuple[str, ...]:
+        """The generators the cases use, sorted."""
+        return tuple(sorted({c.description["generator"] for c in self.cases}))
+
+    def record(self) -> dict[str, Any]:
+        """The ``sweep`` record of the bundle manifest."""
+        return {"id": self.sweep_id, "name": self.name, "cases": len(self.cases),
+                "spec_schema": "sweep-v1", "description_version": DESCRIPTION_VERSION}
+
+
+# -- reading and checking -------------------------------------------------------------------
+@functools.cache
+def spec_schema() -> dict[str, Any]:
+    """The published JSON Schema of a SPEC (``refattn/bundle/schema/sweep-v1.json``).
+
+    Examples
+    --------
+    >>> sorted(spec_schema()["properties"])
+    ['case', 'defaults', 'description', 'grid', 'name', 'version']
+    """
+    text = resources.files("refattn.bundle").joinpath("schema/sweep-v1.json").read_text("utf-8")
+    return json.loads(text)
+
+
+@functools.cache
+def _validator() -> jsonschema.protocols.Validator:
+    document = spec_schema()
+    cls = jsonschema.validators.validator_for(document)
+    cls.check_schema(document)
+    return cls(document)
+
+
+def read_spec(path: str | os.PathLike) -> dict[str, Any]:
+    """Read a SPEC file: ``.toml`` (``tomllib``) or ``.yaml`` / ``.yml`` (PyYAML, lazily).
+
+    Raises
+    ------
+    RefAttnError
+        Naming the file: unreadable, not a regular file, another suffix, not valid TOML or
+        YAML, or not a table at the top level.
+    """
+    path = Path(path)
+    suffix = path.suffix.lower()
+    if suffix not in (".toml", ".yaml", ".yml"):
+        raise RefAttnError(f"SPEC {path}: expected a .toml, .yaml or .yml file, got "
+                           f"{suffix or 'no suffix'!r}")
+    data = read_regular(path, max_bytes=_MAX_SPEC_BYTES, what="sweep SPEC")
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise RefAttnError(f"SPEC {path}: is not UTF-8 text (offset {exc.start})") from None
+    if suffix == ".toml":
+        doc = _parse_toml(text, path)
+    else:
+        doc = _parse_yaml(text, path)
+    if not isinstance(doc, dict):
+        raise RefAttnError(f"SPEC {path}: expected a table (mapping) at the top level, got "
+                           f"{type(doc).__name__}")
+    return doc
+
+
+def _parse_toml(text: str, path: Path) -> Any:
+    try:
+        import tomllib
+    except ImportError:  # Python 3.10
+        try:
+            import tomli as tomllib  # type: ignore[no-redef]
+        except ImportError:
+            raise RefAttnError(f"SPEC {path}: reading TOML needs Python 3.11+ or the tomli "
+                               "package (pip install tomli)") from None
+    try:
+        return tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise RefAttnError(f"SPEC {path}: not valid TOML ({exc})") from None
+
+
+def _parse_yaml(text: str, path: Path) -> Any:
+    try:
+        import yaml
+    except ImportError:
+        raise RefAttnError(f"SPEC {path}: reading YAML needs PyYAML (pip install pyyaml, or "
+                           "pip install 'refattn[distributed]'); or write the SPEC in TOML"
+                           ) from None
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise RefAttnError(f"SPEC {path}: not valid YAML ({' '.join(str(exc).split())})"
+                           ) from None
+
+
+def check_spec(doc: Any, shown: str = "SPEC") -> dict[str, Any]:
+    """Validate a parsed SPEC against ``sweep-v1.json``; the first violation is named.
+
+    Examples
+    --------
+    >>> check_spec({"name": "s", "grid": [{"shape": [[1, 1, 1, 2, 2, 4, 4]]}]})["name"]
+    's'
+    >>> try:
+    ...     check_spec({"name": "s", "grid": [{"shapes": [[1, 1, 1, 2, 2, 4, 4]]}]})
+    ... except RefAttnError as exc:
+    ...     print(exc)
+    SPEC: grid/0: Additional properties are not allowed ('shapes' was unexpected)
+    >>> try:
+    ...     check_spec({"name": "s", "grid": [{"shape": []}]})
+    ... except RefAttnError as exc:
+    ...     print(exc)
+    SPEC: grid/0/shape: [] should be non-empty
+    """
+    errors = list(_validator().iter_errors(doc))
+    if errors:
+        if any(e.validator == "anyOf" and not e.absolute_path for e in errors) and len(
+                errors) == 1:
+            raise RefAttnError(f"{shown}: (top level): no cases: give at least one [[grid]] "
+                               "or [[case]] table")
+        error = _deepest(errors)
+        where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
+        raise RefAttnError(f"{shown}: {where}: {_shorten(error.message)}")
+    return dict(doc)
+
+
+def _deepest(errors: list[Any]) -> Any:
+    """The most specific error: jsonschema's best match, descending into oneOf/anyOf
+    branches whose own errors are deeper (an unknown key inside one mask table, say)."""
+    error = jsonschema.exceptions.best_match(errors)
+    while error.context:
+        best = jsonschema.exceptions.best_match(error.context)
+        if len(best.absolute_path) < len(error.absolute_path):
+            break
+        if best.validator in ("const", "enum", "type") and error.validator in ("oneOf",
+                                                                                "anyOf"):
+            break  # "is not one of ..." on a branch says less than "not valid under any"
+        error = best
+    return error
+
+
+def _shorten(text: str, n: int = 200) -> str:
+    text = " ".join(text.split())
+    return text if len(text) <= n else text[: n - 3] + "..."
+
+
+# -- normalisation --------------------------------------------------------------------------
+def _canonical(obj: Any) -> str:
+    return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
+
+
+def _shape(value: Any) -> dict[str, int]:
+    if isinstance(value, Mapping):
+        return {a: int(value[a]) for a in _SHAPE_AXES}
+    return dict(zip(_SHAPE_AXES, (int(x) for x in value), strict=True))
+
+
+def _score(value: Any) -> dict[str, Any]:
+    family = value if isinstance(value, str) else value["family"]
+    given = {} if isinstance(value, str) else dict(value)
+    out: dict[str, Any] = {"family": family}
+    extra = {k for k in given if k != "family"}
+    allowed = {"dot": set(), "bilinear": {"shared"}, "cosine": {"eps"},
+               "additive": {"da"}}[family]
+    if extra - allowed:
+        raise RefAttnError(f"score: {sorted(extra - allowed)} do not apply to the {family} "
+                           f"family (it takes {sorted(allowed) or 'no parameters'})")
+    if family == "bilinear":
+        out["shared"] = bool(given.get("shared", False))
+    elif family == "cosine":
+        out["eps"] = float(given.get("eps", 1e-6))
+    elif family == "additive":
+        out["da"] = int(given.get("da", 4))
+    return out
+
+
+def _mask(value: Any) -> dict[str, Any]:
+    if isinstance(value, str):
+        match value:
+            case "none":
+                return {"kind": "none"}
+            case "causal_upper_left":
+                return {"kind": "causal", "alignment": "upper_left"}
+            case "causal_lower_right":
+                return {"kind": "causal", "alignment": "lower_right"}
+            case _:
+                raise RefAttnError(f"mask: unknown mask {value!r}")
+    kind = value["kind"]
+    match kind:
+        case "causal":
+            return {"kind": kind, "alignment": value["alignment"]}
+        case "window":
+            return {"kind": kind, "left": int(value["left"]), "right": int(value.get("right", 0)),
+                    "causal": bool(value.get("causal", False))}
+        case "key_padding":
+            return {"kind": kind, "pad": int(value["pad"])}
+        case "prefix":
+            return {"kind": kind, "length": int(value["length"])}
+        case "segments":
+            return {"kind": kind, "count": int(value["count"]),
+                    "causal": bool(value.get("causal", False))}
+        case _:
+            raise RefAttnError(f"mask: unknown mask kind {kind!r}")
+
+
+def _dropout(value: Any) -> dict[str, Any] | None:
+    if value == "none":
+        return None
+    return {"p": float(value["p"]), "seed": int(value["seed"]),
+            "offset": int(value.get("offset", 0))}
+
+
+def normalize(fields: Mapping[str, Any]) -> dict[str, Any]:
+    """The normalised description of one case (every field present, canonical types).
+
+    Examples
+    --------
+    >>> d = normalize({"shape": [1, 2, 1, 3, 4, 8, 8], "mask": "causal_lower_right"})
+    >>> d["shape"]["Hq"], d["mask"], d["score"], d["generator"]
+    (2, {'kind': 'causal', 'alignment': 'lower_right'}, {'family': 'dot'}, 'exact')
+    """
+    merged = {**_BUILTIN_DEFAULTS, **fields}
+    if "shape" not in merged:
+        raise RefAttnError("shape: required (give it in the grid, the case or [defaults])")
+    scale = merged["scale"]
+    return {
+        "v": DESCRIPTION_VERSION,
+        "shape": _shape(merged["shape"]),
+        "score": _score(merged["score"]),
+        "scale": "default" if scale == "default" else float(scale),
+        "mask": _mask(merged["mask"]),
+        "bias": str(merged["bias"]),
+        "dropout": _dropout(merged["dropout"]),
+        "seed": int(merged["seed"]),
+        "generator": str(merged["generator"]),
+    }
+
+
+def _digest(description: Mapping[str, Any]) -> str:
+    return hashlib.sha256(_canonical(description).encode()).hexdigest()
+
+
+def case_id(description: Mapping[str, Any]) -> str:
+    """Stable id of a normalised description: a readable slug and 12 hex digits of its hash.
+
+    Examples
+    --------
+    >>> d = normalize({"shape": [1, 2, 1, 3, 4, 8, 8], "mask": "causal_lower_right"})
+    >>> case_id(d).rsplit("-", 1)[0]
+    'dot-causal_lower_right-1x2x1x3x4x8x8'
+    """
+    s = description["shape"]
+    mask = description["mask"]
+    kind = mask["kind"]
+    if kind == "causal":
+        kind = f"causal_{mask['alignment']}"
+    parts = [description["score"]["family"], kind, "x".join(str(s[a]) for a in _SHAPE_AXES)]
+    if description["bias"] != "none":
+        parts.append(description["bias"])
+    if description["dropout"] is not None:
+        parts.append("drop")
+    if description["generator"] != "exact":
+        parts.append(description["generator"])
+    return "-".join(parts) + "-" + _digest(description)[:12]
+
+
+# -- expansion --------------------------------------------------------------------------------
+def expand(doc: Mapping[str, Any], *, validate: bool = True, shown: str = "SPEC") -> Sweep:
+    """Every case of a checked SPEC, normalised, deduplicated, sorted by id.
+
+    Parameters
+    ----------
+    doc : dict
+        A SPEC that passed :func:`check_spec`.
+    validate : bool
+        Build every case's call (the validation gate of :class:`~refattn.AttentionCall`) so
+        that a case that cannot run is named before anything is computed.
+
+    Raises
+    ------
+    RefAttnError
+        Naming the grid or case, the case's id and what is wrong; or when the SPEC expands
+        to more than :data:`MAX_CASES` cases.
+
+    Examples
+    --------
+    >>> doc = {"name": "tiny", "grid": [{"shape": [[1, 1, 1, 2, 3, 4, 4]],
+    ...                                 "mask": ["none", "causal_upper_left"], "seed": [0, 1]}]}
+    >>> sweep = expand(check_spec(doc))
+    >>> len(sweep.cases), sweep.suite, len(sweep.sweep_id)
+    (4, 'sweep:tiny', 16)
+    >>> doc["grid"][0]["seed"] = [1, 0]                  # another order, the same sweep
+    >>> expand(check_spec(doc)).sweep_id == sweep.sweep_id
+    True
+    """
+    defaults = dict(doc.get("defaults") or {})
+    found: dict[str, SweepCase] = {}
+    duplicates = 0
+    total = 0
+
+    def add(fields: Mapping[str, Any], origin: str) -> None:
+        nonlocal duplicates
+        try:
+            description = normalize({**defaults, **fields})
+        except RefAttnError as exc:
+            raise RefAttnError(f"{shown}: {origin}: {exc}") from None
+        cid = case_id(description)
+        if cid in found:
+            duplicates += 1
+            return
+        if validate:
+            try:
+                build_case(description, cid)
+            except RefAttnError as exc:
+                raise RefAttnError(f"{shown}: {origin}: case {cid}: {exc}") from None
+        found[cid] = SweepCase(cid, description, origin)
+
+    for g, grid in enumerate(doc.get("grid") or ()):
+        keys = sorted(grid)
+        size = math.prod(len(grid[k]) for k in keys)
+        total += size
+        if total > MAX_CASES:
+            raise RefAttnError(f"{shown}: grid/{g}: the SPEC expands to more than {MAX_CASES} "
+                               "cases; split it into several sweeps")
+        for values in itertools.product(*(grid[k] for k in keys)):
+            add(dict(zip(keys, values, strict=True)), f"grid/{g}")
+    for n, fields in enumerate(doc.get("case") or ()):
+        total += 1
+        if total > MAX_CASES:
+            raise RefAttnError(f"{shown}: case/{n}: the SPEC expands to more than {MAX_CASES} "
+                               "cases; split it into several sweeps")
+        add(fields, f"case/{n}")
+    cases = tuple(found[c] for c in sorted(found))
+    name = str(doc["name"])
+    sweep_id = hashlib.sha256(_canonical(
+        {"schema": "refattn_sweep_v1", "name": name, "cases": [c.case_id for c in cases]}
+    ).encode()).hexdigest()[:16]
+    return Sweep(name, sweep_id, cases, duplicates)
+
+
+def load_sweep(path: str | os.PathLike, *, validate: bool = True) -> Sweep:
+    """:func:`read_spec`, :func:`check_spec` and :func:`expand` of one SPEC file.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "s.toml"
+    >>> _ = p.write_text('name = "t"\\n[[grid]]\\nshape = [[1, 1, 1, 2, 2, 4, 4]]\\n'
+    ...                  'score = ["dot", "cosine"]\\n')
+    >>> [c.case_id.split("-")[0] for c in load_sweep(p).cases]
+    ['cosine', 'dot']
+    """
+    shown = f"SPEC {path}"
+    return expand(check_spec(read_spec(path), shown), validate=validate, shown=shown)
+
+
+# -- one case ---------------------------------------------------------------------------------
+def _rng(description: Mapping[str, Any]) -> np.random.Generator:
+    return np.random.default_rng(int(_digest(description)[:16], 16))
+
+
+def _visibility(mask: Mapping[str, Any], B: int, Q: int, K: int) -> tuple[Any, list[str]]:
+    """(visible relation or None, flags) of a normalised mask."""
+    kind = mask["kind"]
+    upper = np.arange(Q)[None]  # (1, Q) query coordinates aligned upper-left
+    lower = (K - Q + np.arange(Q))[None]  # (1, Q) aligned lower-right (the last K rows)
+    keys = np.arange(K)[None]  # (1, K)
+    match kind:
+        case "none":
+            return None, []
+        case "causal":
+            flag = "UpperLeftCausal" if mask["alignment"] == "upper_left" else "LowerRightCausal"
+            return causal(Q, K, alignment=mask["alignment"]), [flag]
+        case "window":
+            rel = relation(lower, keys, causal=mask["causal"],
+                           window=(mask["left"], mask["right"]), alignment="lower_right")
+            return rel, ["SlidingWindow"]
+        case "key_padding":
+            if mask["pad"] >= K:
+                raise RefAttnError(f"mask: key_padding pad={mask['pad']} leaves no key of "
+                                   f"K={K}; expected pad < K")
+            valid = np.ones((B, K), dtype=bool)  # (B, K): the last batch row is padded
+            valid[-1, K - mask["pad"]:] = False
+            return relation(np.repeat(upper, B, 0), np.repeat(keys, B, 0), valid), [
+                "KeyPadding"]
+        case "prefix":
+            if mask["length"] > min(Q, K):
+                raise RefAttnError(f"mask: prefix length={mask['length']} exceeds "
+                                   f"min(Q, K)={min(Q, K)}")
+            return relation(upper, keys, prefix_length=mask["length"]), ["PrefixLM"]
+        case "segments":
+            if Q != K or mask["count"] > Q:
+                raise RefAttnError(f"mask: segments need Q == K and count <= Q, got Q={Q}, "
+                                   f"K={K}, count={mask['count']}")
+            cu = np.linspace(0, Q, mask["count"] + 1).round().astype(np.int64)  # (count + 1,)
+            seg = segments_from_cu_seqlens(cu)
+            pos, ids = seg.positions[None], seg.segment_ids[None]  # (1, Q)
+            rel = relation(pos, pos, causal=mask["causal"], q_segment=ids, k_segment=ids,
+                           layout="packed")
+            return rel, ["PackedSegments"]
+        case _:
+            raise RefAttnError(f"mask: unknown mask kind {kind!r}")
+
+
+def build_case(description: Mapping[str, Any], cid: str | None = None) -> GoldenCase:
+    """The golden case of a normalised description (its tensors drawn from its own hash).
+
+    Parameters
+    ----------
+    description : dict
+        From :func:`normalize`.
+    cid : str, optional
+        Its id (computed when not given).
+
+    Raises
+    ------
+    RefAttnError
+        When the description does not make a valid call (the gate's message, e.g. a row
+        with no legal key, or Hq not a multiple of Hkv).
+
+    Examples
+    --------
+    >>> d = normalize({"shape": [2, 4, 2, 3, 5, 8, 6], "dropout": {"p": 0.25, "seed": 7}})
+    >>> case = build_case(d)
+    >>> case.call.q.shape, case.grad_output.shape, case.flags
+    ((2, 4, 3, 8), (2, 4, 3, 6), ('CrossAttention', 'DefaultScale', 'GQA', 'PhiloxDropout'))
+    >>> bool((build_case(d).call.q == case.call.q).all())   # the same bytes every time
+    True
+    """
+    cid = cid or case_id(description)
+    s = description["shape"]
+    B, Hq, Hkv, Q, K, Dk, Dv = (s[a] for a in _SHAPE_AXES)
+    if Hq % Hkv:
+        raise RefAttnError(f"shape: Hq={Hq} must be a multiple of Hkv={Hkv} (grouped heads)")
+    rng = _rng(description)
+    q = rng.standard_normal((B, Hq, Q, Dk))  # (B, Hq, Q, Dk)
+    k = rng.standard_normal((B, Hkv, K, Dk))  # (B, Hkv, K, Dk)
+    v = rng.standard_normal((B, Hkv, K, Dv))  # (B, Hkv, K, Dv)
+    g_o = rng.standard_normal((B, Hq, Q, Dv))  # (B, Hq, Q, Dv)
+    flags: list[str] = []
+    kw: dict[str, Any] = {}
+    score = description["score"]
+    family = score["family"]
+    match family:
+        case "dot":
+            pass
+        case "bilinear":
+            W = rng.standard_normal((Dk, Dk) if score["shared"] else (Hq, Dk, Dk))
+            kw["score"] = Bilinear(W / math.sqrt(Dk))  # (Hq, Dk, Dk) or (Dk, Dk)
+            flags.append("ScoreBilinear")
+        case "cosine":
+            kw["score"] = Cosine(eps=score["eps"])
+            flags.append("ScoreCosine")
+        case "additive":
+            Da = score["da"]
+            kw["score"] = Additive(rng.standard_normal((Hq, Da, Dk)) / math.sqrt(Dk),
+                                   rng.standard_normal((Hq, Da, Dk)) / math.sqrt(Dk),
+                                   rng.standard_normal((Hq, Da)), rng.standard_normal((Hq, Da)))
+            flags.append("ScoreAdditive")
+        case _:
+            raise RefAttnError(f"score: unknown family {family!r}")
+    scale = description["scale"]
+    if scale == "default" and family != "dot":
+        scale = Dk ** -0.5  # only the dot family has a default; the others need it explicit
+    if scale != "default":
+        kw["scale"] = float(scale)
+    flags.append("DefaultScale" if scale == "default" else "ExplicitScale")
+    visible, mask_flags = _visibility(description["mask"], B, Q, K)
+    flags += mask_flags
+    if visible is not None:
+        kw["visible"] = visible
+    match description["bias"]:
+        case "none":
+            pass
+        case "random":
+            kw["bias"] = rng.standard_normal((B, Hq, Q, K))  # (B, Hq, Q, K)
+            flags.append("BiasFull")
+        case "alibi":
+            kw["bias"] = alibi(alibi_slopes(Hq), K - Q + np.arange(Q), np.arange(K))
+            flags.append("ALiBi")
+        case other:
+            raise RefAttnError(f"bias: unknown bias {other!r}")
+    drop = description["dropout"]
+    if drop is not None:
+        kw["dropout"] = Philox(drop["p"], seed=drop["seed"], offset=drop["offset"])
+        flags.append("PhiloxDropout")
+    if Hkv < Hq:
+        flags.append("MQA" if Hkv == 1 else "GQA")
+    if Q != K:
+        flags.append("CrossAttention")
+    call = AttentionCall(q, k, v, **kw)
+    comment = (f"sweep case: {family} score, mask {_canonical(description['mask'])}, "
+               f"(B,Hq,Hkv,Q,K,Dk,Dv)=({B},{Hq},{Hkv},{Q},{K},{Dk},{Dv}), bias "
+               f"{description['bias']}, dropout {_canonical(drop)}, data seed "
+               f"{description['seed']}, generator {description['generator']}")
+    return GoldenCase(cid, call, g_o, comment, tuple(sorted(flags)))
+
+
+def cost(description: Mapping[str, Any]) -> float:
+    """A rough relative cost of computing a case (for dealing cases into tasks).
+
+    Examples
+    --------
+    >>> small = normalize({"shape": [1, 1, 1, 2, 2, 4, 4]})
+    >>> big = normalize({"shape": [1, 4, 4, 64, 64, 16, 16]})
+    >>> cost(big) > cost(small)
+    True
+    """
+    s = description["shape"]
+    pairs = s["B"] * s["Hq"] * s["Q"] * s["K"]
+    work = pairs * (s["Dk"] + s["Dv"] + 16)
+    if description["score"]["family"] == "additive":
+        work += pairs * description["score"]["da"] * 8
+    return 2e4 + float(work)
+
+
+def case_cost_order(cases: Sequence[SweepCase]) -> list[SweepCase]:
+    """Cases by decreasing :func:`cost` (ties by id): dealt to tasks largest first."""
+    return sorted(cases, key=lambda c: (-cost(c.description), c.case_id))

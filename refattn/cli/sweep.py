@@ -1,0 +1,48 @@
+"""``refattn sweep SPEC --out DIR``: a grid of golden cases, in this process or on dask."""
+
+from __future__ import annotations
+
+import argparse
+
+from refattn.distributed.cluster import DEFAULT_TIMEOUT, connect
+from refattn.distributed.sweep import describe, run_sweep
+
+__all__ = ["add_cluster_arguments", "add_parser"]
+
+
+def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
+    """``--workers N``, ``--scheduler ADDR`` and ``--timeout S`` (shared with verify)."""
+    where = p.add_mutually_exclusive_group()
+    where.add_argument("--workers", type=int, default=None, metavar="N",
+                       help="start a local dask cluster of N worker processes (loopback only; "
+                       "needs pip install 'refattn[distributed]')")
+    where.add_argument("--scheduler", default=None, metavar="ADDR",
+                       help="use the running dask scheduler at ADDR (e.g. tcp://host:8786)")
+    p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
+                   help=f"seconds to wait for the scheduler to answer (default "
+                   f"{DEFAULT_TIMEOUT:g})")
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "sweep", help="write the golden cases of a sweep SPEC (TOML or YAML) as one bundle, "
+        "resumably, in this process or on dask workers")
+    p.add_argument("spec", metavar="SPEC", help="the sweep SPEC (.toml, .yaml or .yml); see "
+                   "examples/sweep.toml")
+    p.add_argument("--out", required=True, help="bundle directory: absent, empty, or this "
+                   "sweep's own bundle (an interrupted run resumes; another bundle or another "
+                   "sweep's unfinished work is refused)")
+    p.add_argument("--force", action="store_true",
+                   help="write beside files refattn did not write (they are left untouched)")
+    add_cluster_arguments(p)
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (one is drawn only on a terminal anyway)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    with connect(workers=args.workers, scheduler=args.scheduler, timeout=args.timeout) as client:
+        result = run_sweep(args.spec, args.out, client=client, force=args.force,
+                           progress=False if args.quiet else None)
+    print(describe(result, args.out))
+    return 0

@@ -1,0 +1,105 @@
+"""``refattn verify DIR --workers N``: the same verdicts as ``refattn verify``, cases in parallel.
+
+Owns :func:`verify`. This process reads and checks everything that touches the directory (the
+manifest and its schema, each case file from inside the bundle with its checksums, the listing
+of ``cases/``), exactly as :func:`refattn.bundle.verifier.verify` does; each case whose file
+passes is sent to a worker as bytes (workers need no access to the directory) and checked
+there by :func:`~refattn.bundle.verifier.verify_case_bytes`, the function the serial verify
+runs for it. The report lists the cases in the same order with the same verdicts.
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+from refattn._progress import progress as progress_bar
+from refattn.bundle.cases import numpy_environment
+from refattn.bundle.gradients import GradcheckMethod, check_method
+from refattn.bundle.manifest import check_schema, read_manifest
+from refattn.bundle.report import CaseResult, VerifyReport
+from refattn.bundle.verifier import check_file, listing_problems, verify_case_bytes
+from refattn.bundle.verifier import verify as verify_serial
+from refattn.distributed.cluster import dask_distributed
+from refattn.engine import BACKENDS
+from refattn.errors import RefAttnError
+
+__all__ = ["verify"]
+
+
+def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool = True,
+           gradcheck: bool = True, gradcheck_method: GradcheckMethod = "auto",
+           backend: str | None = None, exact: bool = False,
+           progress: bool | None = None) -> VerifyReport:
+    """Verify every case of a bundle, the cases checked on a dask cluster's workers.
+
+    Parameters
+    ----------
+    directory : path
+        A bundle (``manifest.json`` and ``cases/``).
+    client : distributed.Client, optional
+        Where the cases run; None runs :func:`refattn.bundle.verifier.verify` here.
+    recompute, gradcheck, gradcheck_method, backend, exact
+        As for :func:`refattn.bundle.verifier.verify`.
+    progress : bool or None
+        A bar of cases verified on standard error: None on a terminal only, False never.
+
+    Returns
+    -------
+    VerifyReport
+        The report the serial verify gives: the same cases, order and verdicts.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from refattn.bundle.write import write_bundle
+    >>> from refattn.bundle.suites import build_suite
+    >>> d = tempfile.mkdtemp()
+    >>> _ = write_bundle(d, build_suite("contract")[:1], suite="contract")
+    >>> verify(d, client=None).passed          # no client: the serial verify
+    True
+    """
+    options = {"recompute": recompute, "gradcheck": gradcheck, "backend": backend,
+               "exact": exact}
+    if client is None:
+        return verify_serial(directory, gradcheck_method=gradcheck_method, progress=progress,
+                             **options)
+    if backend is not None and backend not in BACKENDS:
+        raise RefAttnError(f"backend: unknown backend {backend!r}; known: {sorted(BACKENDS)}")
+    check_method(gradcheck_method)
+    directory = Path(directory)
+    raw = read_manifest(directory / "manifest.json")
+    manifest = check_schema(raw)
+    generator = manifest.get("generator") or {}
+    same_numpy = generator.get("backend") == "numpy" and all(
+        generator.get(k) == v for k, v in numpy_environment().items())
+    options.update(method=gradcheck_method, bit_identical=True if same_numpy else None)
+    d = dask_distributed()
+    results: dict[str, CaseResult] = {}
+    futures = {}
+    for case_id, entry in sorted(manifest["cases"].items()):  # files read here, in order
+        verdict, checked, data = check_file(directory, case_id, entry)
+        if verdict is not None or data is None:
+            results[case_id] = verdict or CaseResult(case_id, checked)
+            continue
+        futures[client.submit(verify_case_bytes, case_id, entry, data, checked, pure=False,
+                              **options)] = case_id
+    done = progress_bar(d.as_completed(list(futures), loop=client.loop), desc="verify",
+                        total=len(futures), enabled=progress)
+    try:
+        for future in done:
+            try:
+                results[futures[future]] = future.result()
+            except RefAttnError:
+                raise
+            except Exception as exc:  # a task that failed on its workers (e.g. KilledWorker)
+                reason = " ".join(str(exc).split()) or type(exc).__name__
+                raise RefAttnError(f"verify: case {futures[future]!r} failed on the workers "
+                                   f"({type(exc).__name__}: {reason})") from None
+            future.release()
+    finally:
+        client.cancel([f for f in futures if not f.done()])
+    return VerifyReport(str(directory), manifest.get("suite"), str(raw.get("schema_version")),
+                        tuple(results[c] for c in sorted(results)),
+                        tuple(listing_problems(directory, manifest)))
