@@ -65,6 +65,12 @@ def test_cluster_is_two_processes_on_loopback(client):
     assert all(a.startswith("tcp://127.0.0.1:") for a in info["workers"])
     pids = client.run(os.getpid)
     assert len(set(pids.values())) == 2 and os.getpid() not in pids.values()
+    psutil = pytest.importorskip("psutil")
+    ours = {os.getpid()} | {p.pid for p in psutil.Process().children(recursive=True)}
+    listening = [c.laddr for c in psutil.net_connections("inet")
+                 if c.status == psutil.CONN_LISTEN and c.pid in ours]
+    assert len(listening) >= 3  # scheduler, its status page, workers and nannies
+    assert {a.ip for a in listening} == {"127.0.0.1"}
 
 
 @pytest.mark.parametrize("tasks", [None, 1, 12])
