@@ -35,7 +35,8 @@ from refattn.call.placement import operand_multipliers
 from refattn.engine.reduce import sum_heads
 from refattn.errors import RefAttnError
 
-__all__ = ["JaxArguments", "call_arguments", "ineligible", "native_support", "run"]
+__all__ = ["JaxArguments", "JaxCall", "call_arguments", "ineligible", "jax_call",
+           "native_support", "run"]
 
 
 def _jax() -> Any:
@@ -172,6 +173,146 @@ def call_arguments(spec: CaseSpec, *, native: Literal["explicit", "auto"] = "exp
                         float(mult.key), expand)
 
 
+@dataclass(frozen=True, eq=False)
+class JaxCall:
+    """One case lowered to ``jax.nn.dot_product_attention`` (plain NumPy arrays; no jax needed).
+
+    Call it as ``jax.nn.dot_product_attention(*j.primals, **j.kwargs)``, zero the rows refattn
+    calls unused (``jnp.where(j.query_valid, out, 0)``), differentiate with
+    ``jax.vjp`` and hand the results to :meth:`outputs`, which returns them under refattn's
+    names and layout.
+
+    Attributes
+    ----------
+    primals : tuple of ndarray
+        ``(q, k, v)`` or ``(q, k, v, bias)`` in JAX's BTNH layout and the run's dtype (rounded
+        once from float64): q ``(B, Q, Hq, Dk)``, k ``(B, K, Hkv, Dk)``, v ``(B, K, Hkv, Dv)``
+        (``Hq`` heads when an explicit head map expanded them); the bias in its own shape,
+        broadcastable to ``(B, Hq, Q, K)``. A scale placement's multiplier of q or k is
+        already applied (:meth:`outputs` applies it to their gradients).
+    kwargs : dict
+        ``mask`` (None or ``(B, Hq, Q, K)`` bool, True = takes part, which is refattn's and
+        JAX's polarity), ``scale`` (explicit), ``is_causal``, ``local_window_size``.
+    query_valid : (B, Q, 1, 1) bool ndarray
+        Output rows where it is False are zero in refattn (and get no gradient).
+    grad_output : (B, Q, Hq, Dv) ndarray
+        The case's G_O in BTNH layout.
+    arguments : JaxArguments
+    dtype : str
+        The inputs' dtype. float64 needs x64 enabled in JAX (``jax.config.update(
+        "jax_enable_x64", True)``).
+    precision : str
+        The precision the comparison must use: ``dtype``, except float32 for float64 inputs
+        (JAX's softmax runs in float32).
+    """
+
+    primals: tuple[np.ndarray, ...]
+    kwargs: dict[str, Any]
+    query_valid: np.ndarray
+    grad_output: np.ndarray
+    arguments: JaxArguments
+    dtype: str
+    precision: str
+    head_map: np.ndarray
+    kv_heads: int
+
+    def outputs(self, output: Any, grads: Any = None) -> dict[str, np.ndarray]:
+        """``output`` (B, Q, Hq, Dv) and the vjp's gradients of :attr:`primals`, in refattn's
+        head-major layout and names (``output``, ``grad_q``, ``grad_k``, ``grad_v``,
+        ``grad_bias``); kv gradients of expanded heads summed back, placement multipliers
+        applied.
+
+        Raises
+        ------
+        RefAttnError
+            When a float64 run came back in another dtype (x64 is off in JAX).
+        """
+        def head_major(x: Any) -> np.ndarray:  # (B, T, H, D) -> (B, H, T, D)
+            return np.asarray(x).transpose(0, 2, 1, 3)
+
+        def scaled(g: np.ndarray, m: float) -> np.ndarray:  # d/dx of f(m x) = m f'(m x)
+            return g if m == 1.0 else (g.astype(np.float64) * m).astype(g.dtype)
+
+        out = head_major(output)
+        if self.dtype == "float64" and out.dtype != np.float64:
+            raise RefAttnError(f"jax returned {out.dtype} for float64 inputs: enable x64 "
+                               "(jax.config.update('jax_enable_x64', True))")
+        tensors = {"output": out}
+        if grads is None:
+            return tensors
+        a = self.arguments
+        g_q, g_k, g_v = (head_major(g) for g in grads[:3])  # (B, H, T, D)
+        if a.expand_kv:  # expanded K/V: sum the query heads that share a kv head
+            g_k = sum_heads(g_k, self.head_map, self.kv_heads)
+            g_v = sum_heads(g_v, self.head_map, self.kv_heads)
+        tensors.update(grad_q=scaled(g_q, a.query_multiplier),
+                       grad_k=scaled(g_k, a.key_multiplier), grad_v=g_v)
+        if len(grads) > 3:
+            tensors["grad_bias"] = np.asarray(grads[3])
+        return tensors
+
+
+def jax_call(spec: CaseSpec, *, dtype: Any = "float64",
+             native: Literal["explicit", "auto"] = "explicit") -> JaxCall:
+    """The ``jax.nn.dot_product_attention`` call of ``spec`` in ``dtype`` (see :class:`JaxCall`).
+
+    Parameters
+    ----------
+    spec : CaseSpec
+    dtype : {"float64", "float32", "float16", "bfloat16"}
+    native : {"explicit", "auto"}
+        Always an explicit mask, or ``is_causal`` / ``local_window_size`` where they are
+        exactly the relation (:func:`call_arguments`).
+
+    Returns
+    -------
+    JaxCall
+
+    Raises
+    ------
+    RefAttnError
+        When the function cannot express the case, naming why (:func:`ineligible`).
+
+    Examples
+    --------
+    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.suites.conformance import CASES
+    >>> j = jax_call(case_spec(CASES["gqa_hq8_hkv2_causal"]()), dtype="float32")
+    >>> [x.shape for x in j.primals], j.kwargs["mask"].shape, j.query_valid.shape
+    ([(2, 5, 8, 4), (2, 5, 2, 4), (2, 5, 2, 4)], (2, 8, 5, 5), (2, 5, 1, 1))
+    >>> j.precision, sorted(j.kwargs)
+    ('float32', ['is_causal', 'local_window_size', 'mask', 'scale'])
+    """
+    reason = ineligible(spec)
+    if reason is not None:
+        raise RefAttnError(f"{spec.case_id}: jax.nn.dot_product_attention cannot express this "
+                           f"case: {reason}")
+    precision = precision_name(resolve_dtype(dtype))
+    np_dtype = resolve_dtype(precision)
+    args = call_arguments(spec, native=native)
+    t = spec.tensors
+
+    def arr(x: np.ndarray, m: float = 1.0) -> np.ndarray:  # (B, H, T, D) -> (B, T, H, D)
+        x = np.asarray(x)
+        x = x if m == 1.0 else x * m  # the placement's multiplier, in float64
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3).astype(np_dtype))
+
+    head_map = np.asarray(t["head_map"])
+    k_np, v_np = t["k"], t["v"]
+    if args.expand_kv:  # explicit head map: K/V per query head
+        k_np, v_np = k_np[:, head_map], v_np[:, head_map]
+    primals = (arr(t["q"], args.query_multiplier), arr(k_np, args.key_multiplier), arr(v_np))
+    if "bias" in t:
+        primals += (np.ascontiguousarray(np.asarray(t["bias"]).astype(np_dtype)),)
+    mask = np.ascontiguousarray(spec.visible_full(sanitized=True)) if args.mask else None
+    valid = np.ascontiguousarray(spec.query_valid_full().transpose(0, 2, 1, 3))  # (B, Q, 1, 1)
+    kwargs = {"mask": mask, "scale": args.scale, "is_causal": args.is_causal,
+              "local_window_size": args.local_window_size}
+    return JaxCall(primals, kwargs, valid, arr(t["grad_output"]), args, precision,
+                   "float32" if precision == "float64" else precision, head_map,
+                   int(t["k"].shape[1]))
+
+
 def _x64(enabled: bool) -> Any:
     if not enabled:
         return contextlib.nullcontext()
@@ -221,71 +362,28 @@ def run(spec: CaseSpec, *, dtype: Any = "float64", native: Literal["explicit", "
                            f"case: {reason}")
     precision = precision_name(resolve_dtype(dtype))
     jax = _jax()
-    args = call_arguments(spec, native=native)
     with _x64(precision == "float64"):
-        return _run(spec, precision, args, implementation, jax)
+        return _run(spec, precision, native, implementation, jax)
 
 
-def _run(spec: CaseSpec, precision: str, args: JaxArguments, implementation: Any,
+def _run(spec: CaseSpec, precision: str, native: Any, implementation: Any,
          jax: Any) -> AdapterResult:
     import jax.numpy as jnp
 
-    np_dtype = resolve_dtype(precision)
-    t = spec.tensors
-
-    def arr(x: np.ndarray) -> Any:  # rounded once, from float64, to the run's dtype
-        return jnp.asarray(np.ascontiguousarray(np.asarray(x).astype(np_dtype)))
-
-    def btnh(x: np.ndarray) -> np.ndarray:  # (B, H, T, D) -> (B, T, H, D)
-        return np.asarray(x).transpose(0, 2, 1, 3)
-
-    head_map = np.asarray(t["head_map"])
-    k_np, v_np = t["k"], t["v"]
-    if args.expand_kv:  # explicit head map: K/V per query head
-        k_np, v_np = k_np[:, head_map], v_np[:, head_map]
-    q, k, v = arr(btnh(t["q"])), arr(btnh(k_np)), arr(btnh(v_np))
-    bias = arr(t["bias"]) if "bias" in t else None
-    mask = jnp.asarray(np.ascontiguousarray(spec.visible_full(sanitized=True))) \
-        if args.mask else None
-    query_valid = jnp.asarray(np.ascontiguousarray(spec.query_valid_full()))  # (B, 1, Q, 1)
-    g_o = arr(btnh(t["grad_output"]))  # (B, Q, Hq, Dv)
-    qm = jnp.asarray(args.query_multiplier, dtype=q.dtype)
-    km = jnp.asarray(args.key_multiplier, dtype=q.dtype)
-
-    def attend(q: Any, k: Any, v: Any, bias: Any) -> Any:
-        if args.query_multiplier != 1.0:
-            q = q * qm
-        if args.key_multiplier != 1.0:
-            k = k * km
-        out = jax.nn.dot_product_attention(
-            q, k, v, bias, mask, scale=args.scale, is_causal=args.is_causal,
-            local_window_size=args.local_window_size, implementation=implementation,
-        )  # (B, Q, Hq, Dv)
-        valid = jnp.transpose(query_valid, (0, 2, 1, 3))  # (B, Q, 1, 1)
-        return jnp.where(valid, out, jnp.zeros((), out.dtype))  # unused rows are zero
-
-    primals = (q, k, v) if bias is None else (q, k, v, bias)
+    call = jax_call(spec, dtype=precision, native=native)
+    args = call.arguments
+    valid = jnp.asarray(call.query_valid)  # (B, Q, 1, 1)
 
     def f(*p: Any) -> Any:
-        return attend(*p) if bias is not None else attend(*p, None)
+        out = jax.nn.dot_product_attention(*p, **call.kwargs, implementation=implementation)
+        return jnp.where(valid, out, jnp.zeros((), out.dtype))  # unused rows are zero
 
-    out, vjp = jax.vjp(f, *primals)
-    grads = vjp(g_o)
-    lowered = jax.jit(f).lower(*primals).as_text()
+    primals = tuple(jnp.asarray(x) for x in call.primals)
+    jitted = jax.jit(f)  # one XLA program per case: far faster than op-by-op dispatch
+    out, vjp = jax.vjp(jitted, *primals)
+    tensors = call.outputs(out, vjp(jnp.asarray(call.grad_output)))
+    lowered = jitted.lower(*primals).as_text()
     selected = "cudnn" if "cudnn" in lowered.lower() else "xla"
-
-    def head_major(x: Any) -> np.ndarray:
-        return np.asarray(x).transpose(0, 2, 1, 3)
-
-    def kv_grad(x: Any) -> np.ndarray:
-        g = head_major(x)  # (B, Hkv or Hq, K, D)
-        # expanded K/V: sum the query heads that share a kv head
-        return sum_heads(g, head_map, t["k"].shape[1]) if args.expand_kv else g
-
-    tensors = {"output": head_major(out), "grad_q": head_major(grads[0]),
-               "grad_k": kv_grad(grads[1]), "grad_v": kv_grad(grads[2])}
-    if bias is not None:
-        tensors["grad_bias"] = np.asarray(grads[3])
     effective = "float32" if precision == "float64" else precision
     manifest = copy.deepcopy(dict(spec.call_manifest))
     manifest["numerical"] = {
@@ -310,7 +408,7 @@ def _run(spec: CaseSpec, precision: str, args: JaxArguments, implementation: Any
         "external_mask_kind": "jax_bool_true_takes_part" if args.mask else "none",
         "local_window_size": None if args.local_window_size is None
         else list(args.local_window_size),
-        "compile_state": "eager (vjp); jit lowering inspected",
+        "compile_state": "jit (vjp of the jitted function; its lowering inspected)",
     }
     manifest["dropout"] = {**manifest["dropout"], "training": False, "p": 0.0}
     manifest["materialization"] = {"scores": "backend_internal",

@@ -39,11 +39,13 @@ from refattn.errors import RefAttnError
 __all__ = [
     "PATHS",
     "SdpaArguments",
+    "SdpaCall",
     "TorchCase",
     "case_tensors",
     "ineligible",
     "run",
     "sdpa_arguments",
+    "sdpa_call",
 ]
 
 Path = Literal["sdpa", "eager", "mha"]
@@ -365,14 +367,119 @@ def _backward(tc: TorchCase, out: Any, extra: dict[str, Any] | None = None
     return {n: g for n, g in grads.items() if g is not None}
 
 
-# -- the three paths -----------------------------------------------------------------------
-def _run_sdpa(spec: CaseSpec, precision: str, *, backend: Backend, gqa: Any,
-              causal: Any) -> AdapterResult:
-    import torch.nn.functional as F
+# -- the SDPA lowering of a case, as a user calls it --------------------------------------
+@dataclass(frozen=True, eq=False)
+class SdpaCall:
+    """One case lowered to ``torch.nn.functional.scaled_dot_product_attention``.
 
+    Call it as ``F.scaled_dot_product_attention(*sdpa.args, **sdpa.kwargs)``, zero the rows
+    refattn calls unused (``sdpa.finish(out)``), then ``out.backward(sdpa.grad_output)`` and
+    ``sdpa.grads()`` holds the gradients under refattn's names.
+
+    Attributes
+    ----------
+    args : (query, key, value) tensors
+        query ``(B, Hq, Q, Dk)``, key ``(B, Hkv, K, Dk)``, value ``(B, Hkv, K, Dv)`` in the
+        run's dtype: the leaves ``q``, ``k``, ``v`` themselves, or computed from them (a scale
+        placement's multiplier applied to q or k; K/V expanded to ``(B, Hq, K, D)`` by an
+        explicit head map), so autograd reaches the leaves.
+    kwargs : dict
+        The exact keywords: ``attn_mask`` (None; a ``(B, Hq, Q, K)`` bool mask in torch's
+        polarity, True = takes part, which is refattn's; or, with a bias, a float mask holding
+        the bias where visible and ``-inf`` elsewhere), ``dropout_p=0.0``, ``is_causal``
+        (True only where the support is torch's upper-left triangle and ``causal="auto"``),
+        ``scale`` (always explicit: alpha, or 1.0 when alpha was moved into q or k) and
+        ``enable_gqa`` (grouped heads, Hq > Hkv).
+    q, k, v : tensors
+        The autograd leaves in refattn's layout; ``bias`` the bias leaf (its own shape) or None.
+    query_valid : (B, 1, Q, 1) bool tensor
+        Output rows where it is False are zero in refattn (and get no gradient).
+    grad_output : (B, Hq, Q, Dv) tensor
+        The case's G_O.
+    arguments : SdpaArguments
+        The lowering's decisions.
+    precision : str
+        The dtype the tensors were rounded to, once, from float64.
+    mask_kind : str
+        ``none``, ``sdpa_bool_true_participates`` or ``additive_float_minus_inf``.
+    """
+
+    args: tuple[Any, Any, Any]
+    kwargs: dict[str, Any]
+    q: Any
+    k: Any
+    v: Any
+    bias: Any
+    query_valid: Any
+    grad_output: Any
+    arguments: SdpaArguments
+    precision: str
+    mask_kind: str
+    tensors: TorchCase
+
+    def finish(self, out: Any) -> Any:
+        """``out`` with the rows refattn calls unused set to zero (no gradient flows there)."""
+        return _finish(self.tensors, out)  # (B, Hq, Q, Dv)
+
+    def grads(self) -> dict[str, Any]:
+        """The leaves' gradients under refattn's names (``grad_q``, ``grad_k``, ``grad_v``,
+        ``grad_bias``), after ``backward``; a leaf without a gradient is left out."""
+        tc = self.tensors
+        out = {"grad_q": tc.q.grad, "grad_k": tc.k.grad, "grad_v": tc.v.grad}
+        if tc.bias is not None:
+            out["grad_bias"] = tc.bias.grad
+        return {n: g for n, g in out.items() if g is not None}
+
+
+def sdpa_call(spec: CaseSpec, *, dtype: Any = "float64",
+              gqa: Literal["native", "expand"] = "native",
+              causal: Literal["explicit", "auto"] = "explicit",
+              requires_grad: bool = True) -> SdpaCall:
+    """The exact SDPA call of ``spec`` in ``dtype`` (see :class:`SdpaCall`).
+
+    Parameters
+    ----------
+    spec : CaseSpec
+    dtype : {"float64", "float32", "float16", "bfloat16"}
+    gqa : {"native", "expand"}
+        ``enable_gqa=True`` for grouped heads, or K/V expanded to the query heads.
+    causal : {"explicit", "auto"}
+        Always an explicit mask, or ``is_causal`` where it is exactly the support.
+    requires_grad : bool
+        Whether q, k, v (and the bias) are autograd leaves.
+
+    Returns
+    -------
+    SdpaCall
+
+    Raises
+    ------
+    RefAttnError
+        When SDPA cannot express the case, naming why (:func:`ineligible`).
+
+    Examples
+    --------
+    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.suites.conformance import CASES
+    >>> import pytest; torch = pytest.importorskip("torch")  # optional stack
+    >>> sdpa = sdpa_call(case_spec(CASES["gqa_hq8_hkv2_causal"]()), dtype="float32")
+    >>> [tuple(t.shape) for t in sdpa.args], sdpa.kwargs["enable_gqa"], sdpa.kwargs["is_causal"]
+    ([(2, 8, 5, 4), (2, 2, 5, 4), (2, 2, 5, 4)], True, False)
+    >>> sdpa.kwargs["attn_mask"].dtype, sdpa.kwargs["dropout_p"]
+    (torch.bool, 0.0)
+    >>> out = sdpa.finish(torch.nn.functional.scaled_dot_product_attention(*sdpa.args,
+    ...                                                                  **sdpa.kwargs))
+    >>> out.backward(sdpa.grad_output)
+    >>> sorted(sdpa.grads())
+    ['grad_k', 'grad_q', 'grad_v']
+    """
+    reason = ineligible(spec, "sdpa")
+    if reason is not None:
+        raise RefAttnError(f"{spec.case_id}: torch SDPA cannot express this case: {reason}")
     torch = _torch()
+    precision = precision_name(resolve_dtype(dtype))
     args = sdpa_arguments(spec, gqa=gqa, causal=causal)
-    tc = case_tensors(spec, dtype=precision)
+    tc = case_tensors(spec, dtype=precision, requires_grad=requires_grad)
     q = tc.q if args.query_multiplier == 1.0 else tc.q * args.query_multiplier
     k = tc.k if args.key_multiplier == 1.0 else tc.k * args.key_multiplier
     k, v = _kv_heads(tc, k, tc.v, args.expand_kv)
@@ -384,23 +491,33 @@ def _run_sdpa(spec: CaseSpec, precision: str, *, backend: Backend, gqa: Any,
         case _:  # finite bias first, then -inf where not visible (no bias can revive an edge)
             mask = torch.where(tc.visible, tc.bias, torch.tensor(-torch.inf, dtype=q.dtype))
             kind = "additive_float_minus_inf"
+    kwargs = {"attn_mask": mask, "dropout_p": 0.0, "is_causal": args.is_causal,
+              "scale": args.scale, "enable_gqa": args.enable_gqa}
+    return SdpaCall((q, k, v), kwargs, tc.q, tc.k, tc.v, tc.bias, tc.query_valid,
+                    tc.grad_output, args, precision, kind, tc)
+
+
+# -- the three paths -----------------------------------------------------------------------
+def _run_sdpa(spec: CaseSpec, precision: str, *, backend: Backend, gqa: Any,
+              causal: Any) -> AdapterResult:
+    import torch.nn.functional as F
+
+    sdpa = sdpa_call(spec, dtype=precision, gqa=gqa, causal=causal)
+    args = sdpa.arguments
     spy = _spy()
     with _kernel_context(backend), spy:
         try:
-            out = F.scaled_dot_product_attention(
-                q, k, v, attn_mask=mask, dropout_p=0.0, is_causal=args.is_causal,
-                scale=args.scale, enable_gqa=args.enable_gqa,
-            )
+            out = F.scaled_dot_product_attention(*sdpa.args, **sdpa.kwargs)
         except RuntimeError as exc:
             raise RefAttnError(f"torch sdpa ({backend}): {exc}") from None
-    out = _finish(tc, out)
+    out = sdpa.finish(out)
     selected = _observed(spy.ops)
-    grads = _backward(tc, out)
+    grads = _backward(sdpa.tensors, out)
     tensors = {"output": out, **grads}
     manifest = _manifest(
         spec, precision=precision, entrypoint="torch.nn.functional.scaled_dot_product_attention",
-        requested=backend, selected=selected, is_causal=args.is_causal, mask_kind=kind,
-        materialized=selected == "math",
+        requested=backend, selected=selected, is_causal=args.is_causal,
+        mask_kind=sdpa.mask_kind, materialized=selected == "math",
         dropout={"training": False, "p": 0.0, "adapter": "dropout_off"},
     )
     manifest["backend"]["gqa"] = ("enable_gqa" if args.enable_gqa else

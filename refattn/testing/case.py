@@ -1,0 +1,226 @@
+"""One golden case as a test parameter: its tensors, the plain-NumPy description and the
+framework lowerings, in the dtype of the run.
+
+Owns :class:`Case` (a :class:`~refattn.bundle.spec.CaseSpec` bound to a dtype; ``case.inputs``,
+``case.visible``, ``case.query_valid``, ``case.to_torch_sdpa()``, ``case.to_jax()``) and
+:func:`load_cases` (the installed conformance suite, generated in this process by the exact
+generator, or the cases of a bundle directory). Defers the lowerings to
+:mod:`refattn.adapters.plain`, :mod:`refattn.adapters.torch` and :mod:`refattn.adapters.jax`,
+which import their frameworks only when called.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from functools import cache, cached_property
+from pathlib import Path
+from typing import Any, Literal
+
+import numpy as np
+
+from refattn.adapters import jax as jax_adapter
+from refattn.adapters import torch as torch_adapter
+from refattn.adapters.plain import PlainCall, plain_call
+from refattn.bundle.manifest import check_schema, read_manifest
+from refattn.bundle.read import load
+from refattn.bundle.spec import CaseSpec, case_spec
+from refattn.bundle.suites import build_suite
+from refattn.bundle.tolerances import precision_name, resolve_dtype
+from refattn.errors import RefAttnError
+
+__all__ = ["TARGETS", "Case", "load_cases"]
+
+#: lowerings a case offers
+TARGETS = ("numpy", "torch_sdpa", "jax")
+
+
+@dataclass(frozen=True, eq=False)
+class Case:
+    """A golden case bound to the dtype of one run (what ``@refattn.testing.cases`` yields).
+
+    Attributes
+    ----------
+    spec : CaseSpec
+        The case: its stored tensors (inputs, golden outputs and gradients) and manifest.
+    dtype : str
+        ``float64``, ``float32``, ``float16`` or ``bfloat16``: the precision the function
+        under test runs in; the lowerings round the float64 inputs to it once, and
+        :func:`refattn.testing.assert_matches` applies its rule.
+
+    Examples
+    --------
+    >>> from refattn.bundle.suites.conformance import CASES
+    >>> case = Case(case_spec(CASES["causal_square"]()), "float32")
+    >>> case.name, case.q.shape, case.visible.shape, case.query_valid.shape
+    ('causal_square', (2, 2, 6, 4), (2, 2, 6, 6), (2, 1, 6, 1))
+    >>> sorted(case.inputs), case.not_expressible("jax")
+    (['k', 'q', 'v'], None)
+    """
+
+    spec: CaseSpec
+    dtype: str = "float64"
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "dtype", precision_name(resolve_dtype(self.dtype)))
+
+    def __repr__(self) -> str:
+        return f"Case({self.name!r}, dtype={self.dtype!r})"
+
+    # -- what the case is ----------------------------------------------------------------
+    @property
+    def name(self) -> str:
+        """The case id, e.g. ``"causal_lower_right_q3_k7"`` (also the test id)."""
+        return self.spec.case_id
+
+    @property
+    def comment(self) -> str:
+        """One line saying what the case pins down."""
+        return self.spec.comment
+
+    @property
+    def flags(self) -> tuple[str, ...]:
+        return tuple(self.spec.flags)
+
+    @property
+    def expected(self) -> Mapping[str, np.ndarray]:
+        """The golden float64 tensors by canonical name (``output``, ``lse``, ``grad_q``, ...)."""
+        return self.spec.tensors
+
+    # -- the plain-NumPy description (refattn.adapters.plain states the rules) ----------
+    @cached_property
+    def plain(self) -> PlainCall:
+        """:func:`refattn.adapters.plain.plain_call`: every input as float64 NumPy arrays."""
+        return plain_call(self.spec)
+
+    def to_numpy(self) -> PlainCall:
+        """The plain-NumPy description (every case is expressible this way)."""
+        return self.plain
+
+    @property
+    def inputs(self) -> dict[str, np.ndarray]:
+        """Differentiable inputs, float64: ``q`` (B, Hq, Q, Dk), ``k`` (B, Hkv, K, Dk), ``v``
+        (B, Hkv, K, Dv), and ``bias``, ``sink``, ``score_<param>`` where the case has them."""
+        return self.plain.inputs
+
+    @property
+    def q(self) -> np.ndarray:
+        return self.plain.q
+
+    @property
+    def k(self) -> np.ndarray:
+        return self.plain.k
+
+    @property
+    def v(self) -> np.ndarray:
+        return self.plain.v
+
+    @property
+    def visible(self) -> np.ndarray:
+        """(B, Hq, Q, K) bool, True = query i reads key j; every row has a legal key or a
+        sink (a row left empty by the case's policy reads key 0 and is unused)."""
+        return self.plain.visible
+
+    @property
+    def query_valid(self) -> np.ndarray:
+        """(B, 1, Q, 1) bool: output rows where False are zero (and get no gradient)."""
+        return self.plain.query_valid
+
+    @property
+    def scale(self) -> float:
+        """alpha: scores are ``scale * q @ k^T``."""
+        return self.plain.scale
+
+    @property
+    def head_map(self) -> np.ndarray:
+        """(Hq,) int64: query head h reads kv head ``head_map[h]``."""
+        return self.plain.head_map
+
+    @property
+    def grad_output(self) -> np.ndarray:
+        """(B, Hq, Q, Dv) float64: G_O, the cotangent of the output."""
+        return self.plain.grad_output
+
+    # -- framework lowerings ------------------------------------------------------------
+    def not_expressible(self, target: Literal["numpy", "torch_sdpa", "jax"]) -> str | None:
+        """Why ``target`` cannot express this case, or None when it can.
+
+        Examples
+        --------
+        >>> from refattn.bundle.suites.conformance import CASES
+        >>> Case(case_spec(CASES["softcap_5"]())).not_expressible("torch_sdpa")
+        'softcap (not an SDPA or MHA argument)'
+        """
+        match target:
+            case "numpy":
+                return None
+            case "torch_sdpa":
+                return torch_adapter.ineligible(self.spec, "sdpa")
+            case "jax":
+                return jax_adapter.ineligible(self.spec)
+            case _:
+                raise RefAttnError(f"target: expected one of {list(TARGETS)}, got {target!r}")
+
+    def to_torch_sdpa(self, *, dtype: Any = None, **options: Any) -> Any:
+        """The exact ``torch.nn.functional.scaled_dot_product_attention`` call in ``dtype``
+        (default: the case's), as :class:`refattn.adapters.torch.SdpaCall`:
+        ``F.scaled_dot_product_attention(*sdpa.args, **sdpa.kwargs)``.
+
+        ``options``: ``gqa="native" | "expand"``, ``causal="explicit" | "auto"``,
+        ``requires_grad``. Raises :class:`~refattn.RefAttnError` naming why when SDPA cannot
+        express the case.
+        """
+        return torch_adapter.sdpa_call(self.spec, dtype=dtype or self.dtype, **options)
+
+    def to_jax(self, *, dtype: Any = None, **options: Any) -> Any:
+        """The ``jax.nn.dot_product_attention`` call in ``dtype`` (default: the case's), as
+        :class:`refattn.adapters.jax.JaxCall`: ``jax.nn.dot_product_attention(*j.primals,
+        **j.kwargs)``; ``j.outputs(out, grads)`` maps the results back.
+
+        ``options``: ``native="explicit" | "auto"``. Raises :class:`~refattn.RefAttnError`
+        naming why when the function cannot express the case.
+        """
+        return jax_adapter.jax_call(self.spec, dtype=dtype or self.dtype, **options)
+
+
+@cache
+def _suite(name: str) -> tuple[CaseSpec, ...]:
+    return tuple(case_spec(c) for c in build_suite(name))  # exact generator, this process
+
+
+def _bundle(directory: Path) -> tuple[CaseSpec, ...]:
+    manifest = check_schema(read_manifest(directory / "manifest.json"))
+    return tuple(case_spec(load(directory / entry["file"], manifest=manifest))
+                 for entry in manifest["cases"].values())
+
+
+def load_cases(source: str | os.PathLike | None = None, *, suite: str = "conformance"
+               ) -> tuple[CaseSpec, ...]:
+    """The golden cases of a bundle directory, or of an installed suite.
+
+    Parameters
+    ----------
+    source : path, optional
+        A bundle directory written by ``refattn golden`` (every file's checksums are
+        verified on reading). Default: the installed suite ``suite``, generated in this
+        process by the exact generator (the same bytes as ``refattn golden --suite`` writes;
+        about half a second for the conformance suite, once per process).
+    suite : {"conformance", "contract"}
+
+    Returns
+    -------
+    tuple of CaseSpec
+
+    Examples
+    --------
+    >>> [c.case_id for c in load_cases(suite="contract")][:2]
+    ['loop6_two_query_training_trace', 'loop7_cross_attention_padded_source']
+    """
+    if source is None:
+        return _suite(suite)
+    directory = Path(source)
+    if not directory.is_dir():
+        raise RefAttnError(f"{directory}: not a bundle directory (expected manifest.json and "
+                           "cases/ written by refattn golden)")
+    return _bundle(directory)
