@@ -19,6 +19,7 @@ from refattn.cli import (
     golden,
     gradcheck,
     mask,
+    plot,
     sweep,
     verify,
 )
@@ -27,7 +28,7 @@ from refattn.errors import RefAttnError
 __all__ = ["main"]
 
 #: subcommand modules, in help order
-COMMANDS = (golden, sweep, verify, compare, mask, diagnostics, gradcheck, calibrate)
+COMMANDS = (golden, sweep, verify, compare, plot, mask, diagnostics, gradcheck, calibrate)
 
 
 class _Parser(argparse.ArgumentParser):

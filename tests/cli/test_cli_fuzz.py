@@ -48,6 +48,7 @@ OPTIONS = {
     "golden": ["--out", "--suite", "--backend", "--force"],
     # no --workers or --scheduler: a fuzz example must not start clusters (tests/distributed)
     "sweep": ["--out", "--force", "--quiet", "--timeout"],
+    "plot": ["--case", "--candidate", "--dtype", "--tensor", "--quiet"],  # --out: see below
 }
 CHOICES = ["upper_left", "lower_right", "contract", "numpy", "exact", "float32", "full",
            "forward", "gradients", "directional", "central_difference", "excludes_query"]
@@ -59,7 +60,7 @@ def argument_lists(draw, places: dict[str, str]) -> list[str]:
     tokens = st.sampled_from(NUMBERS) | st.sampled_from(CHOICES) | st.sampled_from(
         [places[k] for k in sorted(places)]) | st.sampled_from(OPTIONS[command])
     args = draw(st.lists(tokens, max_size=6))
-    if command in ("verify", "compare", "diagnostics", "sweep"):  # positional paths first
+    if command in ("verify", "compare", "diagnostics", "sweep", "plot"):  # positional paths
         n = 2 if command == "compare" else 1
         args = draw(st.lists(st.sampled_from(sorted(places.values())), min_size=n,
                              max_size=n)) + args
@@ -70,6 +71,8 @@ def argument_lists(draw, places: dict[str, str]) -> list[str]:
     if command == "sweep":  # never a relative --out either
         args += ["--out", draw(st.sampled_from(
             [places[k] for k in ("bundle", "file", "fifo", "link", "fresh")]))]
+    if command == "plot":  # never a relative --out (it would write into the working directory)
+        args += ["--out", places["fresh"]]
     if command == "gradcheck":  # bounded sizes: a fuzz run must stay quick
         args = [a for a in args if a != "--shape"] + ["--shape", draw(st.sampled_from(
             ["1,1,1,2,2,2,2", "1,2,1,2,3,2,2", "0,1,1,1,1,1,1", "1,1,1,1"]))]

@@ -1,0 +1,66 @@
+"""``refattn plot CASE_OR_BUNDLE``: PNG pictures of golden cases and of a candidate's error.
+
+Owns the command-line spelling of :mod:`refattn.plot` (matplotlib, the optional extra
+``plot``, imported only when this command runs): the visibility mask and the probability matrix
+per head of each case, and with ``--candidate`` an error heatmap per compared tensor with the
+worst element marked. Prints one line per file written.
+"""
+
+from __future__ import annotations
+
+import argparse
+from pathlib import Path
+
+from refattn._progress import progress
+from refattn.bundle.candidates import read_candidate
+from refattn.errors import RefAttnError
+
+__all__ = ["add_parser", "run"]
+
+
+def add_parser(sub: argparse._SubParsersAction) -> None:
+    p = sub.add_parser(
+        "plot", help="draw golden cases as PNGs: visibility mask, probabilities per head, and "
+        "a candidate's error heatmap (needs matplotlib: pip install 'refattn[plot]')",
+        description="Writes <case>_visible.png and <case>_probs.png for each case, and with "
+        "--candidate <case>_error_<tensor>.png for every tensor compared (|candidate - golden| "
+        "on a log scale, the worst element boxed in red). Example: refattn plot "
+        "data/golden/cases/causal_square.safetensors --candidate mine.safetensors",
+    )
+    p.add_argument("source", metavar="CASE_OR_BUNDLE",
+                   help="a case file DIR/cases/<case>.safetensors or a bundle directory")
+    p.add_argument("--case", help="only this case of a bundle directory")
+    p.add_argument("--out", default="plots", type=Path,
+                   help="directory for the PNG files (default: plots)")
+    p.add_argument("--candidate", help="a candidate safetensors file (canonical names): also "
+                   "draw its error against the golden case (one case only)")
+    p.add_argument("--dtype", choices=("float64", "float32", "float16", "bfloat16"),
+                   help="precision the candidate was computed in (default: its dtype)")
+    p.add_argument("--tensor", action="append", default=None, metavar="NAME",
+                   help="draw only this tensor's error (repeatable; default: every tensor)")
+    p.add_argument("--quiet", action="store_true",
+                   help="no progress bar (one is drawn only on a terminal anyway)")
+    p.set_defaults(func=run)
+
+
+def run(args: argparse.Namespace) -> int:
+    from refattn.plot import load_specs, plot_case, plot_error
+
+    specs = load_specs(args.source, case=args.case)
+    candidate = None
+    if args.candidate is not None:
+        if len(specs) != 1:
+            raise RefAttnError(f"--candidate: {args.source} holds {len(specs)} cases; name one "
+                               "with --case")
+        candidate = read_candidate(args.candidate)
+    elif args.tensor:
+        raise RefAttnError("--tensor: only with --candidate")
+    written = []
+    for spec in progress(specs, desc="plot", enabled=False if args.quiet else None):
+        written += plot_case(spec, args.out)
+        if candidate is not None:
+            written += plot_error(spec, candidate, args.out, dtype=args.dtype,
+                                  tensors=args.tensor)
+    for path in written:
+        print(path)
+    return 0
