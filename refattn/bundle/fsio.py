@@ -6,7 +6,8 @@ relative path inside the bundle), :func:`read_confined` (open such a path compon
 component from the bundle's directory without following any link, open only regular files,
 check the size before reading: a FIFO or device never blocks and is never read),
 :func:`read_regular` (the same checks for a path the user named), :func:`write_new` and
-:func:`fsync_dir` (files and directories reach the disk before a rename publishes them),
+:func:`fsync_dir` (files and directories reach the disk before a rename publishes them;
+:func:`sync_filesystem` flushes a whole staging tree at once),
 :func:`exchange` (two directories swapped by one ``renameat2(RENAME_EXCHANGE)``) and
 :class:`DirectoryLock` (an ``flock`` on the bundle directory itself: the kernel releases it
 when the writer dies, and there is no lock file to leave behind or to redirect with a link).
@@ -27,7 +28,8 @@ from typing import Any
 from refattn.errors import RefAttnError
 
 __all__ = ["MAX_CASE_BYTES", "MAX_MANIFEST_BYTES", "DirectoryLock", "check_relative",
-           "exchange", "fsync_dir", "os_error", "read_confined", "read_regular", "write_new"]
+           "exchange", "fsync_dir", "os_error", "read_confined", "read_regular",
+           "sync_filesystem", "write_new"]
 
 #: the largest manifest.json read (bytes); checked with fstat before reading
 MAX_MANIFEST_BYTES = 64 * 2**20
@@ -210,10 +212,11 @@ def _is_link(dir_fd: int, name: str) -> bool:
         return False
 
 
-def write_new(path: Path, data: bytes, *, mode: int = 0o644) -> None:
+def write_new(path: Path, data: bytes, *, mode: int = 0o644, sync: bool = True) -> None:
     """Create ``path`` (which must not exist; links are not followed), write ``data`` and
-    fsync it. Any failure (a full disk, a read-only directory) removes the partial file and
-    raises a :class:`RefAttnError` naming the path."""
+    fsync it (``sync=False``: leave that to a later :func:`sync_filesystem`). Any failure (a
+    full disk, a read-only directory) removes the partial file and raises a
+    :class:`RefAttnError` naming the path."""
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | _NOFOLLOW | _CLOEXEC, mode)
     except OSError as exc:
@@ -223,7 +226,8 @@ def write_new(path: Path, data: bytes, *, mode: int = 0o644) -> None:
         while view:
             n = os.write(fd, view)
             view = view[n:]
-        os.fsync(fd)
+        if sync:
+            os.fsync(fd)
     except OSError as exc:
         os.close(fd)
         Path(path).unlink(missing_ok=True)  # our own partial file
@@ -244,6 +248,49 @@ def fsync_dir(path: str | os.PathLike) -> None:
             raise os_error(path, exc, "cannot sync the directory") from None
     finally:
         os.close(fd)
+
+
+def sync_filesystem(root: str | os.PathLike) -> None:
+    """Flush every file written under ``root`` to disk: one ``syncfs`` of its file system
+    (Linux), else an fsync of every regular file and directory below it (links not followed).
+    """
+    fn = _libc_function("syncfs", [ctypes.c_int])
+    try:
+        fd = os.open(root, os.O_RDONLY | _DIRECTORY | _CLOEXEC)
+    except OSError as exc:
+        raise os_error(root, exc, "cannot open the directory to sync it") from None
+    try:
+        if fn is not None and fn(fd) == 0:
+            return
+    finally:
+        os.close(fd)
+    for here, dirs, files in os.walk(root):
+        for name in files:
+            path = os.path.join(here, name)
+            if not stat.S_ISREG(os.lstat(path).st_mode):
+                continue
+            try:
+                fd = os.open(path, os.O_RDONLY | _NOFOLLOW | _CLOEXEC)
+            except OSError as exc:
+                raise os_error(path, exc, "cannot open the file to sync it") from None
+            try:
+                os.fsync(fd)
+            except OSError as exc:
+                raise os_error(path, exc, "cannot sync") from None
+            finally:
+                os.close(fd)
+        fsync_dir(here)
+        dirs[:] = [d for d in dirs if not os.path.islink(os.path.join(here, d))]
+
+
+def _libc_function(name: str, argtypes: list[Any]) -> Any:
+    try:
+        fn = getattr(ctypes.CDLL(ctypes.util.find_library("c"), use_errno=True), name)
+    except (OSError, AttributeError, TypeError):
+        return None
+    fn.argtypes = argtypes
+    fn.restype = ctypes.c_int
+    return fn
 
 
 _RENAME_EXCHANGE = 2

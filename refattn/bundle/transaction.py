@@ -23,12 +23,13 @@ Owns :class:`BundleTransaction`, the write side of ``refattn golden --out DIR``:
 5. A resumable transaction (``resume=KEY``, the mode of ``refattn sweep``) stages into a
    persistent sibling ``.DIR.refattn-resume-KEY/`` instead: ``bundle/`` is the bundle being
    built and ``notes/`` holds one small file per staged case (its manifest entry). Files
-   arrive one at a time (:meth:`BundleTransaction.stage`: a fsynced temporary file renamed
-   into place, so a staged file is whole or absent), survive a killed run, and are read back
-   by the next run with the same key; :meth:`~BundleTransaction.commit` writes the manifest
-   into ``bundle/`` and swaps it in exactly as above, then removes the resume directory. A
-   resume directory of another key beside ``DIR`` is another run's unfinished work: it is
-   refused, never removed.
+   arrive one at a time (:meth:`BundleTransaction.stage`: a temporary file renamed into
+   place, so a staged file is whole or absent), survive a killed run, and are read back by
+   the next run with the same key (which checks them: the caller's job);
+   :meth:`~BundleTransaction.commit` writes the manifest into ``bundle/``, flushes the
+   staging tree to disk and swaps it in exactly as above, then removes the resume
+   directory. A resume directory of another key beside ``DIR`` is another run's unfinished
+   work: it is refused, never removed.
 
 Defers the primitives to :mod:`refattn.bundle.fsio`; knows nothing of cases or engines.
 """
@@ -52,6 +53,7 @@ from refattn.bundle.fsio import (
     fsync_dir,
     os_error,
     read_confined,
+    sync_filesystem,
     write_new,
 )
 from refattn.errors import RefAttnError
@@ -369,18 +371,20 @@ class BundleTransaction:
         """Add one file to the resumable staging directory, whole or not at all.
 
         ``rel`` is a bundle path (``cases/<case_id>.safetensors``), or with ``note=True`` the
-        name of a note (``<name>.json``). Written to a fsynced temporary file and renamed
-        over any earlier version, then the directory is fsynced.
+        name of a note (``<name>.json``). Written to a temporary file and renamed over any
+        earlier version: a killed run leaves it whole or absent. It is not fsynced here
+        (after a machine crash a staged file may be empty, and the next run, which checks
+        every staged file against its recorded sha256, computes it again); :meth:`commit`
+        flushes the whole staging tree before the bundle is swapped in.
         """
         target = self._resume_path(rel, note=note)
         tmp = target.parent / f".{target.name}.{secrets.token_hex(4)}.tmp"
-        write_new(tmp, data)
+        write_new(tmp, data, sync=False)
         try:
             os.replace(tmp, target)
         except OSError as exc:
             tmp.unlink(missing_ok=True)
             raise os_error(target, exc, "cannot rename into place") from None
-        fsync_dir(target.parent)
 
     def staged(self, rel: str, *, note: bool = False, max_bytes: int = 2**34) -> bytes | None:
         """The bytes of a staged file or note (no link followed), or None when absent."""
@@ -500,8 +504,7 @@ class BundleTransaction:
         for rel, data in files.items():
             self.stage(rel, data)
         bundle = own / "bundle"
-        for d in (bundle / "cases", bundle):
-            fsync_dir(d)
+        sync_filesystem(bundle)  # every staged file and directory on disk before the swap
         if s.foreign:  # beside the user's files: replaced one by one, manifest last
             staged = {rel: self.staged(rel) or b"" for rel in self.staged_names()}
             staged["manifest.json"] = self.staged("manifest.json") or b""

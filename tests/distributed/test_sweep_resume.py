@@ -200,3 +200,11 @@ def test_cli_sweep_in_process(tmp_path, capsys):
     assert main(["verify", str(out), "--no-gradcheck", "--quiet"]) == 0
     assert main(["sweep", str(spec), "--out", str(out), "--quiet"]) == 0
     assert "up to date" in capsys.readouterr().out
+
+
+def test_progress_bar_counts_cases_on_stderr(sweep, tmp_path, capsys):
+    run_sweep(sweep, tmp_path / "b", progress=True)
+    err = capsys.readouterr().err
+    assert f"sweep {sweep.name}" in err and f"/{len(sweep.cases)}" in err
+    run_sweep(sweep, tmp_path / "c", progress=False)
+    assert capsys.readouterr().err == ""
