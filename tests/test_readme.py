@@ -1,22 +1,191 @@
-"""The README's Python tour runs as written (in order, in a scratch directory)."""
+"""Every example in README.md runs as written, in a scratch directory.
+
+- ``python`` blocks run in order, in one namespace, interleaved with the ``bash`` blocks, as a
+  reader would paste them;
+- a ``python`` block whose first line is ``# test_<name>.py`` is a pytest file: it is written
+  out and run by pytest in a fresh process, and the counts the README prints after it (``N
+  passed, M skipped``) must be the counts of that run (skipped cleanly when its framework is
+  not installed);
+- every command of a ``bash`` block runs through ``refattn``'s entry point and must exit 0, or
+  the code its comment names (``# exit 1``); the few lines that cannot run here are listed in
+  :data:`NOT_RUN` with the reason, and the README's test command must be ``.ci/run``'s;
+- ``toml`` blocks parse.
+"""
 
 from __future__ import annotations
 
+import importlib.util
+import os
 import re
+import shlex
+import subprocess
+import sys
 from pathlib import Path
+
+import pytest
 
 from refattn.cli import main
 
-README = Path(__file__).resolve().parents[1] / "README.md"
+try:
+    import tomllib
+except ModuleNotFoundError:  # Python 3.10: the toml blocks are not parsed
+    tomllib = None
+
+ROOT = Path(__file__).resolve().parents[1]
+README = ROOT / "README.md"
+FENCE = re.compile(r"```(\w+)\n(.*?)```", flags=re.S)
+
+#: README commands this test does not run, and why (matched as a prefix of the command)
+NOT_RUN = {
+    "pip install .": "installs the package into the running environment",
+    "python3 -m pip install -e": "the CI command itself (checked equal to .ci/run's)",
+    "python3 -m pytest": "the test suite itself",
+    "python3 benchmarks/": "a benchmark (long, machine-dependent)",
+}
+#: options whose lines are not run: they start or need a dask cluster (tests/distributed)
+CLUSTER = ("--workers", "--scheduler")
 
 
-def test_readme_python_blocks_run(tmp_path, monkeypatch):
-    blocks = re.findall(r"```python\n(.*?)```", README.read_text(), flags=re.S)
-    assert len(blocks) >= 5
+def blocks() -> list[tuple[str, str]]:
+    return [(lang, body) for lang, body in FENCE.findall(README.read_text())]
+
+
+def pytest_files() -> list[tuple[str, str, str | None]]:
+    """(file name, source, the text block after it) of every pytest-file example."""
+    out = []
+    items = blocks()
+    for n, (lang, body) in enumerate(items):
+        first = body.splitlines()[0] if body.strip() else ""
+        if lang == "python" and re.fullmatch(r"# test_\w+\.py", first):
+            after = items[n + 1][1] if n + 1 < len(items) and items[n + 1][0] == "text" else None
+            out.append((first[2:], body, after))
+    return out
+
+
+def commands(body: str) -> list[tuple[list[str], int, str]]:
+    """(argv, expected exit code, the command's text) of every command in a bash block."""
+    out = []
+    for line in body.splitlines():
+        if not line.strip() or line.lstrip().startswith("#"):
+            continue
+        code, _, comment = line.partition("  #")
+        expected = int(m.group(1)) if (m := re.search(r"exit (\d)", comment)) else 0
+        for part in code.split("&&"):
+            out.append((shlex.split(part), expected, part.strip()))
+    return out
+
+
+def _skip_reason(text: str) -> str | None:
+    for prefix, why in NOT_RUN.items():
+        if text.startswith(prefix):
+            return why
+    if any(option in text.split() for option in CLUSTER):
+        return "starts or needs a dask cluster (tests/distributed runs one)"
+    if text.startswith("refattn plot") and importlib.util.find_spec("matplotlib") is None:
+        return "needs matplotlib"
+    return None
+
+
+def test_readme_test_command_is_the_ci_command():
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert f"```bash\n{ci}\n```" in README.read_text()
+
+
+def test_readme_examples_run_in_order(tmp_path, monkeypatch, capsys):
     monkeypatch.chdir(tmp_path)
-    assert main(["golden", "--out", "goldens", "--suite", "contract"]) == 0
+    for shared in ("data", "examples"):  # the checked-in bundle and example SPECs, read-only
+        if (ROOT / shared).exists():
+            (tmp_path / shared).symlink_to(ROOT / shared)
     namespace: dict = {}
-    for block in blocks:
-        if "gradcheck.check_attention(call, backward=my_backward)" in block:
-            block = block.replace("my_backward", "refattn.backward")
-        exec(compile(block, str(README), "exec"), namespace)
+    ran = 0
+    for lang, body in blocks():
+        if lang == "python" and not body.startswith("# test_"):
+            exec(compile(body, str(README), "exec"), namespace)
+            ran += 1
+        elif lang == "bash":
+            for argv, expected, text in commands(body):
+                if _skip_reason(text) is not None:
+                    continue
+                assert argv[0] == "refattn", f"README runs {text!r}: list it in NOT_RUN"
+                code = main(argv[1:])
+                out = capsys.readouterr()
+                assert code == expected, f"{text}: exit {code}\n{out.out[-2000:]}{out.err}"
+                ran += 1
+        elif lang == "toml" and tomllib is not None:
+            tomllib.loads(body)
+    assert ran >= 20
+    # what the README says the examples wrote
+    plots = sorted(p.name for p in (tmp_path / "plots").glob("*.png")) if (
+        importlib.util.find_spec("matplotlib")) else []
+    if plots:
+        assert plots == ["causal_lower_right_q3_k7_error_output.png",
+                         "causal_lower_right_q3_k7_probs.png",
+                         "causal_lower_right_q3_k7_visible.png"]
+
+
+def test_readme_shows_the_compare_output_it_gets(tmp_path, monkeypatch, capsys):
+    """The compare report quoted in README is the one the command prints (its rows)."""
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "data").symlink_to(ROOT / "data")
+    quoted = next(body for lang, body in blocks() if lang == "text"
+                  and body.startswith("case causal_lower_right_q3_k7"))
+    setup = next(body for lang, body in blocks() if lang == "python"
+                 and "my_outputs.safetensors" in body)
+    import numpy as np
+
+    from refattn import bundle
+
+    exec(compile(setup, str(README), "exec"), {"np": np, "bundle": bundle})
+    assert main(["compare", "data/golden/cases/causal_lower_right_q3_k7.safetensors",
+                 "my_outputs.safetensors"]) == 1
+    printed = capsys.readouterr().out.splitlines()
+    for line in quoted.splitlines():
+        if line.strip() != "...":
+            assert line in printed, line
+
+
+def _eligible(name: str) -> int:
+    """How many runs should pass, from the adapters' own verdicts (not refattn.testing's)."""
+    from refattn.adapters import jax as jax_adapter
+    from refattn.adapters import torch as torch_adapter
+    from refattn.bundle.spec import case_spec
+    from refattn.bundle.suites import build_suite
+
+    specs = [case_spec(c) for c in build_suite("conformance")]
+    sdpa = [s for s in specs if torch_adapter.ineligible(s, "sdpa") is None]
+    return {"test_torch_sdpa.py": 2 * len(sdpa),  # float64 and float32
+            "test_jax_attention.py": sum(jax_adapter.ineligible(s) is None for s in specs),
+            "test_my_attention.py": sum("bias" not in s.tensors for s in sdpa)}[name]
+
+
+def _framework(source: str) -> str | None:
+    for name in ("torch", "jax"):
+        if re.search(rf"^import {name}\b|^from {name}\b", source, flags=re.M):
+            return name
+    return None
+
+
+@pytest.mark.parametrize(("name", "source", "quoted"), pytest_files(),
+                         ids=[f[0] for f in pytest_files()])
+def test_readme_pytest_examples_pass_on_every_eligible_case(tmp_path, name, source, quoted):
+    framework = _framework(source)
+    if framework is not None:
+        pytest.importorskip(framework)
+    (tmp_path / name).write_text(source)
+    env = {**os.environ, "PYTHONPATH": str(ROOT), "REFATTN_QUIET": "1"}
+    proc = subprocess.run([sys.executable, "-m", "pytest", "-q", "-rs", "-p", "no:cacheprovider",
+                           name], cwd=tmp_path, capture_output=True, text=True, env=env,
+                          timeout=900)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
+    summary = proc.stdout.strip().splitlines()[-1]
+    counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|skipped|failed)", summary))
+    assert counts.get("failed", 0) == 0 and counts["passed"] >= 40, summary
+    assert counts["passed"] == _eligible(name), "the adapters' own count of expressible cases"
+    assert quoted is not None, f"README shows no output after {name}"
+    shown = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|skipped)", quoted))
+    assert shown == {k: counts.get(k, 0) for k in shown}, (summary, quoted)
+    for line in quoted.splitlines():  # the skip reasons quoted are among those printed
+        if line.startswith("SKIPPED") and not line.endswith("(...)"):
+            assert line in proc.stdout, line
+        elif line.startswith("SKIPPED"):
+            assert line[:-len("(...)")] in proc.stdout, line
