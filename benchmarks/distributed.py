@@ -66,6 +66,37 @@ def load() -> str:
     return f"load average {a:.2f} {b:.2f} {c:.2f}"
 
 
+class Others:
+    """CPU time used by processes outside this benchmark's tree while a section runs: the
+    machine is shared, and this says how much of it other work took (cores on average)."""
+
+    def __enter__(self) -> Others:
+        self.start = self._sample()
+        return self
+
+    @staticmethod
+    def _sample() -> tuple[float, float, float]:
+        import psutil
+
+        total = psutil.cpu_times()
+        me = psutil.Process()
+        ours = 0.0
+        for proc in [me, *me.children(recursive=True)]:
+            try:
+                t = proc.cpu_times()
+                ours += t.user + t.system + t.children_user + t.children_system
+            except psutil.Error:
+                pass
+        return time.perf_counter(), total.user + total.system + total.nice, ours
+
+    def __exit__(self, *exc: object) -> None:
+        t1, all1, ours1 = self._sample()
+        t0, all0, ours0 = self.start
+        other = max(0.0, (all1 - all0) - (ours1 - ours0))
+        print(f"  (other processes on the machine used {other / (t1 - t0):.2f} cores on average "
+              f"during this section; {load()})")
+
+
 def digest(directory: Path) -> str:
     h = hashlib.sha256()
     for p in sorted(directory.rglob("*")):
@@ -116,7 +147,6 @@ def sweep_section(clients: dict[int, object], rounds: int, tmp: Path, quick: boo
         print(f"  2 workers / 1 worker throughput: {ratio:.2f}x   (target >= 1.8x; "
               f"bytes identical in all {1 + 2 * rounds} bundles)")
         out[name] = {"cases": n, "mean_case": mean_case, "ratio": ratio, "best": best}
-    print(f"({load()})")
     return out
 
 
@@ -162,8 +192,7 @@ def overhead_section(client, tmp: Path, quick: bool) -> dict:
           f"{1e3 * per_task:.2f} ms per task = {100 * per_task / mean_task:.1f}% of the task "
           "(target < 5% for tasks >= 50 ms)")
     print("  (wall - time inside the tasks, per task: scheduling, moving the result, staging "
-          "it with fsync, and the manifest and final swap spread over the tasks)")
-    print(f"({load()})")
+          "it, and the manifest, flush and final swap spread over the tasks)")
     return {"empty": empty, "gap": gap, "per_task": per_task, "mean_task": mean_task}
 
 
@@ -224,7 +253,6 @@ def long_call_section(clients: dict[int, object], quick: bool) -> dict:
     pairs = B * Hq * L * (L + 1) / 2  # visible (query, key) pairs of the causal call
     per_pair = base / pairs
     print(f"  cost: {1e9 * per_pair:.2f} ns per visible pair, forward + backward, one thread")
-    print(f"({load()})")
     return {"per_pair": per_pair, "times": times}
 
 
@@ -265,9 +293,12 @@ def main() -> None:
         clients = {1: c1, 2: c2}
         for c in clients.values():
             warm(c)
-        sweeps = sweep_section(clients, 1 if args.quick else args.rounds, tmp, args.quick)
-        over = overhead_section(c1, tmp, args.quick)
-        long = long_call_section(clients, args.quick)
+        with Others():
+            sweeps = sweep_section(clients, 1 if args.quick else args.rounds, tmp, args.quick)
+        with Others():
+            over = overhead_section(c1, tmp, args.quick)
+        with Others():
+            long = long_call_section(clients, args.quick)
     projection(sweeps, over, long)
 
 
