@@ -95,6 +95,10 @@ def _save(fig: Any, path: Path) -> Path:
 
 
 def _label(ax: Any, title: str, xlabel: str, ylabel: str) -> None:
+    from matplotlib.ticker import MaxNLocator
+
+    for axis in (ax.xaxis, ax.yaxis):  # indices: integer ticks only
+        axis.set_major_locator(MaxNLocator(integer=True))
     ax.set_title(title, fontsize=8)
     ax.set_xlabel(xlabel, fontsize=7)
     ax.set_ylabel(ylabel, fontsize=7)
