@@ -3,10 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import os
+from pathlib import Path
 
 from refattn.bundle.cases import GENERATORS
+from refattn.bundle.manifest import check_schema, read_manifest
 from refattn.bundle.suites import SUITES, build_suite
 from refattn.bundle.write import write_bundle
+from refattn.errors import RefAttnError
 
 __all__ = ["add_parser"]
 
@@ -29,10 +33,26 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _earlier_cases(out: Path) -> set[str]:
+    """The case ids of the refattn bundle already in ``out`` (none when there is none)."""
+    if not os.path.lexists(out / "manifest.json"):
+        return set()
+    try:
+        return set(check_schema(read_manifest(out / "manifest.json"))["cases"])
+    except RefAttnError:
+        return set()  # not refattn's: write_bundle refuses it with the reason
+
+
 def run(args: argparse.Namespace) -> int:
+    earlier = _earlier_cases(Path(args.out))
     cases = build_suite(args.suite)
     path = write_bundle(args.out, cases, suite=args.suite, backend=args.backend,
                         force=args.force, progress=False if args.quiet else None)
     print(f"wrote {len(cases)} case(s) of suite {args.suite!r} ({args.backend}) to "
           f"{path.parent} ({path.name})")
+    removed = sorted(earlier - {c.case_id for c in cases})
+    if removed:  # the earlier bundle's own files, replaced: say which ones are gone
+        shown = ", ".join(removed[:5]) + (", ..." if len(removed) > 5 else "")
+        print(f"replaced the earlier bundle: removed {len(removed)} case file(s) that suite "
+              f"{args.suite!r} does not have ({shown})")
     return 0
