@@ -17,7 +17,7 @@ after every section):
 3. One long call, ``refattn.distributed.value_and_grad`` (forward + backward, streaming
    tiles) at 1 and 2 workers, whole (batch, kv-head) units and split into query/key shards,
    against the single-process streaming run with 1 and 2 numba threads; bit identity checked.
-4. The inputs of the README's projection (per-task overhead, per-pair cost of a long call).
+4. The README's projection to a 64-node cluster, from these measurements.
 """
 
 from __future__ import annotations
@@ -146,7 +146,8 @@ def sweep_section(clients: dict[int, object], rounds: int, tmp: Path, quick: boo
                   f" driver+scheduler CPU {statistics.median(driver_cpu[w]):.2f} s)")
         print(f"  2 workers / 1 worker throughput: {ratio:.2f}x   (target >= 1.8x; "
               f"bytes identical in all {1 + 2 * rounds} bundles)")
-        out[name] = {"cases": n, "mean_case": mean_case, "ratio": ratio, "best": best}
+        out[name] = {"cases": n, "mean_case": mean_case, "ratio": ratio, "best": best,
+                     "driver_per_case": statistics.median(driver_cpu[1]) / n}
     return out
 
 
@@ -256,24 +257,28 @@ def long_call_section(clients: dict[int, object], quick: bool) -> dict:
     return {"per_pair": per_pair, "times": times}
 
 
-def projection(sweeps: dict, over: dict, long: dict) -> None:
-    print("\n== 4. projection inputs (README, 'Past one machine')")
-    nodes, cores = 64, 32
-    workers = nodes * cores
+def projection(sweeps: dict, long: dict) -> None:
+    print("\n== 4. projection to 64 nodes x 32 cores (README, 'Past one machine')")
+    workers = 64 * 32
     mean = sweeps["bench"]["mean_case"]
-    per_task = over["per_task"]
+    serial = sweeps["bench"]["driver_per_case"]
     n = 10_000
-    compute = n * mean / workers
-    serial = n * per_task / 8  # the driver's share, tasks of 8 cases (8 tasks per thread)
-    print(f"10,000 cases of {1e3 * mean:.0f} ms on {nodes} nodes x {cores} cores: compute "
-          f"{compute:.1f} s + driver/scheduler {serial:.1f} s (measured {1e3 * per_task:.1f} "
-          "ms per task, here)")
+    print(f"10,000 cases of {1e3 * mean:.0f} ms: {n * mean:.0f} core-seconds, "
+          f"{n * mean / workers:.1f} s on {workers} cores; the calling process and scheduler "
+          f"used {1e3 * serial:.1f} ms of CPU per case here (1 worker), {n * serial:.0f} s "
+          f"serial for 10,000 cases; driver-bound until cases take {workers * serial:.1f} s")
     L = 131072
     pairs = 1 * 8 * L * (L + 1) / 2
     t1 = long["per_pair"] * pairs
-    print(f"L = {L}, (B, Hq, D) = (1, 8, 64), causal: {t1 / 3600:.2f} h on one core; split "
-          f"into query and key shards (backward recomputed once more, about 1.5x the work) on "
-          f"{workers} cores: {1.5 * t1 / workers:.1f} s of compute")
+    times = long["times"]
+    whole = next(t for k, t in times.items() if k.startswith("1 worker") and "rows" not in k)
+    split = next(t for k, t in times.items() if k.startswith("1 worker") and "rows" in k)
+    tasks = 8 * 2 * (L // 512)
+    print(f"L = {L}, (B, Hq, Hkv, D) = (1, 8, 8, 64), causal: {t1:.0f} s = {t1 / 60:.0f} min "
+          f"on one core; shards cost {split / whole:.2f}x the work of whole units here, so "
+          f"rows_per_shard=512 ({tasks} tasks of {t1 * split / whole / tasks:.2f} s) gives "
+          f"{t1 * split / whole / workers:.1f} s of compute on {workers} cores; inputs 2.1 GB "
+          "per worker process")
 
 
 def main() -> None:
@@ -296,10 +301,10 @@ def main() -> None:
         with Others():
             sweeps = sweep_section(clients, 1 if args.quick else args.rounds, tmp, args.quick)
         with Others():
-            over = overhead_section(c1, tmp, args.quick)
+            overhead_section(c1, tmp, args.quick)
         with Others():
             long = long_call_section(clients, args.quick)
-    projection(sweeps, over, long)
+    projection(sweeps, long)
 
 
 if __name__ == "__main__":

@@ -473,6 +473,16 @@ def query_shard(call: AttentionCall, g: np.ndarray, unit: Unit, i: tuple[int, in
             "seconds": time.perf_counter() - t0}
 
 
+#: what a key shard needs from a query shard (the rest stays where it was computed)
+SAVED = ("output", "lse", "row_max", "sanitized_rows")
+
+
+def saved_rows(result: dict[str, Any]) -> dict[str, np.ndarray]:
+    """The forward rows a key shard reads, from a query shard's result (a worker task that
+    runs where the result is, so only these rows travel to the key shards)."""
+    return {name: result[name] for name in SAVED}
+
+
 def key_shard(call: AttentionCall, g: np.ndarray, unit: Unit, j: tuple[int, int],
               block_q: int, block_k: int, forwards: Sequence[dict[str, Any]],
               threads: int = 1) -> dict[str, Any]:
@@ -487,8 +497,7 @@ def key_shard(call: AttentionCall, g: np.ndarray, unit: Unit, j: tuple[int, int]
     n = block_k if call.relation is not None or call.visible is not None else 0
     with _Threads(threads):
         sub = _shard_call(call, unit, (0, Q), j, front=n)
-        saved = {name: np.concatenate([f[name] for f in forwards], axis=2)
-                 for name in ("output", "lse", "row_max", "sanitized_rows")}
+        saved = {name: np.concatenate([f[name] for f in forwards], axis=2) for name in SAVED}
         trace = Trace(call=sub, scores=None, biased_scores=None, masked_scores=None,
                       row_max=saved["row_max"], lse=saved["lse"], probs=None,
                       dropout_multiplier=None, consumed=None, output=saved["output"],
@@ -603,7 +612,8 @@ def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *, client: Any,
     back = {}
     if plan.split_backward:
         for u, unit in enumerate(plan.units):
-            deps = [fwd[(u, r)] for r in range(len(plan.query_ranges))]
+            deps = [client.submit(saved_rows, fwd[(u, r)], pure=False)
+                    for r in range(len(plan.query_ranges))]
             for r, rng in enumerate(plan.key_ranges):
                 back[(u, r)] = client.submit(key_shard, call_f, g_f, unit, rng, BQ, BK, deps,
                                              plan.unit_threads(unit), pure=False)

@@ -148,21 +148,44 @@ def test_sharded_call_is_bit_identical_to_the_local_streaming_run(client, name, 
             assert a.shape == b.shape and a.tobytes() == b.tobytes(), n
 
 
+class Recording:
+    """The real client, recording what value_and_grad scatters and submits."""
+
+    def __init__(self, client):
+        self.client, self.scattered, self.arguments = client, [], []
+
+    def scatter(self, data, **kw):
+        self.scattered.append((type(data).__name__, kw.get("broadcast")))
+        return self.client.scatter(data, **kw)
+
+    def submit(self, fn, *args, **kw):
+        self.arguments.append([type(a).__name__ for a in args])
+        return self.client.submit(fn, *args, **kw)
+
+    def __getattr__(self, name):
+        return getattr(self.client, name)
+
+
 def test_inputs_travel_once_per_worker_not_once_per_task(client):
     _, call, g = next(_calls())
     _local(call, g, 8, 8)
-    for log in client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear()).values():
-        assert log is None
-    value_and_grad(call, g, client=client, block_q=8, block_k=8, rows_per_shard=8)
+    client.run(lambda dask_worker: dask_worker.transfer_incoming_log.clear())
+    spy = Recording(client)
+    value_and_grad(call, g, client=spy, block_q=8, block_k=8, rows_per_shard=8)
+    # the call and grad_output are scattered once, to every worker ...
+    assert spy.scattered == [("AttentionCall", True), ("ndarray", True)]
+    # ... and no task carries an array or a call, only futures and small descriptions
+    assert len(spy.arguments) > 20
+    assert all("ndarray" not in a and "AttentionCall" not in a for a in spy.arguments)
     moved = client.run(lambda dask_worker: [
         (key, nbytes) for entry in dask_worker.transfer_incoming_log
         for key, nbytes in entry["keys"].items()])
-    # the call and grad_output (about 60 kB) were scattered to both workers up front; what
-    # workers fetch from each other is only query shards' saved rows for the key shards
+    # what workers fetch from each other is only the query shards' saved forward rows
+    # (output, lse, row max of 8 rows and 2 heads, about 1.5 kB) for the key shards
     for pairs in moved.values():
         for key, nbytes in pairs:
-            assert "query_shard" in str(key), key
-            assert nbytes < 20_000
+            assert "saved_rows" in str(key), key
+            assert nbytes < 4_000
 
 
 def test_worker_killed_mid_sweep_is_survived(local_bundle, sweep, tmp_path):
