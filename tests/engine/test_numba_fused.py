@@ -165,3 +165,25 @@ def test_one_layer_of_threads_at_a_time(layout):
         assert inside == outside and set(blas.values()) == {1}
     else:
         assert inside == 1 and lay.blas_threads == outside
+
+
+def test_long_key_rows_stream_and_match_the_reference(monkeypatch):
+    from refattn.engine.numba import backend
+
+    monkeypatch.setattr(backend, "STREAM_KEYS_AT_D64", 64)  # K = 48 at D = 4 is "long"
+
+    def not_fused(*args, **kwargs):
+        raise AssertionError("the fused kernel ran")
+
+    monkeypatch.setattr(fused_host, "value_and_grad", not_fused)
+    rng = np.random.default_rng(8)
+    q, k, v, g = (rng.standard_normal((1, 2, 48, 4)) for _ in range(4))
+    call = refattn.AttentionCall(q, k, v, bias=rng.standard_normal((1, 2, 48, 48)),
+                                 visible=causal(48, 48, alignment="lower_right"))
+    out, grads = refattn.value_and_grad(call, g, backend="numba")
+    assert_matches_reference(call, g, out, grads)
+    assert grads.grad_bias is not None
+    # a call the streaming kernels do not run stays on the fused kernel
+    capped = dataclasses.replace(call, softcap=3.0)
+    with pytest.raises(AssertionError, match="the fused kernel ran"):
+        refattn.value_and_grad(capped, g, backend="numba")
