@@ -38,10 +38,8 @@ import argparse
 import json
 import os
 import platform
-import statistics
 import subprocess
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any, NamedTuple
@@ -53,6 +51,9 @@ HERE = Path(__file__).resolve().parent
 for path in (ROOT, HERE):
     if str(path) not in sys.path:
         sys.path.insert(0, str(path))
+
+
+from timing import interleaved, timed  # noqa: E402  (benchmarks/ is on the path)
 
 
 class Case(NamedTuple):
@@ -92,7 +93,6 @@ QUICK_CASES = [Case(1, 2, 2, 128, 128, 32), Case(1, 4, 2, 256, 256, 64, causal=T
 LONG_CASE = Case(1, 8, 8, 16384, 16384, 64)
 VARIANTS = ("fused", "stream", "dense", "torch")
 DENSE_LIMIT = 2 << 30  # bytes of one (B, Hq, Q, K) float64 tensor times the trace's six
-SETTLE_S = 0.2
 
 
 # -- variants ----------------------------------------------------------------------------------
@@ -149,42 +149,13 @@ def runner(variant: str, case: Case) -> Callable[[], Any]:
 
 
 # -- measurements -----------------------------------------------------------------------------
-def _timed(fn: Callable[[], Any]) -> float:
-    t0 = time.perf_counter()
-    result = fn()
-    seconds = time.perf_counter() - t0
-    del result
-    return seconds
-
-
-def interleaved(fns: dict[str, Callable[[], Any]], *, min_rounds: int, budget: float,
-                settle: float = SETTLE_S) -> dict[str, dict[str, float]]:
-    """Median and minimum seconds of each callable, timed in rounds that visit each in turn.
-
-    Each visit pauses ``settle`` seconds (thread pools left spinning by the previous variant
-    go idle), runs one untimed warm call, then one timed call. Rounds continue past
-    ``min_rounds`` while the time spent is under ``budget`` seconds per callable, up to 15.
-    """
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    start = time.perf_counter()
-    rounds = 0
-    while rounds < min_rounds or (time.perf_counter() - start < budget * len(fns) and rounds < 15):
-        for name, fn in fns.items():
-            time.sleep(settle)
-            _timed(fn)
-            times[name].append(_timed(fn))
-        rounds += 1
-    return {name: {"median": statistics.median(ts), "min": min(ts), "rounds": len(ts)}
-            for name, ts in times.items()}
-
-
 def dgemm_rate(n: int = 3072, repeats: int = 5) -> float:
     """GFLOP/s of numpy's float64 matmul (its BLAS, default threads) on n x n operands."""
     rng = np.random.default_rng(1)
     a, b = rng.standard_normal((n, n)), rng.standard_normal((n, n))
     out = np.empty((n, n))
     np.matmul(a, b, out=out)
-    best = min(_timed(lambda: np.matmul(a, b, out=out)) for _ in range(repeats))
+    best = min(timed(lambda: np.matmul(a, b, out=out)) for _ in range(repeats))
     return 2 * n**3 / best / 1e9
 
 
@@ -205,7 +176,7 @@ def child(variant: str, case: Case) -> dict[str, Any]:
     except OSError:
         reset = False
     fn = runner(variant, case)  # inputs count above the baseline
-    seconds = _timed(fn)
+    seconds = timed(fn)
     peak = _status_kb("VmHWM")
     return {"variant": variant, "case": list(case), "seconds": seconds,
             "peak_mb": peak / 1024, "above_baseline_mb": (peak - baseline) / 1024,

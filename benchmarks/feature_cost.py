@@ -17,9 +17,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -29,6 +27,8 @@ import numpy as np
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from timing import interleaved  # noqa: E402  (benchmarks/ is the script's directory)
 
 import refattn  # noqa: E402
 from refattn.call.scores import Additive, Bilinear, Cosine  # noqa: E402
@@ -61,19 +61,6 @@ def features(B: int, H: int, L: int, D: int) -> dict[str, dict[str, Any]]:
     }
 
 
-def _interleaved(fns: dict[str, Callable[[], Any]], rounds: int) -> dict[str, float]:
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            time.sleep(0.05)
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: statistics.median(ts) for name, ts in times.items()}
-
-
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--shape", default="1,4,512,64", help="B,H,L,D (default 1,4,512,64)")
@@ -89,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
             fns[f"{name}|{backend}"] = (
                 lambda call=call, backend=backend: refattn.value_and_grad(call, g,
                                                                           backend=backend))
-    med = _interleaved(fns, args.rounds)
+    med = {name: r["median"] for name, r in
+           interleaved(fns, min_rounds=args.rounds, settle=0.05).items()}
     dot = med["dot|numba"]
     print(f"value_and_grad forward+backward at (B, H, L, D) = {(B, H, L, D)}, medians of "
           f"{args.rounds} interleaved rounds")

@@ -26,9 +26,7 @@ classification). Usage::
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
-import time
 from pathlib import Path
 from typing import Any
 
@@ -39,6 +37,8 @@ from numba import njit, prange
 ROOT = Path(__file__).resolve().parents[1]
 if str(ROOT) not in sys.path:
     sys.path.insert(0, str(ROOT))
+
+from timing import interleaved  # noqa: E402
 
 from refattn import AttentionCall  # noqa: E402
 from refattn._progress import progress  # noqa: E402
@@ -131,19 +131,6 @@ def _ds_operands(shape: tuple[int, ...], causal: bool) -> tuple[AttentionCall, n
     return AttentionCall(q, k, v, visible=visible), rng.standard_normal((B, Hq, Q, D))
 
 
-def _interleaved(fns: dict[str, Any], rounds: int) -> dict[str, tuple[float, float]]:
-    times: dict[str, list[float]] = {name: [] for name in fns}
-    for fn in fns.values():
-        fn()  # warm: compile, first touch
-    for _ in range(rounds):
-        for name, fn in fns.items():
-            time.sleep(0.1)
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
-    return {name: (statistics.median(ts), min(ts)) for name, ts in times.items()}
-
-
 def visible_elements(shape: tuple[int, ...], causal: bool) -> int:
     """Score elements a causal (upper-left) or full call computes: B * Hq * visible pairs."""
     B, Hq, _, Q, K, _ = shape
@@ -182,7 +169,8 @@ def breakdown(shape: tuple[int, ...], *, causal: bool = False, rounds: int = 5,
     fns = {"fused": lambda: value_and_grad(call, g_o, provider=provider), "gemms": products(63),
            "copy": copy, "launch": products(0)}
     fns |= {name: products(1 << p) for p, name in enumerate(PRODUCTS)}
-    med = _interleaved(fns, rounds)
+    t = interleaved(fns, min_rounds=rounds, settle=0.1)
+    med = {name: (r["median"], r["min"]) for name, r in t.items()}
     # one product's flops: 2 x visible score elements x D (kn rounds up to KEY_CHUNK: ignored)
     elements = visible_elements(shape, causal)
     flops = 2.0 * elements * D

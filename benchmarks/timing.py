@@ -1,0 +1,45 @@
+"""Side-by-side timing for the benchmarks: interleaved rounds, medians and minima.
+
+Round-robin timing spreads the drift of a shared machine over every variant alike. Each visit
+pauses (thread pools left spinning by the previous variant go idle), runs one untimed warm call
+(first-touch page faults of memory the machine handed back since the last visit land there),
+then one timed call.
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+__all__ = ["interleaved", "timed"]
+
+
+def timed(fn: Callable[[], Any]) -> float:
+    """Wall seconds of one call of ``fn`` (its result is dropped after the clock stops)."""
+    t0 = time.perf_counter()
+    result = fn()
+    seconds = time.perf_counter() - t0
+    del result
+    return seconds
+
+
+def interleaved(fns: dict[str, Callable[[], Any]], *, min_rounds: int, budget: float = 0.0,
+                settle: float = 0.2) -> dict[str, dict[str, float]]:
+    """Median and minimum seconds of each callable, timed in rounds that visit each in turn.
+
+    Rounds continue past ``min_rounds`` while the time spent is under ``budget`` seconds per
+    callable, up to 15. Returns ``{name: {"median", "min", "rounds"}}``.
+    """
+    times: dict[str, list[float]] = {name: [] for name in fns}
+    start = time.perf_counter()
+    rounds = 0
+    while rounds < min_rounds or (time.perf_counter() - start < budget * len(fns) and rounds < 15):
+        for name, fn in fns.items():
+            time.sleep(settle)
+            timed(fn)
+            times[name].append(timed(fn))
+        rounds += 1
+    return {name: {"median": statistics.median(ts), "min": min(ts), "rounds": len(ts)}
+            for name, ts in times.items()}
