@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
                 lambda call=call, backend=backend: refattn.value_and_grad(call, g,
                                                                           backend=backend))
     med = {name: r["median"] for name, r in
-           interleaved(fns, min_rounds=args.rounds, settle=0.05).items()}
+           interleaved(fns, min_rounds=args.rounds).items()}
     dot = med["dot|numba"]
     print(f"value_and_grad forward+backward at (B, H, L, D) = {(B, H, L, D)}, medians of "
           f"{args.rounds} interleaved rounds")

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from refattn.engine.numba.blas import dgemm_address, gemm, gemm_split, single_thread_blas
-from refattn.engine.numba.math import exp_shift, row_dot, row_max, row_sum
+from refattn.engine.numba.math import exp_shift, row_dot, row_max, row_sum, softcap_row
 from refattn.engine.numba.operands import at, strided
 from refattn.engine.numba.tiles import (
     FULL,
@@ -65,6 +65,26 @@ def test_exp_vector_lanes_and_scalar_tail_agree_bit_for_bit():
         exp_shift(vec, x.size, 0.25)
         one = np.array([v for t in x for v in _exp_alone(t)])
         np.testing.assert_array_equal(vec.view(np.int64), one.view(np.int64))
+
+
+@pytest.mark.parametrize("c", [1.0, 5.0, 30.0])
+def test_softcap_row_against_tanh_at_120_bits(c):
+    # both sides of the 0.35 switch between the series and (1 - e) / (1 + e), tiny, huge and
+    # signed-zero scores; the oracle is mpmath's tanh at 120 bits, rounded once
+    import mpmath
+
+    rng = np.random.default_rng(2)
+    scales = (1e-300, 1e-8, 0.1, 0.3, 0.35, 0.4, 1.0, 3.0, 10.0, 30.0)
+    x = np.concatenate([rng.standard_normal(400) * s * c for s in scales]
+                       + [np.array([0.0, -0.0, 0.35 * c, -0.35 * c, 40.0 * c, -1e300])])
+    row, capped = x.copy(), np.full_like(x, np.nan)
+    softcap_row(row, capped, x.size - 1, c)  # the last entry is past n: untouched
+    assert row[-1] == -1e300 and np.isnan(capped[-1])
+    np.testing.assert_array_equal(row[:-1], capped[:-1])
+    with mpmath.workprec(120):
+        want = np.array([float(c * mpmath.tanh(mpmath.mpf(t) / c)) for t in x[:-1]])
+    assert np.array_equal(np.signbit(row[:-1]), np.signbit(x[:-1]))  # tanh keeps the sign
+    assert _ulps(row[:-1], want).max() <= 4.0
 
 
 def _exp_alone(t: float) -> np.ndarray:

@@ -28,7 +28,7 @@ from numba import prange
 
 from refattn.engine.numba._jit import kernel
 from refattn.engine.numba.blas import gemm
-from refattn.engine.numba.math import exp_shift, row_dot, row_sum
+from refattn.engine.numba.math import exp_shift, row_dot, row_sum, softcap_row
 from refattn.engine.numba.math import row_max as max_of_row
 from refattn.engine.numba.operands import DROP_NONE, address, at, multiplier_row
 from refattn.engine.numba.tiles import FULL, INVISIBLE, classify, tile_mask
@@ -172,10 +172,7 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                         kw = min(KC, K - j0)
                         row = s[r, j0:j0 + kw]
                         if has_cap:
-                            for j in range(kw):
-                                x = softcap * math.tanh(row[j] / softcap)
-                                tcap[r, j0 + j] = x
-                                row[j] = x
+                            softcap_row(row, tcap[r, j0:j0 + kw], kw, softcap)
                         if has_bias:
                             for j in range(kw):
                                 row[j] += at(bias[0], bias[1], b, h, i, j0 + j)

@@ -24,6 +24,7 @@ from refattn.call import AttentionCall
 from refattn.call.placement import operand_multipliers
 from refattn.dropout import Philox
 from refattn.engine.alloc import zeros_block
+from refattn.engine.numba.blas import single_thread_blas
 from refattn.engine.numba.fused import (
     GBIAS_NONE,
     GBIAS_OVER_K,
@@ -91,6 +92,15 @@ def task_layout(call: AttentionCall, provider: Provider, budget: int) -> Layout:
     >>> lay = task_layout(refattn.AttentionCall(x, x, x), blas, 4 << 20)
     >>> lay.block_q, lay.chunks, lay.threads
     (256, 1, 1)
+
+    In the ``heads`` layout a call with fewer (batch, kv head) groups than threads is cut into
+    query chunks, with smaller blocks where one block would hold every row:
+
+    >>> import numba
+    >>> lay = task_layout(refattn.AttentionCall(x[:, :1, :512], x[:, :1, :512], x[:, :1, :512]),
+    ...                   blas.with_layout("heads"), 4 << 20)
+    >>> lay.chunks == min(numba.get_num_threads(), 512 // lay.block_q)
+    True
     """
     a = call.axes
     buffers = 3 if call.softcap is not None else 2
@@ -100,8 +110,13 @@ def task_layout(call: AttentionCall, provider: Provider, budget: int) -> Layout:
     groups = a["B"] * a["Hkv"]
     if provider.layout == "blas":
         return Layout(BQ, 1, 1, threads)  # one task at a time on threaded BLAS
-    chunks = 1 if groups >= threads else min(nqb, math.ceil(threads / groups))
-    return Layout(BQ, chunks, threads, 1)
+    if groups >= threads:
+        return Layout(BQ, 1, threads, 1)
+    want = math.ceil(threads / groups)  # query chunks per group to occupy every thread
+    if nqb < want:  # smaller blocks, so that there are chunks to share out
+        BQ = min(BQ, max(32, -(-math.ceil(a["Q"] / want) // 32) * 32))
+        nqb = -(-a["Q"] // BQ)
+    return Layout(BQ, min(nqb, want), threads, 1)
 
 
 @contextlib.contextmanager
@@ -240,6 +255,14 @@ def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *, provider: Pr
     RefAttnError
         For the additive score family (no fast path; the caller falls back).
     """
+    # the host's own products (q W, dq W^T, ...) run on this thread: a threaded BLAS call
+    # here leaves the library's workers spinning against numba's threads for about 0.1 s
+    with single_thread_blas():
+        return _value_and_grad(call, grad_output, provider, budget)
+
+
+def _value_and_grad(call: AttentionCall, grad_output: np.ndarray, provider: Provider,
+                    budget: int | None) -> tuple[np.ndarray, Gradients, dict[str, Any]]:
     fam = call.score
     mult = operand_multipliers(call.scale, call.scale_placement)
     q_s = call.q if mult.query == 1.0 else call.q * mult.query
@@ -257,8 +280,9 @@ def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *, provider: Pr
             out, r = fused(call, grad_output, q_m, k_s, post=mult.post, fq=mult.post,
                            fk=mult.key * mult.post, provider=provider, budget=budget)
             grad_q = (r["dq"] @ W.swapaxes(-1, -2)) * mult.query  # (B, Hq, Q, Dq)
-            spec = "bhqd,bhqe->de" if fam.W.ndim == 2 else "bhqd,bhqe->hde"
-            extra["grad_score_params"] = {"W": np.einsum(spec, q_s, r["dq"])}
+            per_head = (q_s.swapaxes(-1, -2) @ r["dq"]).sum(axis=0)  # (Hq, Dq, Dk) on BLAS
+            extra["grad_score_params"] = {"W": per_head.sum(axis=0) if fam.W.ndim == 2
+                                          else per_head}
         case "cosine":  # u = q_hat . k_hat: the dot kernel on unit rows
             q_hat, nq, cq = _unit(q_s, fam.eps)
             k_hat, nk, ck = _unit(k_s, fam.eps)

@@ -10,6 +10,7 @@ loop is scalar libm; this exp is about 3x faster. Defers everything else to the 
 from __future__ import annotations
 
 import math
+from fractions import Fraction
 
 import numpy as np
 from llvmlite import ir
@@ -19,7 +20,7 @@ from numba.extending import intrinsic
 
 from refattn.engine.numba._jit import kernel
 
-__all__ = ["exp1", "exp_shift", "row_dot", "row_max", "row_sum"]
+__all__ = ["exp1", "exp_shift", "row_dot", "row_max", "row_sum", "softcap_row"]
 
 _LOG2E = 1.4426950408889634
 # fdlibm's split of ln 2: the high part has enough trailing zero bits that k * LN2_HI is exact
@@ -173,6 +174,60 @@ def exp_shift(x, n, m):
 def exp1(t):
     """Scalar exp with the same rounding as :func:`exp_shift` (for single corrections)."""
     return _exp(t)
+
+
+def _tanh_taylor(terms: int) -> list[float]:
+    """Coefficients of x, x^3, ... of tanh's Taylor series, from exact Bernoulli numbers:
+    2^(2n) (2^(2n) - 1) B_2n / (2n)! for n = 1 .. terms, each rounded once to float64."""
+    bern = [Fraction(1)]  # B_0 .. B_2terms by the recurrence sum_k C(m+1, k) B_k = 0
+    for m in range(1, 2 * terms + 1):
+        bern.append(-sum(math.comb(m + 1, k) * bern[k] for k in range(m)) / (m + 1))
+    return [float(4 ** n * (4 ** n - 1) * bern[2 * n] / math.factorial(2 * n))
+            for n in range(1, terms + 1)]
+
+
+# |x| < 0.35: 13 terms leave a remainder below 2^-56 of tanh(x); above, (1 - e)/(1 + e) with
+# e = exp(-2|x|) <= 0.5 loses nothing to cancellation
+_TANH_SMALL = 0.35
+_T1, _T3, _T5, _T7, _T9, _T11, _T13, _T15, _T17, _T19, _T21, _T23, _T25 = _tanh_taylor(13)
+
+
+@kernel(inline="always")
+def _tanh_from(x, e):
+    """tanh(x) given e = exp(-2 |x|) (blended without a branch; finite for every finite x)."""
+    a = abs(x)
+    large = (1.0 - e) / (1.0 + e)
+    b = min(a, _TANH_SMALL)  # keeps the unused polynomial finite for large |x|
+    z = b * b
+    p = _fma(_T25, z, _T23)
+    p = _fma(p, z, _T21)
+    p = _fma(p, z, _T19)
+    p = _fma(p, z, _T17)
+    p = _fma(p, z, _T15)
+    p = _fma(p, z, _T13)
+    p = _fma(p, z, _T11)
+    p = _fma(p, z, _T9)
+    p = _fma(p, z, _T7)
+    p = _fma(p, z, _T5)
+    p = _fma(p, z, _T3)
+    small = _fma(b * z, p, b)
+    w = np.float64(a < _TANH_SMALL)  # 1.0 or 0.0: both products below are exact
+    return math.copysign(_fma(w, small, (1.0 - w) * large), x)
+
+
+@kernel
+def softcap_row(row, capped, n, c):
+    """``row[j] = capped[j] = c * tanh(row[j] / c)`` for j < n (about 2 ulp of tanh).
+
+    The exponentials run in a loop of their own (which vectorises); libm's scalar
+    ``math.tanh`` costs about 3x more per element.
+    """
+    for j in range(n):
+        capped[j] = _exp(-2.0 * abs(row[j] / c))
+    for j in range(n):
+        x = c * _tanh_from(row[j] / c, capped[j])
+        capped[j] = x
+        row[j] = x
 
 
 _LANES = types.UniTuple(types.float64, 8)
