@@ -139,8 +139,8 @@ def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *, backend: str
                    **options: Any) -> ValueAndGrad:
     """Output and gradients of ``call`` for ``grad_output``, without keeping the full trace.
 
-    A backend that has its own ``value_and_grad`` (the streaming GPU path) runs it; otherwise
-    this is ``forward`` then ``backward``.
+    A backend that has its own ``value_and_grad`` (numba's fused kernel, the GPU's streaming
+    path) runs it; otherwise this is ``forward`` then ``backward``.
 
     Parameters
     ----------

@@ -92,8 +92,10 @@ def _openblas() -> Provider:
     from threadpoolctl import threadpool_info
 
     address = dgemm_address()
+    # scipy's wheel keeps its OpenBLAS in scipy.libs/; numpy's ILP64 copy (numpy.libs/,
+    # also named libscipy_openblas64_) is another library, loaded first or not
     info = [i for i in threadpool_info() if i.get("internal_api") == "openblas"
-            and "scipy" in os.path.basename(i.get("filepath", ""))]
+            and os.path.basename(os.path.dirname(i.get("filepath", ""))) == "scipy.libs"]
     version = (f"{info[0].get('version')} {info[0].get('architecture')}" if info
                else "scipy's OpenBLAS")
     return Provider("openblas", address, version)
