@@ -210,6 +210,10 @@ def environment() -> dict[str, Any]:
                                                   "num_threads")}
                  | {"library": Path(info["filepath"]).name}
                  for info in threadpool_info() if info.get("user_api") == "blas"],
+        # numpy's matmul (the DGEMM rate) runs on the BLAS in numpy.libs/, not scipy's
+        "numpy_blas": next((f"{info.get('version')} {info.get('architecture')}"
+                            for info in threadpool_info()
+                            if Path(info["filepath"]).parent.name == "numpy.libs"), "unknown"),
     }
     if applies("torch", CASES[0]):
         import torch
@@ -317,7 +321,7 @@ def main(argv: list[str] | None = None) -> int:
     env = environment()
     print(json.dumps(env, indent=1))
     gemm = dgemm_rate()
-    print(f"square DGEMM (numpy matmul 3072^2, {env['blas'][0].get('architecture')} kernel, "
+    print(f"square DGEMM (numpy matmul 3072^2, OpenBLAS {env['numpy_blas']}, "
           f"same run): {gemm:.1f} GFLOP/s")
     print(_HEADER)
     cases = QUICK_CASES if args.quick else CASES
