@@ -472,30 +472,37 @@ class BundleTransaction:
 
     def _commit_swap(self, files: Mapping[str, bytes], s: Survey) -> None:
         staging = self._stage(files)
-        parent = self.out.parent
         try:
-            if exchange(staging, self.out):
-                old = staging  # the previous bundle now lives in the staging directory
-            else:  # no RENAME_EXCHANGE here: move the old bundle aside, then one rename
-                old = parent / f".{self.out.name}{STAGING_MARK}{secrets.token_hex(6)}"
-                try:
-                    os.rename(self.out, old)
-                except OSError as exc:
-                    raise os_error(self.out, exc, "cannot move the previous bundle aside") \
-                        from None
-                try:
-                    os.rename(staging, self.out)
-                except OSError as exc:
-                    os.rename(old, self.out)  # put the previous bundle back
-                    raise os_error(self.out, exc, "cannot rename the new bundle in") from None
+            old = self._swap_in(staging)
         except BaseException:
             _discard_staging(staging)
             raise
-        fsync_dir(parent)
+        self._retire(old, s)
+        fsync_dir(self.out.parent)
+
+    def _swap_in(self, new: Path) -> Path:
+        """Put the directory ``new`` where the bundle is; return where the previous one went."""
+        if exchange(new, self.out):
+            return new  # the previous bundle now lives where the new one was staged
+        # no RENAME_EXCHANGE here: move the old bundle aside, then one rename
+        old = self.out.parent / f".{self.out.name}{STAGING_MARK}{secrets.token_hex(6)}"
+        try:
+            os.rename(self.out, old)
+        except OSError as exc:
+            raise os_error(self.out, exc, "cannot move the previous bundle aside") from None
+        try:
+            os.rename(new, self.out)
+        except OSError as exc:
+            os.rename(old, self.out)  # put the previous bundle back
+            raise os_error(self.out, exc, "cannot rename the new bundle in") from None
+        return old
+
+    def _retire(self, old: Path, s: Survey) -> None:
+        """Remove the previous bundle's own files from ``old`` (nothing else), once swapped."""
+        fsync_dir(self.out.parent)
         _remove_own(old, s.own)
         _rmdir_quiet(old / "cases")
         _rmdir_quiet(old)
-        fsync_dir(parent)
 
     def _commit_resume(self, files: Mapping[str, bytes], s: Survey) -> None:
         own = self.resume_dir
@@ -515,25 +522,7 @@ class BundleTransaction:
             os.chmod(bundle, stat.S_IMODE(os.stat(self.out).st_mode))
         except OSError as exc:
             raise os_error(bundle, exc, "cannot set the directory's mode") from None
-        parent = self.out.parent
-        if exchange(bundle, self.out):
-            old = bundle  # the previous bundle now lives in the resume directory
-        else:
-            old = parent / f".{self.out.name}{STAGING_MARK}{secrets.token_hex(6)}"
-            try:
-                os.rename(self.out, old)
-            except OSError as exc:
-                raise os_error(self.out, exc, "cannot move the previous bundle aside") \
-                    from None
-            try:
-                os.rename(bundle, self.out)
-            except OSError as exc:
-                os.rename(old, self.out)
-                raise os_error(self.out, exc, "cannot rename the new bundle in") from None
-        fsync_dir(parent)
-        _remove_own(old, s.own)
-        _rmdir_quiet(old / "cases")
-        _rmdir_quiet(old)
+        self._retire(self._swap_in(bundle), s)
         self.discard_resume()
 
     def _commit_in_place(self, files: Mapping[str, bytes], s: Survey) -> None:

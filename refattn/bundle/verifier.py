@@ -19,9 +19,9 @@ from __future__ import annotations
 import os
 import stat
 import zlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from refattn._progress import progress as progress_bar
 from refattn.analysis.certificate import certify
@@ -36,7 +36,7 @@ from refattn.bundle.spec import case_spec
 from refattn.engine import BACKENDS
 from refattn.errors import RefAttnError
 
-__all__ = ["check_file", "listing_problems", "verify", "verify_case_bytes"]
+__all__ = ["OpenedBundle", "check_file", "open_bundle", "verify", "verify_case_bytes"]
 
 
 # -- one case --------------------------------------------------------------------------------
@@ -173,6 +173,49 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
     >>> r.passed, [c.bit_identical for c in r.cases]
     (True, [True, True])
     """
+    bundle = open_bundle(directory, backend=backend, gradcheck_method=gradcheck_method)
+    results = [
+        _verify_case(bundle.directory, case_id, entry, bundle.manifest, recompute=recompute,
+                     gradcheck=gradcheck, method=gradcheck_method, backend=backend,
+                     exact=exact, bit_identical=bundle.bit_identical)
+        for case_id, entry in progress_bar(sorted(bundle.manifest["cases"].items()),
+                                           desc="verify", enabled=progress)
+    ]
+    return bundle.report(results)
+
+
+class OpenedBundle(NamedTuple):
+    """A bundle whose manifest has been read and validated (see :func:`open_bundle`)."""
+
+    directory: Path
+    raw: Mapping[str, Any]
+    manifest: Mapping[str, Any]
+    #: True where the bundle's numpy generator ran on this very environment (its bytes must
+    #: then come back identical), else None (the float64 rule applies)
+    bit_identical: bool | None
+
+    def report(self, results: Sequence[CaseResult]) -> VerifyReport:
+        """The report of ``results`` (one per case, in case order) and the listing check."""
+        return VerifyReport(str(self.directory), self.manifest.get("suite"),
+                            str(self.raw.get("schema_version")), tuple(results),
+                            tuple(_listing_problems(self.directory, self.manifest)))
+
+
+def open_bundle(directory: str | os.PathLike, *, backend: str | None,
+                gradcheck_method: GradcheckMethod) -> OpenedBundle:
+    """Check verify's options, then read and validate the manifest of ``directory``.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from refattn.bundle.write import write_bundle
+    >>> from refattn.bundle.suites import build_suite
+    >>> d = tempfile.mkdtemp()
+    >>> _ = write_bundle(d, build_suite("contract")[:1], suite="contract")
+    >>> b = open_bundle(d, backend=None, gradcheck_method="auto")
+    >>> len(b.manifest["cases"]), b.bit_identical   # an exact bundle: no numpy bytes to match
+    (1, None)
+    """
     if backend is not None and backend not in BACKENDS:
         raise RefAttnError(f"backend: unknown backend {backend!r}; known: {sorted(BACKENDS)}")
     check_method(gradcheck_method)
@@ -182,15 +225,7 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
     generator = manifest.get("generator") or {}
     same_numpy = generator.get("backend") == "numpy" and all(
         generator.get(k) == v for k, v in numpy_environment().items())
-    results = [
-        _verify_case(directory, case_id, entry, manifest, recompute=recompute,
-                     gradcheck=gradcheck, method=gradcheck_method, backend=backend,
-                     exact=exact, bit_identical=True if same_numpy else None)
-        for case_id, entry in progress_bar(sorted(manifest["cases"].items()), desc="verify",
-                                           enabled=progress)
-    ]
-    return VerifyReport(str(directory), manifest.get("suite"), str(raw.get("schema_version")),
-                        tuple(results), tuple(_listing_problems(directory, manifest)))
+    return OpenedBundle(directory, raw, manifest, True if same_numpy else None)
 
 
 def _listing_problems(directory: Path, manifest: Mapping[str, Any]) -> list[Problem]:
@@ -215,6 +250,3 @@ def _listing_problems(directory: Path, manifest: Mapping[str, Any]) -> list[Prob
             out.append(Problem(None, None, "bundle", f"{rel} is not listed in the manifest"))
     return out
 
-
-#: entries of ``cases/`` that the manifest does not list, and non-regular files there
-listing_problems = _listing_problems

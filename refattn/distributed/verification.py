@@ -11,18 +11,14 @@ runs for it. The report lists the cases in the same order with the same verdicts
 from __future__ import annotations
 
 import os
-from pathlib import Path
 from typing import Any
 
 from refattn._progress import progress as progress_bar
-from refattn.bundle.cases import numpy_environment
-from refattn.bundle.gradients import GradcheckMethod, check_method
-from refattn.bundle.manifest import check_schema, read_manifest
+from refattn.bundle.gradients import GradcheckMethod
 from refattn.bundle.report import CaseResult, VerifyReport
-from refattn.bundle.verifier import check_file, listing_problems, verify_case_bytes
+from refattn.bundle.verifier import check_file, open_bundle, verify_case_bytes
 from refattn.bundle.verifier import verify as verify_serial
 from refattn.distributed.cluster import dask_distributed
-from refattn.engine import BACKENDS
 from refattn.errors import RefAttnError
 
 __all__ = ["verify"]
@@ -65,16 +61,9 @@ def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool 
     if client is None:
         return verify_serial(directory, gradcheck_method=gradcheck_method, progress=progress,
                              **options)
-    if backend is not None and backend not in BACKENDS:
-        raise RefAttnError(f"backend: unknown backend {backend!r}; known: {sorted(BACKENDS)}")
-    check_method(gradcheck_method)
-    directory = Path(directory)
-    raw = read_manifest(directory / "manifest.json")
-    manifest = check_schema(raw)
-    generator = manifest.get("generator") or {}
-    same_numpy = generator.get("backend") == "numpy" and all(
-        generator.get(k) == v for k, v in numpy_environment().items())
-    options.update(method=gradcheck_method, bit_identical=True if same_numpy else None)
+    bundle = open_bundle(directory, backend=backend, gradcheck_method=gradcheck_method)
+    directory, manifest = bundle.directory, bundle.manifest
+    options.update(method=gradcheck_method, bit_identical=bundle.bit_identical)
     d = dask_distributed()
     results: dict[str, CaseResult] = {}
     futures = {}
@@ -100,6 +89,4 @@ def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool 
             future.release()
     finally:
         client.cancel([f for f in futures if not f.done()])
-    return VerifyReport(str(directory), manifest.get("suite"), str(raw.get("schema_version")),
-                        tuple(results[c] for c in sorted(results)),
-                        tuple(listing_problems(directory, manifest)))
+    return bundle.report([results[c] for c in sorted(results)])

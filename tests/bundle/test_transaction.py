@@ -118,6 +118,34 @@ def test_a_rewrite_replaces_the_whole_bundle_and_leaves_no_staging(tmp_path):
     assert verify(out, gradcheck=False).passed
 
 
+def test_without_renameat2_the_swap_is_two_renames_and_a_failure_puts_the_old_back(
+        tmp_path, monkeypatch):
+    # systems without RENAME_EXCHANGE: the old bundle is moved aside, then the new one renamed
+    monkeypatch.setattr(transaction, "exchange", lambda a, b: False)
+    out = tmp_path / "b"
+    _contract(out, n=2)
+    _contract(out, n=1)
+    assert sorted(_tree(out)) == ["cases/loop6_two_query_training_trace.safetensors",
+                                  "manifest.json"]
+    assert [p.name for p in tmp_path.iterdir()] == ["b"]
+    before = _tree(out)
+    real, into_out = os.rename, []
+
+    def refuse_the_new_one(src, dst):
+        if Path(dst) == out:
+            into_out.append(Path(src).name)
+            if len(into_out) == 1:  # the staged bundle's rename in fails; putting back works
+                raise OSError(errno.EXDEV, "Invalid cross-device link")
+        return real(src, dst)
+
+    monkeypatch.setattr(transaction.os, "rename", refuse_the_new_one)
+    with pytest.raises(RefAttnError, match="cannot rename the new bundle in"):
+        _contract(out, n=2)
+    assert len(into_out) == 2 and into_out[0] != into_out[1]  # the new one, then the old back
+    assert _tree(out) == before  # the previous bundle is back, whole
+    assert [p.name for p in tmp_path.iterdir()] == ["b"]
+
+
 def test_files_and_directories_are_fsynced_before_the_swap(tmp_path, monkeypatch):
     synced: list[str] = []
     real = transaction.fsync_dir

@@ -13,10 +13,8 @@ from pathlib import Path
 import pytest
 
 from refattn import RefAttnError
-from refattn.bundle import write_bundle
 from refattn.bundle.fsio import read_confined
 from refattn.bundle.manifest import check_schema, read_manifest
-from refattn.bundle.suites import build_suite
 from refattn.bundle.verifier import verify
 from refattn.cli import main
 
@@ -24,18 +22,6 @@ LOOP6 = "loop6_two_query_training_trace"
 LOOP7 = "loop7_cross_attention_padded_source"
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("pristine") / "b"
-    write_bundle(out, build_suite("contract")[:2], suite="contract")
-    return out
-
-
-@pytest.fixture
-def bundle(pristine, tmp_path) -> Path:
-    out = tmp_path / "b"
-    shutil.copytree(pristine, out)
-    return out
 
 
 def _edit_manifest(bundle: Path, edit) -> None:

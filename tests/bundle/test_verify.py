@@ -32,12 +32,6 @@ def pristine(tmp_path_factory) -> Path:
     return out
 
 
-@pytest.fixture
-def bundle(pristine, tmp_path) -> Path:
-    out = tmp_path / "b"
-    shutil.copytree(pristine, out)
-    return out
-
 
 def _file(bundle: Path, case: str = CASE) -> Path:
     return bundle / "cases" / f"{case}.safetensors"

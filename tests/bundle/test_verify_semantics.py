@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import shutil
 from pathlib import Path
 
 import numpy as np
@@ -27,18 +26,6 @@ LOOP6 = "loop6_two_query_training_trace"
 LOOP7 = "loop7_cross_attention_padded_source"
 
 
-@pytest.fixture(scope="module")
-def pristine(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("sem") / "b"
-    write_bundle(out, build_suite("contract")[:2], suite="contract")
-    return out
-
-
-@pytest.fixture
-def bundle(pristine, tmp_path) -> Path:
-    out = tmp_path / "b"
-    shutil.copytree(pristine, out)
-    return out
 
 
 def _edit_entry(bundle: Path, case: str, edit) -> None:
