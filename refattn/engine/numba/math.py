@@ -1,10 +1,11 @@
 """Row primitives for the numba kernels: a vectorisable float64 exp and fixed-order row sums.
 
 Owns :func:`exp_shift` (``x[j] <- exp(x[j] - m)`` over a row, branch-free so LLVM vectorises
-it; accurate to about 1 ulp, exactly 0 for -inf, subnormal results rounded once) and
+it; accurate to about 1 ulp, exactly 0 for -inf, subnormal results rounded once),
 :func:`row_sum` (eight interleaved partial sums combined in a fixed tree, so the result is
-deterministic and does not wait on one add chain). numba has no SVML here, so ``math.exp`` in a
-loop is scalar libm; this exp is about 3x faster. Defers everything else to the kernels.
+deterministic and does not wait on one add chain) and :func:`softcap_row` (softcap's tanh on
+the same exp). numba has no SVML here, so ``math.exp`` in a loop is scalar libm; this exp is
+about 3x faster. Defers everything else to the kernels.
 """
 
 from __future__ import annotations
@@ -217,10 +218,29 @@ def _tanh_from(x, e):
 
 @kernel
 def softcap_row(row, capped, n, c):
-    """``row[j] = capped[j] = c * tanh(row[j] / c)`` for j < n (about 2 ulp of tanh).
+    """``row[j] = capped[j] = c * tanh(row[j] / c)`` for j < n: the softcap of a score row.
 
-    The exponentials run in a loop of their own (which vectorises); libm's scalar
-    ``math.tanh`` costs about 3x more per element.
+    The exponentials run in a loop of their own (which vectorises), then a branch-free blend
+    of tanh's Taylor series (|x| < 0.35) and ``(1 - e) / (1 + e)``; within 4 ulp of c tanh
+    (tested against mpmath at 120 bits), about 3x faster than libm's scalar ``math.tanh``.
+
+    Parameters
+    ----------
+    row : (>= n,) float64 ndarray
+        Scores, replaced by their capped values.
+    capped : (>= n,) float64 ndarray
+        Receives the capped values too (the backward's slope ``1 - (capped / c)^2``).
+    n : int
+    c : float
+        The cap, > 0.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> row, capped = np.array([0.0, 1.0, -50.0]), np.empty(3)
+    >>> softcap_row(row, capped, 3, 5.0)
+    >>> bool(np.allclose(row, 5.0 * np.tanh(np.array([0.0, 1.0, -50.0]) / 5.0), rtol=1e-15))
+    True
     """
     for j in range(n):
         capped[j] = _exp(-2.0 * abs(row[j] / c))
