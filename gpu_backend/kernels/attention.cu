@@ -98,6 +98,35 @@ __device__ __forceinline__ double refattn_cap_slope(const RefattnCall& c, double
     return 1.0 - t * t;
 }
 
+// rows row0 .. row0 + T - 1 of matrix `slice` (rows x D, row-major) of the array a into dst
+// (T x D), zeros past its last row; the block's 4 T threads share the elements. Dst is a
+// pointer into shared memory (a bounds-checked one in the emulator's debug builds)
+template <int T, typename Dst>
+__device__ __forceinline__ void refattn_load_tile(Dst dst, const double* a, long long slice,
+                                                  long long row0, long long rows, long long D,
+                                                  int t) {
+    for (long long e = t; e < T * D; e += 4 * T) {
+        const long long row = row0 + e / D;
+        dst[e] = row < rows ? a[(slice * rows + row) * D + e % D] : 0.0;
+    }
+}
+
+// which of this thread's T / 4 edges (i + q4 DI, j + q4 DJ) are visible (in range and legal);
+// returns whether any is
+template <int T, int DI, int DJ>
+__device__ __forceinline__ bool refattn_edges_seen(bool* seen, const RefattnCall& c,
+                                                   const RefattnVisibility& vis,
+                                                   const long long* ip, long long b, long long h,
+                                                   long long i, long long j) {
+    bool any = false;
+    for (int q4 = 0; q4 < T / 4; ++q4) {
+        const long long iq = i + q4 * DI, jq = j + q4 * DJ;
+        seen[q4] = iq < c.Q && jq < c.K && refattn_visible(vis, ip, b, h, iq, jq);
+        any = any || seen[q4];
+    }
+    return any;
+}
+
 // -- forward: tiled online softmax ------------------------------------------------------------
 // grid (ceil(Q / T), B * Hq); writes output (B,Hq,Q,Dv), lse and row_max (B,Hq,Q), and per
 // block the number of key tiles computed and skipped (fully invisible).
@@ -121,10 +150,7 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     auto sP = sV + T * Dv;       // T x T: P~ Z of the tile
     auto sO = sP + T * T;        // T x Dv: the output accumulator
 
-    for (long long e = t; e < T * Dk; e += 4 * T) {
-        long long row = i0 + e / Dk;
-        sQ[e] = row < c.Q ? c.q[(bh * c.Q + row) * Dk + e % Dk] : 0.0;
-    }
+    refattn_load_tile<T>(sQ, c.q, bh, i0, c.Q, Dk, t);
     for (long long d = cg; d < Dv; d += 4) sO[r * Dv + d] = 0.0;
     // the running max and sum of the row; the sink logit joins every row's support
     double m = c.has_sink ? c.sink[h] : refattn_neg_inf();
@@ -133,21 +159,10 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     const long long nkb = (c.K + T - 1) / T;
     for (long long kb = 0; kb < nkb; ++kb) {
         const long long j0 = kb * T;
-        for (long long e = t; e < T * Dk; e += 4 * T) {
-            long long j = j0 + e / Dk;
-            sK[e] = j < c.K ? c.k[((b * c.Hkv + hk) * c.K + j) * Dk + e % Dk] : 0.0;
-        }
-        for (long long e = t; e < T * Dv; e += 4 * T) {
-            long long j = j0 + e / Dv;
-            sV[e] = j < c.K ? c.v[((b * c.Hkv + hk) * c.K + j) * Dv + e % Dv] : 0.0;
-        }
+        refattn_load_tile<T>(sK, c.k, b * c.Hkv + hk, j0, c.K, Dk, t);
+        refattn_load_tile<T>(sV, c.v, b * c.Hkv + hk, j0, c.K, Dv, t);
         bool seen[T / 4];
-        bool any = false;
-        for (int q4 = 0; q4 < T / 4; ++q4) {
-            long long j = j0 + cg * (T / 4) + q4;
-            seen[q4] = i < c.Q && j < c.K && refattn_visible(vis, ip, b, h, i, j);
-            any = any || seen[q4];
-        }
+        const bool any = refattn_edges_seen<T, 0, 1>(seen, c, vis, ip, b, h, i, j0 + cg * (T / 4));
         if (!__syncthreads_or(any)) {  // a fully invisible tile: no arithmetic at all
             ++skipped;
             continue;
@@ -233,14 +248,8 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     auto sS = sV + T * Dv;       // T x T: dS of the tile
     auto sDQ = sS + T * T;       // T x Dk: the dq accumulator
 
-    for (long long e = t; e < T * Dk; e += 4 * T) {
-        long long row = i0 + e / Dk;
-        sQ[e] = row < c.Q ? c.q[(bh * c.Q + row) * Dk + e % Dk] : 0.0;
-    }
-    for (long long e = t; e < T * Dv; e += 4 * T) {
-        long long row = i0 + e / Dv;
-        sG[e] = row < c.Q ? c.g_o[(bh * c.Q + row) * Dv + e % Dv] : 0.0;
-    }
+    refattn_load_tile<T>(sQ, c.q, bh, i0, c.Q, Dk, t);
+    refattn_load_tile<T>(sG, c.g_o, bh, i0, c.Q, Dv, t);
     for (long long d = cg; d < Dk; d += 4) sDQ[r * Dk + d] = 0.0;
     const double lse_i = i < c.Q ? c.lse[bh * c.Q + i] : 0.0;
     const double d_i = (i < c.Q && !check_mode) ? c.dvec[bh * c.Q + i] : 0.0;
@@ -250,21 +259,10 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     const long long nkb = (c.K + T - 1) / T;
     for (long long kb = 0; kb < nkb; ++kb) {
         const long long j0 = kb * T;
-        for (long long e = t; e < T * Dk; e += 4 * T) {
-            long long j = j0 + e / Dk;
-            sK[e] = j < c.K ? c.k[((b * c.Hkv + hk) * c.K + j) * Dk + e % Dk] : 0.0;
-        }
-        for (long long e = t; e < T * Dv; e += 4 * T) {
-            long long j = j0 + e / Dv;
-            sV[e] = j < c.K ? c.v[((b * c.Hkv + hk) * c.K + j) * Dv + e % Dv] : 0.0;
-        }
+        refattn_load_tile<T>(sK, c.k, b * c.Hkv + hk, j0, c.K, Dk, t);
+        refattn_load_tile<T>(sV, c.v, b * c.Hkv + hk, j0, c.K, Dv, t);
         bool seen[T / 4];
-        bool any = false;
-        for (int q4 = 0; q4 < T / 4; ++q4) {
-            long long j = j0 + cg * (T / 4) + q4;
-            seen[q4] = i < c.Q && j < c.K && refattn_visible(vis, ip, b, h, i, j);
-            any = any || seen[q4];
-        }
+        const bool any = refattn_edges_seen<T, 0, 1>(seen, c, vis, ip, b, h, i, j0 + cg * (T / 4));
         if (!__syncthreads_or(any)) {
             ++skipped;
             continue;
@@ -352,14 +350,8 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     auto sL = sDV + T * Dv;      // T: lse of the query tile
     auto sD = sL + T;            // T: D of the query tile
 
-    for (long long e = t; e < T * Dk; e += 4 * T) {
-        long long jr = j0 + e / Dk;
-        sK[e] = jr < c.K ? c.k[((b * c.Hkv + g) * c.K + jr) * Dk + e % Dk] : 0.0;
-    }
-    for (long long e = t; e < T * Dv; e += 4 * T) {
-        long long jr = j0 + e / Dv;
-        sV[e] = jr < c.K ? c.v[((b * c.Hkv + g) * c.K + jr) * Dv + e % Dv] : 0.0;
-    }
+    refattn_load_tile<T>(sK, c.k, b * c.Hkv + g, j0, c.K, Dk, t);
+    refattn_load_tile<T>(sV, c.v, b * c.Hkv + g, j0, c.K, Dv, t);
     for (long long d = qg; d < Dk; d += 4) sDK[jj * Dk + d] = 0.0;
     for (long long d = qg; d < Dv; d += 4) sDV[jj * Dv + d] = 0.0;
     long long done = 0, skipped = 0;
@@ -371,26 +363,16 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
         for (long long qb = 0; qb < nqb; ++qb) {
             const long long i0 = qb * T;
             __syncthreads();  // the previous tile's readers are done
-            for (long long e = t; e < T * Dk; e += 4 * T) {
-                long long row = i0 + e / Dk;
-                sQ[e] = row < c.Q ? c.q[(bh * c.Q + row) * Dk + e % Dk] : 0.0;
-            }
-            for (long long e = t; e < T * Dv; e += 4 * T) {
-                long long row = i0 + e / Dv;
-                sG[e] = row < c.Q ? c.g_o[(bh * c.Q + row) * Dv + e % Dv] : 0.0;
-            }
+            refattn_load_tile<T>(sQ, c.q, bh, i0, c.Q, Dk, t);
+            refattn_load_tile<T>(sG, c.g_o, bh, i0, c.Q, Dv, t);
             for (long long e = t; e < T; e += 4 * T) {
                 long long row = i0 + e;
                 sL[e] = row < c.Q ? c.lse[bh * c.Q + row] : 0.0;
                 sD[e] = row < c.Q ? c.dvec[bh * c.Q + row] : 0.0;
             }
             bool seen[T / 4];
-            bool any = false;
-            for (int q4 = 0; q4 < T / 4; ++q4) {
-                long long i = i0 + qg * (T / 4) + q4;
-                seen[q4] = i < c.Q && j < c.K && refattn_visible(vis, ip, b, h, i, j);
-                any = any || seen[q4];
-            }
+            const bool any =
+                refattn_edges_seen<T, 1, 0>(seen, c, vis, ip, b, h, i0 + qg * (T / 4), j);
             if (!__syncthreads_or(any)) {
                 ++skipped;
                 continue;
