@@ -164,7 +164,7 @@ def _timed(batch):
     return t0, time.time()
 
 
-def overhead_section(client, tmp: Path, quick: bool) -> dict:
+def overhead_section(client, tmp: Path, quick: bool) -> None:
     print(f"\n== 2. per-task overhead on 1 worker ({load()})")
     n = 100 if quick else 400
     client.gather(client.map(_noop, range(20), pure=False))
@@ -194,7 +194,6 @@ def overhead_section(client, tmp: Path, quick: bool) -> dict:
           "(target < 5% for tasks >= 50 ms)")
     print("  (wall - time inside the tasks, per task: scheduling, moving the result, staging "
           "it, and the manifest, flush and final swap spread over the tasks)")
-    return {"empty": empty, "gap": gap, "per_task": per_task, "mean_task": mean_task}
 
 
 def _local(call, g, bq, bk):

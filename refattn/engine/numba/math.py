@@ -190,7 +190,8 @@ def _tanh_taylor(terms: int) -> list[float]:
 # |x| < 0.35: 13 terms leave a remainder below 2^-56 of tanh(x); above, (1 - e)/(1 + e) with
 # e = exp(-2|x|) <= 0.5 loses nothing to cancellation
 _TANH_SMALL = 0.35
-_T1, _T3, _T5, _T7, _T9, _T11, _T13, _T15, _T17, _T19, _T21, _T23, _T25 = _tanh_taylor(13)
+# the coefficient of x is exactly 1 (the series' first term is b itself below)
+_T3, _T5, _T7, _T9, _T11, _T13, _T15, _T17, _T19, _T21, _T23, _T25 = _tanh_taylor(13)[1:]
 
 
 @kernel(inline="always")
