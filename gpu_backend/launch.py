@@ -59,7 +59,7 @@ def shared_bytes(kernel: str, T: int, Dk: int, Dv: int) -> int:
     Examples
     --------
     >>> shared_bytes("forward", 32, 64, 64)
-    139264
+    73728
     """
     match kernel:
         case "forward":
