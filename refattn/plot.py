@@ -7,7 +7,9 @@ optional extra ``plot``):
 - ``<case>_visible.png``: the visibility relation, one panel per (batch, head): key j visible
   from query i, key 0 lent to a row the case's policy left empty (such a row is unused), and
   the query rows whose ``query_valid`` is False shaded;
-- ``<case>_probs.png``: the probability matrix P (pre-dropout) per (batch, head);
+- ``<case>_probs.png``: the probability matrix P (pre-dropout) per (batch, head), cells the
+  relation masks (key j not visible from query i, after the case's policy) drawn grey
+  (:data:`MASKED_COLOR`) so that a masked cell never reads as a small probability;
 - ``<case>_error_<tensor>.png``: ``|candidate - golden|`` of one compared tensor on a log scale,
   one panel per leading index (viridis; exact elements white, non-finite mismatches magenta),
   the worst element (``refattn compare``'s) boxed in red and named in the title with its
@@ -67,9 +69,20 @@ def _matplotlib() -> tuple[Any, Any, Any]:
         from matplotlib.backends.backend_agg import FigureCanvasAgg
         from matplotlib.figure import Figure
     except ImportError:
-        raise RefAttnError("refattn plot needs matplotlib (pip install 'refattn[plot]')") \
-            from None
+        from refattn._install import install_hint
+
+        raise RefAttnError(f"refattn plot needs matplotlib ({install_hint('plot')})") from None
     return Figure, FigureCanvasAgg, colors
+
+
+#: the colour of masked cells in the probabilities figure (no colour of viridis is grey)
+MASKED_COLOR = "#bdbdbd"
+
+
+def _viridis() -> Any:
+    from matplotlib import colormaps
+
+    return colormaps["viridis"]
 
 
 def _grid(rows: int, cols: int, title: str) -> tuple[Any, np.ndarray]:
@@ -149,15 +162,24 @@ def plot_case(spec: CaseSpec, out_dir: str | os.PathLike) -> list[Path]:
     if "probs" not in spec.tensors:
         raise RefAttnError(f"{spec.case_id}: the case stores no 'probs' to draw")
     probs = spec.tensors["probs"]  # (B, Hq, Q, K)
-    fig, axes = _grid(B, Hq, f"{spec.case_id}: probabilities P (pre-dropout) per head")
+    support = spec.visible_full(sanitized=True)  # (B, Hq, Q, K): where P may be non-zero
+    viridis = _viridis().with_extremes(bad=MASKED_COLOR)  # masked cells: grey, off the scale
+    fig, axes = _grid(B, Hq, f"{spec.case_id}: probabilities P (pre-dropout) per head; grey cells: "
+                      "masked")
     image = None
     for (b, h), _ in np.ndenumerate(np.empty(axes.shape)):
         ax = axes[b, h]
-        image = ax.imshow(probs[b, h], cmap="viridis", vmin=0.0, vmax=1.0,
+        shown = np.ma.masked_array(probs[b, h], mask=~support[b, h])  # (Q, K)
+        image = ax.imshow(shown, cmap=viridis, vmin=0.0, vmax=1.0,
                           interpolation="nearest", aspect="auto")
         _label(ax, f"b={b} h={h}", "key j", "query i")
     bar = fig.colorbar(image, ax=axes.ravel().tolist(), fraction=0.04, pad=0.02)
     bar.ax.tick_params(which="both", labelsize=6)
+    if not support.all():  # the legend note of the grey cells
+        from matplotlib.patches import Patch
+
+        fig.legend(handles=[Patch(facecolor=MASKED_COLOR, edgecolor="0.3", label="masked")],
+                   loc="lower right", fontsize=6, frameon=False)
     paths.append(_save(fig, out / f"{spec.case_id}_probs.png"))
     return paths
 

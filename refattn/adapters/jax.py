@@ -43,8 +43,10 @@ def _jax() -> Any:
     try:
         import jax
     except ImportError:
+        from refattn._install import install_hint
+
         raise RefAttnError(
-            "jax adapter: JAX is not installed (pip install 'refattn[compare]')"
+            f"jax adapter: JAX is not installed ({install_hint('compare')})"
         ) from None
     return jax
 

@@ -64,7 +64,9 @@ def _onnx() -> Any:
     try:
         import onnx
     except ImportError:
-        raise RefAttnError("onnx adapter: onnx is not installed (pip install 'refattn[test]' "
+        from refattn._install import install_hint
+
+        raise RefAttnError(f"onnx adapter: onnx is not installed ({install_hint('test')} "
                            "or pip install onnx)") from None
     return onnx
 

@@ -65,8 +65,10 @@ def _torch() -> Any:
     try:
         import torch
     except ImportError:
+        from refattn._install import install_hint
+
         raise RefAttnError(
-            "torch adapter: PyTorch is not installed (pip install 'refattn[compare]')"
+            f"torch adapter: PyTorch is not installed ({install_hint('compare')})"
         ) from None
     return torch
 

@@ -50,6 +50,13 @@ TRACE_ORDER = (
 #: what a candidate is checked for: its forward output, its output and every input gradient,
 #: or only the tensors it lists (at least one)
 CHECKS = ("auto", "forward", "gradients", "listed")
+#: a call's inputs (and the cotangent): a golden case stores them, a candidate computes none of
+#: them, so the "not compared" line of a report never names them
+INPUT_NAMES = frozenset({
+    "q", "k", "v", "head_map", "visible", "query_valid", "bias", "dropout", "sink",
+    "grad_output", "score_W", "score_Wq", "score_Wk", "score_b", "score_v",
+    "k_pages", "v_pages", "block_table", "seqlens",
+})
 _INPUT_GRADIENTS = ("grad_q", "grad_k", "grad_v", "grad_bias", "grad_sink")
 
 
@@ -238,7 +245,8 @@ class Report:
     tensors : tuple of TensorReport
         In trace order.
     missing : tuple of str
-        Golden tensors the candidate does not provide (not compared; not a failure).
+        Golden outputs (forward stages and gradients; never the call's inputs) the candidate
+        does not provide (not compared; not a failure).
     first_failure : str or None
         The first failing tensor in trace order.
     """
@@ -576,7 +584,7 @@ def compare(
             rows.append(TensorReport(name, "structure", False, f"missing: the candidate has no "
                                      f"{name!r}, which a {kind} comparison needs"))
     rows.sort(key=lambda r: _order_key(r.name))
-    missing = tuple(sorted((n for n in gold if n not in cand and n not in required),
-                           key=_order_key))
+    missing = tuple(sorted((n for n in gold if n not in cand and n not in required
+                            and n not in INPUT_NAMES), key=_order_key))
     case_id = spec.case_id if spec is not None else None
     return Report(case_id, precision, tuple(rows), missing, tol)

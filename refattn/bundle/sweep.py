@@ -172,8 +172,10 @@ def _parse_yaml(text: str, path: Path) -> Any:
     try:
         import yaml
     except ImportError:
+        from refattn._install import install_hint
+
         raise RefAttnError(f"SPEC {path}: reading YAML needs PyYAML (pip install pyyaml, or "
-                           "pip install 'refattn[distributed]'); or write the SPEC in TOML"
+                           f"{install_hint('distributed')}); or write the SPEC in TOML"
                            ) from None
     try:
         return yaml.safe_load(text)

@@ -56,8 +56,10 @@ def resolve_dtype(dtype: Any) -> np.dtype:
         try:
             import ml_dtypes
         except ImportError:
+            from refattn._install import install_hint
+
             raise RefAttnError(
-                "dtype: bfloat16 needs the ml_dtypes package (pip install 'refattn[compare]')"
+                f"dtype: bfloat16 needs the ml_dtypes package ({install_hint('compare')})"
             ) from None
         return np.dtype(ml_dtypes.bfloat16)
     if name not in _ALL:

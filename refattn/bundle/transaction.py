@@ -251,6 +251,7 @@ class BundleTransaction:
             raise RefAttnError(f"resume: expected 1-64 lowercase hex digits, got {resume!r}")
         self.resume = resume
         self.resume_dir: Path | None = None
+        self.created: list[Path] = []  # directories __enter__ made (removed again on failure)
 
     # -- entry: refuse early, before any arithmetic -----------------------------------------
     def __enter__(self) -> BundleTransaction:
@@ -268,11 +269,16 @@ class BundleTransaction:
             raise RefAttnError(f"--out {out}: exists and is not a directory; expected a "
                                "bundle directory (absent, empty, or an earlier bundle)")
         if st is None:
+            self.created = [d for d in (out, *out.parents) if not os.path.lexists(d)]
             try:
                 out.mkdir(parents=True, exist_ok=True)
             except OSError as exc:
                 raise os_error(out, exc, "cannot create the output directory") from None
-        self.lock.__enter__()
+        try:
+            self.lock.__enter__()
+        except BaseException:
+            self._remove_created()
+            raise
         try:
             self._check(survey(out))
             self._clean_stale_staging()
@@ -280,11 +286,22 @@ class BundleTransaction:
                 self._open_resume()
         except BaseException:
             self.lock.__exit__()
+            self._remove_created()
             raise
         return self
 
-    def __exit__(self, *exc: object) -> None:
+    def __exit__(self, exc_type: object, *exc: object) -> None:
         self.lock.__exit__()
+        if exc_type is not None:  # failed or interrupted (Ctrl-C) before the swap
+            self._remove_created()
+
+    def _remove_created(self) -> None:
+        """Remove the directories this transaction created, deepest first, if still empty."""
+        if os.path.lexists(self.out / "manifest.json"):
+            return  # the swap happened: the bundle is in place
+        for d in self.created:
+            _rmdir_quiet(d)
+        self.created = []
 
     def _check(self, s: Survey) -> None:
         if s.blockers:

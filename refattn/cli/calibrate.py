@@ -14,6 +14,15 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "calibrate", help="time every BLAS provider, thread layout and buffer budget of the "
         "numba value_and_grad at attention shapes and cache the fastest for this machine",
+        description="Time every GEMM provider (OpenBLAS through scipy; oneMKL and BLIS where "
+        "installed), two thread layouts and three score-buffer budgets of the numba "
+        "value_and_grad, and cache the fastest in $REFATTN_CACHE_DIR/calibration.json "
+        "(default ~/.cache/refattn). It runs by itself on first use; "
+        "REFATTN_BLAS_PROVIDER=openblas/heads/8 overrides it.",
+        epilog="examples:\n"
+        "  refattn calibrate                                 # about 7 s\n"
+        "  refattn calibrate --full                          # head dims 64 and 128\n"
+        "  refattn calibrate --show                          # the cached choice",
     )
     p.add_argument("--full", action="store_true",
                    help="time two shapes (head dims 64 and 128) instead of one")

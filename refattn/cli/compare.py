@@ -20,6 +20,16 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "compare", help="compare a candidate safetensors file with a golden case (exit 1 on "
         "failure)",
+        description="Judge a candidate (a safetensors file of canonical tensor names: output, "
+        "lse, grad_q, ...) against a golden case. float64 candidates meet |a-g| <= atol + rtol "
+        "|g| per element; float32, float16 and bfloat16 ones stay within k times the error of "
+        "refattn's naive algorithm run in their dtype, plus a floor. Each row names the worst "
+        "element, its index and both values; a diagnosis line names a recognisable bug. Exit 0 "
+        "when every tensor passes, 1 when one fails, 2 on an error.",
+        epilog="examples:\n"
+        "  refattn compare goldens/cases/causal_square.safetensors mine.safetensors\n"
+        "  refattn compare goldens mine.safetensors --case causal_square --json\n"
+        "  refattn compare CASE mine.safetensors --dtype float32 --check forward",
     )
     p.add_argument("golden", help="golden case file DIR/cases/<case>.safetensors, or a bundle "
                    "DIR together with --case")

@@ -33,8 +33,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         help="summarise the attention rows of golden case files (entropy, support, top-k, gap)",
         description="Per-head diagnostics of the pre-dropout probabilities P of golden cases: "
         "entropy, normalised entropy, effective support exp(H), top-k mass, maximum "
-        "probability, logit gap and underflowed legal keys. Example: refattn diagnostics "
-        "goldens/cases/loop6_two_query_training_trace.safetensors",
+        "probability, logit gap and underflowed legal keys.",
+        epilog="examples:\n"
+        "  refattn diagnostics goldens/cases/loop6_two_query_training_trace.safetensors\n"
+        "  refattn diagnostics goldens --k 4 --json",
     )
     p.add_argument("cases", nargs="+", type=Path,
                    help="case files (DIR/cases/<id>.safetensors) or bundle directories")

@@ -16,7 +16,17 @@ __all__ = ["add_parser"]
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("golden", help="write golden fixture files (safetensors + manifest)")
+    p = sub.add_parser(
+        "golden", help="write golden fixture files (safetensors + manifest)",
+        description="Write a suite of golden cases as a bundle: DIR/cases/<case>.safetensors "
+        "(inputs, intermediates, gradients) and DIR/manifest.json (conventions, sha256 of every "
+        "file and tensor). The exact generator's bytes are the same on every machine. The "
+        "bundle is written as one transaction: Ctrl-C or an error leaves DIR as it was.",
+        epilog="examples:\n"
+        "  refattn golden --out goldens                      # the 69 conformance cases\n"
+        "  refattn golden --suite contract --out contract    # the contract's fixtures only\n"
+        "  refattn golden --out goldens --backend numpy      # machine-dependent float64",
+    )
     p.add_argument("--out", required=True, help="bundle directory to write: absent, empty or "
                    "an earlier bundle (written as one transaction; a link, a file, a foreign "
                    "manifest or a concurrent writer is refused)")

@@ -71,7 +71,17 @@ def _probability(text: str) -> float:
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
-    p = sub.add_parser("gradcheck", help="check refattn's backward with the gradient checker")
+    p = sub.add_parser(
+        "gradcheck", help="check refattn's backward with the gradient checker",
+        description="Build a seeded random call of the given shape and check refattn's "
+        "hand-written backward against numeric derivatives (complex step or Richardson central "
+        "differences; every element or random directions) and the attention identities. Exit "
+        "0 when everything passes, 1 when a check fails.",
+        epilog="examples:\n"
+        "  refattn gradcheck --shape 1,2,1,3,4,8,8\n"
+        "  refattn gradcheck --shape 1,2,1,3,4,8,8 --causal upper_left --dropout 0.1 --seed 7\n"
+        "  refattn gradcheck --shape 2,4,2,16,16,8,8 --mode directional --method central",
+    )
     p.add_argument("--shape", required=True, type=_shape, metavar="B,Hq,Hkv,Q,K,Dk,Dv",
                    help="axis sizes of the random call")
     p.add_argument("--causal", choices=("upper_left", "lower_right"), default=None,
@@ -83,8 +93,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--bias", choices=("none", "full", "broadcast"), default="none",
                    help="add a (B,Hq,Q,K) bias or a (1,Hq,1,K) broadcast bias")
     p.add_argument("--data-seed", type=_seed, default=0, help="seed of the random q, k, v, bias")
-    p.add_argument("--mode", choices=("auto", "full", "directional"), default="auto")
-    p.add_argument("--method", choices=("auto", "complex_step", "central"), default="auto")
+    p.add_argument("--mode", choices=("auto", "full", "directional"), default="auto",
+                   help="every element (full), signed random directions (directional), or "
+                   "auto: full when small")
+    p.add_argument("--method", choices=("auto", "complex_step", "central"), default="auto",
+                   help="numeric derivative: complex_step, central (Richardson central "
+                   "differences), or auto: complex step where the function is complex-safe")
     p.add_argument("--directions", type=_positive, default=3,
                    help="random directions per input in directional mode")
     p.add_argument("--check-seed", type=_seed, default=0,

@@ -50,9 +50,13 @@ def build_parser() -> argparse.ArgumentParser:
         prog="refattn", description="float64 reference engine for scaled-dot-product attention"
     )
     parser.add_argument("--version", action="version", version=f"refattn {__version__}")
-    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
     for command in COMMANDS:
         command.add_parser(sub)
+    for name, p in sub.choices.items():  # every subcommand's --help: what it does, an example
+        p.formatter_class = argparse.RawDescriptionHelpFormatter
+        if p.description is None or p.epilog is None:  # pragma: no cover - a new command
+            raise RuntimeError(f"refattn {name}: its parser needs a description and an epilog")
     return parser
 
 
@@ -61,6 +65,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     A bad argument, a :class:`~refattn.errors.RefAttnError` and an operating-system error
     (a full disk, a read-only directory) each print one line naming what failed and return 2.
+    No command prints the help on standard error and returns 2; Ctrl-C prints one line and
+    returns 130 (128 + SIGINT), after the command has removed what it had begun to write.
 
     Examples
     --------
@@ -68,9 +74,21 @@ def main(argv: Sequence[str] | None = None) -> int:
     2
     """
     try:
-        args = build_parser().parse_args(argv)
+        return _main(argv)
+    except KeyboardInterrupt:
+        print("refattn: interrupted", file=sys.stderr)
+        return 130
+
+
+def _main(argv: Sequence[str] | None) -> int:
+    parser = build_parser()
+    try:
+        args = parser.parse_args(argv)
     except SystemExit as exc:  # --help, --version (0) or a bad argument (2, one line printed)
         return exc.code if isinstance(exc.code, int) else 2
+    if args.command is None:
+        parser.print_help(sys.stderr)
+        return 2
     try:
         return int(args.func(args) or 0)
     except (RefAttnError, GradcheckError) as exc:

@@ -60,7 +60,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "mask",
         help="print a visibility relation built from coordinates (q\\k matrix)",
         description="Build a visibility relation from coordinates and print the q\\k matrix "
-        "(1 = the query reads the key). Example: refattn mask --q 2 --k 5 --causal lower_right",
+        "(1 = the query reads the key), or its manifest.",
+        epilog="examples:\n"
+        "  refattn mask --q 2 --k 5 --causal lower_right\n"
+        "  refattn mask --lengths 3,2 --causal upper_left    # packed sequences\n"
+        "  refattn mask --q 1 --k 8 --q-start 7 --manifest   # one decode step, as JSON",
     )
     p.add_argument("--q", type=_positive, help="query rows Q (default: K, or the packed total)")
     p.add_argument("--k", type=_positive, help="key rows K (default: Q, or the packed total)")

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 from pathlib import Path
 
+from refattn._install import install_hint
 from refattn._progress import progress
 from refattn.bundle.candidates import read_candidate
 from refattn.errors import RefAttnError
@@ -21,11 +22,15 @@ __all__ = ["add_parser", "run"]
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "plot", help="draw golden cases as PNGs: visibility mask, probabilities per head, and "
-        "a candidate's error heatmap (needs matplotlib: pip install 'refattn[plot]')",
+        f"a candidate's error heatmap (needs matplotlib: {install_hint('plot')})",
         description="Writes <case>_visible.png and <case>_probs.png for each case, and with "
         "--candidate <case>_error_<tensor>.png for every tensor compared (|candidate - golden| "
-        "on a log scale, the worst element boxed in red). Example: refattn plot "
-        "data/golden/cases/causal_square.safetensors --candidate mine.safetensors",
+        "on a log scale, the worst element boxed in red; masked cells of the probabilities "
+        "are drawn grey). Prints one line per file written (--quiet: one summary line).",
+        epilog="examples:\n"
+        "  refattn plot goldens/cases/causal_square.safetensors\n"
+        "  refattn plot goldens --case causal_square --candidate mine.safetensors --out plots\n"
+        "  refattn plot goldens --quiet                      # every case of a bundle",
     )
     p.add_argument("source", metavar="CASE_OR_BUNDLE",
                    help="a case file DIR/cases/<case>.safetensors or a bundle directory")
@@ -39,7 +44,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--tensor", action="append", default=None, metavar="NAME",
                    help="draw only this tensor's error (repeatable; default: every tensor)")
     p.add_argument("--quiet", action="store_true",
-                   help="no progress bar (one is drawn only on a terminal anyway)")
+                   help="no progress bar, and one summary line instead of one line per file")
     p.set_defaults(func=run)
 
 
@@ -61,6 +66,9 @@ def run(args: argparse.Namespace) -> int:
         if candidate is not None:
             written += plot_error(spec, candidate, args.out, dtype=args.dtype,
                                   tensors=args.tensor)
-    for path in written:
-        print(path)
+    if args.quiet:  # one line, however many files
+        print(f"wrote {len(written)} file(s) to {args.out}")
+    else:
+        for path in written:
+            print(path)
     return 0

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 
+from refattn._install import install_hint
 from refattn.distributed.cluster import DEFAULT_TIMEOUT, connect
 from refattn.distributed.sweep import describe, run_sweep
 
@@ -15,7 +16,7 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     where = p.add_mutually_exclusive_group()
     where.add_argument("--workers", type=int, default=None, metavar="N",
                        help="start a local dask cluster of N worker processes (loopback only; "
-                       "needs pip install 'refattn[distributed]')")
+                       f"needs {install_hint('distributed')})")
     where.add_argument("--scheduler", default=None, metavar="ADDR",
                        help="use the running dask scheduler at ADDR (e.g. tcp://host:8786)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
@@ -26,7 +27,15 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "sweep", help="write the golden cases of a sweep SPEC (TOML or YAML) as one bundle, "
-        "resumably, in this process or on dask workers")
+        "resumably, in this process or on dask workers",
+        description="Write the golden cases of a grid SPEC (TOML or YAML, validated against "
+        "refattn/bundle/schema/sweep-v1.json) as one bundle, with the format, manifest and "
+        "checksums of refattn golden. Each case is named by a slug and a hash of its "
+        "description; an interrupted sweep resumes; the bytes do not depend on the workers.",
+        epilog="examples:\n"
+        "  refattn sweep sweep.toml --out sweep-bundle\n"
+        "  refattn sweep sweep.toml --out sweep-bundle --workers 2   # a local dask cluster\n"
+        "  refattn sweep sweep.toml --out sweep-bundle --scheduler tcp://host:8786")
     p.add_argument("spec", metavar="SPEC", help="the sweep SPEC (.toml, .yaml or .yml); see "
                    "examples/sweep.toml")
     p.add_argument("--out", required=True, help="bundle directory: absent, empty, or this "

@@ -4,27 +4,56 @@ from __future__ import annotations
 
 import argparse
 import json
+import sys
 
 from refattn.cli.sweep import add_cluster_arguments
 from refattn.distributed.cluster import connect
 from refattn.distributed.verification import verify
 
-__all__ = ["add_parser"]
+__all__ = ["GRADCHECK_METHODS", "add_parser"]
+
+#: the spellings of ``--gradcheck-method`` (those of ``refattn gradcheck --method``), and the
+#: verifier's name for each
+GRADCHECK_METHODS = ("auto", "complex_step", "central")
+_VERIFIER_METHOD = {"auto": "auto", "complex_step": "check_vjp", "central": "central_difference"}
+_OLD_SPELLING = {"check_vjp": "complex_step", "central_difference": "central"}
+
+
+def _gradcheck_method(text: str) -> str:
+    """A ``--gradcheck-method`` value; an old spelling is accepted with a note on stderr."""
+    if text in _OLD_SPELLING:
+        new = _OLD_SPELLING[text]
+        print(f"refattn verify: note: --gradcheck-method {text} is now spelled {new} "
+              "(as in refattn gradcheck --method); the old spelling will be removed",
+              file=sys.stderr)
+        return new
+    return text
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify", help="check a golden bundle: sha256 of files and tensors, recomputation, "
         "gradient check (exit 1 on failure)",
+        description="Check a golden bundle: the manifest against its JSON Schema, the sha256 of "
+        "every file and tensor, each case recomputed (bit for bit for the exact generator), "
+        "its conventions and flags against the rebuilt call, and its stored gradients by a "
+        "gradient check. Exit 0 when every case passes, 1 when one fails, 2 on an error.",
+        epilog="examples:\n"
+        "  refattn verify goldens\n"
+        "  refattn verify --exact goldens                    # + the rounding certificate\n"
+        "  refattn verify goldens --gradcheck-method central --json",
     )
     p.add_argument("directory", help="bundle directory (manifest.json and cases/)")
     p.add_argument("--no-recompute", action="store_true",
                    help="skip recomputing each case with the engine")
     p.add_argument("--no-gradcheck", action="store_true",
                    help="skip the finite-difference check of each case's backward")
-    p.add_argument("--gradcheck-method", default="auto",
-                   choices=("auto", "check_vjp", "central_difference"),
-                   help="gradient checker (default auto: gradcheck.check_vjp)")
+    p.add_argument("--gradcheck-method", default="auto", type=_gradcheck_method,
+                   choices=GRADCHECK_METHODS, metavar="{auto,complex_step,central}",
+                   help="numeric derivative of the gradient check, spelled as refattn "
+                   "gradcheck --method spells it: complex_step (= auto: gradcheck.check_vjp) "
+                   "or central (Richardson central differences along one random direction); "
+                   "the old spellings check_vjp and central_difference still work")
     p.add_argument("--backend", default=None,
                    help="engine of the recomputation (default: each case's generator; the "
                    "exact generator must reproduce its files bit for bit)")
@@ -44,7 +73,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     with connect(workers=args.workers, scheduler=args.scheduler, timeout=args.timeout) as client:
         report = verify(args.directory, client=client, recompute=not args.no_recompute,
-                        gradcheck=not args.no_gradcheck, gradcheck_method=args.gradcheck_method,
+                        gradcheck=not args.no_gradcheck,
+                        gradcheck_method=_VERIFIER_METHOD[args.gradcheck_method],
                         backend=args.backend, exact=args.exact,
                         progress=False if args.quiet else None)
     if args.json:

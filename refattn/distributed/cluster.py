@@ -35,8 +35,10 @@ def dask_distributed() -> ModuleType:
     try:
         import distributed
     except ImportError:
+        from refattn._install import install_hint
+
         raise RefAttnError("dask: refattn's distributed features need dask.distributed; "
-                           "install it with pip install 'refattn[distributed]'") from None
+                           f"install it with {install_hint('distributed')}") from None
     return distributed
 
 
