@@ -18,6 +18,7 @@ correctly by itself.
 from __future__ import annotations
 
 from collections.abc import Callable
+from fractions import Fraction
 from typing import Any
 
 import numpy as np
@@ -26,8 +27,9 @@ from flint import arb, ctx
 from refattn.call import AttentionCall
 from refattn.call.placement import operand_multipliers
 from refattn.engine.exact import balls as B_
+from refattn.engine.exact.algebraic import AdditiveExact, CosineExact
 from refattn.engine.exact.balls import ZERO, balls, matmul, total
-from refattn.engine.exact.rounding import decide, precision
+from refattn.engine.exact.rounding import Exact, decide, precision, rn_fraction
 from refattn.engine.reduce import gather_heads
 from refattn.errors import RefAttnError
 
@@ -76,7 +78,7 @@ class Rounding:
     zero: Any
 
     def point(self, name: str, evaluate: Callable[[], np.ndarray], *, letters: str | None = None,
-              start: int = 128) -> np.ndarray:
+              start: int = 128, exact: Exact | None = None) -> np.ndarray:
         raise NotImplementedError
 
     def ieee(self, op: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
@@ -89,8 +91,8 @@ class Stepwise(Rounding):
     zero = 0.0
 
     def point(self, name: str, evaluate: Callable[[], np.ndarray], *, letters: str | None = None,
-              start: int = 128) -> np.ndarray:
-        return decide(name, evaluate, letters=letters, start=start)
+              start: int = 128, exact: Exact | None = None) -> np.ndarray:
+        return decide(name, evaluate, letters=letters, start=start, exact=exact)
 
     def ieee(self, op: Callable[[Any, Any], Any], a: Any, b: Any) -> Any:
         return op(a, b)  # one IEEE operation of two binary64 arrays: correctly rounded
@@ -105,7 +107,7 @@ class Unrounded(Rounding):
         self.bits = bits
 
     def point(self, name: str, evaluate: Callable[[], np.ndarray], *, letters: str | None = None,
-              start: int = 128) -> np.ndarray:
+              start: int = 128, exact: Exact | None = None) -> np.ndarray:
         with precision(self.bits):
             return evaluate()
 
@@ -143,8 +145,6 @@ def _norm_below(x: np.ndarray, eps: float) -> np.ndarray:
     Decided in rational arithmetic (``sum(x**2) < eps**2`` with nothing rounded), so the
     cosine family's zero-norm policy never depends on a working precision.
     """
-    from fractions import Fraction
-
     eps2 = Fraction(eps) ** 2
     rows = np.asarray(x, dtype=np.float64).reshape(-1, x.shape[-1]).tolist()
     below = [sum(Fraction(v) ** 2 for v in row) < eps2 for row in rows]
@@ -168,6 +168,22 @@ class _Operands:
         self.k_s = k_eff if self.mult.key == 1.0 else rounding.ieee(np.multiply, k_eff,
                                                                      self.mult.key)
         self._cache: dict[tuple[str, int], Any] = {}
+        self._exact: dict[str, Any] = {}
+
+    def exact(self) -> CosineExact | AdditiveExact | None:
+        """The family's exact deciders (stepwise rounding only: the operands are binary64)."""
+        if self.q_s.dtype == object or self.family.name not in ("cosine", "additive"):
+            return None
+        if "exact" not in self._exact:
+            fam = self.family
+            if fam.name == "cosine":
+                self._exact["exact"] = CosineExact(
+                    self.q_s, self.k_s, fam.eps, _norm_below(self.q_s, fam.eps),
+                    _norm_below(self.k_s, fam.eps))
+            else:
+                self._exact["exact"] = AdditiveExact(self.q_s, self.k_s, fam.Wq, fam.Wk, fam.b,
+                                                     fam.v)
+        return self._exact["exact"]
 
     def cached(self, key: str, build: Callable[[], Any]) -> Any:
         """``build()`` once per working precision (a Ziv round re-evaluates at a new one)."""
@@ -238,7 +254,10 @@ def forward_tensors(call: AttentionCall, rounding: Rounding) -> dict[str, Any]:
     Bn, Hq, Q, K = call.score_shape
     full = (Bn, Hq, Q, K)
     first = "softcap_input" if call.softcap is not None else "scores"
-    scores = rounding.point(first, ops.scaled_compatibility, letters="bhij", start=SUM_BITS)
+    family_exact = ops.exact()  # cosine and additive values can sit on a boundary; dot and
+    # bilinear ones are dyadic sums, exact balls at a sufficient precision
+    scores = rounding.point(first, ops.scaled_compatibility, letters="bhij", start=SUM_BITS,
+                            exact=family_exact and family_exact.scores(ops.mult.post, full))
     out: dict[str, Any] = {}
     if call.softcap is not None:  # scores = c * tanh(softcap_input / c)
         out["softcap_input"] = softcap_input = scores
@@ -333,11 +352,17 @@ def backward_tensors(call: AttentionCall, fwd: dict[str, Any], grad_output: np.n
     out: dict[str, Any] = {}
     grad_scaled = grad_scores  # d loss / d (post * u)
     if call.softcap is not None:  # G_S (c^2 - s^2) / c^2 = G_S (1 - tanh^2), s the scores
-        c2 = arb(call.softcap) ** 2
-        grad_scaled = point(
-            "grad_softcap_input",
-            lambda: balls(grad_scores) * (c2 - balls(fwd["scores"]) ** 2) / c2,
-            letters="bhij", start=SUM_BITS)
+        def softcap_grad() -> np.ndarray:  # c^2 at the working precision: exact from 106 bits
+            c2 = arb(call.softcap) ** 2
+            return balls(grad_scores) * (c2 - balls(fwd["scores"]) ** 2) / c2
+
+        def softcap_grad_exact(idx: list[int]) -> list[float | None]:  # a rational quotient
+            c2 = Fraction(call.softcap) ** 2
+            g_s, s = np.ravel(grad_scores), np.ravel(fwd["scores"])
+            return [rn_fraction(Fraction(g_s[i]) * (c2 - Fraction(s[i]) ** 2) / c2) for i in idx]
+
+        grad_scaled = point("grad_softcap_input", softcap_grad, letters="bhij", start=SUM_BITS,
+                            exact=softcap_grad_exact)
         out["grad_softcap_input"] = grad_scaled
     out.update(_family_backward(ops, balls(grad_scaled), Hkv, point))
     if call.sink is not None:  # -sum_{b,i} sink_probs * D, per head
@@ -361,6 +386,11 @@ def _family_backward(ops: _Operands, gb: np.ndarray, Hkv: int,
     post = arb(mult.post)
     q_b, k_b = balls(ops.q_s), balls(ops.k_s)
     out: dict[str, Any] = {}
+    fx = ops.exact()  # exact deciders of the cosine and additive points (stepwise only)
+    G = gb if fx is None else np.vectorize(lambda x: float(x.mid()), otypes=[float])(gb)
+    Bn, Hq, Q, K = G.shape
+    shape_q = (Bn, Hq, Q, ops.call.q.shape[3])
+    shape_k = (Bn, Hkv, K, ops.call.k.shape[3])
     match fam.name:
         case "dot":
             g_q = lambda: matmul(gb, k_b)  # noqa: E731  (B, Hq, Q, Dk)
@@ -384,15 +414,22 @@ def _family_backward(ops: _Operands, gb: np.ndarray, Hkv: int,
             g_q = lambda: matmul(total(pre_grad(), axis=3), balls(fam.Wq)[None])  # noqa: E731
             g_k = lambda: _heads(matmul(total(pre_grad(), axis=2), balls(fam.Wk)[None]),  # noqa: E731
                                  hm, Hkv)
+            def param(which: str) -> Any:
+                shape = getattr(fam, which).shape
+                return fx and fx.grad_param(which, G, mult.post, shape)  # type: ignore[union-attr]
+
             out["grad_score_params"] = {
                 "Wq": point("grad_score_Wq", lambda: total(
-                    matmul(_t(total(pre_grad(), axis=3)), q_b), axis=0) * post, start=SUM_BITS),
+                    matmul(_t(total(pre_grad(), axis=3)), q_b), axis=0) * post, start=SUM_BITS,
+                    exact=param("Wq")),
                 "Wk": point("grad_score_Wk", lambda: total(
-                    matmul(_t(total(pre_grad(), axis=2)), k_b), axis=0) * post, start=SUM_BITS),
+                    matmul(_t(total(pre_grad(), axis=2)), k_b), axis=0) * post, start=SUM_BITS,
+                    exact=param("Wk")),
                 "b": point("grad_score_b", lambda: total(pre_grad(), axis=(0, 2, 3)) * post,
-                           start=SUM_BITS),
+                           start=SUM_BITS, exact=param("b")),
                 "v": point("grad_score_v", lambda: total(gb[..., None] * ops.pair(),
-                                                         axis=(0, 2, 3)) * post, start=SUM_BITS),
+                                                         axis=(0, 2, 3)) * post, start=SUM_BITS,
+                           exact=param("v")),
             }
         case "cosine":
             def unit_backward(g_hat: np.ndarray, which: str, x: np.ndarray) -> np.ndarray:
@@ -406,6 +443,8 @@ def _family_backward(ops: _Operands, gb: np.ndarray, Hkv: int,
                 matmul(_t(gb), ops.unit(ops.q_s, "q")[0]), "k", ops.k_s), hm, Hkv)
         case other:
             raise RefAttnError(f"score: the exact backend has no {other!r} family")
-    out["grad_q"] = point("grad_q", lambda: g_q() * f_q, letters="bhid", start=SUM_BITS)
-    out["grad_k"] = point("grad_k", lambda: g_k() * f_k, letters="bhjd", start=SUM_BITS)
+    out["grad_q"] = point("grad_q", lambda: g_q() * f_q, letters="bhid", start=SUM_BITS,
+                          exact=fx and fx.grad_q(G, mult.query * mult.post, shape_q))
+    out["grad_k"] = point("grad_k", lambda: g_k() * f_k, letters="bhjd", start=SUM_BITS,
+                          exact=fx and fx.grad_k(G, mult.key * mult.post, hm, shape_k))
     return out

@@ -1,13 +1,21 @@
-"""Correct rounding to binary64: exact dyadic values and arb balls rounded to nearest-even.
+"""Correct rounding to binary64: exact rationals, square roots and arb balls, nearest-even.
 
 Owns :func:`rn_dyadic` (the round-to-nearest-even binary64 value of ``m * 2**e``, gradual
-underflow included, overflow raised), :func:`round_ball` (the binary64 value of a real number
-known only as an arb ball, or None while the ball straddles a rounding boundary) and
-:func:`decide`, the Ziv loop of every rounding point of the exact backend: evaluate the step's
-real value as balls at some precision, round each ball, and evaluate again at twice the
-precision while any element is undecided. A step computed exactly (a ball of radius 0, as every
-sum of products of binary64 numbers is at a sufficient precision) is decided at once, ties
-included; a transcendental value is never a tie, so raising the precision decides it.
+underflow included, overflow raised), :func:`rn_fraction` and :func:`rn_sqrt` (the same for
+an exact rational and for the square root of one, in integer arithmetic), :func:`round_ball`
+(the binary64 value of a real number known only as an arb ball, or None while the ball
+straddles a rounding boundary, the sign of a zero included) and :func:`decide`, the Ziv loop of
+every rounding point of the exact backend: evaluate the step's real value as balls at some
+precision, round each ball, and evaluate again at twice the precision while any element is
+undecided.
+
+A ball of radius 0 (every sum of products of binary64 numbers once the precision covers the
+operands' exponent span) is rounded directly, ties included. A value that may sit exactly on a
+rounding boundary (a representable value or a midpoint) although its ball never shrinks to a
+point -- a rational quotient, an algebraic value, a sum of transcendental terms that cancel --
+is handed, once it is still undecided at :data:`EXACT_PRECISION` bits, to the rounding point's
+exact decider: it returns the correctly rounded value found in exact arithmetic, or proves the
+value irrational (so no boundary) and lets the loop go on, which then ends.
 """
 
 from __future__ import annotations
@@ -15,6 +23,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from fractions import Fraction
 
 import numpy as np
 from flint import arb, ctx
@@ -22,13 +31,21 @@ from flint import arb, ctx
 from refattn._checks import format_index
 from refattn.errors import RefAttnError
 
-__all__ = ["MAX_PRECISION", "START_PRECISION", "decide", "precision", "rn_dyadic",
-           "round_ball", "to_balls"]
+__all__ = ["EXACT_PRECISION", "MAX_PRECISION", "START_PRECISION", "Exact", "decide",
+           "precision", "rn_dyadic", "rn_fraction", "rn_sqrt", "round_ball", "to_balls"]
 
 #: first working precision of a rounding point (bits); doubled until every element is decided
 START_PRECISION = 128
-#: the precision at which an undecided element is reported instead of refined further
+#: the precision from which an element still undecided goes to the point's exact decider
+EXACT_PRECISION = 512
+#: the precision at which an undecided element is reported instead of refined further: far
+#: beyond any value that is not on a boundary (a dyadic sum of binary64 products is exact by
+#: about 6,500 bits; a transcendental value that close to a boundary has never been seen)
 MAX_PRECISION = 1 << 16
+
+#: an exact decider: the flat indices of undecided elements -> for each, its correctly
+#: rounded value (found exactly) or None (proved not on a rounding boundary)
+Exact = Callable[[list[int]], list["float | None"]]
 
 
 def rn_dyadic(m: int, e: int) -> float:
@@ -57,6 +74,53 @@ def rn_dyadic(m: int, e: int) -> float:
     return sign * math.ldexp(float(m), e)  # m < 2**54: exact; ldexp raises on overflow
 
 
+def rn_fraction(x: Fraction) -> float:
+    """The binary64 value nearest to the rational ``x``, ties to even (subnormals included).
+
+    Integer division with a sticky bit: the quotient keeps at least 54 bits and one more bit
+    records whether the remainder is 0, so a tie is a tie and nothing else looks like one.
+    Raises OverflowError beyond the largest finite binary64.
+
+    Examples
+    --------
+    >>> rn_fraction(Fraction(1, 3)) == 1 / 3, rn_fraction(Fraction(-1, 10)) == -0.1
+    (True, True)
+    >>> rn_fraction(Fraction(2 ** 53 + 1)) == 2.0 ** 53  # an exact tie: to even
+    True
+    """
+    p, q = x.numerator, x.denominator
+    if p == 0:
+        return 0.0
+    sign = -1 if p < 0 else 1
+    p = abs(p)
+    s = 55 - (p.bit_length() - q.bit_length())  # p * 2**s / q >= 2**54
+    quot, rem = divmod(p << s, q) if s >= 0 else divmod(p, q << -s)
+    return rn_dyadic(sign * (2 * quot + (rem != 0)), -s - 1)
+
+
+def rn_sqrt(x: Fraction) -> float:
+    """The binary64 value nearest to ``sqrt(x)`` for a rational ``x >= 0``, ties to even.
+
+    ``isqrt`` of the scaled rational with a sticky bit, as :func:`rn_fraction`.
+
+    Examples
+    --------
+    >>> rn_sqrt(Fraction(2)) == 2 ** 0.5, rn_sqrt(Fraction(9, 16)), rn_sqrt(Fraction(0))
+    (True, 0.75, 0.0)
+    """
+    p, q = x.numerator, x.denominator
+    if p < 0:
+        raise ValueError("rn_sqrt: negative argument")
+    if p == 0:
+        return 0.0
+    s = 55 - (p.bit_length() - q.bit_length()) // 2  # sqrt(p * 4**s / q) >= 2**54
+    n, d = (p << (2 * s), q) if s >= 0 else (p, q << (-2 * s))
+    floor = n // d
+    root = math.isqrt(floor)
+    exact = root * root * d == n  # sqrt(n/d) = root exactly; else strictly above root
+    return rn_dyadic(2 * root + (not exact), -s - 1)
+
+
 def _dyadic(x: arb) -> tuple[int, int, int, int]:
     """(mid mantissa, mid exponent, rad mantissa, rad exponent) of a finite ball."""
     mm, me = x.mid().man_exp()
@@ -67,6 +131,8 @@ def _dyadic(x: arb) -> tuple[int, int, int, int]:
 def round_ball(x: arb) -> float | None:
     """RN(v) for every real v in the ball ``x``, or None if the ball straddles a boundary.
 
+    A ball around 0 is undecided unless it is exactly 0 (+0.0): the sign of a value that rounds
+    to a zero is the sign of the value.
     Raises OverflowError when the value rounds beyond the largest finite binary64.
 
     Examples
@@ -82,6 +148,8 @@ def round_ball(x: arb) -> float | None:
         return rn_dyadic(mm, me)
     e = min(me, re_)
     mid, rad = mm << (me - e), rm << (re_ - e)
+    if mid - rad <= 0 <= mid + rad:
+        return None  # contains 0 and is not exactly 0: the sign of a rounded zero is unknown
     lo, hi = rn_dyadic(mid - rad, e), rn_dyadic(mid + rad, e)
     return lo if lo == hi else None
 
@@ -112,7 +180,7 @@ def to_balls(x: np.ndarray) -> np.ndarray:
 
 
 def decide(name: str, evaluate: Callable[[], np.ndarray], *, letters: str | None = None,
-           start: int = START_PRECISION) -> np.ndarray:
+           start: int = START_PRECISION, exact: Exact | None = None) -> np.ndarray:
     """The correctly rounded binary64 array of a rounding point (Ziv's strategy with balls).
 
     Parameters
@@ -127,6 +195,10 @@ def decide(name: str, evaluate: Callable[[], np.ndarray], *, letters: str | None
         Axis letters for error messages, e.g. ``"bhij"``.
     start : int
         First working precision in bits.
+    exact : callable, optional
+        The point's exact decider (see :data:`Exact`), called once with the flat indices of
+        the elements still undecided at :data:`EXACT_PRECISION` bits. A point whose value is
+        a dyadic rational needs none: its balls become exact.
 
     Returns
     -------
@@ -143,10 +215,17 @@ def decide(name: str, evaluate: Callable[[], np.ndarray], *, letters: str | None
     --------
     >>> decide("third", lambda: np.array([arb(1) / 3], dtype=object)).tolist() == [1 / 3]
     True
+
+    A value on a boundary whose ball never shrinks to a point is decided by ``exact``:
+
+    >>> one = lambda: np.array([(arb(1) / 3) * 3], dtype=object)  # exactly 1, radius > 0
+    >>> decide("one", one, exact=lambda idx: [rn_fraction(Fraction(1, 3) * 3)]).tolist()
+    [1.0]
     """
     bits = start
     out: np.ndarray | None = None
     todo: list[int] = []
+    asked = exact is None
     while True:
         with precision(bits):
             balls = evaluate()
@@ -159,22 +238,41 @@ def decide(name: str, evaluate: Callable[[], np.ndarray], *, letters: str | None
             try:
                 value = round_ball(flat[i])
             except OverflowError:
-                idx = np.unravel_index(i, balls.shape)
-                raise RefAttnError(
-                    f"{name}: element {format_index(idx, letters)} overflows binary64 (its "
-                    "exact value exceeds the largest finite double); scale the inputs down"
-                ) from None
+                _overflow(name, i, balls.shape, letters)
             if value is None:
                 undecided.append(i)
             else:
                 out[i] = value
+        if undecided and not asked and bits >= EXACT_PRECISION:
+            asked = True  # exact is not None here
+            try:
+                found = exact(undecided)  # type: ignore[misc]
+            except OverflowError:
+                _overflow(name, undecided[0], balls.shape, letters)
+            left = []
+            for i, value in zip(undecided, found, strict=True):
+                if value is None:
+                    left.append(i)  # proved off every boundary: the loop decides it
+                else:
+                    out[i] = value
+            undecided = left
         if not undecided:
             return out.reshape(balls.shape)
         if bits >= MAX_PRECISION:
             idx = np.unravel_index(undecided[0], balls.shape)
             raise RefAttnError(
                 f"{name}: rounding of element {format_index(idx, letters)} is still undecided "
-                f"at {bits} bits (an exact tie of a non-rational value should not occur)"
+                f"at {bits} bits; its value is not a rounding boundary (that is decided "
+                "exactly), only closer to one than this precision resolves, which no "
+                "binary64 input is known to produce -- please report the call"
             )
         todo = undecided
         bits *= 2
+
+
+def _overflow(name: str, i: int, shape: tuple[int, ...], letters: str | None) -> None:
+    idx = np.unravel_index(i, shape)
+    raise RefAttnError(
+        f"{name}: element {format_index(idx, letters)} overflows binary64 (its "
+        "exact value exceeds the largest finite double); scale the inputs down"
+    ) from None
