@@ -15,6 +15,7 @@ from __future__ import annotations
 import hashlib
 import json
 import os
+import sys
 import tempfile
 from pathlib import Path
 from typing import Any
@@ -39,10 +40,10 @@ def tensor_sha256(x: np.ndarray) -> str:
     >>> tensor_sha256(np.zeros(1)) == hashlib.sha256(bytes(8)).hexdigest()
     True
     """
-    arr = np.ascontiguousarray(x)
-    if arr.dtype.byteorder == ">":
+    arr = np.ascontiguousarray(x)  # no copy when x is C-contiguous already
+    if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and sys.byteorder == "big"):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return hashlib.sha256(arr.tobytes(order="C")).hexdigest()
+    return hashlib.sha256(arr.reshape(-1).view(np.uint8)).hexdigest()  # the bytes, uncopied
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -5,7 +5,10 @@ the bundle package goes through here. Owns :func:`check_relative` (a manifest pa
 relative path inside the bundle), :func:`read_confined` (open such a path component by
 component from the bundle's directory without following any link, open only regular files,
 check the size before reading: a FIFO or device never blocks and is never read),
-:func:`read_regular` (the same checks for a path the user named), :func:`write_new` and
+:func:`read_regular` (the same checks for a path the user named; both read into one buffer of
+the file's size, after an optional look at the header), :func:`open_confined` (the confined
+descriptor itself, for readers that check a header and hash in pieces before reading),
+:func:`list_confined` (a bundle directory's entries, never through a link), :func:`write_new` and
 :func:`fsync_dir` (files and directories reach the disk before a rename publishes them;
 :func:`sync_filesystem` flushes a whole staging tree at once),
 :func:`exchange` (two directories swapped by one ``renameat2(RENAME_EXCHANGE)``) and
@@ -17,18 +20,22 @@ of manifests or cases.
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
 import os
 import stat
+from collections.abc import Callable, Iterator
 from pathlib import Path, PurePosixPath
 from typing import Any
 
 from refattn.errors import RefAttnError
 
 __all__ = ["MAX_CASE_BYTES", "MAX_MANIFEST_BYTES", "DirectoryLock", "check_relative",
-           "exchange", "fsync_dir", "os_error", "read_confined", "read_regular",
+           "exchange", "fsync_dir", "list_confined", "open_confined", "os_error", "read_confined",
+           "read_fd",
+           "read_regular",
            "sync_filesystem", "write_new"]
 
 #: the largest manifest.json read (bytes); checked with fstat before reading
@@ -41,6 +48,8 @@ _NONBLOCK = getattr(os, "O_NONBLOCK", 0)
 _DIRECTORY = getattr(os, "O_DIRECTORY", 0)
 _NOCTTY = getattr(os, "O_NOCTTY", 0)
 _CLOEXEC = getattr(os, "O_CLOEXEC", 0)
+#: the most bytes one ``readv`` asks for (Linux returns at most about 2 GiB a call anyway)
+_READ_STEP = 1 << 30
 
 
 def os_error(path: str | os.PathLike, exc: OSError, doing: str) -> RefAttnError:
@@ -101,31 +110,49 @@ def check_relative(rel: Any, *, what: str = "file") -> tuple[str, ...]:
     return parts
 
 
-def _read_fd(fd: int, shown: str, max_bytes: int) -> bytes:
-    """Read a regular file's descriptor whole, refusing anything else or anything too big."""
+def read_fd(fd: int, shown: str, max_bytes: int,
+             inspect: Callable[[int, int], None] | None = None) -> bytearray:
+    """Read a regular file's descriptor whole into one buffer of its size, refusing anything
+    else or anything too big.
+
+    ``inspect(fd, size)`` runs after the size check and before the buffer is allocated (a
+    reader checks a file's header and declared sizes there, with ``os.pread``). The bytes go
+    straight into one ``bytearray`` of the file's ``fstat`` size (``readv``, no chunks joined
+    afterwards), so the peak is the file's size once.
+    """
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         raise RefAttnError(f"{shown}: is {_kind(st.st_mode)}; only regular files are read")
-    if st.st_size > max_bytes:
-        raise RefAttnError(f"{shown}: {st.st_size} bytes exceeds the limit of {max_bytes} "
+    size = st.st_size
+    if size > max_bytes:
+        raise RefAttnError(f"{shown}: {size} bytes exceeds the limit of {max_bytes} "
                            "bytes for this file")
-    chunks, total = [], 0
-    while True:
-        chunk = os.read(fd, min(1 << 24, max_bytes + 1 - total))
-        if not chunk:
-            break
-        chunks.append(chunk)
-        total += len(chunk)
-        if total > max_bytes:
-            raise RefAttnError(f"{shown}: grew past the limit of {max_bytes} bytes while read")
-    return b"".join(chunks)
+    if inspect is not None:
+        inspect(fd, size)
+    try:
+        buf = bytearray(size)
+    except MemoryError:
+        raise RefAttnError(f"{shown}: cannot hold its {size} bytes in memory") from None
+    view, got = memoryview(buf), 0
+    while got < size:
+        n = os.readv(fd, [view[got : got + _READ_STEP]])
+        if n == 0:
+            raise RefAttnError(f"{shown}: shrank from {size} to {got} bytes while read")
+        got += n
+    view.release()
+    if os.read(fd, 1):
+        raise RefAttnError(f"{shown}: grew past its {size} bytes while read")
+    return buf
 
 
-def read_regular(path: str | os.PathLike, *, max_bytes: int, what: str = "file") -> bytes:
+def read_regular(path: str | os.PathLike, *, max_bytes: int, what: str = "file",
+                 inspect: Callable[[int, int], None] | None = None) -> bytearray:
     """Read a file the user named: a regular file (links followed), at most ``max_bytes``.
 
     A FIFO, device or directory is refused without blocking (the file is opened
-    non-blocking and checked with ``fstat`` before any read).
+    non-blocking and checked with ``fstat`` before any read). ``inspect(fd, size)`` runs
+    before the buffer is allocated (see :func:`read_fd`); the bytes come back in one
+    ``bytearray`` of the file's size.
 
     Examples
     --------
@@ -139,40 +166,28 @@ def read_regular(path: str | os.PathLike, *, max_bytes: int, what: str = "file")
     except OSError as exc:
         raise os_error(path, exc, f"cannot read the {what}") from None
     try:
-        return _read_fd(fd, str(path), max_bytes)
+        return read_fd(fd, str(path), max_bytes, inspect)
     except OSError as exc:
         raise os_error(path, exc, f"cannot read the {what}") from None
     finally:
         os.close(fd)
 
 
-def read_confined(root: str | os.PathLike, rel: Any, *, max_bytes: int,
-                  what: str = "file") -> bytes:
-    """Read ``root/rel`` without leaving ``root``: every component opened relative to its
-    parent with ``O_NOFOLLOW`` (a symbolic link anywhere below ``root`` is refused), the
-    last one non-blocking and only if it is a regular file of at most ``max_bytes``.
-
-    Parameters
-    ----------
-    root : path
-        The bundle directory (the user's choice: a link to it is followed).
-    rel : str
-        A manifest path, checked by :func:`check_relative`.
-    max_bytes : int
-        The largest file read; checked with ``fstat`` before reading.
+@contextlib.contextmanager
+def open_confined(root: str | os.PathLike, rel: Any, *, max_bytes: int,
+                  what: str = "file") -> Iterator[tuple[int, int]]:
+    """Open ``root/rel`` as :func:`read_confined` does (no link followed below ``root``, a
+    regular file of at most ``max_bytes``) and yield ``(fd, size)`` without reading it: a
+    reader checks the header and hashes the file in pieces with ``os.pread``.
 
     Examples
     --------
     >>> import tempfile, pathlib
-    >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "cases").mkdir()
-    >>> _ = (d / "cases" / "a.safetensors").write_bytes(b"12345")
-    >>> read_confined(d, "cases/a.safetensors", max_bytes=100)
-    b'12345'
-    >>> (d / "cases" / "l.safetensors").symlink_to("/etc/hostname")
-    >>> read_confined(d, "cases/l.safetensors", max_bytes=100)  # doctest: +ELLIPSIS
-    Traceback (most recent call last):
-        ...
-    refattn.errors.RefAttnError: cases/l.safetensors: is a symbolic link; ...
+    >>> d = pathlib.Path(tempfile.mkdtemp())
+    >>> _ = (d / "a").write_bytes(b"12345")
+    >>> with open_confined(d, "a", max_bytes=100) as (fd, size):
+    ...     size, os.pread(fd, 2, 3)
+    (5, b'45')
     """
     parts = check_relative(rel, what=what)
     shown = "/".join(parts)
@@ -197,9 +212,114 @@ def read_confined(root: str | os.PathLike, rel: Any, *, max_bytes: int,
                         "followed (a bundle is read only from its own directory)") from None
                 raise os_error(where, exc, f"cannot read the {what}") from None
         try:
-            return _read_fd(fds[-1], shown, max_bytes)
+            st = os.fstat(fds[-1])
         except OSError as exc:
             raise os_error(shown, exc, f"cannot read the {what}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise RefAttnError(f"{shown}: is {_kind(st.st_mode)}; only regular files are read")
+        if st.st_size > max_bytes:
+            raise RefAttnError(f"{shown}: {st.st_size} bytes exceeds the limit of {max_bytes} "
+                               "bytes for this file")
+        yield fds[-1], st.st_size
+    finally:
+        for fd in reversed(fds):
+            os.close(fd)
+
+
+def read_confined(root: str | os.PathLike, rel: Any, *, max_bytes: int,
+                  what: str = "file",
+                  inspect: Callable[[int, int], None] | None = None) -> bytearray:
+    """Read ``root/rel`` without leaving ``root``: every component opened relative to its
+    parent with ``O_NOFOLLOW`` (a symbolic link anywhere below ``root`` is refused), the
+    last one non-blocking and only if it is a regular file of at most ``max_bytes``.
+
+    Parameters
+    ----------
+    root : path
+        The bundle directory (the user's choice: a link to it is followed).
+    rel : str
+        A manifest path, checked by :func:`check_relative`.
+    max_bytes : int
+        The largest file read; checked with ``fstat`` before reading.
+    inspect : callable, optional
+        ``inspect(fd, size)``, run before the buffer is allocated.
+
+    Returns
+    -------
+    bytearray
+        The file's bytes, read into one buffer of its size.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "cases").mkdir()
+    >>> _ = (d / "cases" / "a.safetensors").write_bytes(b"12345")
+    >>> bytes(read_confined(d, "cases/a.safetensors", max_bytes=100))
+    b'12345'
+    >>> (d / "cases" / "l.safetensors").symlink_to("/etc/hostname")
+    >>> read_confined(d, "cases/l.safetensors", max_bytes=100)  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+        ...
+    refattn.errors.RefAttnError: cases/l.safetensors: is a symbolic link; ...
+    """
+    with open_confined(root, rel, max_bytes=max_bytes, what=what) as (fd, _):
+        shown = "/".join(check_relative(rel, what=what))
+        try:
+            return read_fd(fd, shown, max_bytes, inspect)
+        except OSError as exc:
+            raise os_error(shown, exc, f"cannot read the {what}") from None
+
+
+def list_confined(root: str | os.PathLike, rel: str) -> list[tuple[str, int]] | None:
+    """The entries of the directory ``root/rel`` as ``(name, st_mode)`` (links not
+    followed), sorted by name; None when it does not exist.
+
+    ``rel`` itself is opened with ``O_NOFOLLOW``: a link there (to a system directory, say)
+    is refused, so no name from outside the bundle is ever listed.
+
+    Raises
+    ------
+    RefAttnError
+        When ``rel`` is a symbolic link or not a directory, naming only ``rel``.
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> d = pathlib.Path(tempfile.mkdtemp()); (d / "cases").mkdir()
+    >>> _ = (d / "cases" / "a").write_bytes(b"")
+    >>> [name for name, _ in list_confined(d, "cases")]
+    ['a']
+    >>> (d / "other").symlink_to("/etc")
+    >>> list_confined(d, "other")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+        ...
+    refattn.errors.RefAttnError: other: is a symbolic link; ...
+    """
+    parts = check_relative(rel, what="directory")
+    fds: list[int] = []
+    try:
+        try:
+            fds.append(os.open(root, os.O_RDONLY | _DIRECTORY | _CLOEXEC))
+        except OSError as exc:
+            raise os_error(root, exc, "cannot open the bundle directory") from None
+        for i, part in enumerate(parts):
+            where = "/".join(parts[: i + 1])
+            try:
+                fds.append(os.open(part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC,
+                                   dir_fd=fds[-1]))
+            except FileNotFoundError:
+                return None
+            except OSError as exc:
+                if exc.errno in (errno.ELOOP, errno.EMLINK) or _is_link(fds[-1], part):
+                    raise RefAttnError(
+                        f"{where}: is a symbolic link; links inside a bundle are not "
+                        "followed (a bundle is read only from its own directory)") from None
+                raise os_error(where, exc, "cannot list the directory") from None
+        try:
+            names = os.listdir(fds[-1])
+            return sorted((n, os.lstat(n, dir_fd=fds[-1]).st_mode) for n in names)
+        except OSError as exc:
+            raise os_error("/".join(parts), exc, "cannot list the directory") from None
     finally:
         for fd in reversed(fds):
             os.close(fd)

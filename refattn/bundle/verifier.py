@@ -26,6 +26,7 @@ from typing import Any, NamedTuple
 from refattn._progress import progress as progress_bar
 from refattn.analysis.certificate import certify
 from refattn.bundle.cases import numpy_environment
+from refattn.bundle.fsio import list_confined
 from refattn.bundle.gradients import GradcheckMethod, check_method, check_stored_gradients
 from refattn.bundle.manifest import check_schema, read_manifest
 from refattn.bundle.read import check_case_file, load_bytes
@@ -233,15 +234,12 @@ def _listing_problems(directory: Path, manifest: Mapping[str, Any]) -> list[Prob
     anything there that is not a regular file (a link, a FIFO, a device, a directory)."""
     listed = {e["file"] for e in manifest["cases"].values()}
     out: list[Problem] = []
-    try:
-        entries = sorted(os.scandir(directory / "cases"), key=lambda e: e.name)
-    except FileNotFoundError:
-        entries = []
-    except OSError as exc:
-        return [Problem(None, None, "bundle", f"cannot list cases/ ({exc.strerror})")]
-    for e in entries:
-        rel = f"cases/{e.name}"
-        mode = e.stat(follow_symlinks=False).st_mode
+    try:  # never through a link: no name from outside the bundle is listed or printed
+        entries = list_confined(directory, "cases") or []
+    except RefAttnError as exc:
+        return [Problem(None, None, "bundle", str(exc))]
+    for name, mode in entries:
+        rel = f"cases/{name}"
         if not stat.S_ISREG(mode):
             kind = "a symbolic link" if stat.S_ISLNK(mode) else "not a regular file"
             out.append(Problem(None, None, "bundle", f"{rel} is {kind}; a bundle holds only "
