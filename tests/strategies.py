@@ -313,3 +313,111 @@ def engine_calls(
                                draw(st.integers(0, 2**64 - 1)),
                                offset=draw(st.integers(0, 2**32 - 1)))
     return AttentionCall(q, k, v, **kw)
+
+
+# -- the exact backend decides every call (issue 25) ------------------------------------------
+
+
+@st.composite
+def exact_calls(
+    draw: st.DrawFn,
+    *,
+    max_batch: int = 2,
+    max_kv_heads: int = 2,
+    max_group: int = 2,
+    max_len: int = 4,
+    max_width: int = 3,
+) -> tuple[Any, np.ndarray]:
+    """A small valid call over every feature, and its grad_output (B, Hq, Q, Dv).
+
+    Score family (dot, bilinear shared or per head, additive, cosine with eps drawn from
+    [1e-8, 2] and possibly a clamped row), scale from [0.05, 3] and its placement, softcap
+    from [0.3, 60], bias (full, broadcast, ALiBi slopes from [0, 1] per head or per batch row
+    and head), sink logits from [-3, 3], dropout (explicit with p from [0, 0.9], Philox, or a
+    real multiplier), dense or causal masks and unused rows, GQA and head maps, Q != K. Values
+    are continuous normals, multiples of 1/4 (exact sums that land on ties) or repeated values
+    (equal scores, parallel rows); q may repeat k's rows (cosine exactly 1).
+    """
+    from refattn import AttentionCall
+    from refattn.call.bias import alibi
+    from refattn.call.scores import Additive, Bilinear, Cosine
+    from refattn.dropout import Philox
+    from refattn.masks import relation
+
+    B = draw(st.integers(1, max_batch))
+    Hkv = draw(st.integers(1, max_kv_heads))
+    Hq = Hkv * draw(st.integers(1, max_group))
+    Q, K = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
+    Dk, Dv = draw(st.integers(1, max_width)), draw(st.integers(1, max_width))
+    kind = draw(st.sampled_from(["normal", "dyadic", "repeated"]))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+
+    def values(*shape: int) -> np.ndarray:
+        if kind == "normal":
+            return rng.standard_normal(shape)
+        if kind == "dyadic":
+            return rng.integers(-6, 7, shape) / 4.0
+        return rng.choice(rng.standard_normal(2), shape)
+
+    q, k, v = values(B, Hq, Q, Dk), values(B, Hkv, K, Dk), values(B, Hkv, K, Dv)
+    if Q <= K and Hq == Hkv and draw(st.booleans()):
+        q = np.array(k[:, :, :Q])  # self attention: q's rows are k's rows
+    kw: dict[str, Any] = {}
+    family = draw(st.sampled_from(["dot", "bilinear", "additive", "cosine"]))
+    if family == "bilinear":
+        kw["score"] = Bilinear(values(Dk, Dk) if draw(st.booleans()) else values(Hq, Dk, Dk))
+    elif family == "additive":
+        Da = draw(st.integers(1, 3))
+        kw["score"] = Additive(values(Hq, Da, Dk), values(Hq, Da, Dk), values(Hq, Da),
+                               values(Hq, Da))
+    elif family == "cosine":
+        eps = draw(st.floats(1e-8, 2.0))
+        kw["score"] = Cosine(eps)
+        if draw(st.booleans()):  # a row below eps: the clamped branch
+            q[..., 0, :] *= draw(st.floats(0.0, 0.9)) * eps / max(np.abs(q[..., 0, :]).max(),
+                                                                 1e-300)
+    if family != "dot" or draw(st.booleans()):
+        kw["scale"] = draw(st.floats(0.05, 3.0))
+    if family in ("dot", "bilinear"):
+        kw["scale_placement"] = draw(st.sampled_from(["post", "q", "k", "split"]))
+    if draw(st.booleans()):
+        kw["softcap"] = draw(st.floats(0.3, 60.0))
+    full = (B, Hq, Q, K)
+    bias = draw(st.sampled_from(["none", "full", "broadcast", "alibi", "alibi_batch"]))
+    if bias == "full":
+        kw["bias"] = values(*full)
+    elif bias == "broadcast":
+        kw["bias"] = values(1, Hq, 1, K)
+    elif bias != "none":
+        n = Hq * (B if bias == "alibi_batch" else 1)
+        slopes = np.array(draw(st.lists(st.floats(0.0, 1.0), min_size=n, max_size=n)))
+        kw["bias"] = alibi(slopes.reshape((B, Hq) if bias == "alibi_batch" else (Hq,)),
+                           np.arange(Q) + (K - Q), np.arange(K))
+    if draw(st.booleans()):
+        kw["sink"] = np.array(draw(st.lists(st.floats(-3.0, 3.0), min_size=Hq, max_size=Hq)))
+    mask = draw(st.sampled_from(["none", "dense", "causal"]))
+    if mask == "dense":
+        kw["visible"] = rng.random(full) < 0.6
+    elif mask == "causal":
+        kw["visible"] = relation(np.tile(np.arange(Q) + (K - Q), (B, 1)),
+                                 np.tile(np.arange(K), (B, 1)), causal=True)
+    used = rng.random((B, 1, Q, 1)) < 0.7 if draw(st.booleans()) else np.ones((B, 1, Q, 1),
+                                                                            dtype=bool)
+    if mask != "none" and "sink" not in kw:  # a row without a legal key must be unused
+        dense = kw["visible"] if mask == "dense" else kw["visible"].dense()
+        used &= np.broadcast_to(dense, full).any(axis=-1).all(axis=1)[:, None, :, None]
+    if not used.all():
+        kw["query_valid"] = used
+        kw["all_masked_rows"] = "sanitize_then_zero_invalid_query"
+    dropout = draw(st.sampled_from(["none", "explicit", "philox", "real"]))
+    if dropout != "none":
+        p = draw(st.floats(0.0, 0.9))
+        if dropout == "explicit":
+            kw["dropout"] = (rng.random(full) >= p) / (1.0 - p)
+        elif dropout == "philox":
+            kw["dropout"] = Philox(p, draw(st.integers(0, 2**64 - 1)))
+        else:
+            kw["dropout"] = rng.uniform(-1.0, 2.0, (1, 1, Q, K))
+    if Hq > Hkv and draw(st.booleans()):
+        kw["head_map"] = rng.integers(0, Hkv, Hq)
+    return AttentionCall(q, k, v, **kw), values(B, Hq, Q, Dv)

@@ -218,8 +218,8 @@ def decide(name: str, evaluate: Callable[[], np.ndarray], *, letters: str | None
 
     A value on a boundary whose ball never shrinks to a point is decided by ``exact``:
 
-    >>> one = lambda: np.array([(arb(1) / 3) * 3], dtype=object)  # exactly 1, radius > 0
-    >>> decide("one", one, exact=lambda idx: [rn_fraction(Fraction(1, 3) * 3)]).tolist()
+    >>> tie = lambda: np.array([(arb(1) / 3) * 3 + arb(2) ** -53], dtype=object)
+    >>> decide("tie", tie, exact=lambda idx: [rn_fraction(1 + Fraction(1, 2 ** 53))]).tolist()
     [1.0]
     """
     bits = start
