@@ -22,6 +22,7 @@ import numpy as np
 from refattn._checks import first_index, format_index
 from refattn.bundle.candidates import as_numpy
 from refattn.bundle.cases import GoldenCase
+from refattn.bundle.diagnosis import Diagnosis, diagnose
 from refattn.bundle.lowp import naive_lowp
 from refattn.bundle.read import LoadedCase
 from refattn.bundle.spec import CaseSpec, case_spec
@@ -249,6 +250,11 @@ class Report:
         does not provide (not compared; not a failure).
     first_failure : str or None
         The first failing tensor in trace order.
+    diagnoses : tuple of Diagnosis
+        The kinds of error that were recomputed and found to fit the failures
+        (:mod:`refattn.bundle.diagnosis`): a constant ratio, a sign flip, another scale,
+        another probability support, a missing GQA sum, a transposed layout, a missing
+        ``query_valid`` zeroing. Empty when the candidate passes or nothing fits.
     """
 
     case_id: str | None
@@ -256,6 +262,7 @@ class Report:
     tensors: tuple[TensorReport, ...]
     missing: tuple[str, ...] = ()
     tolerances: Tolerances = field(default_factory=Tolerances)
+    diagnoses: tuple[Diagnosis, ...] = ()
 
     @property
     def passed(self) -> bool:
@@ -303,6 +310,7 @@ class Report:
             for r in t.top_relative:
                 lines.append(f"  rel {r.relative:.3e} at {format_index(r.index)}: "
                              f"{plain(r.candidate)} vs {plain(r.golden)}")
+        lines += [d.line() for d in self.diagnoses]
         first = self.first_failure
         failed = sum(not t.passed for t in self.tensors)
         lines.append("PASS" if first is None else
@@ -328,7 +336,9 @@ class Report:
         return {"case_id": self.case_id, "precision": self.precision, "rule": self.rule_text(),
                 "passed": self.passed, "first_failure": self.first_failure,
                 "missing": list(self.missing), "tolerances": tol,
-                "tensors": [t.to_dict() for t in self.tensors]}
+                "tensors": [t.to_dict() for t in self.tensors],
+                "diagnoses": [{"kind": d.kind, "tensors": list(d.tensors), "text": d.text}
+                              for d in self.diagnoses]}
 
 
 # -- the comparison --------------------------------------------------------------------------
@@ -587,4 +597,37 @@ def compare(
     missing = tuple(sorted((n for n in gold if n not in cand and n not in required
                             and n not in INPUT_NAMES), key=_order_key))
     case_id = spec.case_id if spec is not None else None
-    return Report(case_id, precision, tuple(rows), missing, tol)
+    diagnoses: tuple[Diagnosis, ...] = ()
+    failing = [r.name for r in rows if not r.passed and r.name in cand]
+    if failing:
+        diagnoses = _diagnoses(cand, gold, spec, rows, failing, precision=precision, tol=tol,
+                               naive=naive, dtype=lp_dtype)
+    return Report(case_id, precision, tuple(rows), missing, tol, diagnoses)
+
+
+def _diagnoses(cand: Mapping[str, np.ndarray], gold: Mapping[str, np.ndarray],
+               spec: CaseSpec | None, rows: list[TensorReport], failing: list[str], *,
+               precision: str, tol: Tolerances,
+               naive: Mapping[str, Mapping[str, np.ndarray]] | None,
+               dtype: np.dtype) -> tuple[Diagnosis, ...]:
+    """The comparison's rules as the two tests :func:`diagnose` applies to a hypothesis."""
+    bounds = {r.name: r.bound for r in rows if r.rule == "reference_relative"}
+
+    def passes(name: str, c: np.ndarray) -> bool:  # the rule itself, on an undone candidate
+        g = np.asarray(gold[name])
+        return c.shape == g.shape and _numeric(name, c, g, precision=precision, tol=tol,
+                                               naive=naive, dtype=dtype).passed
+
+    def fits(name: str, c: np.ndarray, alt: np.ndarray) -> bool:  # within the tolerance
+        alt = np.asarray(alt, dtype=np.float64)
+        if c.shape != alt.shape or not np.array_equal(_classes(c), _classes(alt)):
+            return False
+        both = np.isfinite(alt)
+        err = np.abs(c[both] - alt[both])
+        if precision == "float64":
+            atol, rtol = tol.float64_for(name)
+            return bool(np.all(err <= atol + rtol * np.abs(alt[both])))
+        bound = bounds.get(name)  # the tensor's own allowance: k * naive error + floor
+        return bound is not None and bound > 0 and bool(err.size == 0 or err.max() <= bound)
+
+    return diagnose(cand, gold, spec, failing, passes=passes, fits=fits)

@@ -30,7 +30,7 @@ from refattn.bundle.suites import build_suite
 from refattn.bundle.tolerances import precision_name, resolve_dtype
 from refattn.errors import RefAttnError
 
-__all__ = ["TARGETS", "Case", "load_cases"]
+__all__ = ["TARGETS", "Case", "causal_alignments", "flash_window", "load_cases"]
 
 #: lowerings a case offers
 TARGETS = ("numpy", "torch_sdpa", "jax")
@@ -132,6 +132,85 @@ class Case:
         """alpha: scores are ``scale * q @ k^T``."""
         return self.plain.scale
 
+    # -- the conventions a kernel decides (pass what the case leaves to the kernel) -------
+    @property
+    def scale_is_default(self) -> bool:
+        """True when the case was called without a scale, so the kernel's own default
+        (``1/sqrt(Dk)``) is what is under test: call the kernel without one
+        (:attr:`scale_argument`)."""
+        return self.spec.scale_is_default
+
+    @property
+    def scale_argument(self) -> float | None:
+        """What to pass as the kernel's ``scale``: None where the case uses the default
+        (:attr:`scale_is_default`), else :attr:`scale`.
+
+        Examples
+        --------
+        >>> from refattn.bundle.suites.conformance import CASES
+        >>> Case(case_spec(CASES["causal_square"]())).scale_argument is None
+        True
+        >>> Case(case_spec(CASES["explicit_scale_0p2"]())).scale_argument
+        0.2
+        """
+        return None if self.scale_is_default else self.scale
+
+    @cached_property
+    def _triangles(self) -> tuple[str, ...]:
+        return causal_alignments(self.spec)
+
+    @property
+    def is_causal(self) -> bool:
+        """True when the visibility is exactly a causal triangle (upper-left or lower-right,
+        the same for every batch row and head, some key hidden): a kernel's ``causal=True``."""
+        return bool(self._triangles)
+
+    @property
+    def causal_alignment(self) -> Literal["upper_left", "lower_right"] | None:
+        """Which causal triangle the visibility is: ``upper_left`` (key j <= query i:
+        PyTorch's ``is_causal``, JAX), ``lower_right`` (key j <= i + K - Q: FlashAttention,
+        a KV cache), or None when it is no causal triangle. Where Q == K the two are the
+        same triangle and this is ``upper_left``.
+
+        Examples
+        --------
+        >>> from refattn.bundle.suites.conformance import CASES
+        >>> c = Case(case_spec(CASES["causal_lower_right_q3_k7"]()))
+        >>> c.is_causal, c.causal_alignment, c.window
+        (True, 'lower_right', (-1, 0))
+        >>> c = Case(case_spec(CASES["causal_upper_left_q3_k7"]()))
+        >>> c.causal_alignment, c.window
+        ('upper_left', None)
+        """
+        return self._triangles[0] if self._triangles else None  # type: ignore[return-value]
+
+    @cached_property
+    def window(self) -> tuple[int, int] | None:
+        """The visibility as FlashAttention's ``window_size=(left, right)``: key j is visible
+        from query i when ``i + K - Q - left <= j <= i + K - Q + right`` (-1: unbounded), the
+        same for every batch row and head; ``(-1, -1)`` without a mask, ``(-1, 0)`` for the
+        lower-right causal triangle; None when the visibility is no such band.
+
+        Examples
+        --------
+        >>> from refattn.bundle.suites.conformance import CASES
+        >>> Case(case_spec(CASES["sliding_window_causal_incl3"]())).window
+        (2, 0)
+        """
+        return flash_window(self.spec)
+
+    @property
+    def gqa_mapping(self) -> Literal["grouped", "explicit"]:
+        """``grouped``: query head h reads kv head ``h // (Hq // Hkv)`` (consecutive query
+        heads share a kv head; Hq == Hkv is the identity); ``explicit``: another
+        :attr:`head_map`, which the kernel must take as given."""
+        return "explicit" if self.spec.head_map_mode == "explicit" else "grouped"
+
+    @property
+    def softcap(self) -> float | None:
+        """The score softcap c (scores ``c * tanh(s / c)``), or None."""
+        return self.spec.softcap
+
     @property
     def head_map(self) -> np.ndarray:
         """(Hq,) int64: query head h reads kv head ``head_map[h]``."""
@@ -182,6 +261,60 @@ class Case:
         naming why when the function cannot express the case.
         """
         return jax_adapter.jax_call(self.spec, dtype=dtype or self.dtype, **options)
+
+
+def causal_alignments(spec: CaseSpec) -> tuple[str, ...]:
+    """The causal triangles (``upper_left``, ``lower_right``) that ``spec``'s visibility is
+    exactly, for every batch row and head; () when it is none of them or hides no key.
+
+    Examples
+    --------
+    >>> from refattn.bundle.suites.conformance import CASES
+    >>> causal_alignments(case_spec(CASES["causal_square"]()))
+    ('upper_left', 'lower_right')
+    >>> causal_alignments(case_spec(CASES["key_padding_causal"]()))
+    ()
+    """
+    vis = spec.visible_full()  # (B, Hq, Q, K), unsanitised: rows with no key stay empty
+    if vis.all():
+        return ()
+    a = spec.axes
+    i, j = np.arange(a["Q"])[:, None], np.arange(a["K"])[None, :]
+    found = []
+    for alignment, offset in (("upper_left", 0), ("lower_right", a["K"] - a["Q"])):
+        if np.array_equal(vis, np.broadcast_to(j <= i + offset, vis.shape)):  # (Q, K)
+            found.append(alignment)
+    return tuple(found)
+
+
+def flash_window(spec: CaseSpec) -> tuple[int, int] | None:
+    """FlashAttention's ``window_size=(left, right)`` equal to ``spec``'s visibility (the
+    diagonal aligned to the lower right; -1 unbounded), or None when it is no such band.
+
+    Examples
+    --------
+    >>> from refattn.bundle.suites.conformance import CASES
+    >>> flash_window(case_spec(CASES["self_attention_basic"]()))
+    (-1, -1)
+    """
+    vis = spec.visible_full()  # (B, Hq, Q, K)
+    a = spec.axes
+    Q, K = a["Q"], a["K"]
+    d = np.arange(K)[None, :] - (np.arange(Q)[:, None] + K - Q)  # (Q, K) key - diagonal
+    seen = vis.any(axis=(0, 1))  # (Q, K)
+    left = int(max(0, -d[seen].min())) if seen.any() else 0
+    right = int(max(0, d[seen].max())) if seen.any() else 0
+
+    def band(lo: int, hi: int) -> np.ndarray:
+        return ((lo < 0) | (d >= -lo)) & ((hi < 0) | (d <= hi))
+
+    if not np.array_equal(vis, np.broadcast_to(band(left, right), vis.shape)):
+        return None
+    if np.array_equal(band(-1, right), band(left, right)):
+        left = -1
+    if np.array_equal(band(left, -1), band(left, right)):
+        right = -1
+    return (left, right)
 
 
 @cache

@@ -90,6 +90,7 @@ def assert_matches(case: Case | CaseSpec | Any, outputs: Mapping[str, Any], *,
         lines = [f"{report.case_id} ({report.precision}, rule {report.rule_text()}): "
                  f"{len(failing)} of {len(report.tensors)} tensor(s) do not match"]
         lines += [_failure(t, report.precision) for t in failing]
+        lines += [f"  {d.line()}" for d in report.diagnoses]
         lines += ["", report.format(legend=False)]
         raise AssertionError("\n".join(lines))
     return report
