@@ -1,21 +1,22 @@
-"""Recompute a golden case with the engine and compare it with what the file stores.
+"""Recompute a golden case and say which guarantee its stored tensors meet.
 
 Owns :func:`recompute`: the call rebuilt from the file (:mod:`refattn.bundle.spec`) runs
-forward and backward again (on the case's generator, or another backend). A case regenerated
-by its own generator must match bit for bit (the first and the worst differing element are
-named): always for the correctly rounded ``exact`` generator, and for the ``numpy`` generator
-where numpy and its BLAS are the ones that wrote it (the generator runs BLAS on one thread, so
-its bytes are deterministic there). Another backend, or a numpy bundle from another
-environment, is compared under the float64 rule of :mod:`refattn.bundle.comparison`. The
-rebuilt call's manifest is compared field by field with the stored one, and so are the
-recorded conventions and the flags that name a feature of the call
+forward and backward again on the ``exact`` generator, whatever the manifest says made it, and
+every stored tensor is compared with that correctly rounded result: bit-identical, or within
+the documented float64 backend bound of it (:mod:`refattn.bundle.guarantee`); where the exact
+generator does not run the call, within twice that bound of an independent float64
+recomputation, and the case says so. The manifest's claims can only add checks: a case that
+claims the exact generator must be bit-identical, a ``numpy`` case written on this machine's
+numpy and BLAS must be regenerated bit for bit by numpy (the first and the worst differing
+element are named). The rebuilt call's manifest is compared field by field with the stored
+one, and so are the recorded conventions and the flags that name a feature of the call
 (:func:`check_recorded`).
 """
 
 from __future__ import annotations
 
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 from threadpoolctl import threadpool_limits
@@ -26,16 +27,25 @@ from refattn.bundle.cases import (
     GoldenCase,
     case_conventions,
     case_tensors,
-    compute,
 )
 from refattn.bundle.comparison import compare
-from refattn.bundle.report import Problem
+from refattn.bundle.guarantee import (
+    FORWARD_BOUND,
+    GRADIENT_BOUND,
+    check_bound,
+    kappa,
+    natural_scales,
+)
+from refattn.bundle.report import Guarantee, Problem
 from refattn.bundle.spec import CaseSpec
 from refattn.call import AttentionCall
 from refattn.engine import backward, forward
+from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS
+from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
 
-__all__ = ["FLAG_CHECKS", "Unsupported", "check_recorded", "generator_of", "recompute"]
+__all__ = ["FLAG_CHECKS", "REQUIREMENTS", "Recomputed", "Unsupported", "check_recorded",
+           "generator_of", "recompute"]
 
 
 def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
@@ -72,7 +82,7 @@ def _first_bit_difference(stored: np.ndarray, fresh: np.ndarray) -> str | None:
     if not bad.size:
         return None
     idx = tuple(int(i) for i in bad[0])
-    sv, fv = stored[idx], fresh[idx]
+    sv, fv = stored[idx].item(), fresh[idx].item()
     hexed = (f" ({float(sv).hex()} vs {float(fv).hex()})" if stored.dtype.kind == "f" else "")
     worst = ""
     if stored.dtype.kind == "f":
@@ -81,8 +91,8 @@ def _first_bit_difference(stored: np.ndarray, fresh: np.ndarray) -> str | None:
         gap = np.where(np.isnan(gap), np.inf, gap)  # a NaN on one side is the worst
         w = np.unravel_index(int(np.argmax(gap)), gap.shape) if gap.ndim else ()
         w = tuple(int(i) for i in w)
-        worst = (f"; worst at {format_index(w)}: stored {stored[w]!r}, recomputed "
-                 f"{fresh[w]!r} (|d| = {float(gap[w]):.3e})")
+        worst = (f"; worst at {format_index(w)}: stored {stored[w].item()!r}, recomputed "
+                 f"{fresh[w].item()!r} (|d| = {float(gap[w]):.3e})")
     return (f"not bit-identical: first difference at {format_index(idx)}: stored {sv!r}, "
             f"recomputed {fv!r}{hexed}; {int(differs.sum())} element(s) differ{worst}")
 
@@ -162,76 +172,203 @@ def check_recorded(spec: CaseSpec, call: AttentionCall) -> list[Problem]:
     return problems
 
 
+#: what ``refattn verify --require`` accepts: ``float64`` (default) passes a case within the
+#: documented float64 backend bound of the correctly rounded result; ``exact`` only a case
+#: bit-identical to it
+REQUIREMENTS = ("float64", "exact")
+
+
+class Recomputed(NamedTuple):
+    """The verdict of :func:`recompute` on one case."""
+
+    #: max|stored - reference| over the float tensors (reference: the exact recomputation, or
+    #: the float64 one where exact did not run)
+    max_abs_error: float
+    #: whether every stored tensor equals the reference bit for bit
+    bit_identical: bool
+    #: which guarantee held (None: none did; the problems say why)
+    guarantee: Guarantee | None
+    problems: list[Problem]
+    notes: list[str]
+    case: GoldenCase
+
+
+def _run(case: GoldenCase, backend: str, **options: Any) -> tuple[Trace, Gradients]:
+    """Forward and backward of ``case`` on ``backend`` (BLAS on one thread but for exact)."""
+    if backend == "exact":
+        trace = forward(case.call, backend="exact", **options)
+        return trace, backward(trace, case.grad_output)
+    with threadpool_limits(limits=1):
+        trace = forward(case.call, backend=backend)
+        return trace, backward(trace, case.grad_output)
+
+
 def recompute(spec: CaseSpec, backend: str | None = None, *,
-              bit_identical: bool | None = None
-              ) -> tuple[float, bool, list[Problem], GoldenCase]:
-    """Rebuild the case's call, run it again and compare with the stored tensors.
+              bit_identical: bool | None = None, require: str = "float64",
+              exact_max_seconds: float = DEFAULT_MAX_SECONDS) -> Recomputed:
+    """Rebuild the case's call, recompute it correctly rounded and say which guarantee holds.
+
+    Whatever the manifest claims about the case's generator, the ``exact`` generator
+    recomputes it (where its time estimate is within ``exact_max_seconds`` and it runs the
+    call) and every stored tensor is compared with that correctly rounded result: bit-identical
+    is the ``bit_identical`` guarantee; otherwise each tensor must be within the documented
+    float64 backend bound of it (:mod:`refattn.bundle.guarantee`), the ``within_bound``
+    guarantee. A case the manifest says the exact generator wrote must be bit-identical. Where
+    the exact generator does not run the case, the reason is noted and the tensors must be
+    within twice that bound of an independent float64 (numpy) recomputation (both are within
+    the bound of the correctly rounded result), the ``within_float64_recomputation``
+    guarantee. A claim can only add checks: a ``numpy`` case written with this machine's numpy
+    and BLAS (``bit_identical=True``) must also be regenerated bit for bit by numpy, and the
+    rebuilt call manifest is compared with the claimed generator's where it ran.
 
     Parameters
     ----------
     spec : CaseSpec
     backend : str, optional
-        The engine to run (default: the case's generator). The generator of a correctly
-        rounded (``exact``) case must reproduce every tensor bit for bit; another backend, or
-        the ``numpy`` generator (whose bytes depend on the machine's BLAS), must meet the
-        float64 rule of :mod:`refattn.bundle.comparison`.
+        Another engine to run too (e.g. ``"numba"``): its tensors must meet the float64 rule
+        of :mod:`refattn.bundle.comparison` against the stored ones; a call it cannot run is
+        noted, not failed. ``"exact"`` adds nothing.
     bit_identical : bool, optional
-        Whether the regenerated tensors must equal the stored ones bit for bit (default: for
-        the ``exact`` generator; the verifier also asks it of a ``numpy`` bundle written with
-        this machine's numpy and BLAS).
+        Whether the case's claimed ``numpy`` generator must regenerate it bit for bit (the
+        verifier passes True for a ``numpy`` bundle written with this machine's numpy and
+        BLAS).
+    require : {"float64", "exact"}
+        ``exact`` fails every case that is not bit-identical to the correctly rounded result.
+    exact_max_seconds : float
+        The exact generator's time limit per case (its estimate, before any arithmetic).
 
     Returns
     -------
-    (max_abs_error, bit_identical, problems, case)
+    Recomputed
+
+    Examples
+    --------
+    >>> from refattn.bundle.suites import build_suite
+    >>> from refattn.bundle.spec import case_spec
+    >>> r = recompute(case_spec(build_suite("contract")[0]))
+    >>> r.guarantee.text, r.problems
+    ('bit-identical to the correctly rounded result', [])
     """
+    if require not in REQUIREMENTS:
+        raise RefAttnError(f"require: expected one of {list(REQUIREMENTS)}, got {require!r}")
     case = spec.to_golden_case()
-    generator = generator_of(spec)
-    backend = generator if backend is None else backend
-    if backend in GENERATORS:
-        trace, grads = compute(case, backend)
-    else:
-        try:
-            with threadpool_limits(limits=1):
-                trace = forward(case.call, backend=backend)
-                grads = backward(trace, case.grad_output)
-        except RefAttnError as exc:
-            raise Unsupported(f"backend {backend!r} cannot run this case: {exc}") from None
-    regenerated = backend == generator
-    fresh = case_tensors(trace, grads, case.layout)
+    cid = spec.case_id
+    claimed = generator_of(spec)
     problems: list[Problem] = []
-    for name in sorted(set(spec.tensors) - set(fresh)) if regenerated else ():
-        problems.append(Problem(spec.case_id, name, "recompute",
+    notes: list[str] = []
+    if claimed not in GENERATORS:
+        problems.append(Problem(cid, None, "manifest", f"the call manifest names generator "
+                                f"{claimed!r}; golden cases are generated by one of "
+                                f"{list(GENERATORS)}"))
+    # 1. the reference: the correctly rounded result, or a float64 recomputation where exact
+    #    does not run the call
+    reference, why_not = "exact", ""
+    try:
+        trace, grads = _run(case, "exact", max_seconds=exact_max_seconds)
+    except RefAttnError as exc:
+        reference, why_not = "numpy", str(exc)
+        notes.append(f"the exact generator did not run this case ({why_not}); its tensors "
+                     "were checked against a float64 (numpy) recomputation instead")
+        trace, grads = _run(case, "numpy")
+    fresh = case_tensors(trace, grads, case.layout)
+    for name in sorted(set(spec.tensors) - set(fresh)):
+        problems.append(Problem(cid, name, "recompute",
                                 "stored tensor is not produced by the recomputation"))
     for name in sorted(set(fresh) - set(spec.tensors)):
-        problems.append(Problem(spec.case_id, name, "recompute",
+        problems.append(Problem(cid, name, "recompute",
                                 "recomputation produces a tensor the file does not store"))
-    common = {n: fresh[n] for n in fresh if n in spec.tensors}
-    report = compare(common, spec, dtype="float64")
-    if bit_identical is None:
-        bit_identical = trace.arithmetic == "stepwise_correctly_rounded"
-    if regenerated and bit_identical:
-        for name in sorted(common):  # machine-independent by construction: bit for bit
-            diff = _first_bit_difference(np.asarray(spec.tensors[name]), common[name])
-            if diff:
-                problems.append(Problem(spec.case_id, name, "recompute", diff))
+    common = sorted(n for n in fresh if n in spec.tensors)
+    stored = {n: np.asarray(spec.tensors[n]) for n in common}
+    diffs = {n: d for n in common if (d := _first_bit_difference(stored[n], fresh[n]))}
+    identical = not diffs and not problems
+    max_err = _max_abs_error(stored, fresh)
+    # 2. the guarantee
+    guarantee: Guarantee | None = None
+    kap = kappa(trace.scores)
+    if reference == "exact" and not diffs:
+        guarantee = Guarantee("bit_identical", "exact", kap)
+    elif reference == "exact" and claimed == "exact":
+        for name, diff in diffs.items():
+            problems.append(Problem(cid, name, "recompute", "the case claims the exact "
+                                    "generator, so every tensor must be the correctly "
+                                    f"rounded result; {diff}"))
     else:
-        for row in report.tensors:
-            if not row.passed:
-                problems.append(Problem(spec.case_id, row.name, "recompute",
-                                        row.reason or "differs"))
-    identical = all(_first_bit_difference(np.asarray(spec.tensors[n]), common[n]) is None
-                    for n in common) and not problems
-    max_err = max((row.max_abs_error for row in report.tensors if row.rule == "float64"),
-                  default=0.0)
-    stored = dict(spec.call_manifest)
-    rebuilt = trace.manifest()
-    for m in (stored, rebuilt):
+        factor = 1.0 if reference == "exact" else 2.0
+        what = "correctly rounded" if reference == "exact" else "float64 recomputation"
+        checked = check_bound(stored, fresh, kappa=kap, factor=factor, what=what,
+                              scales=natural_scales(case.call, trace, grads))
+        failed = [t for t in checked if t.reason]
+        for t in failed:
+            problems.append(Problem(cid, t.name, "recompute", f"beyond the float64 backend "
+                                    f"bound{'' if factor == 1 else ' (x2)'} of the {what} "
+                                    f"result: {t.reason}"))
+        if not failed:
+            worst = max(checked, key=lambda t: t.fraction, default=None)
+            guarantee = Guarantee(
+                "within_bound" if reference == "exact" else "within_float64_recomputation",
+                reference, kap, factor * FORWARD_BOUND * kap, factor * GRADIENT_BOUND * kap,
+                worst.fraction if worst else 0.0, worst.name if worst else None, why_not)
+    if require == "exact" and (reference != "exact" or diffs):
+        name, diff = next(iter(diffs.items()), (None, why_not))
+        reason = (f"the exact generator did not run this case ({why_not})"
+                  if reference != "exact" else str(diff).replace(
+                      "not bit-identical", "not bit-identical to the correctly rounded result", 1))
+        problems.append(Problem(cid, name, "recompute", f"--require exact: {reason}"))
+    # 3. what the claim adds: the claimed generator's own run (bit for bit where it must be)
+    claimed_trace = trace if claimed == reference else None
+    if claimed == "numpy":
+        regenerated = fresh
+        if reference != "numpy":
+            claimed_trace, claimed_grads = _run(case, "numpy")
+            regenerated = case_tensors(claimed_trace, claimed_grads, case.layout)
+        for name in common if bit_identical else ():  # numpy's bytes are deterministic on
+            diff = _first_bit_difference(stored[name], regenerated[name])  # the BLAS that
+            if diff:                                                       # wrote them
+                problems.append(Problem(cid, name, "recompute", "regenerated by numpy on "
+                                        f"the numpy and BLAS that wrote it: {diff}"))
+    # 4. another engine, when asked for
+    if backend not in (None, "exact", reference):
+        try:
+            other_trace, other_grads = _run(case, backend)
+        except RefAttnError as exc:
+            notes.append(f"backend {backend!r} cannot run this case: {exc}")
+        else:
+            other = case_tensors(other_trace, other_grads, case.layout)
+            report = compare({n: other[n] for n in common if n in other}, spec, dtype="float64")
+            for row in report.tensors:
+                if not row.passed:
+                    problems.append(Problem(cid, row.name, "recompute",
+                                            f"backend {backend!r}: {row.reason or 'differs'}"))
+            err = max((r.max_abs_error for r in report.tensors if r.rule == "float64"),
+                      default=0.0)
+            notes.append(f"backend {backend!r}: max|stored - recomputed| {err:.2e} under the "
+                         "float64 rule")
+    elif backend == "numpy" and reference == "numpy":
+        notes.append("backend 'numpy': the recomputation above")
+    # 5. the rebuilt call manifest, field by field (backend fields where the claimed
+    #    generator ran)
+    rebuilt = (claimed_trace or trace).manifest()
+    stored_manifest = dict(spec.call_manifest)
+    for m in (stored_manifest, rebuilt):
         m["backend"] = {k: v for k, v in m.get("backend", {}).items()
-                        if k != "framework_revision" and regenerated}
-        if not regenerated:  # another engine materialises what it chooses
+                        if k != "framework_revision" and claimed_trace is not None}
+        if claimed_trace is None:  # another engine materialises what it chooses
             m.pop("materialization", None)
-    diff = _first_difference(rebuilt, stored)
+    diff = _first_difference(rebuilt, stored_manifest)
     if diff:
-        problems.append(Problem(spec.case_id, None, "manifest",
+        problems.append(Problem(cid, None, "manifest",
                                 f"rebuilt call manifest differs at {diff}"))
-    return max_err, identical, problems, case
+    return Recomputed(max_err, identical and not problems, guarantee, problems, notes, case)
+
+
+def _max_abs_error(stored: Mapping[str, np.ndarray], fresh: Mapping[str, np.ndarray]) -> float:
+    """max|stored - fresh| over the finite elements of float tensors of equal shapes."""
+    worst = 0.0
+    for name, a in stored.items():
+        g = fresh[name]
+        if a.dtype.kind == "f" and a.shape == g.shape and a.size:
+            with np.errstate(invalid="ignore", over="ignore"):
+                d = np.abs(a - g)
+            d = d[np.isfinite(d)]
+            worst = max(worst, float(d.max(initial=0.0)))
+    return worst

@@ -12,19 +12,23 @@ import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
 
-__all__ = ["LEGEND", "CaseResult", "Problem", "Stage", "VerifyReport"]
+__all__ = ["LEGEND", "CaseResult", "Guarantee", "GuaranteeKind", "Problem", "Stage",
+           "VerifyReport"]
 
 #: what each column of :meth:`VerifyReport.format` means (printed above the table)
 LEGEND = (
     "columns: FAIL/ok = the case's verdict; files = the case file and its tensors' sha256 "
     "(ok/FAIL);",
-    "  sha = tensors whose sha256 matched the manifest; recompute = the case recomputed by "
-    "its generator:",
-    "  bit-identical, or max|stored - recomputed| under the float64 rule; gradcheck = the "
-    "stored gradients",
-    "  against numeric derivatives: worst error/tolerance (<= 1 passes), the mode and the "
-    "inputs checked;",
-    "  rounding cert. (--exact) = elements confirmed correctly rounded",
+    "  sha = tensors whose sha256 matched the manifest; guarantee = the case recomputed by the "
+    "exact generator",
+    "  whatever the manifest claims: bit-identical to the correctly rounded result, or within "
+    "the documented",
+    "  float64 backend bound of it (share of the bound used; see the guarantee lines and "
+    "docs/verify.md);",
+    "  gradcheck = the stored gradients against numeric derivatives: worst error/tolerance "
+    "(<= 1 passes),",
+    "  the mode and the inputs checked; rounding cert. (--exact) = elements confirmed "
+    "correctly rounded",
 )
 
 
@@ -35,6 +39,86 @@ def _json_float(x: float | None) -> float | str | None:
     return repr(float(x))
 
 Stage = Literal["bundle", "file", "tensor", "recompute", "manifest", "gradcheck", "certificate"]
+
+#: which guarantee a verified case met: ``bit_identical`` (every stored tensor equals the
+#: correctly rounded result), ``within_bound`` (within the documented float64 backend bound of
+#: it), ``within_float64_recomputation`` (the exact generator did not run the case: within
+#: twice that bound of an independent float64 recomputation)
+GuaranteeKind = Literal["bit_identical", "within_bound", "within_float64_recomputation"]
+
+
+@dataclass(frozen=True)
+class Guarantee:
+    """What a verified case's stored tensors are, as established by its recomputation.
+
+    Attributes
+    ----------
+    kind : {"bit_identical", "within_bound", "within_float64_recomputation"}
+    reference : str
+        The recomputation they were checked against: ``"exact"`` (the correctly rounded
+        result) or ``"numpy"`` (where the exact generator did not run the case).
+    kappa : float or None
+        The conditioning factor ``max(1, max|scores| / 16)`` of the bound.
+    forward_bound : float or None
+        Allowed normwise relative difference of the forward tensors (``1e-14 * kappa``, twice
+        that against a float64 recomputation).
+    gradient_bound : float or None
+        Allowed difference of each element, relative to its natural magnitude (``1e-12 *
+        kappa``, twice that against a float64 recomputation).
+    worst_fraction : float or None
+        Largest share of its allowance any tensor used (<= 1).
+    worst_tensor : str or None
+        The tensor that used it.
+    reason : str
+        Why the exact generator did not run the case (empty when it did).
+
+    Examples
+    --------
+    >>> Guarantee("bit_identical", "exact").text
+    'bit-identical to the correctly rounded result'
+    >>> g = Guarantee("within_bound", "exact", 1.0, 1e-14, 1e-12, 0.09, "output")
+    >>> g.short
+    'within bound (9.0%)'
+    """
+
+    kind: GuaranteeKind
+    reference: str
+    kappa: float | None = None
+    forward_bound: float | None = None
+    gradient_bound: float | None = None
+    worst_fraction: float | None = None
+    worst_tensor: str | None = None
+    reason: str = ""
+
+    @property
+    def text(self) -> str:
+        """The guarantee in one sentence."""
+        if self.kind == "bit_identical":
+            return "bit-identical to the correctly rounded result"
+        bound = (f"forward tensors {self.forward_bound:.1e} normwise, gradients "
+                 f"{self.gradient_bound:.1e} of their natural magnitude (kappa "
+                 f"{self.kappa:.3g}); worst {self.worst_tensor} at {self.worst_fraction:.1%} "
+                 "of its bound")
+        if self.kind == "within_bound":
+            return f"within the float64 backend bound of the correctly rounded result: {bound}"
+        return (f"within twice the float64 backend bound of an independent float64 "
+                f"({self.reference}) recomputation: {bound}; the exact generator did not run "
+                f"this case: {self.reason}")
+
+    @property
+    def short(self) -> str:
+        """The guarantee in the report's column."""
+        match self.kind:
+            case "bit_identical":
+                return "bit-identical"
+            case "within_bound":
+                return f"within bound ({self.worst_fraction:.1%})"
+            case _:
+                return f"float64 2x bound ({self.worst_fraction:.1%})"
+
+    def to_dict(self) -> dict[str, Any]:
+        """JSON-ready values, ``text`` included."""
+        return {**asdict(self), "text": self.text}
 
 
 @dataclass(frozen=True)
@@ -75,6 +159,8 @@ class CaseResult:
         Elements confirmed correctly rounded by the rounding certificate (None: not run).
     problems : tuple of Problem
     notes : tuple of str
+    guarantee : Guarantee or None
+        Which guarantee the recomputation established (None: not recomputed, or none held).
     """
 
     case_id: str
@@ -87,6 +173,7 @@ class CaseResult:
     problems: tuple[Problem, ...] = ()
     notes: tuple[str, ...] = ()
     certified: int | None = None
+    guarantee: Guarantee | None = None
 
     @property
     def passed(self) -> bool:
@@ -96,8 +183,8 @@ class CaseResult:
         integrity = "FAIL" if any(p.stage in ("file", "tensor") for p in self.problems) else "ok"
         if self.recompute_error is None:
             recompute = "skipped"
-        elif self.bit_identical:
-            recompute = "bit-identical"
+        elif self.guarantee is not None:
+            recompute = self.guarantee.short
         else:
             recompute = f"max|d| {self.recompute_error:.2e}"
         if any(p.stage in ("recompute", "manifest") for p in self.problems):
@@ -114,7 +201,7 @@ class CaseResult:
                 cert = "FAIL"
             cert = f"{cert:<14} "
         return (f"{'ok' if self.passed else 'FAIL':<4} {self.case_id:<44} {integrity:<5} "
-                f"{self.tensors_checked:>3}  {recompute:<22} {grad:<28} {cert}".rstrip())
+                f"{self.tensors_checked:>3}  {recompute:<26} {grad:<28} {cert}".rstrip())
 
     def to_dict(self) -> dict[str, Any]:
         """The result as JSON-ready values (``refattn verify --json``)."""
@@ -124,6 +211,7 @@ class CaseResult:
         out["gradcheck_error"] = _json_float(self.gradcheck_error)
         out["gradcheck_inputs"] = list(self.gradcheck_inputs)
         out["notes"] = list(self.notes)
+        out["guarantee"] = None if self.guarantee is None else self.guarantee.to_dict()
         return out
 
 
@@ -156,16 +244,46 @@ class VerifyReport:
         ]
         if legend:
             lines += LEGEND
-        lines.append(f"{'':<4} {'case':<44} {'files':<5} {'sha':>3}  {'recompute':<22} "
+        lines.append(f"{'':<4} {'case':<44} {'files':<5} {'sha':>3}  {'guarantee':<26} "
                      f"{'gradcheck (err/tol)':<28} {cert}".rstrip())
         lines += [c.line(exact=exact) for c in self.cases]
         lines += [f"note case={c.case_id}: {n}" for c in self.cases for n in c.notes]
+        lines += [f"guarantee case={c.case_id}: {c.guarantee.text}" for c in self.cases
+                  if c.guarantee is not None and c.guarantee.kind != "bit_identical"]
+        lines += self.guarantee_summary()
         lines += [str(p) for p in self.all_problems]
         n_bad = sum(not c.passed for c in self.cases)
         lines.append("PASS" if self.passed else
                      f"FAILED: {n_bad} of {len(self.cases)} case(s), "
                      f"{len(self.all_problems)} problem(s)")
         return "\n".join(lines)
+
+    def guarantee_summary(self) -> list[str]:
+        """One line counting the cases per guarantee (none when nothing was recomputed).
+
+        Examples
+        --------
+        >>> r = VerifyReport("b", "s", "1", (CaseResult("c", guarantee=Guarantee(
+        ...     "bit_identical", "exact")), CaseResult("d")))
+        >>> r.guarantee_summary()
+        ['guarantees: 1 case(s) bit-identical to the correctly rounded result, 1 without one']
+        """
+        counts = {"bit_identical": 0, "within_bound": 0, "within_float64_recomputation": 0}
+        for c in self.cases:
+            if c.guarantee is not None:
+                counts[c.guarantee.kind] += 1
+        if not any(counts.values()):
+            return []
+        parts = [f"{n} case(s) {what}" for n, what in (
+            (counts["bit_identical"], "bit-identical to the correctly rounded result"),
+            (counts["within_bound"], "within the float64 backend bound of it"),
+            (counts["within_float64_recomputation"],
+             "within twice that bound of a float64 recomputation (exact did not run)"),
+        ) if n]
+        rest = len(self.cases) - sum(counts.values())
+        if rest:
+            parts.append(f"{rest} without one")
+        return ["guarantees: " + ", ".join(parts)]
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready values (``refattn verify --json``).

@@ -6,9 +6,10 @@ published JSON Schema (:mod:`refattn.bundle.manifest`); (2) each case file is re
 the bundle only (no link followed, regular files only, size bounded), the file's and every
 tensor's sha256 are checked and the case is loaded (:mod:`refattn.bundle.read`); (3) the call
 is rebuilt from the file (:mod:`refattn.bundle.spec`) and the recorded conventions and flags
-are checked against it;
-(4) the engine recomputes it and every stored tensor is compared
-(:mod:`refattn.bundle.recompute`); (5) the stored backward is checked against numeric
+are checked against it; (4) the exact generator recomputes it, whatever the manifest says made
+it, and every stored tensor is compared with the correctly rounded result: bit-identical, or
+within the documented float64 backend bound of it (:mod:`refattn.bundle.recompute`,
+:mod:`refattn.bundle.guarantee`); (5) the stored backward is checked against numeric
 derivatives (:mod:`refattn.bundle.gradients`); (6) with ``exact``, every element is confirmed
 correctly rounded (:mod:`refattn.analysis.certificate`); (7) the verdicts are collected
 (:mod:`refattn.bundle.report`). No step reaches back up.
@@ -30,11 +31,12 @@ from refattn.bundle.fsio import list_confined
 from refattn.bundle.gradients import GradcheckMethod, check_method, check_stored_gradients
 from refattn.bundle.manifest import check_schema, read_manifest
 from refattn.bundle.read import check_case_file, load_bytes
-from refattn.bundle.recompute import Unsupported, check_recorded
+from refattn.bundle.recompute import REQUIREMENTS, Unsupported, check_recorded
 from refattn.bundle.recompute import recompute as recompute_case
 from refattn.bundle.report import CaseResult, Problem, VerifyReport
 from refattn.bundle.spec import case_spec
 from refattn.engine import BACKENDS
+from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS
 from refattn.errors import RefAttnError
 
 __all__ = ["OpenedBundle", "check_file", "open_bundle", "verify", "verify_case_bytes"]
@@ -62,18 +64,22 @@ def check_file(directory: Path, case_id: str, entry: Mapping[str, Any]
 def verify_case_bytes(case_id: str, entry: Mapping[str, Any], data: bytes, checked: int, *,
                       recompute: bool = True, gradcheck: bool = True,
                       method: GradcheckMethod = "auto", backend: str | None = None,
-                      exact: bool = False, bit_identical: bool | None = None) -> CaseResult:
+                      exact: bool = False, bit_identical: bool | None = None,
+                      require: str = "float64",
+                      exact_max_seconds: float = DEFAULT_MAX_SECONDS) -> CaseResult:
     """Steps (3)-(6) of one case whose bytes :func:`check_file` read (a worker's task in
     ``refattn verify --workers``): the verdict :func:`verify` gives that case."""
     return _verify_case(Path("."), case_id, entry, {"cases": {case_id: entry}},
                         recompute=recompute, gradcheck=gradcheck, method=method,
                         backend=backend, exact=exact, bit_identical=bit_identical,
+                        require=require, exact_max_seconds=exact_max_seconds,
                         loaded=(checked, data))
 
 
 def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manifest: Any, *,
                  recompute: bool, gradcheck: bool, method: GradcheckMethod,
                  backend: str | None, exact: bool, bit_identical: bool | None,
+                 require: str = "float64", exact_max_seconds: float = DEFAULT_MAX_SECONDS,
                  loaded: tuple[int, bytes] | None = None) -> CaseResult:
     rel = entry["file"]
     if loaded is None:
@@ -91,15 +97,18 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
         problems += check_recorded(spec, spec.to_call())
     except RefAttnError as exc:
         return CaseResult(case_id, checked, problems=(Problem(case_id, None, "file", str(exc)),))
-    max_err = identical = grad_err = None
+    max_err = identical = grad_err = guarantee = None
     inputs: tuple[str, ...] = ()
     case = None
     notes: list[str] = []
     if recompute:
         try:
-            max_err, identical, found, case = recompute_case(spec, backend,
-                                                             bit_identical=bit_identical)
-            problems += found
+            done = recompute_case(spec, backend, bit_identical=bit_identical, require=require,
+                                  exact_max_seconds=exact_max_seconds)
+            max_err, identical, guarantee, case = (done.max_abs_error, done.bit_identical,
+                                                   done.guarantee, done.case)
+            problems += done.problems
+            notes += done.notes
         except Unsupported as exc:
             notes.append(str(exc))
         except RefAttnError as exc:
@@ -124,13 +133,14 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
         except RefAttnError as exc:
             problems.append(Problem(case_id, None, "certificate", str(exc)))
     return CaseResult(case_id, checked, max_err, identical, grad_err, inputs, grad_method,
-                      tuple(problems), tuple(notes), certified)
+                      tuple(problems), tuple(notes), certified, guarantee)
 
 
 # -- the bundle -----------------------------------------------------------------------------
 def verify(directory: str | os.PathLike, *, recompute: bool = True,
            gradcheck: bool = True, gradcheck_method: GradcheckMethod = "auto",
-           backend: str | None = None, exact: bool = False,
+           backend: str | None = None, exact: bool = False, require: str = "float64",
+           exact_max_seconds: float = DEFAULT_MAX_SECONDS,
            progress: bool | None = None) -> VerifyReport:
     """Verify every case of the bundle in ``directory``.
 
@@ -139,12 +149,23 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
     directory : path
         A bundle written by ``refattn golden`` (``manifest.json`` and ``cases/``).
     recompute : bool
-        Rebuild each call, recompute it with the engine and compare (float64 rule).
+        Rebuild each call and recompute it with the ``exact`` generator, whatever the manifest
+        says made it. Each case then carries its guarantee (``CaseResult.guarantee``):
+        bit-identical to the correctly rounded result, or within the documented float64
+        backend bound of it (docs/verify.md); a tensor beyond that bound fails, naming its
+        worst element. A case the manifest says the exact generator wrote must be
+        bit-identical (the first and worst differing elements are named); a ``numpy`` case
+        written on this machine's numpy and BLAS must also be regenerated bit for bit. Where
+        the exact generator does not run a case (over ``exact_max_seconds``), the case says
+        so and is checked within twice the bound of a float64 (numpy) recomputation.
     backend : str, optional
-        Engine of the recomputation (default: each case's generator). The ``exact``
-        generator must reproduce its file bit for bit (the first differing element is named);
-        another backend, e.g. ``"numba"``, or the machine-dependent ``numpy`` generator must
-        meet the float64 rule; cases a backend cannot run are noted, not failed.
+        Another engine to run on every case too, e.g. ``"numba"``: its tensors must meet the
+        float64 rule against the stored ones; cases it cannot run are noted, not failed.
+    require : {"float64", "exact"}
+        ``"exact"`` fails every case that is not bit-identical to the correctly rounded
+        result (it needs ``recompute``).
+    exact_max_seconds : float
+        The exact generator's limit per case, on its estimate made before any arithmetic.
     exact : bool
         Also run the rounding certificate (:func:`refattn.analysis.certificate.certify`):
         every stored element must be the correctly rounded value of its definition.
@@ -171,14 +192,18 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
     >>> d = tempfile.mkdtemp()
     >>> _ = write_bundle(d, build_suite("contract")[:2], suite="contract")
     >>> r = verify(d)
-    >>> r.passed, [c.bit_identical for c in r.cases]
-    (True, [True, True])
+    >>> r.passed, [c.guarantee.text for c in r.cases]     # doctest: +NORMALIZE_WHITESPACE
+    (True, ['bit-identical to the correctly rounded result',
+            'bit-identical to the correctly rounded result'])
     """
-    bundle = open_bundle(directory, backend=backend, gradcheck_method=gradcheck_method)
+    bundle = open_bundle(directory, backend=backend, gradcheck_method=gradcheck_method,
+                         require=require, recompute=recompute,
+                         exact_max_seconds=exact_max_seconds)
     results = [
         _verify_case(bundle.directory, case_id, entry, bundle.manifest, recompute=recompute,
                      gradcheck=gradcheck, method=gradcheck_method, backend=backend,
-                     exact=exact, bit_identical=bundle.bit_identical)
+                     exact=exact, bit_identical=bundle.bit_identical, require=require,
+                     exact_max_seconds=exact_max_seconds)
         for case_id, entry in progress_bar(sorted(bundle.manifest["cases"].items()),
                                            desc="verify", enabled=progress)
     ]
@@ -203,7 +228,9 @@ class OpenedBundle(NamedTuple):
 
 
 def open_bundle(directory: str | os.PathLike, *, backend: str | None,
-                gradcheck_method: GradcheckMethod) -> OpenedBundle:
+                gradcheck_method: GradcheckMethod, require: str = "float64",
+                recompute: bool = True,
+                exact_max_seconds: float = DEFAULT_MAX_SECONDS) -> OpenedBundle:
     """Check verify's options, then read and validate the manifest of ``directory``.
 
     Examples
@@ -220,6 +247,14 @@ def open_bundle(directory: str | os.PathLike, *, backend: str | None,
     if backend is not None and backend not in BACKENDS:
         raise RefAttnError(f"backend: unknown backend {backend!r}; known: {sorted(BACKENDS)}")
     check_method(gradcheck_method)
+    if require not in REQUIREMENTS:
+        raise RefAttnError(f"require: expected one of {list(REQUIREMENTS)}, got {require!r}")
+    if require == "exact" and not recompute:
+        raise RefAttnError("require: 'exact' needs the recomputation (drop --no-recompute)")
+    if not (isinstance(exact_max_seconds, (int, float)) and exact_max_seconds >= 0
+            and exact_max_seconds == exact_max_seconds):
+        raise RefAttnError(f"exact_max_seconds: expected a number >= 0, got "
+                           f"{exact_max_seconds!r}")
     directory = Path(directory)
     raw = read_manifest(directory / "manifest.json")
     manifest = check_schema(raw)

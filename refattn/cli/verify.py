@@ -6,9 +6,11 @@ import argparse
 import json
 import sys
 
+from refattn.bundle.recompute import REQUIREMENTS
 from refattn.cli.sweep import add_cluster_arguments
 from refattn.distributed.cluster import connect
 from refattn.distributed.verification import verify
+from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS
 
 __all__ = ["GRADCHECK_METHODS", "add_parser"]
 
@@ -30,17 +32,32 @@ def _gradcheck_method(text: str) -> str:
     return text
 
 
+def _seconds(text: str) -> float:
+    """A ``--exact-max-seconds`` value: a finite number >= 0."""
+    try:
+        value = float(text)
+    except ValueError:
+        value = float("nan")
+    if not (0 <= value < float("inf")):
+        raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got "
+                                         f"{text!r}")
+    return value
+
+
 def add_parser(sub: argparse._SubParsersAction) -> None:
     p = sub.add_parser(
         "verify", help="check a golden bundle: sha256 of files and tensors, recomputation, "
         "gradient check (exit 1 on failure)",
         description="Check a golden bundle: the manifest against its JSON Schema, the sha256 of "
-        "every file and tensor, each case recomputed (bit for bit for the exact generator), "
+        "every file and tensor, each case recomputed by the exact generator whatever the manifest "
+        "claims (bit-identical to the correctly rounded result, or within the documented "
+        "float64 backend bound of it: docs/verify.md), "
         "its conventions and flags against the rebuilt call, and its stored gradients by a "
         "gradient check. Exit 0 when every case passes, 1 when one fails, 2 on an error.",
         epilog="examples:\n"
         "  refattn verify goldens\n"
         "  refattn verify --exact goldens                    # + the rounding certificate\n"
+        "  refattn verify goldens --require exact            # every case bit-identical\n"
         "  refattn verify goldens --gradcheck-method central --json",
     )
     p.add_argument("directory", help="bundle directory (manifest.json and cases/)")
@@ -55,8 +72,18 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "or central (Richardson central differences along one random direction); "
                    "the old spellings check_vjp and central_difference still work")
     p.add_argument("--backend", default=None,
-                   help="engine of the recomputation (default: each case's generator; the "
-                   "exact generator must reproduce its files bit for bit)")
+                   help="another engine to run on every case too (e.g. numba): its tensors "
+                   "must meet the float64 rule against the stored ones; cases it cannot run "
+                   "are noted (the exact recomputation runs whatever this says)")
+    p.add_argument("--require", default="float64", choices=REQUIREMENTS,
+                   help="float64 (default): each case bit-identical to the correctly rounded "
+                   "result or within the documented float64 backend bound of it; exact: "
+                   "fail every case that is not bit-identical to it")
+    p.add_argument("--exact-max-seconds", type=_seconds, default=DEFAULT_MAX_SECONDS,
+                   metavar="S",
+                   help="the exact generator's limit per case, on its estimate before any "
+                   "arithmetic (default %(default)g); a case over it is checked against a "
+                   "float64 recomputation within twice the bound, and says so")
     p.add_argument("--exact", action="store_true",
                    help="also run the rounding certificate: every stored element must be the "
                    "correctly rounded value of its definition (independent interval check)")
@@ -75,7 +102,8 @@ def run(args: argparse.Namespace) -> int:
         report = verify(args.directory, client=client, recompute=not args.no_recompute,
                         gradcheck=not args.no_gradcheck,
                         gradcheck_method=_VERIFIER_METHOD[args.gradcheck_method],
-                        backend=args.backend, exact=args.exact,
+                        backend=args.backend, exact=args.exact, require=args.require,
+                        exact_max_seconds=args.exact_max_seconds,
                         progress=False if args.quiet else None)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))

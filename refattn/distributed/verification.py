@@ -19,6 +19,7 @@ from refattn.bundle.report import CaseResult, VerifyReport
 from refattn.bundle.verifier import check_file, open_bundle, verify_case_bytes
 from refattn.bundle.verifier import verify as verify_serial
 from refattn.distributed.cluster import dask_distributed
+from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS
 from refattn.errors import RefAttnError
 
 __all__ = ["verify"]
@@ -26,7 +27,8 @@ __all__ = ["verify"]
 
 def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool = True,
            gradcheck: bool = True, gradcheck_method: GradcheckMethod = "auto",
-           backend: str | None = None, exact: bool = False,
+           backend: str | None = None, exact: bool = False, require: str = "float64",
+           exact_max_seconds: float = DEFAULT_MAX_SECONDS,
            progress: bool | None = None) -> VerifyReport:
     """Verify every case of a bundle, the cases checked on a dask cluster's workers.
 
@@ -36,7 +38,7 @@ def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool 
         A bundle (``manifest.json`` and ``cases/``).
     client : distributed.Client, optional
         Where the cases run; None runs :func:`refattn.bundle.verifier.verify` here.
-    recompute, gradcheck, gradcheck_method, backend, exact
+    recompute, gradcheck, gradcheck_method, backend, exact, require, exact_max_seconds
         As for :func:`refattn.bundle.verifier.verify`.
     progress : bool or None
         A bar of cases verified on standard error: None on a terminal only, False never.
@@ -57,11 +59,13 @@ def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool 
     True
     """
     options = {"recompute": recompute, "gradcheck": gradcheck, "backend": backend,
-               "exact": exact}
+               "exact": exact, "require": require, "exact_max_seconds": exact_max_seconds}
     if client is None:
         return verify_serial(directory, gradcheck_method=gradcheck_method, progress=progress,
                              **options)
-    bundle = open_bundle(directory, backend=backend, gradcheck_method=gradcheck_method)
+    bundle = open_bundle(directory, backend=backend, gradcheck_method=gradcheck_method,
+                         require=require, recompute=recompute,
+                         exact_max_seconds=exact_max_seconds)
     directory, manifest = bundle.directory, bundle.manifest
     options.update(method=gradcheck_method, bit_identical=bundle.bit_identical)
     d = dask_distributed()

@@ -97,6 +97,8 @@ def test_verify_marks_failing_cases_and_speaks_json(bundle, tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert doc["passed"] is True and len(doc["cases"]) == 5
     assert all(c["bit_identical"] is True for c in doc["cases"])
+    assert {c["guarantee"]["text"] for c in doc["cases"]} == {
+        "bit-identical to the correctly rounded result"}  # the per-case guarantee
     # flip one stored byte of a tensor: that case (only) fails its sha256
     copy = tmp_path / "b"
     shutil.copytree(bundle, copy)
@@ -107,6 +109,8 @@ def test_verify_marks_failing_cases_and_speaks_json(bundle, tmp_path, capsys):
     assert main(["verify", str(copy), "--no-gradcheck"]) == 1
     out = capsys.readouterr().out
     assert all(line in out for line in VERIFY_LEGEND)
+    assert "guarantee = the case recomputed by the exact generator" in out
+    assert "guarantees: 4 case(s) bit-identical to the correctly rounded result, 1 without" in out
     verdicts = {w[1]: w[0] for w in map(str.split, out.splitlines())
                 if len(w) > 2 and w[0] in ("ok", "FAIL") and not w[1].startswith("case=")}
     assert verdicts[CASE] == "FAIL"
