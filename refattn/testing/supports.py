@@ -50,11 +50,14 @@ class Supports:
         An additive bias (the function returns its gradient as ``grad_bias``).
     masks : {"dense", "causal", "none"}
         ``dense``: any visibility; ``causal``: only all-visible cases and cases whose
-        visibility is exactly the causal triangle of ``causal_alignment``; ``none``: only
-        all-visible cases.
+        visibility is exactly the causal triangle of ``causal_alignment`` (pass the kernel
+        ``causal=case.is_causal``); ``none``: only all-visible cases.
     causal_alignment : {"upper_left", "lower_right"}
-        The triangle a causal-only function computes when Q != K (PyTorch and JAX: upper
-        left; FlashAttention: lower right).
+        The triangle a causal-only function computes when Q != K, required with
+        ``masks="causal"`` (the two differ for every case with Q != K, so a default would
+        hide the wrong one): ``upper_left``, key j <= query i (PyTorch's ``is_causal``,
+        JAX); ``lower_right``, key j <= i + K - Q (FlashAttention, a KV cache). A case whose
+        triangle is the other one is skipped, naming it.
     softcap, sink : bool
         Score softcapping; a per-head sink logit.
     distinct_value_width : bool
@@ -65,8 +68,13 @@ class Supports:
 
     Examples
     --------
-    >>> Supports(masks="causal", dtypes=("float32",)).masks
-    'causal'
+    >>> Supports(masks="causal", causal_alignment="lower_right").causal_alignment
+    'lower_right'
+    >>> try:
+    ...     Supports(masks="causal")
+    ... except RefAttnError as exc:
+    ...     print(str(exc)[:70])
+    Supports(masks='causal'): name the triangle the function computes when
     >>> try:
     ...     Supports(dropout=("bernoulli",))
     ... except RefAttnError as exc:
@@ -80,7 +88,7 @@ class Supports:
     head_map: bool = True
     bias: bool = True
     masks: Literal["dense", "causal", "none"] = "dense"
-    causal_alignment: Literal["upper_left", "lower_right"] = "upper_left"
+    causal_alignment: Literal["upper_left", "lower_right"] | None = None
     softcap: bool = False
     sink: bool = False
     distinct_value_width: bool = True
@@ -102,9 +110,14 @@ class Supports:
         if self.masks not in ("dense", "causal", "none"):
             raise RefAttnError(f"Supports.masks: expected 'dense', 'causal' or 'none', got "
                                f"{self.masks!r}")
-        if self.causal_alignment not in ("upper_left", "lower_right"):
+        if self.causal_alignment not in ("upper_left", "lower_right", None):
             raise RefAttnError(f"Supports.causal_alignment: expected 'upper_left' or "
                                f"'lower_right', got {self.causal_alignment!r}")
+        if self.masks == "causal" and self.causal_alignment is None:
+            raise RefAttnError(
+                "Supports(masks='causal'): name the triangle the function computes when Q != "
+                "K: causal_alignment='upper_left' (key j <= query i: PyTorch's is_causal, "
+                "JAX) or 'lower_right' (key j <= i + K - Q: FlashAttention, a KV cache)")
 
 
 def _causal_triangle(Q: int, K: int, alignment: str) -> np.ndarray:
@@ -126,10 +139,17 @@ def _mask_reason(spec: CaseSpec, supports: Supports) -> str | None:
             return "a visibility mask (the function supports none: masks='none')"
         case "causal":
             a = spec.axes
-            tri = _causal_triangle(a["Q"], a["K"], supports.causal_alignment)
-            if np.array_equal(vis, np.broadcast_to(tri, vis.shape)):
+            alignment = supports.causal_alignment or "upper_left"  # set with masks="causal"
+            tri = np.broadcast_to(_causal_triangle(a["Q"], a["K"], alignment), vis.shape)
+            # the triangle as stored, or with the key 0 that rows left empty read (Q > K)
+            if np.array_equal(vis, tri) or np.array_equal(spec.visible_full(), tri):
                 return None
-            return (f"a mask that is not the {supports.causal_alignment} causal triangle (the "
+            other = "lower_right" if alignment == "upper_left" else "upper_left"
+            tri = np.broadcast_to(_causal_triangle(a["Q"], a["K"], other), vis.shape)
+            if np.array_equal(spec.visible_full(), tri):
+                return (f"the {other} causal triangle, not the {alignment} one the function "
+                        f"computes (Supports.causal_alignment)")
+            return (f"a mask that is not the {alignment} causal triangle (the "
                     "function supports causal masks only: masks='causal')")
         case _:  # pragma: no cover - Supports validates masks
             raise RefAttnError(f"Supports.masks: {supports.masks!r}")
@@ -169,11 +189,11 @@ def ineligibility(spec: CaseSpec, supports: Supports, dtype: Any = "float64") ->
     >>> from refattn.bundle.suites.conformance import CASES
     >>> ineligibility(case_spec(CASES["dropout_philox"]()), Supports())
     "needs dropout: refattn's Philox stream (Supports.dropout: 'multiplier' or 'philox')"
-    >>> ineligibility(case_spec(CASES["causal_square"]()), Supports(masks="causal")) is None
+    >>> causal = Supports(masks="causal", causal_alignment="upper_left")
+    >>> ineligibility(case_spec(CASES["causal_square"]()), causal) is None
     True
-    >>> print(ineligibility(case_spec(CASES["causal_lower_right_q3_k7"]()),
-    ...                     Supports(masks="causal"))[:55])
-    needs a mask that is not the upper_left causal triangle
+    >>> print(ineligibility(case_spec(CASES["causal_lower_right_q3_k7"]()), causal)[:60])
+    needs the lower_right causal triangle, not the upper_left on
     """
     a = spec.axes
     family = spec.score_family_name

@@ -91,13 +91,16 @@ def test_jax_support_is_exactly_what_dot_product_attention_expresses():
 def test_declared_limits_skip_with_the_limit_named():
     spec = BY_NAME["gqa_hq8_hkv2_causal"]
     assert "Supports.gqa" in ineligibility(spec, Supports(gqa=False))
-    assert ineligibility(spec, Supports(masks="causal")) is None  # upper-left triangle
+    upper = Supports(masks="causal", causal_alignment="upper_left")
+    assert ineligibility(spec, upper) is None  # upper-left triangle
     assert "masks='none'" in ineligibility(spec, Supports(masks="none"))
     explicit = BY_NAME["gqa_explicit_head_map"]
     assert "Supports.head_map" in ineligibility(explicit, Supports(head_map=False))
     lower = BY_NAME["causal_lower_right_q3_k7"]
     assert ineligibility(lower, Supports(masks="causal", causal_alignment="lower_right")) is None
-    assert "upper_left" in ineligibility(lower, Supports(masks="causal"))
+    assert "the lower_right causal triangle, not the upper_left" in ineligibility(lower, upper)
+    with pytest.raises(RefAttnError, match="causal_alignment='upper_left'"):
+        Supports(masks="causal")  # the triangle must be named
     philox = BY_NAME["dropout_philox"]
     assert ineligibility(philox, Supports(dropout=("philox",))) is None
     assert ineligibility(BY_NAME["loop6_two_query_training_trace"],
