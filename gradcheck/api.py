@@ -536,8 +536,8 @@ def _compare(
     vnorms = np.array([np.linalg.norm(v) for v in cotangents])
     tol = checker.tol(c["error"], 1.0, vnorms * c["norm"], vnorms * floor * c["wnorm"], dot)
     abs_err = np.abs(a - n)
-    for r in np.flatnonzero(abs_err > TERM_TRIGGER * tol):
-        if (s := _term(terms, int(r), name, x.shape)) is not None:
+    for r in map(int, np.flatnonzero(abs_err > TERM_TRIGGER * tol)):
+        if (s := _term(terms, r, name, x.shape)) is not None:
             tol[r] += bound * float(np.abs(s.ravel() * ws[r].ravel()).sum())
     ratio = error_ratio(abs_err, tol)
     for r in c["skipped"]:

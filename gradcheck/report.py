@@ -8,6 +8,7 @@ the numbers to :mod:`gradcheck.api`.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -306,7 +307,7 @@ class Report:
         return "\n".join(lines)
 
 
-def _table(cols: tuple[str, ...], rows: list[tuple[str, ...]]) -> list[str]:
+def _table(cols: tuple[str, ...], rows: Sequence[tuple[str, ...]]) -> list[str]:
     widths = [max(len(c), *(len(r[i]) for r in rows)) if rows else len(c)
               for i, c in enumerate(cols)]
     fmt = "  ".join(f"{{:<{w}}}" for w in widths)

@@ -1,15 +1,22 @@
-"""Every example in README.md runs as written, in a scratch directory.
+"""Every example in README.md and in every page of the documentation site runs as written, each
+page in a scratch directory of its own. Nothing assumes the repository root (``data/``,
+``examples/`` are not shipped by ``pip install .``): the scratch directory holds only
+``goldens/``, the bundle that the getting-started command ``refattn golden --out goldens``
+writes, which every page may assume; a page that needs anything else (a SPEC, a candidate)
+makes it.
 
-- ``python`` blocks run in order, in one namespace, interleaved with the ``bash`` blocks, as a
-  reader would paste them;
+- ``python`` blocks run in order, in one namespace per page, interleaved with the ``bash``
+  blocks, as a reader would paste them; a block whose first line is ``# not run: <reason>`` is
+  skipped (and must give the reason);
 - a ``python`` block whose first line is ``# test_<name>.py`` is a pytest file: it is written
-  out and run by pytest in a fresh process, and the counts the README prints after it (``N
+  out and run by pytest in a fresh process, and the counts the page prints after it (``N
   passed, M skipped``) must be the counts of that run (skipped cleanly when its framework is
   not installed);
 - every command of a ``bash`` block runs through ``refattn``'s entry point and must exit 0, or
   the code its comment names (``# exit 1``); the few lines that cannot run here are listed in
   :data:`NOT_RUN` with the reason, and the README's test command must be ``.ci/run``'s;
-- ``toml`` blocks parse.
+- ``toml`` blocks parse, and one whose first line is ``# <name>.toml`` is written to that file
+  (the page's later commands read it).
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import importlib.util
 import os
 import re
 import shlex
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -33,27 +41,32 @@ except ModuleNotFoundError:  # Python 3.10: the toml blocks are not parsed
 
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
-FENCE = re.compile(r"```(\w+)\n(.*?)```", flags=re.S)
+DOCS = ROOT / "docs"
+#: README and every page of the site, as paths relative to the repository root
+PAGES = ["README.md", *sorted(str(p.relative_to(ROOT)) for p in DOCS.rglob("*.md"))]
+FENCE = re.compile(r"^```(\w+)\n(.*?)^```", flags=re.S | re.M)
 
-#: README commands this test does not run, and why (matched as a prefix of the command)
+#: commands the pages show that this test does not run, and why (matched as a prefix)
 NOT_RUN = {
-    "pip install .": "installs the package into the running environment",
+    "pip install": "installs into the running environment",
     "python3 -m pip install -e": "the CI command itself (checked equal to .ci/run's)",
     "python3 -m pytest": "the test suite itself",
     "python3 benchmarks/": "a benchmark (long, machine-dependent)",
+    "python3 -m gpu_backend": "needs the CUDA toolkit (tests/gpu runs what a CPU can)",
+    "mkdocs": "builds this site (tests/test_docs_site.py does)",
 }
 #: options whose lines are not run: they start or need a dask cluster (tests/distributed)
 CLUSTER = ("--workers", "--scheduler")
 
 
-def blocks() -> list[tuple[str, str]]:
-    return [(lang, body) for lang, body in FENCE.findall(README.read_text())]
+def blocks(page: str = "README.md") -> list[tuple[str, str]]:
+    return [(lang, body) for lang, body in FENCE.findall((ROOT / page).read_text())]
 
 
-def pytest_files() -> list[tuple[str, str, str | None]]:
+def pytest_files(page: str = "README.md") -> list[tuple[str, str, str | None]]:
     """(file name, source, the text block after it) of every pytest-file example."""
     out = []
-    items = blocks()
+    items = blocks(page)
     for n, (lang, body) in enumerate(items):
         first = body.splitlines()[0] if body.strip() else ""
         if lang == "python" and re.fullmatch(r"# test_\w+\.py", first):
@@ -69,7 +82,7 @@ def commands(body: str) -> list[tuple[list[str], int, str]]:
         if not line.strip() or line.lstrip().startswith("#"):
             continue
         code, _, comment = line.partition("  #")
-        expected = int(m.group(1)) if (m := re.search(r"exit (\d)", comment)) else 0
+        expected = int(m.group(1)) if (m := re.search(r"exit (\d+)", comment)) else 0
         for part in code.split("&&"):
             out.append((shlex.split(part), expected, part.strip()))
     return out
@@ -86,57 +99,97 @@ def _skip_reason(text: str) -> str | None:
     return None
 
 
-def test_readme_test_command_is_the_ci_command():
-    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
-    assert f"```bash\n{ci}\n```" in README.read_text()
-
-
-def test_readme_examples_run_in_order(tmp_path, monkeypatch, capsys):
-    monkeypatch.chdir(tmp_path)
-    for shared in ("data", "examples"):  # the checked-in bundle and example SPECs, read-only
-        if (ROOT / shared).exists():
-            (tmp_path / shared).symlink_to(ROOT / shared)
-    namespace: dict = {}
+def run_page(page: str, capsys) -> int:
+    """Run every example of ``page`` in the current directory; returns how many ran."""
+    namespace: dict = {"__name__": "__docs__"}
     ran = 0
-    for lang, body in blocks():
-        if lang == "python" and not body.startswith("# test_"):
-            exec(compile(body, str(README), "exec"), namespace)
+    for lang, body in blocks(page):
+        first = body.splitlines()[0] if body.strip() else ""
+        if lang == "python" and first.startswith("# not run:"):
+            assert len(first) > len("# not run: ") + 3, f"{page}: say why the block is not run"
+        elif lang == "python" and not first.startswith("# test_"):
+            exec(compile(body, str(ROOT / page), "exec"), namespace)
             ran += 1
         elif lang == "bash":
             for argv, expected, text in commands(body):
                 if _skip_reason(text) is not None:
                     continue
-                assert argv[0] == "refattn", f"README runs {text!r}: list it in NOT_RUN"
+                assert argv[0] == "refattn", f"{page} runs {text!r}: list it in NOT_RUN"
                 code = main(argv[1:])
                 out = capsys.readouterr()
-                assert code == expected, f"{text}: exit {code}\n{out.out[-2000:]}{out.err}"
+                assert code == expected, f"{page}: {text}: exit {code}\n{out.out[-2000:]}{out.err}"
                 ran += 1
         elif lang == "toml" and tomllib is not None:
             tomllib.loads(body)
-    assert ran >= 20
-    # what the README says the examples wrote
-    plots = sorted(p.name for p in (tmp_path / "plots").glob("*.png")) if (
-        importlib.util.find_spec("matplotlib")) else []
-    if plots:
+            if re.fullmatch(r"# [\w.-]+\.toml", first):
+                Path(first[2:]).write_text(body.split("\n", 1)[1])
+    return ran
+
+
+def test_readme_test_command_is_the_ci_command():
+    ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()[-1]
+    assert f"```bash\n{ci}\n```" in README.read_text()
+    assert f"```bash\n{ci}\n```" in (DOCS / "getting-started.md").read_text()
+
+
+def test_readme_is_a_landing_page_that_links_every_tutorial():
+    text = README.read_text()
+    assert len(text.splitlines()) < 200
+    for page in ("getting-started.md", "tutorials/pytest.md", "tutorials/goldens.md",
+                 "how-to/cli.md", "how-to/tolerances.md", "how-to/bundle-format.md"):
+        assert f"](docs/{page})" in text, page
+    for link in re.findall(r"\]\((docs/[^)#]+)", text):  # every link resolves
+        assert (ROOT / link).is_file(), link
+
+
+@pytest.fixture(scope="session")
+def goldens(tmp_path_factory) -> Path:
+    """The bundle of the getting-started command, written once per session."""
+    out = tmp_path_factory.mktemp("docs") / "goldens"
+    assert main(["golden", "--out", str(out), "--quiet"]) == 0
+    return out
+
+
+@pytest.mark.parametrize("page", PAGES)
+def test_page_examples_run_in_order(page, tmp_path, monkeypatch, capsys, goldens):
+    shutil.copytree(goldens, tmp_path / "goldens")  # what the reader's first command wrote
+    capsys.readouterr()
+    monkeypatch.chdir(tmp_path)  # a scratch directory: no data/ or examples/ of the checkout
+    ran = run_page(page, capsys)
+    runnable = [b for lang, b in blocks(page) if lang in ("python", "bash")
+                and not b.startswith(("# test_", "# not run:"))]
+    if not runnable:
+        pytest.skip(f"{page} has no example to run")
+    assert ran >= 1
+    if page == "docs/tutorials/goldens.md" and importlib.util.find_spec("matplotlib"):
+        plots = sorted(p.name for p in (tmp_path / "plots").glob("*.png"))
         assert plots == ["causal_lower_right_q3_k7_error_output.png",
                          "causal_lower_right_q3_k7_probs.png",
                          "causal_lower_right_q3_k7_visible.png"]
 
 
-def test_readme_shows_the_compare_output_it_gets(tmp_path, monkeypatch, capsys):
-    """The compare report quoted in README is the one the command prints (its rows)."""
+def test_the_dask_tutorial_shows_the_shipped_example_spec():
+    spec = next(body for lang, body in blocks("docs/tutorials/dask.md")
+                if lang == "toml" and body.startswith("# sweep.toml\n"))
+    assert spec.split("\n", 1)[1] == (ROOT / "examples" / "sweep.toml").read_text()
+
+
+def test_goldens_tutorial_shows_the_compare_output_it_gets(tmp_path, monkeypatch, capsys):
+    """The compare report quoted in the tutorial is the one the command prints (its rows)."""
+    page = "docs/tutorials/goldens.md"
     monkeypatch.chdir(tmp_path)
-    (tmp_path / "data").symlink_to(ROOT / "data")
-    quoted = next(body for lang, body in blocks() if lang == "text"
+    quoted = next(body for lang, body in blocks(page) if lang == "text"
                   and body.startswith("case causal_lower_right_q3_k7"))
-    setup = next(body for lang, body in blocks() if lang == "python"
+    setup = next(body for lang, body in blocks(page) if lang == "python"
                  and "my_outputs.safetensors" in body)
     import numpy as np
 
     from refattn import bundle
 
-    exec(compile(setup, str(README), "exec"), {"np": np, "bundle": bundle})
-    assert main(["compare", "data/golden/cases/causal_lower_right_q3_k7.safetensors",
+    assert main(["golden", "--out", "goldens", "--quiet"]) == 0
+    exec(compile(setup, page, "exec"), {"np": np, "bundle": bundle})
+    capsys.readouterr()
+    assert main(["compare", "goldens/cases/causal_lower_right_q3_k7.safetensors",
                  "my_outputs.safetensors"]) == 1
     printed = capsys.readouterr().out.splitlines()
     for line in quoted.splitlines():
@@ -165,9 +218,12 @@ def _framework(source: str) -> str | None:
     return None
 
 
-@pytest.mark.parametrize(("name", "source", "quoted"), pytest_files(),
-                         ids=[f[0] for f in pytest_files()])
-def test_readme_pytest_examples_pass_on_every_eligible_case(tmp_path, name, source, quoted):
+EXAMPLES = [(page, *f) for page in PAGES for f in pytest_files(page)]
+
+
+@pytest.mark.parametrize(("page", "name", "source", "quoted"), EXAMPLES,
+                         ids=[f"{e[0]}:{e[1]}" for e in EXAMPLES])
+def test_pytest_examples_pass_on_every_eligible_case(tmp_path, page, name, source, quoted):
     framework = _framework(source)
     if framework is not None:
         pytest.importorskip(framework)
@@ -181,7 +237,7 @@ def test_readme_pytest_examples_pass_on_every_eligible_case(tmp_path, name, sour
     counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|skipped|failed)", summary))
     assert counts.get("failed", 0) == 0 and counts["passed"] >= 40, summary
     assert counts["passed"] == _eligible(name), "the adapters' own count of expressible cases"
-    assert quoted is not None, f"README shows no output after {name}"
+    assert quoted is not None, f"{page} shows no output after {name}"
     shown = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|skipped)", quoted))
     assert shown == {k: counts.get(k, 0) for k in shown}, (summary, quoted)
     for line in quoted.splitlines():  # the skip reasons quoted are among those printed

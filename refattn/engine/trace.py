@@ -6,11 +6,14 @@ Field names are the canonical tensor names (docs/ARCHITECTURE.md); golden files 
 from __future__ import annotations
 
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
 from refattn.call import AttentionCall
+
+if TYPE_CHECKING:
+    from refattn.call.scores import ScoreFamily
 
 __all__ = [
     "FORWARD_NAMES",
@@ -126,7 +129,7 @@ class Trace:
         """The materialised canonical forward tensors by name (inputs included)."""
         call = self.call
         out: dict[str, np.ndarray] = {"q": call.q, "k": call.k, "v": call.v,
-                                      "head_map": call.head_map}
+                                      "head_map": cast(np.ndarray, call.head_map)}  # resolved
         for name, value in (("visible", call.visible_array()), ("query_valid", call.query_valid),
                             ("bias", call.bias)):
             if value is not None:
@@ -137,7 +140,7 @@ class Trace:
                 out[name] = value
         out["sanitized_rows"] = self.sanitized_rows
         # score family parameters and modifiers appear only when the call uses them
-        for name, value in call.score.parameters().items():
+        for name, value in cast("ScoreFamily", call.score).parameters().items():  # resolved
             out[f"score_{name}"] = value
         if call.sink is not None:
             out["sink"] = call.sink
