@@ -4,9 +4,17 @@ Owns what ``refattn sweep SPEC`` reads: :func:`read_spec` (TOML through the stan
 ``tomllib``, YAML through PyYAML imported on first use), :func:`check_spec` (the published
 JSON Schema ``schema/sweep-v1.json``, validated with ``jsonschema``: an unknown key, an empty
 grid or an empty list of values is a named error), :func:`expand` (every grid's combinations
-and every listed case, normalised, deduplicated and validated by building each call) and
-:func:`build_case` (the :class:`~refattn.bundle.cases.GoldenCase` of one normalised
-description).
+and every listed case, normalised, deduplicated and validated by building each call),
+:func:`case_budget` (a case's seconds and bytes, estimated from its shape before any tensor
+exists) and :func:`build_case` (the :class:`~refattn.bundle.cases.GoldenCase` of one
+normalised description).
+
+A SPEC is untrusted input, bounded before it is believed: at most 4 MiB of text and
+:data:`MAX_SPEC_VALUES` values nested at most :data:`MAX_SPEC_DEPTH` deep (counted on YAML's
+event stream before any node is built; YAML aliases, which let a small file stand for billions
+of values, are refused), at most 100 schema violations collected (their messages cut to 200
+characters), and every case's time and memory checked against the limits before its tensors
+are drawn.
 
 A case's id is a readable slug and the first 12 hex digits of the sha256 of its normalised
 description (canonical JSON), and its random tensors come from a generator seeded by the same
@@ -38,19 +46,38 @@ from refattn.call import AttentionCall
 from refattn.call.bias import alibi, alibi_slopes
 from refattn.call.scores import Additive, Bilinear, Cosine
 from refattn.dropout import Philox
+from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS, SECONDS_PER_ELEMENT
+from refattn.engine.memory import available_bytes
 from refattn.errors import RefAttnError
 from refattn.masks import causal, relation, segments_from_cu_seqlens
 
-__all__ = ["DESCRIPTION_VERSION", "MAX_CASES", "Sweep", "SweepCase", "build_case",
-           "case_cost_order", "case_id", "check_spec", "cost", "expand", "load_sweep",
-           "normalize", "read_spec", "spec_schema"]
+__all__ = ["DESCRIPTION_VERSION", "MAX_CASES", "MAX_CASE_SECONDS", "MAX_SPEC_DEPTH",
+           "MAX_SPEC_VALUES", "CaseBudget", "Sweep", "SweepCase", "build_case", "case_budget",
+           "case_cost_order", "case_id", "check_budget", "check_spec", "cost", "expand",
+           "load_sweep", "normalize", "read_spec", "spec_schema"]
 
 #: version of the normalised case description (part of every case's hash: a change to how a
 #: description becomes tensors bumps it, so old ids never name new bytes)
 DESCRIPTION_VERSION = 1
 #: the most cases one SPEC may expand to
 MAX_CASES = 1_000_000
-_MAX_SPEC_BYTES = 16 * 2**20
+#: the most values (scalars, lists and tables, each occurrence counted) a SPEC may hold
+MAX_SPEC_VALUES = 200_000
+#: the deepest nesting of lists and tables in a SPEC (a real one nests 5 deep)
+MAX_SPEC_DEPTH = 32
+#: the longest a case may take, estimated from its shape: the exact generator's own limit,
+#: which the reference-error check of every case (exact or numpy) costs about as much as
+MAX_CASE_SECONDS = DEFAULT_MAX_SECONDS
+_MAX_SPEC_BYTES = 4 * 2**20
+#: schema violations collected before the most specific one is named
+_MAX_ERRORS = 100
+#: peak memory of computing and checking a case (:func:`case_budget`), measured as peak RSS
+#: growth of encode_case on dot, masked, biased, dropout and additive cases (numpy and exact
+#: generators): 998-1279 bytes per score element (b, h, i, j), 424 more per element per
+#: additive width Da, at most 273 per element of the q, k, v and output rows; rounded up
+_BYTES_PER_SCORE = 1536
+_BYTES_PER_SCORE_PER_DA = 512
+_BYTES_PER_ROW_ELEMENT = 384
 _SHAPE_AXES = ("B", "Hq", "Hkv", "Q", "K", "Dk", "Dv")
 _BUILTIN_DEFAULTS: dict[str, Any] = {
     "score": "dot", "scale": "default", "mask": "none", "bias": "none", "dropout": "none",
@@ -165,7 +192,9 @@ def _parse_toml(text: str, path: Path) -> Any:
     try:
         return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
-        raise RefAttnError(f"SPEC {path}: not valid TOML ({exc})") from None
+        raise RefAttnError(f"SPEC {path}: not valid TOML ({_shorten(str(exc))})") from None
+    except RecursionError:
+        raise RefAttnError(f"SPEC {path}: nested more than {MAX_SPEC_DEPTH} deep") from None
 
 
 def _parse_yaml(text: str, path: Path) -> Any:
@@ -177,11 +206,38 @@ def _parse_yaml(text: str, path: Path) -> Any:
         raise RefAttnError(f"SPEC {path}: reading YAML needs PyYAML (pip install pyyaml, or "
                            f"{install_hint('distributed')}); or write the SPEC in TOML"
                            ) from None
+    loader = getattr(yaml, "CSafeLoader", yaml.SafeLoader)  # libyaml when PyYAML has it
     try:
-        return yaml.safe_load(text)
+        _scan_yaml(yaml, yaml.parse(text, Loader=loader), path)
+        return yaml.load(text, Loader=loader)  # a safe loader; no alias got this far
     except yaml.YAMLError as exc:
-        raise RefAttnError(f"SPEC {path}: not valid YAML ({' '.join(str(exc).split())})"
-                           ) from None
+        raise RefAttnError(f"SPEC {path}: not valid YAML ({_shorten(str(exc))})") from None
+    except RecursionError:
+        raise RefAttnError(f"SPEC {path}: nested more than {MAX_SPEC_DEPTH} deep") from None
+
+
+def _scan_yaml(yaml: Any, events: Any, path: Path) -> None:
+    """Refuse aliases, and more than :data:`MAX_SPEC_VALUES` values or
+    :data:`MAX_SPEC_DEPTH` levels, on the event stream: before any node is built."""
+    depth = values = 0
+    for event in events:
+        if isinstance(event, yaml.AliasEvent):
+            raise RefAttnError(
+                f"SPEC {path}: line {event.start_mark.line + 1}: YAML alias *{event.anchor}: "
+                "aliases are not allowed in a SPEC (a few of them can stand for billions of "
+                "values); write the values out, or use [defaults]")
+        if isinstance(event, (yaml.ScalarEvent, yaml.CollectionStartEvent)):
+            values += 1
+            if values > MAX_SPEC_VALUES:
+                raise RefAttnError(f"SPEC {path}: more than {MAX_SPEC_VALUES} values; split it "
+                                   "into several sweeps")
+        if isinstance(event, yaml.CollectionStartEvent):
+            depth += 1
+            if depth > MAX_SPEC_DEPTH:
+                raise RefAttnError(f"SPEC {path}: line {event.start_mark.line + 1}: nested "
+                                   f"more than {MAX_SPEC_DEPTH} deep")
+        elif isinstance(event, yaml.CollectionEndEvent):
+            depth -= 1
 
 
 def check_spec(doc: Any, shown: str = "SPEC") -> dict[str, Any]:
@@ -202,7 +258,8 @@ def check_spec(doc: Any, shown: str = "SPEC") -> dict[str, Any]:
     ...     print(exc)
     SPEC: grid/0/shape: [] should be non-empty
     """
-    errors = list(_validator().iter_errors(doc))
+    _check_size(doc, shown)
+    errors = list(itertools.islice(_validator().iter_errors(doc), _MAX_ERRORS))
     if errors:
         if any(e.validator == "anyOf" and not e.absolute_path for e in errors) and len(
                 errors) == 1:
@@ -212,6 +269,29 @@ def check_spec(doc: Any, shown: str = "SPEC") -> dict[str, Any]:
         where = "/".join(str(p) for p in error.absolute_path) or "(top level)"
         raise RefAttnError(f"{shown}: {where}: {_shorten(error.message)}")
     return dict(doc)
+
+
+def _check_size(doc: Any, shown: str) -> None:
+    """Refuse a document of more than :data:`MAX_SPEC_VALUES` values (every occurrence of a
+    shared or repeated object counted) or deeper than :data:`MAX_SPEC_DEPTH`; stops as soon
+    as one is exceeded, so its cost is bounded whatever the document."""
+    stack: list[tuple[Any, int]] = [(doc, 1)]
+    values = 0
+    while stack:
+        obj, depth = stack.pop()
+        values += 1
+        if values > MAX_SPEC_VALUES:
+            raise RefAttnError(f"{shown}: more than {MAX_SPEC_VALUES} values; split it into "
+                               "several sweeps")
+        if isinstance(obj, Mapping):
+            children: Any = obj.values()
+        elif isinstance(obj, (list, tuple)):
+            children = obj
+        else:
+            continue
+        if depth >= MAX_SPEC_DEPTH and children:
+            raise RefAttnError(f"{shown}: nested more than {MAX_SPEC_DEPTH} deep")
+        stack.extend((child, depth + 1) for child in children)
 
 
 def _deepest(errors: list[Any]) -> Any:
@@ -355,7 +435,8 @@ def case_id(description: Mapping[str, Any]) -> str:
 
 
 # -- expansion --------------------------------------------------------------------------------
-def expand(doc: Mapping[str, Any], *, validate: bool = True, shown: str = "SPEC") -> Sweep:
+def expand(doc: Mapping[str, Any], *, validate: bool = True, shown: str = "SPEC",
+           max_bytes: int | None = None, max_seconds: float = MAX_CASE_SECONDS) -> Sweep:
     """Every case of a checked SPEC, normalised, deduplicated, sorted by id.
 
     Parameters
@@ -363,14 +444,22 @@ def expand(doc: Mapping[str, Any], *, validate: bool = True, shown: str = "SPEC"
     doc : dict
         A SPEC that passed :func:`check_spec`.
     validate : bool
-        Build every case's call (the validation gate of :class:`~refattn.AttentionCall`) so
-        that a case that cannot run is named before anything is computed.
+        Check every case's estimated time and memory (:func:`check_budget`, from its shape
+        alone), then build its call (the validation gate of :class:`~refattn.AttentionCall`),
+        so that a case that cannot run is named before anything is computed.
+    shown : str
+        How errors name the SPEC.
+    max_bytes : int, optional
+        Memory one case may need (default: the memory available now, when it can be read).
+    max_seconds : float
+        Estimated seconds one case may take (default :data:`MAX_CASE_SECONDS`).
 
     Raises
     ------
     RefAttnError
-        Naming the grid or case, the case's id and what is wrong; or when the SPEC expands
-        to more than :data:`MAX_CASES` cases.
+        Naming the grid or case, the case's id and what is wrong (a case over the time or
+        memory limit: its estimate and the limit); or when the SPEC expands to more than
+        :data:`MAX_CASES` cases.
 
     Examples
     --------
@@ -384,6 +473,8 @@ def expand(doc: Mapping[str, Any], *, validate: bool = True, shown: str = "SPEC"
     True
     """
     defaults = dict(doc.get("defaults") or {})
+    if validate and max_bytes is None:
+        max_bytes = available_bytes()
     found: dict[str, SweepCase] = {}
     duplicates = 0
     total = 0
@@ -400,9 +491,17 @@ def expand(doc: Mapping[str, Any], *, validate: bool = True, shown: str = "SPEC"
             return
         if validate:
             try:
+                check_budget(description, cid, max_bytes=max_bytes, max_seconds=max_seconds)
+            except RefAttnError as exc:
+                raise RefAttnError(f"{shown}: {origin}: {exc}") from None
+            try:
                 build_case(description, cid)
             except RefAttnError as exc:
                 raise RefAttnError(f"{shown}: {origin}: case {cid}: {exc}") from None
+            except MemoryError:  # the estimate bounds the inputs; this is a last resort
+                raise RefAttnError(f"{shown}: {origin}: case {cid}: out of memory drawing its "
+                                   f"inputs (about {case_budget(description).input_bytes} "
+                                   "bytes)") from None
         found[cid] = SweepCase(cid, description, origin)
 
     for g, grid in enumerate(doc.get("grid") or ()):
@@ -428,7 +527,8 @@ def expand(doc: Mapping[str, Any], *, validate: bool = True, shown: str = "SPEC"
     return Sweep(name, sweep_id, cases, duplicates)
 
 
-def load_sweep(path: str | os.PathLike, *, validate: bool = True) -> Sweep:
+def load_sweep(path: str | os.PathLike, *, validate: bool = True, max_bytes: int | None = None,
+               max_seconds: float = MAX_CASE_SECONDS) -> Sweep:
     """:func:`read_spec`, :func:`check_spec` and :func:`expand` of one SPEC file.
 
     Examples
@@ -441,7 +541,8 @@ def load_sweep(path: str | os.PathLike, *, validate: bool = True) -> Sweep:
     ['cosine', 'dot']
     """
     shown = f"SPEC {path}"
-    return expand(check_spec(read_spec(path), shown), validate=validate, shown=shown)
+    return expand(check_spec(read_spec(path), shown), validate=validate, shown=shown,
+                  max_bytes=max_bytes, max_seconds=max_seconds)
 
 
 # -- one case ---------------------------------------------------------------------------------
@@ -584,6 +685,108 @@ def build_case(description: Mapping[str, Any], cid: str | None = None) -> Golden
                f"{description['bias']}, dropout {_canonical(drop)}, data seed "
                f"{description['seed']}, generator {description['generator']}")
     return GoldenCase(cid, call, g_o, comment, tuple(sorted(flags)))
+
+
+class CaseBudget(NamedTuple):
+    """What a case will cost, estimated from its shape before any tensor exists.
+
+    Attributes
+    ----------
+    seconds : float
+        Computing it and checking it against the exact real result: the exact generator's
+        own estimate (:func:`refattn.engine.exact.backend.estimate_seconds`), which the
+        reference-error check every case gets costs about as much as.
+    bytes : int
+        Peak memory of computing and checking it (an upper estimate, measured).
+    input_bytes : int
+        Its random inputs alone (q, k, v, grad_output, a random bias, score parameters).
+    scores : int
+        Its score elements, B * Hq * Q * K.
+    """
+
+    seconds: float
+    bytes: int
+    input_bytes: int
+    scores: int
+
+
+def case_budget(description: Mapping[str, Any]) -> CaseBudget:
+    """The estimated time and memory of a normalised case, from its shape alone.
+
+    Exact integer arithmetic on the seven axes: any shape the schema admits (up to 65536 on
+    each) gives a number, never an overflow, and nothing is allocated.
+
+    Examples
+    --------
+    >>> b = case_budget(normalize({"shape": [1, 2, 1, 128, 128, 64, 64]}))
+    >>> b.scores, round(b.seconds, 2), b.bytes // 2**20
+    (32768, 0.79, 72)
+    >>> case_budget(normalize({"shape": [65536] * 7})).bytes > 2**74   # no overflow
+    True
+    """
+    s = description["shape"]
+    B, Hq, Hkv, Q, K, Dk, Dv = (int(s[a]) for a in _SHAPE_AXES)
+    n = B * Hq * Q * K  # (B, Hq, Q, K) score elements
+    score = description["score"]
+    da = int(score["da"]) if score["family"] == "additive" else 0
+    rows = B * Hq * (Q + K) * (Dk + Dv)  # q, k, v and output rows, per query head
+    seconds = SECONDS_PER_ELEMENT * (4 * n * max(da, 1) + rows)
+    inputs = B * (Hq * Q * (Dk + Dv) + Hkv * K * (Dk + Dv))  # q, grad_output; k, v
+    if description["bias"] == "random":
+        inputs += n  # (B, Hq, Q, K)
+    if score["family"] == "bilinear":
+        inputs += Dk * Dk * (1 if score["shared"] else Hq)  # W
+    inputs += Hq * da * (2 * Dk + 2)  # the additive family's two projections and two vectors
+    peak = (_BYTES_PER_SCORE + _BYTES_PER_SCORE_PER_DA * da) * n + _BYTES_PER_ROW_ELEMENT * rows
+    return CaseBudget(seconds, peak + 8 * inputs, 8 * inputs, n)
+
+
+def check_budget(description: Mapping[str, Any], cid: str | None = None, *,
+                 max_bytes: int | None, max_seconds: float = MAX_CASE_SECONDS) -> CaseBudget:
+    """Refuse a case whose estimated memory or time (:func:`case_budget`) is over a limit.
+
+    Parameters
+    ----------
+    description : dict
+        From :func:`normalize`.
+    cid : str, optional
+        Its id (for the message; computed when not given).
+    max_bytes : int or None
+        Memory the case may need (None: not checked).
+    max_seconds : float
+        Estimated seconds the case may take.
+
+    Returns
+    -------
+    CaseBudget
+
+    Raises
+    ------
+    RefAttnError
+        Naming the case, its estimate and the limit.
+
+    Examples
+    --------
+    >>> d = normalize({"shape": [8, 64, 64, 2048, 2048, 64, 64]})
+    >>> try:
+    ...     check_budget(d, "big", max_bytes=16 * 2**30)
+    ... except RefAttnError as exc:
+    ...     print(str(exc)[:75])
+    case big: needs about 3403761582080 bytes (3170.0 GiB) of memory to compute
+    """
+    budget = case_budget(description)
+    where = f"case {cid or case_id(description)}: "
+    if max_bytes is not None and budget.bytes > max_bytes:
+        raise RefAttnError(
+            f"{where}needs about {budget.bytes} bytes ({budget.bytes / 2**30:.1f} GiB) of "
+            f"memory to compute and check ({budget.scores} score elements), more than the "
+            f"limit of {max_bytes} bytes ({max_bytes / 2**30:.1f} GiB); use a smaller shape")
+    if budget.seconds > max_seconds:
+        raise RefAttnError(
+            f"{where}would take about {budget.seconds:.3g} s to compute and check "
+            f"({budget.scores} score elements, each correctly rounded), over the limit of "
+            f"{max_seconds:g} s per case; use a smaller shape")
+    return budget
 
 
 def cost(description: Mapping[str, Any]) -> float:

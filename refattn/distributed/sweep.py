@@ -22,12 +22,13 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from refattn._progress import progress as progress_bar
-from refattn.bundle.sweep import Sweep, SweepCase, build_case, cost, load_sweep
+from refattn.bundle.sweep import Sweep, SweepCase, build_case, check_budget, cost, load_sweep
 from refattn.bundle.write import Encoded, bundle_generator, encode_case, write_sweep
 from refattn.distributed.cluster import worker_threads
+from refattn.engine.memory import available_bytes
 from refattn.errors import RefAttnError
 
-__all__ = ["SweepResult", "deal", "encode_batch", "run_sweep"]
+__all__ = ["SweepResult", "deal", "encode_batch", "run_sweep", "worker_memory_limit"]
 
 #: at most this many cases share one task (a lost worker costs at most one task's cases)
 MAX_CASES_PER_TASK = 32
@@ -147,7 +148,9 @@ def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
     Raises
     ------
     RefAttnError
-        A bad SPEC (named key and place), a case that cannot run (named), an output
+        A bad SPEC (named key and place), a case that cannot run (named), a case whose
+        estimated time or memory is over the limit (this machine's available memory, or the
+        smallest memory limit of the client's workers; nothing is drawn first), an output
         directory holding another bundle or another sweep's unfinished work, a failing task.
 
     Examples
@@ -162,7 +165,17 @@ def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
     >>> run_sweep(d / "s.toml", d / "bundle", progress=False).up_to_date
     True
     """
-    sweep = spec if isinstance(spec, Sweep) else load_sweep(spec)
+    max_bytes = worker_memory_limit(client)  # None: here, or workers without a limit
+    if isinstance(spec, Sweep):
+        sweep = spec
+        limit = max_bytes if max_bytes is not None else available_bytes()
+        for case in sweep.cases:  # from its shape alone: nothing is allocated
+            try:
+                check_budget(case.description, case.case_id, max_bytes=limit)
+            except RefAttnError as exc:
+                raise RefAttnError(f"sweep {sweep.name}: {case.origin}: {exc}") from None
+    else:
+        sweep = load_sweep(spec, max_bytes=max_bytes)
     by_id = {c.case_id: c for c in sweep.cases}
     stats = {"tasks": 0, "task_seconds": 0.0, "t0": 0.0, "t1": 0.0}
 
@@ -184,6 +197,26 @@ def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
     return SweepResult(written.manifest, len(sweep.cases), written.computed, written.reused,
                        written.up_to_date, int(stats["tasks"]), float(stats["task_seconds"]),
                        max(0.0, stats["t1"] - stats["t0"]), sweep.sweep_id)
+
+
+def worker_memory_limit(client: Any) -> int | None:
+    """The smallest memory limit among a client's workers, in bytes (None: no client, or
+    no worker reports a limit).
+
+    Examples
+    --------
+    >>> worker_memory_limit(None) is None
+    True
+    """
+    if client is None:
+        return None
+    try:
+        workers = client.scheduler_info().get("workers", {})
+    except Exception:  # an older dask or a scheduler gone: the driver's own limit then
+        return None
+    limits = [w.get("memory_limit") for w in workers.values() if isinstance(w, dict)]
+    limits = [int(n) for n in limits if isinstance(n, (int, float)) and n > 0]
+    return min(limits) if limits else None
 
 
 def _in_process(cases: list[SweepCase], stats: dict[str, Any]) -> Iterator[Encoded]:

@@ -1,0 +1,395 @@
+"""Hostile command lines, SPEC files and scheduler endpoints (issue 25, items 3 and 5).
+
+Each probe ends in one line on stderr and exit code 2, with no traceback, however the input
+was meant to hang or exhaust the machine: scheduler endpoints that accept and never answer,
+answer HTTP, refuse, or claim a huge first frame; addresses dask cannot parse; YAML aliases
+(a 400-byte "billion laughs" file), nesting and value counts past the limits; SPEC cases too
+large to compute, refused from their shapes before any tensor is drawn; more local workers
+than cores. The tests bound each command's run by a generous subprocess timeout (the command
+must end; how fast is never asserted) and check the line it prints.
+"""
+
+from __future__ import annotations
+
+import http.server
+import resource
+import socket
+import struct
+import subprocess
+import sys
+import textwrap
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from refattn.bundle import sweep as sweep_module
+from refattn.bundle.sweep import (
+    MAX_SPEC_DEPTH,
+    MAX_SPEC_VALUES,
+    build_case,
+    case_budget,
+    case_id,
+    check_budget,
+    check_spec,
+    expand,
+    normalize,
+    read_spec,
+)
+from refattn.cli import main
+from refattn.distributed.cluster import usable_cores
+from refattn.distributed.sweep import run_sweep
+from refattn.engine.exact.backend import estimate_seconds
+from refattn.errors import RefAttnError
+
+#: seconds a refused command may run, imports on a loaded machine included (never asserted
+#: as a speed: a command that hangs is what this catches)
+ENDS_WITHIN = 180
+SPEC_OK = 'name = "t"\n[[grid]]\nshape = [[1, 1, 1, 2, 2, 4, 4]]\n'
+
+
+def run_cli(*args: str, timeout: float = ENDS_WITHIN) -> subprocess.CompletedProcess:
+    """``refattn ARGS`` in a fresh interpreter: what reaches stderr at exit counts too."""
+    code = "import sys; from refattn.cli import main; sys.exit(main(sys.argv[1:]))"
+    return subprocess.run([sys.executable, "-c", code, *args], capture_output=True, text=True,
+                          timeout=timeout, check=False)
+
+
+def assert_one_line_error(result: subprocess.CompletedProcess, *needles: str) -> str:
+    err = result.stderr
+    assert result.returncode == 2, (result.returncode, err[-2000:])
+    assert "Traceback" not in err and "Exception ignored" not in err, err[-2000:]
+    assert err.count("\n") == 1 and err.endswith("\n"), err[-2000:]
+    for needle in needles:
+        assert needle in err, (needle, err)
+    return err
+
+
+# -- scheduler endpoints ------------------------------------------------------------------------
+class _Listener:
+    """A loopback TCP listener that accepts and then does what ``behaviour`` says."""
+
+    def __init__(self, behaviour: str) -> None:
+        self.behaviour = behaviour
+        self.sock = socket.socket()
+        self.sock.bind(("127.0.0.1", 0))
+        self.sock.listen(16)
+        self.port = self.sock.getsockname()[1]
+        self.conns: list[socket.socket] = []
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while True:
+            try:
+                conn, _ = self.sock.accept()
+            except OSError:  # closed by the test
+                return
+            self.conns.append(conn)
+            if self.behaviour == "huge_frame":  # dask reads 8 bytes as a frame length
+                conn.sendall(struct.pack("<Q", 2**40))
+
+    def close(self) -> None:
+        self.sock.close()
+        for conn in self.conns:
+            conn.close()
+
+
+@pytest.fixture
+def endpoint(request) -> Iterator[str]:
+    """``tcp://127.0.0.1:PORT`` of a silent listener, an HTTP server, a port nobody listens
+    on, or a listener that claims a 1 TiB first frame and stops."""
+    kind = request.param
+    if kind == "http":
+        server = http.server.ThreadingHTTPServer(("127.0.0.1", 0),
+                                                 http.server.SimpleHTTPRequestHandler)
+        thread = threading.Thread(target=server.serve_forever, daemon=True)
+        thread.start()
+        yield f"tcp://127.0.0.1:{server.server_address[1]}"
+        server.shutdown()
+        server.server_close()
+    elif kind == "refused":
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        yield f"tcp://127.0.0.1:{port}"
+    else:
+        listener = _Listener(kind)
+        yield f"tcp://127.0.0.1:{listener.port}"
+        listener.close()
+
+
+@pytest.mark.parametrize("endpoint", ["silent", "http", "refused", "huge_frame"],
+                         indirect=True)
+def test_sweep_scheduler_that_never_answers_ends_within_the_timeout(endpoint, tmp_path):
+    pytest.importorskip("distributed")
+    spec = tmp_path / "s.toml"
+    spec.write_text(SPEC_OK)
+    result = run_cli("sweep", str(spec), "--out", str(tmp_path / "b"), "--scheduler",
+                     endpoint, "--timeout", "1.5")
+    assert_one_line_error(result, f"--scheduler {endpoint}: no dask scheduler answered "
+                          "within 1.5 s")
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("endpoint", ["silent"], indirect=True)
+def test_verify_scheduler_that_never_answers_ends_within_the_timeout(endpoint, tmp_path):
+    pytest.importorskip("distributed")
+    result = run_cli("verify", str(tmp_path / "bundle"), "--scheduler", endpoint,
+                     "--timeout", "2.5")
+    assert_one_line_error(result, f"--scheduler {endpoint}: no dask scheduler answered "
+                          "within 2.5 s")
+
+
+def test_unreachable_address_leaves_no_traceback_at_exit(tmp_path):
+    pytest.importorskip("distributed")
+    result = run_cli("sweep", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b"),
+                     "--scheduler", "garbage://x", "--timeout", "3")
+    assert_one_line_error(result, "--scheduler garbage://x: not a dask scheduler address")
+
+
+@pytest.mark.parametrize(("address", "expected"), [
+    ("http://127.0.0.1:8786", "unknown address scheme 'http'"),
+    ("garbage://x", "unknown address scheme 'garbage'"),
+    ("tcp://[::1", "invalid address"),
+    ("tcp://127.0.0.1", "missing port"),
+    ("tcp://127.0.0.1:0", "port in [1, 65535]"),
+    ("tcp://127.0.0.1:70000", "port in [1, 65535]"),
+    ("tcp://h:1\nsecond line", "not a dask scheduler address"),
+    ("inproc://x", "unknown address scheme 'inproc'"),
+])
+def test_addresses_dask_cannot_reach_are_named_before_connecting(address, expected, tmp_path,
+                                                                 capsys):
+    pytest.importorskip("distributed")
+    for command in (["sweep", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b")],
+                    ["verify", str(tmp_path / "b")]):
+        assert main([*command, "--scheduler", address, "--timeout", "7"]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1 and expected in err, err
+
+
+def test_a_worker_is_not_a_scheduler():
+    pytest.importorskip("distributed")
+    from refattn.distributed import connect
+
+    with connect(workers=1, memory_limit="1GiB") as client:
+        worker = next(iter(client.scheduler_info()["workers"]))
+        with pytest.raises(RefAttnError, match="a dask Worker answered, not a dask scheduler"):
+            with connect(scheduler=worker, timeout=5):
+                pass
+        with connect(scheduler=client.scheduler.address, timeout=5) as other:
+            assert other.scheduler_info()["workers"]  # the real scheduler still serves
+
+
+# -- --workers ------------------------------------------------------------------------------------
+def test_more_workers_than_cores_is_refused_before_any_process_starts(tmp_path, capsys):
+    spec = tmp_path / "s.toml"
+    spec.write_text(SPEC_OK)
+    cores = usable_cores()
+    for workers in (cores + 1, 1000):
+        assert main(["sweep", str(spec), "--out", str(tmp_path / "b"), "--workers",
+                     str(workers)]) == 2
+        err = capsys.readouterr().err
+        assert err.count("\n") == 1
+        assert f"--workers {workers}: this machine lets refattn use {cores} CPU core" in err
+        assert main(["verify", str(tmp_path / "b"), "--workers", str(workers)]) == 2
+        assert f"expected at most {cores} worker processes" in capsys.readouterr().err
+    assert not (tmp_path / "b").exists()
+
+
+# -- YAML and TOML SPEC files -------------------------------------------------------------------
+def billion_laughs(levels: int = 9, width: int = 10) -> str:
+    """A YAML SPEC whose ``shape`` is width**levels values, spelled with aliases."""
+    lines = ["a0: &a0 [" + ", ".join(["1"] * width) + "]"]
+    for n in range(1, levels):
+        lines.append(f"a{n}: &a{n} [" + ", ".join([f"*a{n - 1}"] * width) + "]")
+    return "\n".join([*lines, "name: t", f"grid: [{{shape: *a{levels - 1}}}]", ""])
+
+
+def test_yaml_billion_laughs_is_refused_in_bounded_time_and_memory(tmp_path):
+    pytest.importorskip("yaml")
+    spec = tmp_path / "laughs.yaml"
+    spec.write_text(billion_laughs())
+    assert spec.stat().st_size < 600
+    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    result = run_cli("sweep", str(spec), "--out", str(tmp_path / "b"))
+    assert_one_line_error(result, "line 2: YAML alias *a0: aliases are not allowed")
+    peak = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    # peak RSS of the largest child so far, in KiB: a CLI start is about 60 MB; the file
+    # once took 478 MB within 20 s and kept growing
+    assert peak < 400 * 1024 or peak == before, peak
+
+
+@pytest.mark.parametrize("text", [
+    "base: &b {mask: none}\nname: t\ngrid: [{shape: [[1, 1, 1, 2, 2, 4, 4]]}]\n"
+    "case: [{<<: *b, shape: [1, 1, 1, 2, 2, 4, 4]}]\n",  # a merge key is an alias too
+    "name: t\ngrid: [{shape: [&s [1, 1, 1, 2, 2, 4, 4], *s]}]\n",
+])
+def test_every_yaml_alias_is_refused(tmp_path, text):
+    pytest.importorskip("yaml")
+    (tmp_path / "s.yaml").write_text(text)
+    with pytest.raises(RefAttnError, match="aliases are not allowed in a SPEC"):
+        read_spec(tmp_path / "s.yaml")
+
+
+def test_a_yaml_anchor_without_alias_is_harmless_and_read(tmp_path):
+    pytest.importorskip("yaml")
+    (tmp_path / "s.yaml").write_text("name: t\ngrid: [{shape: &s [[1, 1, 1, 2, 2, 4, 4]]}]\n")
+    assert read_spec(tmp_path / "s.yaml")["grid"][0]["shape"] == [[1, 1, 1, 2, 2, 4, 4]]
+
+
+@pytest.mark.parametrize(("name", "text", "expected"), [
+    ("deep.yaml", "name: t\nx: " + "[" * 100_000 + "]" * 100_000 + "\n",
+     f"nested more than {MAX_SPEC_DEPTH} deep"),
+    ("deep.toml", 'name = "t"\nx = ' + "[" * 100_000 + "]" * 100_000 + "\n",
+     f"nested more than {MAX_SPEC_DEPTH} deep"),
+    ("inline.toml", 'name = "t"\nx = ' + "{a = " * 5_000 + "1" + "}" * 5_000 + "\n",
+     f"nested more than {MAX_SPEC_DEPTH} deep"),
+    ("many.yaml", "name: t\nseed: [" + ", ".join(["0"] * (MAX_SPEC_VALUES + 1)) + "]\n",
+     f"more than {MAX_SPEC_VALUES} values"),
+    ("many.toml", 'name = "t"\nseed = [' + ", ".join(["0"] * (MAX_SPEC_VALUES + 1)) + "]\n",
+     f"more than {MAX_SPEC_VALUES} values"),
+])
+def test_deep_or_huge_spec_files_are_one_line(tmp_path, capsys, name, text, expected):
+    if name.endswith(".yaml"):
+        pytest.importorskip("yaml")
+    (tmp_path / name).write_text(text)
+    assert main(["sweep", str(tmp_path / name), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and expected in err, err[:500]
+
+
+def test_shared_python_objects_count_every_time_they_occur():
+    """The Python analogue of aliases: a 10-level tree of shared 10-lists stands for 10**10
+    values; checking it stops at the limit instead of walking (or printing) them all."""
+    value: object = [1] * 10
+    for _ in range(9):
+        value = [value] * 10
+    with pytest.raises(RefAttnError, match=f"more than {MAX_SPEC_VALUES} values"):
+        check_spec({"name": "t", "grid": [{"shape": value}]})
+
+
+def test_schema_errors_never_print_a_huge_value():
+    bad_shapes = [[1, 1, 1, 2, 2, 4]] * 10_001  # too many values, and each one too short
+    with pytest.raises(RefAttnError) as err:
+        check_spec({"name": "t", "grid": [{"shape": bad_shapes}]})
+    assert str(err.value).startswith("SPEC: grid/0/shape")
+    assert len(str(err.value)) < 400
+
+
+# -- a SPEC case's cost, from its shape -----------------------------------------------------------
+@pytest.mark.parametrize(("shape", "scores"), [
+    ([65536] * 7, 65536**4),                       # once: ValueError: array is too big
+    ([8, 64, 64, 2048, 2048, 64, 64], 8 * 64 * 2048 * 2048),  # once: 21.6 s, 4.26 GB drawn
+])
+def test_a_case_too_large_is_refused_from_its_shape(tmp_path, capsys, monkeypatch, shape,
+                                                    scores):
+    def no_tensors(description):
+        raise AssertionError("a tensor was drawn before the case's cost was checked")
+
+    monkeypatch.setattr(sweep_module, "_rng", no_tensors)
+    spec = tmp_path / "s.toml"
+    spec.write_text(f'name = "t"\n[[case]]\nshape = {shape}\n')
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    cid = case_id(normalize({"shape": shape}))
+    assert err.count("\n") == 1
+    assert f"case/0: case {cid}: needs about {case_budget(normalize({'shape': shape})).bytes}"\
+           f" bytes" in err
+    assert f"({scores} score elements), more than the limit of " in err
+    assert not (tmp_path / "b").exists()
+
+
+def test_the_big_spec_case_ends_in_one_line_in_a_fresh_process(tmp_path):
+    spec = tmp_path / "s.toml"
+    spec.write_text('name = "t"\n[[case]]\nshape = [8, 64, 64, 2048, 2048, 64, 64]\n')
+    result = run_cli("sweep", str(spec), "--out", str(tmp_path / "b"))
+    assert_one_line_error(result, "of memory to compute and check")
+
+
+def test_time_and_memory_limits_name_the_case_and_the_limit(monkeypatch):
+    monkeypatch.setattr(sweep_module, "_rng", lambda d: pytest.fail("tensors were drawn"))
+    doc = {"name": "t", "grid": [{"shape": [[1, 2, 1, 128, 128, 64, 64]]}]}
+    with pytest.raises(RefAttnError, match=r"grid/0: case dot-none-1x2x1x128x128x64x64-\w+: "
+                       r"needs about \d+ bytes .* more than the limit of 1000000 bytes"):
+        expand(check_spec(doc), max_bytes=10**6)
+    with pytest.raises(RefAttnError, match=r"would take about 0\.786 s to compute and check "
+                       r"\(32768 score elements, each correctly rounded\), over the limit of "
+                       r"0\.5 s per case"):
+        expand(check_spec(doc), max_bytes=None, max_seconds=0.5)
+
+
+class _WorkersWithLittleMemory:
+    """A client whose workers each have 1 MB; anything past the budget check fails."""
+
+    def scheduler_info(self):
+        return {"workers": {"tcp://127.0.0.1:1": {"memory_limit": 10**6}}}
+
+
+def test_a_case_over_the_workers_memory_limit_is_refused_before_submitting(tmp_path):
+    sweep = expand(check_spec({"name": "t", "case": [{"shape": [1, 2, 1, 64, 64, 8, 8]}]}))
+    with pytest.raises(RefAttnError, match=r"sweep t: case/0: case \S+: needs about \d+ bytes"
+                       r" .* more than the limit of 1000000 bytes"):
+        run_sweep(sweep, tmp_path / "b", client=_WorkersWithLittleMemory(), progress=False)
+    assert not (tmp_path / "b").exists()
+
+
+@pytest.mark.parametrize("fields", [
+    {"shape": [1, 1, 1, 3, 5, 4, 4]},
+    {"shape": [2, 4, 2, 3, 7, 8, 4], "mask": "causal_lower_right", "bias": "random"},
+    {"shape": [1, 2, 1, 4, 6, 8, 8], "score": {"family": "additive", "da": 3}},
+    {"shape": [1, 2, 2, 4, 6, 8, 8], "score": "bilinear"},
+])
+def test_the_time_estimate_is_the_exact_generators_own(fields):
+    """From the shape alone, the seconds the exact backend estimates from the built call."""
+    d = normalize(fields)
+    assert case_budget(d).seconds == pytest.approx(estimate_seconds(build_case(d).call),
+                                                   rel=1e-12)
+
+
+@pytest.mark.parametrize("fields", [
+    {"shape": [2, 1, 1, 128, 128, 8, 8], "bias": "random", "mask": "causal_lower_right",
+     "dropout": {"p": 0.1, "seed": 1}, "generator": "numpy"},
+    {"shape": [1, 2, 1, 64, 64, 8, 8], "score": {"family": "additive", "da": 4},
+     "generator": "numpy"},
+    {"shape": [2, 1, 1, 16, 16, 256, 256], "generator": "exact"},
+])
+def test_the_memory_estimate_bounds_the_measured_peak(fields):
+    """Peak RSS growth of computing and checking one case, in a fresh process, is below the
+    estimate, and the estimate is not more than 4x (plus 8 MiB) above it. Linux only: the
+    peak is reset (``/proc/self/clear_refs``) after imports and warm-up."""
+    code = textwrap.dedent(f"""
+        from refattn.bundle.sweep import case_id, normalize
+        from refattn.distributed.sweep import encode_batch
+
+        def kib(field):
+            with open("/proc/self/status") as fh:
+                return next(int(line.split()[1]) for line in fh if line.startswith(field))
+
+        small = normalize({{"shape": [1, 1, 1, 2, 2, 4, 4],
+                           "generator": {fields["generator"]!r}}})
+        encode_batch([(case_id(small), small)])   # imports, compilation, caches
+        with open("/proc/self/clear_refs", "w") as fh:
+            fh.write("5")                          # the peak (VmHWM) starts again from here
+        before = kib("VmRSS:")
+        d = normalize({fields!r})
+        encode_batch([(case_id(d), d)])
+        print(1024 * (kib("VmHWM:") - before))
+    """)
+    if not Path("/proc/self/clear_refs").exists():
+        pytest.skip("needs Linux's /proc/self/clear_refs to reset the peak RSS")
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=ENDS_WITHIN, check=True)
+    grown = int(run.stdout.split()[-1])
+    estimate = case_budget(normalize(fields)).bytes
+    assert 0 < grown <= estimate, (grown, estimate)
+    assert estimate <= 4 * grown + 8 * 2**20, (grown, estimate)
+
+
+def test_check_budget_passes_a_case_within_both_limits():
+    d = normalize({"shape": [1, 2, 1, 128, 128, 64, 64]})
+    budget = check_budget(d, max_bytes=2**30, max_seconds=1.0)
+    assert budget.scores == 2 * 128 * 128
+    # q and grad_output (B, Hq, Q, D); k and v (B, Hkv, K, D)
+    assert budget.input_bytes == 8 * (2 * 128 * 64 * 2 + 128 * 64 * 2)
