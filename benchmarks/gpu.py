@@ -1,31 +1,42 @@
 """The GPU path on one GPU, side by side with PyTorch: correctness, determinism, speed, memory.
 
-Needs only what the GPU machine's image has (Python 3.12, numpy, CuPy for CUDA 13, torch with
-CUDA): no python-flint, no numba. In one run, and in under four minutes on an H200:
+One prepared run for a lent GPU machine (about four minutes on an H200), needing only what its
+image has (Python, numpy, CuPy for CUDA 13, torch with CUDA; no python-flint, no numba):
 
-1. the conformance suite (dot-family cases) through ``"cupy"``, trace and streaming, against
-   the NumPy reference under the GPU tolerance (forward normwise <= 1e-13 kappa, elementwise
-   <= 1e-12 kappa max|ref|; gradients within 1e-12 kappa of their natural magnitude);
-2. run-to-run bit identity of a causal, Philox-dropout call, and its dropout multipliers bit
-   for bit against the CPU's;
-3. forward+backward time (CUDA events, median of the timed runs) of refattn's streaming kernels
-   and of ``torch.nn.functional.scaled_dot_product_attention`` in float64, with the cuBLAS DGEMM
-   rate measured in the same run and peak device memory, at (8,16,4096,128), (4,32,8192,64),
-   (1,8,32768,128), and (1,8,131072,128) where the time left allows.
+1. the GPU, the kernels' compile time, and the cuBLAS DGEMM rate measured in this run
+   (CUDA events around ``a @ b``, n = 8192);
+2. the conformance suite (dot-family cases) through backend ``"cupy"``, trace and streaming,
+   against the NumPy reference under the GPU tolerance (forward normwise <= 1e-13 kappa,
+   elementwise <= 1e-12 kappa max|ref|; gradients within 1e-12 kappa of their natural
+   magnitude); run-to-run bit identity of a causal Philox-dropout call (forward and
+   gradients, streaming), and its dropout multipliers bit for bit against the CPU's;
+3. forward+backward of refattn's streaming kernels and of torch's float64
+   ``scaled_dot_product_attention``, timed the same way: **device time** by CUDA events
+   with the inputs already on the device (refattn: an event pair around each kernel launch,
+   summed; torch: one pair around forward+backward, whose kernels are queued back to back)
+   and **end to end** (wall clock from host arrays to host results, copies included); peak
+   device memory (CuPy pool high-water mark; torch's max_memory_allocated); torch's
+   out-of-memory is a result, not a crash. Shapes: (8,16,4096,128), (4,32,8192,64),
+   (1,8,32768,128) and (1,8,131072,128), each with as many repetitions as the time left
+   allows (a shape predicted not to fit is skipped, saying so).
 
-Prints a table and writes JSON (to ``$OUT/gpu_bench.json`` where ``$OUT`` is set).
-``--dry-run`` runs the same program on the CPU emulator with tiny shapes (and torch on the
-CPU), to check the script without a GPU.
+Useful FLOPs: 12 B H L^2 D (forward 2 products, backward 4: the math path's count; refattn's
+recomputation of S is not counted). Prints the table with the GPU, the DGEMM rate and the
+ratios; writes ``gpu_bench.json`` into ``--out`` (default ``$OUT``, else the current
+directory). ``--dry-run`` runs the same program on the CPU emulator with tiny shapes and
+torch on the CPU, to check the script without a GPU.
 
-    python3 benchmarks/gpu.py [--dry-run]
+    python3 benchmarks/gpu.py [--dry-run] [--out DIR] [--budget SECONDS]
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import platform
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -36,41 +47,251 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import refattn
+from gpu_backend import launch
 from refattn.bundle.suites import build_suite
 from refattn.dropout import Philox
 from refattn.masks import causal
 
-SHAPES = [(8, 16, 4096, 128), (4, 32, 8192, 64), (1, 8, 32768, 128)]
-LONG = (1, 8, 131072, 128)
+SHAPES = [(8, 16, 4096, 128), (4, 32, 8192, 64), (1, 8, 32768, 128), (1, 8, 131072, 128)]
 DRY_SHAPES = [(1, 2, 64, 16), (1, 2, 96, 8)]
-BUDGET_S = 225.0  # stay under four minutes with the start-up included
+BUDGET_S = 225.0  # the whole run, start-up and compile included, under four minutes
+MAX_REPEATS = 5
+WEIGHT_FLOOR = 2e13  # FLOPs' worth of fixed cost per shape when sharing out the budget
+#: useful multiply-adds x 2 per (B, H, L, L, D) element: forward 2 products, backward 4
+FLOPS_PER_ELEMENT = 12
 
 
-class Clock:
-    """CUDA events on a GPU; wall time on the emulator."""
+# -- timing -------------------------------------------------------------------------------------
 
-    def __init__(self, gpu: bool) -> None:
-        self.gpu = gpu
-        if gpu:
-            import cupy
 
-            self.cupy = cupy
+class TimedDevice:
+    """A :class:`gpu_backend.launch.Device` that brackets every kernel launch with CUDA events.
 
-    def time(self, fn: Any, repeats: int) -> list[float]:
-        out = []
-        for _ in range(repeats):
-            if self.gpu:
-                start, stop = self.cupy.cuda.Event(), self.cupy.cuda.Event()
-                start.record()
-                fn()
-                stop.record()
-                stop.synchronize()
-                out.append(self.cupy.cuda.get_elapsed_time(start, stop) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                fn()
-                out.append(time.perf_counter() - t0)
+    ``kernel_seconds()`` synchronises and returns the summed kernel time since ``reset()``:
+    host work (validation, numpy) and host-device copies fall outside the brackets. On the
+    emulator the brackets are wall clock around each launch.
+    """
+
+    def __init__(self, inner: Any, gpu: bool) -> None:
+        self.inner, self.gpu = inner, gpu
+        self.name, self.xp = inner.name, inner.xp
+        self.max_shared_bytes = inner.max_shared_bytes
+        self.compile_options = inner.compile_options
+        self._pairs: list[Any] = []
+
+    def reset(self) -> None:
+        self._pairs = []
+
+    def kernel_seconds(self) -> float:
+        if not self.gpu:
+            return float(sum(self._pairs))
+        import cupy
+
+        total = 0.0
+        for start, stop in self._pairs:
+            stop.synchronize()
+            total += cupy.cuda.get_elapsed_time(start, stop) / 1e3
+        return total
+
+    def get_function(self, name: str) -> Any:
+        return _TimedKernel(self, self.inner.get_function(name))
+
+    def address(self, array: Any) -> int:
+        return self.inner.address(array)
+
+    def to_device(self, array: Any) -> Any:
+        return self.inner.to_device(array)
+
+    def to_host(self, array: Any) -> Any:
+        return self.inner.to_host(array)
+
+    def free_bytes(self) -> int | None:
+        return self.inner.free_bytes()
+
+    def describe(self) -> dict[str, Any]:
+        return self.inner.describe()
+
+
+class _TimedKernel:
+    def __init__(self, owner: TimedDevice, fn: Any) -> None:
+        object.__setattr__(self, "_owner", owner)
+        object.__setattr__(self, "_fn", fn)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._fn, name)
+
+    def __setattr__(self, name: str, value: Any) -> None:
+        setattr(self._fn, name, value)  # e.g. max_dynamic_shared_size_bytes
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not self._owner.gpu:
+            t0 = time.perf_counter()
+            out = self._fn(*args, **kwargs)
+            self._owner._pairs.append(time.perf_counter() - t0)
+            return out
+        import cupy
+
+        start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+        start.record()
+        out = self._fn(*args, **kwargs)
+        stop.record()
+        self._owner._pairs.append((start, stop))
         return out
+
+
+def _median(xs: list[float]) -> float:
+    return float(statistics.median(xs))
+
+
+def _sync(gpu: bool) -> None:
+    if gpu:
+        import cupy
+
+        cupy.cuda.Device().synchronize()
+
+
+def dgemm_rate(gpu: bool) -> dict[str, Any]:
+    """cuBLAS DGEMM (CuPy's matmul) by CUDA events, n = 8192; numpy's BLAS on a dry run."""
+    n = 8192 if gpu else 256
+    if gpu:
+        import cupy
+
+        a, b = cupy.random.rand(n, n), cupy.random.rand(n, n)
+        a @ b
+        times = []
+        for _ in range(5):
+            start, stop = cupy.cuda.Event(), cupy.cuda.Event()
+            start.record()
+            a @ b
+            stop.record()
+            stop.synchronize()
+            times.append(cupy.cuda.get_elapsed_time(start, stop) / 1e3)
+        del a, b
+        cupy.get_default_memory_pool().free_all_blocks()
+    else:
+        rng = np.random.default_rng(0)
+        a, b = rng.random((n, n)), rng.random((n, n))
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            a @ b
+            times.append(time.perf_counter() - t0)
+    s = _median(times)
+    return {"n": n, "seconds": s, "flops": 2.0 * n**3 / s}
+
+
+def _inputs(shape: tuple[int, ...]) -> tuple[np.ndarray, ...]:
+    rng = np.random.default_rng(1)
+    return tuple(rng.standard_normal(shape) for _ in range(4))  # q, k, v, g: (B, H, L, D)
+
+
+def refattn_timing(shape: tuple[int, ...], device: TimedDevice, gpu: bool,
+                   deadline: float) -> dict[str, Any]:
+    """Device time (kernels only), end to end (host in, host out) and peak memory."""
+    q, k, v, g = _inputs(shape)
+    call = refattn.AttentionCall(q, k, v)
+    pool = None
+    if gpu:
+        import cupy
+
+        pool = cupy.get_default_memory_pool()
+        pool.free_all_blocks()
+
+    def run() -> tuple[float, float]:
+        device.reset()
+        _sync(gpu)
+        t0 = time.perf_counter()
+        trace = launch.forward(device, call, materialize=False)
+        launch.backward(device, trace, g)  # numpy results: synchronised by the copies
+        wall = time.perf_counter() - t0
+        return device.kernel_seconds(), wall
+
+    first_kernels, first_wall = run()  # warm (the first shape also loads the kernels)
+    out: dict[str, Any] = {"warm_kernel_s": first_kernels, "warm_end_to_end_s": first_wall}
+    if pool is not None:
+        out["peak_bytes"] = int(pool.total_bytes())
+    repeats = _repeats(first_wall, deadline)
+    runs = [run() for _ in range(repeats)]
+    if runs:
+        out["device_s"] = _median([r[0] for r in runs])
+        out["end_to_end_s"] = _median([r[1] for r in runs])
+    else:  # no time for a second run: the warm run's figures stand
+        out["device_s"], out["end_to_end_s"] = first_kernels, first_wall
+    out["repeats"] = max(1, repeats)
+    if pool is not None:
+        pool.free_all_blocks()
+    return out
+
+
+def _repeats(one_run_s: float, deadline: float) -> int:
+    left = deadline - time.perf_counter()
+    return max(0, min(MAX_REPEATS, int(left * 0.5 / max(one_run_s, 1e-9))))
+
+
+def torch_timing(shape: tuple[int, ...], gpu: bool, deadline: float) -> dict[str, Any]:
+    """torch's float64 SDPA forward+backward, timed like refattn's; OOM is a result."""
+    try:
+        import torch
+        import torch.nn.functional as F
+    except ImportError:
+        return {"error": "torch is not installed"}
+    dev = "cuda" if gpu else "cpu"
+    host = [torch.from_numpy(x) for x in _inputs(shape)]
+    state: dict[str, Any] = {}
+
+    def device_run() -> float:
+        q, k, v = (x.requires_grad_(True) for x in state["dev"][:3])
+        for x in (q, k, v):
+            x.grad = None
+        if gpu:
+            start = torch.cuda.Event(enable_timing=True)
+            stop = torch.cuda.Event(enable_timing=True)
+            start.record()
+            F.scaled_dot_product_attention(q, k, v).backward(state["dev"][3])
+            stop.record()
+            stop.synchronize()
+            return start.elapsed_time(stop) / 1e3
+        t0 = time.perf_counter()
+        F.scaled_dot_product_attention(q, k, v).backward(state["dev"][3])
+        return time.perf_counter() - t0
+
+    def end_to_end() -> float:
+        if gpu:
+            torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        q, k, v, g = (x.to(dev) for x in host)
+        q, k, v = (x.requires_grad_(True) for x in (q, k, v))
+        out = F.scaled_dot_product_attention(q, k, v)
+        out.backward(g)
+        _ = [x.cpu() for x in (out.detach(), q.grad, k.grad, v.grad)]
+        return time.perf_counter() - t0
+
+    result: dict[str, Any] = {}
+    try:
+        if gpu:
+            torch.cuda.empty_cache()
+            torch.cuda.reset_peak_memory_stats()
+        state["dev"] = [x.to(dev) for x in host]
+        first = device_run()
+        repeats = _repeats(first, deadline)
+        times = [device_run() for _ in range(repeats)] or [first]
+        result["device_s"], result["repeats"] = _median(times), len(times)
+        if gpu:
+            result["peak_bytes"] = int(torch.cuda.max_memory_allocated())
+        state.clear()
+        result["end_to_end_s"] = end_to_end() if time.perf_counter() < deadline else None
+    except Exception as exc:  # torch.OutOfMemoryError above all: a result
+        oom = "out of memory" in str(exc).lower() or type(exc).__name__ == "OutOfMemoryError"
+        result.update(oom=oom, error=f"{type(exc).__name__}: {str(exc).splitlines()[0][:200]}")
+    finally:
+        state.clear()
+        gc.collect()
+        if gpu:
+            torch.cuda.empty_cache()
+    return result
+
+
+# -- correctness --------------------------------------------------------------------------------
 
 
 def kappa(scores: np.ndarray) -> float:
@@ -152,161 +373,149 @@ def determinism(backend: str) -> dict[str, bool]:
     return {"run_to_run_bit_identical": bool(same), "dropout_multiplier_bit_equal_cpu": z_equal}
 
 
-def timing(shape: tuple[int, ...], backend: str, clock: Clock, torch_device: str,
-           repeats: int) -> dict[str, Any]:
-    B, H, L, D = shape
-    rng = np.random.default_rng(1)
-    q, k, v, g = (rng.standard_normal((B, H, L, D)) for _ in range(4))
-    call = refattn.AttentionCall(q, k, v)
-    flops = 12.0 * B * H * L * L * D  # forward 4 B H Q K D, backward 8 B H Q K D
-    row: dict[str, Any] = {"shape": list(shape), "flops": flops}
-
-    def ours() -> None:
-        t = refattn.forward(call, backend=backend, materialize=False)
-        refattn.backward(t, g)
-
-    pool = None
-    if clock.gpu:
-        pool = clock.cupy.get_default_memory_pool()
-        pool.free_all_blocks()
-    ours()  # warm-up (and the kernels' compile on the first shape)
-    times = clock.time(ours, repeats)
-    row["refattn_s"] = float(np.median(times))
-    row["refattn_tflops"] = flops / row["refattn_s"] / 1e12
-    if pool is not None:
-        row["refattn_peak_bytes"] = int(pool.total_bytes())
-        pool.free_all_blocks()
-    row["torch"] = torch_sdpa(shape, torch_device, repeats)
-    if isinstance(row["torch"].get("seconds"), float):
-        row["speedup_vs_torch"] = row["torch"]["seconds"] / row["refattn_s"]
-    return row
+# -- the run ------------------------------------------------------------------------------------
 
 
-def torch_sdpa(shape: tuple[int, ...], device: str, repeats: int) -> dict[str, Any]:
-    try:
-        import torch
-        import torch.nn.functional as F
-    except ImportError:
-        return {"error": "torch is not installed"}
-    B, H, L, D = shape
-    try:
-        gen = torch.Generator(device=device).manual_seed(1)
-        q, k, v = (torch.randn(B, H, L, D, dtype=torch.float64, device=device, generator=gen,
-                               requires_grad=True) for _ in range(3))
-        g = torch.randn(B, H, L, D, dtype=torch.float64, device=device, generator=gen)
-
-        def run() -> None:
-            out = F.scaled_dot_product_attention(q, k, v)
-            out.backward(g)
-
-        if device == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        run()
-        times = []
-        for _ in range(repeats):
-            if device == "cuda":
-                start = torch.cuda.Event(enable_timing=True)
-                stop = torch.cuda.Event(enable_timing=True)
-                start.record()
-                run()
-                stop.record()
-                torch.cuda.synchronize()
-                times.append(start.elapsed_time(stop) / 1e3)
-            else:
-                t0 = time.perf_counter()
-                run()
-                times.append(time.perf_counter() - t0)
-        out = {"seconds": float(np.median(times))}
-        if device == "cuda":
-            out["peak_bytes"] = int(torch.cuda.max_memory_allocated())
-        return out
-    except Exception as exc:  # out of memory above all
-        if device == "cuda":
-            torch.cuda.empty_cache()
-        return {"error": f"{type(exc).__name__}: {str(exc)[:160]}"}
-
-
-def dgemm_rate(gpu: bool, clock: Clock) -> float:
-    n = 8192 if gpu else 256
+def _device(gpu: bool) -> tuple[Any, float]:
+    """The backend's device with its kernels loaded, and the seconds that took."""
+    t0 = time.perf_counter()
     if gpu:
-        xp = clock.cupy
-        a, b = xp.random.rand(n, n), xp.random.rand(n, n)
+        from gpu_backend.cupy_backend import device
     else:
-        rng = np.random.default_rng(0)
-        a, b = rng.random((n, n)), rng.random((n, n))
-    a @ b
-    times = clock.time(lambda: a @ b, 5)
-    return 2.0 * n**3 / float(np.median(times))
+        from gpu_backend.emulator_backend import device
+    dev = device()
+    q, k, v, g = _inputs((1, 1, 8, 8))  # one tiny call: the first launches load the kernels
+    trace = launch.forward(dev, refattn.AttentionCall(q, k, v), materialize=False)
+    launch.backward(dev, trace, g)
+    return dev, time.perf_counter() - t0
 
 
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--dry-run", action="store_true",
                    help="the CPU emulator, tiny shapes and torch on the CPU (no GPU needed)")
+    p.add_argument("--out", type=Path, default=Path(os.environ.get("OUT", ".")),
+                   help="directory for gpu_bench.json (default: $OUT, else .)")
+    p.add_argument("--budget", type=float, default=BUDGET_S,
+                   help="seconds for the whole run (default %(default)s)")
     args = p.parse_args(argv)
+    if not args.out.is_dir():
+        print(f"gpu.py: --out {args.out}: not a directory", file=sys.stderr)
+        return 2
     start = time.perf_counter()
+    deadline = start + args.budget
     gpu = not args.dry_run
     backend = "cupy" if gpu else "cuda_emulator"
-    clock = Clock(gpu)
-    report: dict[str, Any] = {"backend": backend, "python": platform.python_version(),
-                              "numpy": np.__version__}
-    if gpu:
-        from gpu_backend.cupy_backend import device
+    try:
+        inner, compile_s = _device(gpu)
+    except refattn.RefAttnError as exc:
+        print(f"gpu.py: {exc}", file=sys.stderr)
+        return 2
+    device = TimedDevice(inner, gpu)
+    report: dict[str, Any] = {
+        "backend": backend, "device": inner.describe(), "python": platform.python_version(),
+        "numpy": np.__version__, "compile_options": list(inner.compile_options),
+        "kernel_load_s": compile_s, "budget_s": args.budget,
+        "flops_per_element": FLOPS_PER_ELEMENT,
+        "method": {"device_s": "CUDA events: refattn an event pair around each kernel launch "
+                               "(summed), torch one pair around forward+backward; inputs on "
+                               "the device; median of the repeats",
+                   "end_to_end_s": "wall clock from host arrays to host results, copies "
+                                   "included (refattn: launch.forward/backward; torch: .to, "
+                                   "SDPA forward+backward, .cpu)",
+                   "peak_bytes": "refattn: CuPy pool high-water mark; torch: "
+                                 "max_memory_allocated"}}
+    try:
+        import torch
 
-        report["device"] = device().describe()
-        report["compile_options"] = list(device().compile_options)
+        report["torch"] = torch.__version__
+    except ImportError:
+        report["torch"] = None
+    report["dgemm"] = dgemm_rate(gpu)
     report["conformance"] = conformance(backend)
     report["determinism"] = determinism(backend)
-    report["dgemm_flops"] = dgemm_rate(gpu, clock)
     rows = []
-    for shape in SHAPES if gpu else DRY_SHAPES:
-        rows.append(timing(shape, backend, clock, "cuda" if gpu else "cpu",
-                           repeats=3 if gpu else 1))
-    if gpu:  # the long call, if the 32768 timing says it fits in the time left
-        last = rows[-1]
-        predicted = last["refattn_s"] * (LONG[2] / last["shape"][2]) ** 2
-        left = BUDGET_S - (time.perf_counter() - start)
-        if predicted * 2.2 < left:
-            rows.append(timing(LONG, backend, clock, "cuda", repeats=1))
-        else:
-            rows.append({"shape": list(LONG), "skipped": f"predicted {predicted:.0f} s (x2 with "
-                         f"the warm-up) exceeds the {left:.0f} s left"})
-    for row in rows:
-        if "refattn_s" in row:
-            row["fraction_of_dgemm"] = row["refattn_tflops"] * 1e12 / report["dgemm_flops"]
+    shapes = SHAPES if gpu else DRY_SHAPES
+    for i, shape in enumerate(shapes):
+        B, H, L, D = shape
+        flops = float(FLOPS_PER_ELEMENT * B * H * L * L * D)
+        row: dict[str, Any] = {"shape": list(shape), "flops": flops}
+        if rows and "refattn" in rows[-1]:
+            prev = rows[-1]
+            predicted = prev["refattn"]["end_to_end_s"] * flops / prev["flops"]
+            left = deadline - time.perf_counter()
+            if predicted * 1.3 > left:
+                row["skipped"] = (f"refattn predicted {predicted:.1f} s from "
+                                  f"{tuple(prev['shape'])}; {left:.0f} s left of the budget")
+                rows.append(row)
+                continue
+        # this shape's share of the time left: in proportion to its FLOPs (plus a constant
+        # for the fixed costs) among the shapes still to run
+        weights = [12.0 * np.prod(s_) + WEIGHT_FLOOR for s_ in shapes[i:]]
+        now = time.perf_counter()
+        shape_deadline = now + (deadline - now) * weights[0] / sum(weights)
+        row["refattn"] = refattn_timing(shape, device, gpu, shape_deadline)
+        row["torch"] = torch_timing(shape, gpu, shape_deadline)
+        r, t = row["refattn"], row["torch"]
+        row["refattn_tflops"] = flops / r["device_s"] / 1e12
+        row["fraction_of_dgemm"] = flops / r["device_s"] / report["dgemm"]["flops"]
+        if t.get("device_s"):
+            row["torch_tflops"] = flops / t["device_s"] / 1e12
+            row["speedup_vs_torch_device"] = t["device_s"] / r["device_s"]
+            if t.get("end_to_end_s"):
+                row["speedup_vs_torch_end_to_end"] = t["end_to_end_s"] / r["end_to_end_s"]
+        rows.append(row)
     report["timing"] = rows
     report["seconds"] = time.perf_counter() - start
     print_report(report)
-    out = Path(os.environ.get("OUT", "."))
-    (out / "gpu_bench.json").write_text(json.dumps(report, indent=2, default=str))
+    path = args.out / "gpu_bench.json"
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    print(f"wrote {path}")
     ok = not report["conformance"]["failures"] and all(report["determinism"].values())
     return 0 if ok else 1
 
 
+def _gb(x: Any) -> str:
+    return f"{x / 1e9:.2f}" if isinstance(x, (int, float)) else "-"
+
+
+def _s(x: Any) -> str:
+    return f"{x:.3f}" if isinstance(x, float) else "-"
+
+
 def print_report(r: dict[str, Any]) -> None:
     c = r["conformance"]
-    print(f"backend {r['backend']}; device {r.get('device')}")
+    d = r["dgemm"]
+    print(f"backend {r['backend']}; device {r['device']}; torch {r['torch']}; kernels loaded "
+          f"in {r['kernel_load_s']:.1f} s")
+    print(f"DGEMM (n = {d['n']}, measured in this run): {d['flops'] / 1e12:.2f} TFLOP/s")
     print(f"conformance: {c['cases']} dot cases x (trace, streaming): "
           f"{len(c['failures'])} failure(s) {c['failures'][:5]}")
-    print(f"worst error / bound: "
-          f"{ {k: f'{v:.1e}' for k, v in sorted(c['worst'].items(), key=lambda x: -x[1])[:6]} }")
+    worst = sorted(c["worst"].items(), key=lambda x: -x[1])[:6]
+    print(f"worst error / bound: { {k: f'{v:.1e}' for k, v in worst} }")
     print(f"determinism: {r['determinism']}")
-    print(f"DGEMM: {r['dgemm_flops'] / 1e12:.2f} TFLOP/s")
-    print(f"{'B,H,L,D':<20} {'refattn s':>10} {'TFLOP/s':>8} {'/DGEMM':>7} {'peak GB':>8} "
-          f"{'torch s':>9} {'torch GB':>9} {'speed-up':>9}")
+    print(f"useful FLOPs {r['flops_per_element']} B H L^2 D; device time: "
+          f"{r['method']['device_s']}")
+    print(f"{'B,H,L,D':<18} {'refattn dev s':>13} {'e2e s':>8} {'TFLOP/s':>8} {'/DGEMM':>7} "
+          f"{'peak GB':>8} | {'torch dev s':>11} {'e2e s':>8} {'peak GB':>8} | "
+          f"{'x torch dev':>11} {'x e2e':>6}")
     for row in r["timing"]:
         shape = ",".join(map(str, row["shape"]))
-        if "refattn_s" not in row:
-            print(f"{shape:<20} {row.get('skipped', '')}")
+        if "refattn" not in row:
+            print(f"{shape:<18} skipped: {row['skipped']}")
             continue
-        t = row["torch"]
-        torch_s = f"{t['seconds']:.3f}" if "seconds" in t else "OOM" if "memory" in str(
-            t.get("error", "")).lower() else "n/a"
-        print(f"{shape:<20} {row['refattn_s']:>10.3f} {row['refattn_tflops']:>8.2f} "
-              f"{row['fraction_of_dgemm']:>7.3f} "
-              f"{row.get('refattn_peak_bytes', 0) / 1e9:>8.2f} {torch_s:>9} "
-              f"{t.get('peak_bytes', 0) / 1e9:>9.2f} {row.get('speedup_vs_torch', 0):>8.2f}x")
-    print(f"total {r['seconds']:.0f} s")
+        a, t = row["refattn"], row["torch"]
+        torch_dev = _s(t.get("device_s")) if "device_s" in t else (
+            "OOM" if t.get("oom") else "error")
+        print(f"{shape:<18} {a['device_s']:>13.3f} {a['end_to_end_s']:>8.3f} "
+              f"{row['refattn_tflops']:>8.2f} {row['fraction_of_dgemm']:>7.3f} "
+              f"{_gb(a.get('peak_bytes')):>8} | {torch_dev:>11} {_s(t.get('end_to_end_s')):>8} "
+              f"{_gb(t.get('peak_bytes')):>8} | "
+              f"{row.get('speedup_vs_torch_device', float('nan')):>11.2f} "
+              f"{row.get('speedup_vs_torch_end_to_end', float('nan')):>6.2f}")
+        if "error" in t:
+            print(f"{'':<18} torch: {t['error']}")
+    print(f"total {r['seconds']:.0f} s of a {r['budget_s']:.0f} s budget")
 
 
 if __name__ == "__main__":

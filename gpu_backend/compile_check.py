@@ -9,8 +9,10 @@ and stack per kernel. ``python3 -m gpu_backend.compile_check`` prints the table.
 
 from __future__ import annotations
 
+import argparse
 import ctypes
 import glob
+import json
 import os
 import re
 import shutil
@@ -19,15 +21,18 @@ import sys
 import sysconfig
 import tempfile
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
-from gpu_backend.source import KERNEL_DIR, KERNELS, MAIN, translation_unit
+from gpu_backend import banks
+from gpu_backend.sass import KernelCounts, LoopCounts, disassemble, kernel_counts, parse
+from gpu_backend.source import KERNEL_DIR, KERNELS, MAIN, source_hash, translation_unit
 from refattn.errors import RefAttnError
 
 __all__ = ["CompileReport", "KernelResources", "compile_report", "nvrtc_library", "toolchain"]
 
 ARCHES = ("sm_90", "sm_80")
+_REPORTS: dict[tuple[str, str, str], CompileReport] = {}  # one compile per source per process
 
 
 @dataclass(frozen=True)
@@ -50,6 +55,7 @@ class CompileReport:
     seconds: float
     kernels: dict[str, KernelResources]
     warnings: tuple[str, ...]
+    cubin: bytes = field(default=b"", repr=False)
 
     @property
     def spills(self) -> int:
@@ -98,17 +104,19 @@ def _warnings(log: str) -> tuple[str, ...]:
     return tuple(line for line in log.splitlines() if "warning" in line.lower())
 
 
-def _nvcc(arch: str, directory: Path) -> tuple[str, int]:
+def _nvcc(arch: str, directory: Path) -> tuple[str, int, bytes]:
     with tempfile.TemporaryDirectory() as tmp:
+        cubin = Path(tmp) / "k.cubin"
         proc = subprocess.run(
             ["nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-ftz=true", "-Werror",
              "all-warnings", "-Xptxas", "-v", f"-I{directory}", "-o",
-             str(Path(tmp) / "k.cubin"), str(directory / MAIN)],
+             str(cubin), str(directory / MAIN)],
             capture_output=True, text=True)
-    return proc.stdout + proc.stderr, proc.returncode
+        binary = cubin.read_bytes() if cubin.exists() else b""
+    return proc.stdout + proc.stderr, proc.returncode, binary
 
 
-def _nvrtc(arch: str, directory: Path) -> tuple[str, int]:
+def _nvrtc(arch: str, directory: Path) -> tuple[str, int, bytes]:
     path = Path(nvrtc_library() or "")
     for builtins in sorted(path.parent.glob("libnvrtc-builtins.so*")):  # NVRTC dlopens it
         ctypes.CDLL(str(builtins), mode=ctypes.RTLD_GLOBAL)
@@ -126,8 +134,14 @@ def _nvrtc(arch: str, directory: Path) -> tuple[str, int]:
     lib.nvrtcGetProgramLogSize(prog, ctypes.byref(size))
     buffer = ctypes.create_string_buffer(size.value)
     lib.nvrtcGetProgramLog(prog, buffer)
+    binary = b""
+    if rc == 0:
+        lib.nvrtcGetCUBINSize(prog, ctypes.byref(size))
+        cubin = ctypes.create_string_buffer(size.value)
+        lib.nvrtcGetCUBIN(prog, cubin)
+        binary = cubin.raw
     lib.nvrtcDestroyProgram(ctypes.byref(prog))
-    return buffer.value.decode(errors="replace"), rc
+    return buffer.value.decode(errors="replace"), rc, binary
 
 
 def compile_report(arch: str = "sm_90", directory: Path = KERNEL_DIR) -> CompileReport:
@@ -138,31 +152,231 @@ def compile_report(arch: str = "sm_90", directory: Path = KERNEL_DIR) -> Compile
     RefAttnError
         When no toolchain is present, or when the sources do not compile (with the log).
     """
+    key = (arch, str(Path(directory).resolve()), source_hash(Path(directory)))
+    if key in _REPORTS:
+        return _REPORTS[key]
     tool = toolchain()
     if tool is None:
         raise RefAttnError("compile check: neither nvcc nor NVRTC (pip install "
                            "nvidia-cuda-nvrtc==13.0.88) is available")
     start = time.perf_counter()
-    log, rc = (_nvcc if tool == "nvcc" else _nvrtc)(arch, Path(directory).resolve())
+    log, rc, cubin = (_nvcc if tool == "nvcc" else _nvrtc)(arch, Path(directory).resolve())
     seconds = time.perf_counter() - start
     if rc != 0:
         raise RefAttnError(f"compile check ({tool}, {arch}): the kernels do not compile:\n"
                            f"{log[-4000:]}")
     kernels = _parse(log)
     missing = sorted(set(KERNELS) - set(kernels))
-    if missing:
+    if missing and Path(directory).resolve() == KERNEL_DIR:  # other sources: what they have
         raise RefAttnError(f"compile check ({tool}, {arch}): no ptxas report for {missing}")
-    return CompileReport(arch, tool, seconds, kernels, _warnings(log))
+    _REPORTS[key] = CompileReport(arch, tool, seconds, kernels, _warnings(log), cubin)
+    return _REPORTS[key]
 
 
-def main() -> int:
-    for arch in ARCHES:
-        r = compile_report(arch)
-        print(f"{arch} ({r.tool}, {r.seconds:.1f} s, {len(r.warnings)} warning(s))")
+#: the hot kernels, recognised by name: role -> how the name says it
+ROLES: dict[str, re.Pattern[str]] = {
+    "forward": re.compile(r"^(?!.*trace).*forward"),
+    "dq": re.compile(r"(?:^|_)dq(?:_|$)"),
+    "dkdv": re.compile(r"(?:^|_)dk_?dv(?:_|$)"),
+}
+#: per hot kernel: at most this many registers, LDS bytes per DMMA multiply-add
+MAX_REGISTERS = 255
+MAX_LDS_BYTES_PER_FMA = 1.0
+HEAD_DIMS = (32, 64, 128, 256)
+_PAD = re.compile(r"(?:constexpr\s+(?:int|unsigned)\s+|#define\s+)(\w*PAD\w*)\s*=?\s*(\d+)")
+
+
+def kernel_role(name: str) -> str | None:
+    """``"forward"``, ``"dq"``, ``"dkdv"`` for a hot kernel's name, else None.
+
+    >>> [kernel_role(n) for n in ("attention_forward_t32", "attention_dkdv_d128",
+    ...                           "attention_trace_forward", "attention_row_dot_output")]
+    ['forward', 'dkdv', None, None]
+    """
+    return next((role for role, pat in ROLES.items() if pat.search(name)), None)
+
+
+def smem_layout(directory: Path = KERNEL_DIR) -> tuple[str, str]:
+    """The kernels' shared-memory tile layout (a :func:`~gpu_backend.banks.tile_index` layout
+    with ``D`` for the head width) and where that comes from.
+
+    ``"swizzle"`` when attention.cu uses tile.cuh's swizzled tiles (``refattn_swz``,
+    ``refattn_load_tile_async``); else ``"stride=D+n"`` from the first ``constexpr int ...PAD...
+    = n`` (or ``#define ...PAD... n``) of the sources; else ``"stride=D"`` (unpadded).
+    """
+    main = (Path(directory) / MAIN).read_text()
+    if "refattn_swz" in main or "refattn_load_tile_async" in main:
+        return "swizzle", f"{MAIN} uses tile.cuh's XOR-swizzled tiles"
+    for path in sorted(Path(directory).glob("*.cu*")):
+        if m := _PAD.search(path.read_text()):
+            return f"stride=D+{m.group(2)}", f"{path.name}: {m.group(1)} = {m.group(2)}"
+    return "stride=D", "no swizzle or *PAD* constant in the kernel sources: rows unpadded"
+
+
+def layout_for(layout: str, D: int) -> str:
+    """A :func:`smem_layout` template at head width D.
+
+    >>> layout_for("stride=D+4", 64), layout_for("swizzle", 64)
+    ('stride=68', 'swizzle')
+    """
+    if layout.startswith("stride=D"):
+        return f"stride={D + int(layout.removeprefix('stride=D') or 0)}"
+    return layout
+
+
+def bank_table(kernel_layout: str) -> dict[str, dict[str, int]]:
+    """Worst cycles per warp access of every :data:`~gpu_backend.banks.PATTERNS` entry.
+
+    For each head width D in :data:`HEAD_DIMS`: unpadded rows, rows padded by 4 and by 8
+    doubles, the swizzle, and the kernels' own layout:
+    ``{pattern: {"ideal": cycles, "D=64 stride=68": cycles, ..., "D=64 kernels": cycles}}``.
+
+    >>> bank_table("swizzle")["row_read"]["D=64 stride=68"]
+    2
+    """
+    out: dict[str, dict[str, int]] = {}
+    for name, pattern in banks.PATTERNS.items():
+        row = {"ideal": banks.ideal_cycles(pattern.width)}
+        for d in HEAD_DIMS:
+            for lay in (f"stride={d}", f"stride={d + 4}", f"stride={d + 8}", "swizzle"):
+                row[f"D={d} {lay}"] = banks.worst_cycles(name, d, lay)
+            row[f"D={d} kernels"] = banks.worst_cycles(name, d, layout_for(kernel_layout, d))
+        out[name] = row
+    return out
+
+
+def _loop_json(c: LoopCounts | None) -> dict[str, object] | None:
+    if c is None:
+        return None
+    return {"start": hex(c.start), "end": hex(c.end), "instructions": c.instructions,
+            "dmma": c.dmma, "dmma_fma": c.dmma_fma, "dfma": c.dfma,
+            "fp64_vector": c.fp64_vector, "lds": c.lds, "lds_bytes": c.lds_bytes,
+            "sts_bytes": c.sts_bytes, "ldgsts_bytes": c.ldgsts_bytes,
+            "call_rel_noinc": c.calls, "inner_loops": c.inner_loops,
+            "lds_bytes_per_dmma_fma": c.lds_bytes_per_dmma_fma}
+
+
+def hot_kernel_json(res: KernelResources, counts: KernelCounts, role: str) -> dict[str, object]:
+    """One hot kernel's figures and which of issue 24's targets it meets."""
+    main = counts.main_loop
+    ratio = main.lds_bytes_per_dmma_fma if main else None
+    targets = {
+        "dmma": counts.total.dmma_fma > 0,
+        f"registers<={MAX_REGISTERS}": res.registers <= MAX_REGISTERS,
+        "no_spills": res.spill_stores + res.spill_loads == 0,
+        f"lds_bytes_per_dmma_fma<={MAX_LDS_BYTES_PER_FMA:g}":
+            ratio is not None and ratio <= MAX_LDS_BYTES_PER_FMA,
+        "no_call_rel_noinc_in_main_loop": main is not None and main.calls == 0,
+    }
+    return {"role": role, "registers": res.registers,
+            "spill_bytes": res.spill_stores + res.spill_loads, "stack_bytes": res.stack_bytes,
+            "dmma_instructions": sum(counts.total.dmma.values()), "dmma": counts.total.dmma,
+            "dmma_fma": counts.total.dmma_fma, "dfma": counts.total.dfma,
+            "call_rel_noinc": counts.total.calls, "main_loop": _loop_json(main),
+            "lds_bytes_per_dmma_fma": ratio, "notes": list(counts.notes),
+            "targets": targets, "targets_met": all(targets.values())}
+
+
+def sass_report(arch: str, directory: Path = KERNEL_DIR) -> dict[str, object]:
+    """Compile for ``arch``, disassemble, and report every hot kernel (JSON-ready).
+
+    Raises
+    ------
+    RefAttnError
+        No compiler, no cuobjdump/nvdisasm (naming the wheels), or no hot kernel found.
+    """
+    report = compile_report(arch, directory)
+    functions = parse(disassemble(report.cubin))
+    kernels = {}
+    for name in sorted(functions):
+        role = kernel_role(name)
+        if role is None or name not in report.kernels:
+            continue
+        kernels[name] = hot_kernel_json(report.kernels[name],
+                                        kernel_counts(name, functions[name]), role)
+    if not kernels:
+        raise RefAttnError(f"SASS ({arch}): no forward, dq or dk/dv kernel among "
+                           f"{sorted(functions)}")
+    return {"compiler": report.tool, "compile_seconds": round(report.seconds, 2),
+            "warnings": list(report.warnings), "kernels": kernels,
+            "targets_met": all(k["targets_met"] for k in kernels.values())}
+
+
+def check(arches: tuple[str, ...] = ARCHES, directory: Path = KERNEL_DIR) -> dict[str, object]:
+    """Everything ``python3 -m gpu_backend.compile_check`` reports, as one JSON-ready dict."""
+    layout, layout_source = smem_layout(directory)
+    per_arch = {arch: sass_report(arch, directory) for arch in arches}
+    return {"source_hash": source_hash(Path(directory)), "arches": per_arch,
+            "smem_layout": layout, "smem_layout_source": layout_source,
+            "bank_model": {"method": banks.__doc__.split("\n\n")[1].replace("\n", " "),
+                           "patterns": {n: p.use for n, p in banks.PATTERNS.items()},
+                           "cycles": bank_table(layout)},
+            "targets": {"registers": MAX_REGISTERS,
+                        "lds_bytes_per_dmma_fma": MAX_LDS_BYTES_PER_FMA, "spill_bytes": 0},
+            "targets_met": all(a["targets_met"] for a in per_arch.values())}
+
+
+def _fmt(x: object) -> str:
+    return "-" if x is None else f"{x:.2f}" if isinstance(x, float) else str(x)
+
+
+def print_tables(result: dict[str, object]) -> None:
+    """The SASS table per architecture and the bank-model table."""
+    for arch, rep in result["arches"].items():
+        print(f"{arch} ({rep['compiler']}, {rep['compile_seconds']} s, "
+              f"{len(rep['warnings'])} warning(s))")
+        print(f"  {'kernel':<26} {'regs':>4} {'spill':>5} {'DMMA':>5} {'DMMA FMA':>9} "
+              f"{'DFMA':>5} {'CALL':>4} | main loop: {'instr':>5} {'DMMA':>5} {'DFMA':>5} "
+              f"{'LDS B':>6} {'B/FMA':>5} {'CALL':>4} {'inner':>5}  targets")
+        for name, k in rep["kernels"].items():
+            m = k["main_loop"] or {}
+            print(f"  {name:<26} {k['registers']:>4} {k['spill_bytes']:>5} "
+                  f"{k['dmma_instructions']:>5} {k['dmma_fma']:>9} {k['dfma']:>5} "
+                  f"{k['call_rel_noinc']:>4} | {'':>10} {_fmt(m.get('instructions')):>5} "
+                  f"{_fmt(sum(m.get('dmma', {}).values()) if m else None):>5} "
+                  f"{_fmt(m.get('dfma')):>5} {_fmt(m.get('lds_bytes')):>6} "
+                  f"{_fmt(k['lds_bytes_per_dmma_fma']):>5} {_fmt(m.get('call_rel_noinc')):>4} "
+                  f"{_fmt(m.get('inner_loops')):>5}  "
+                  + ("met" if k["targets_met"] else "NOT met: " + ", ".join(
+                      t for t, ok in k["targets"].items() if not ok)))
+    table = result["bank_model"]["cycles"]
+    print(f"bank model: worst shared-memory cycles per warp access; the kernels' layout: "
+          f"{result['smem_layout']} ({result['smem_layout_source']})")
+    for d in HEAD_DIMS:
+        cols = [c for c in next(iter(table.values())) if c.startswith(f"D={d} ")]
+        print(f"  {'pattern':<18} {'ideal':>5} " + " ".join(f"{c:>16}" for c in cols))
+        for name, row in table.items():
+            print(f"  {name:<18} {row['ideal']:>5} " + " ".join(f"{row[c]:>16}" for c in cols))
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="python3 -m gpu_backend.compile_check",
+                                description="registers, spills and SASS of the GPU kernels "
+                                "for real architectures, without a GPU")
+    p.add_argument("--arch", action="append", choices=ARCHES,
+                   help="architecture (repeatable; default: all of %(choices)s)")
+    p.add_argument("--json", type=Path, help="also write the report as JSON to this file")
+    p.add_argument("--strict", action="store_true",
+                   help="exit 1 unless every hot kernel meets issue 24's targets")
+    p.add_argument("--kernel-dir", type=Path, default=KERNEL_DIR,
+                   help="the kernel sources (default: the package's kernels/)")
+    args = p.parse_args(argv)
+    try:
+        result = check(tuple(args.arch or ARCHES), args.kernel_dir)
+    except RefAttnError as exc:
+        print(f"compile_check: {exc}", file=sys.stderr)
+        return 2
+    for arch in result["arches"]:
+        r = compile_report(arch, args.kernel_dir)
+        print(f"{arch} ptxas ({r.tool})")
         for k in sorted(r.kernels.values(), key=lambda k: k.kernel):
             print(f"  {k.kernel:<28} {k.registers:>4} registers  {k.spill_stores:>3} B spill "
                   f"stores  {k.spill_loads:>3} B spill loads  {k.stack_bytes:>3} B stack")
-    return 0
+    print_tables(result)
+    if args.json:
+        args.json.write_text(json.dumps(result, indent=2) + "\n")
+    print(f"targets met: {result['targets_met']}")
+    return 1 if args.strict and not result["targets_met"] else 0
 
 
 if __name__ == "__main__":

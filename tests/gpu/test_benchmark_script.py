@@ -1,33 +1,108 @@
-"""benchmarks/gpu.py runs end to end without a GPU (--dry-run: the emulator, tiny shapes)."""
+"""benchmarks/gpu.py runs end to end without a GPU (--dry-run: the emulator, tiny shapes), times
+only kernels in its device column, and reports torch's out-of-memory as a result."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
+import subprocess
+import sys
 from pathlib import Path
+
+import numpy as np
+import pytest
 
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
 
 
-def test_the_gpu_benchmark_dry_run_checks_and_reports(tmp_path, monkeypatch, capsys):
+@pytest.fixture(scope="module")
+def bench():
     spec = importlib.util.spec_from_file_location("gpu_bench", BENCH)
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    monkeypatch.setenv("OUT", str(tmp_path))
-    assert module.main(["--dry-run"]) == 0
+    return module
+
+
+def test_the_gpu_benchmark_dry_run_checks_and_reports(bench, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("OUT", str(tmp_path / "unused"))  # --out wins over $OUT
+    assert bench.main(["--dry-run", "--out", str(tmp_path)]) == 0
     report = json.loads((tmp_path / "gpu_bench.json").read_text())
     assert report["backend"] == "cuda_emulator" and not report["conformance"]["failures"]
     assert report["conformance"]["cases"] > 50
     assert all(report["determinism"].values())
-    assert all("refattn_s" in row for row in report["timing"])
-    assert "conformance:" in capsys.readouterr().out
+    assert report["dgemm"]["flops"] > 0 and {"device_s", "end_to_end_s"} <= set(
+        report["method"])
+    assert [row["shape"] for row in report["timing"]] == [list(s) for s in bench.DRY_SHAPES]
+    for row in report["timing"]:
+        r = row["refattn"]
+        # the kernels run inside the end-to-end interval: their sum cannot exceed it
+        assert 0 < r["device_s"] <= r["end_to_end_s"]
+        assert row["flops"] == 12.0 * np.prod(row["shape"][:3]) * row["shape"][2] * row[
+            "shape"][3]
+        assert row["refattn_tflops"] == pytest.approx(row["flops"] / r["device_s"] / 1e12)
+        assert "device_s" in row["torch"] or "error" in row["torch"]
+    out = capsys.readouterr().out
+    assert "conformance:" in out and "DGEMM" in out and "x torch dev" in out
+
+
+def test_the_out_directory_must_exist(bench, tmp_path, capsys):
+    assert bench.main(["--dry-run", "--out", str(tmp_path / "missing")]) == 2
+    assert "not a directory" in capsys.readouterr().err
+
+
+class _Fn:
+    def __init__(self, log):
+        self.log = log
+        self.max_dynamic_shared_size_bytes = 0
+
+    def __call__(self, grid, block, args, shared_mem=0):
+        self.log.append(("launch", grid))
+
+
+class _Inner:
+    name, xp, max_shared_bytes, compile_options = "fake", np, 1 << 16, ()
+
+    def __init__(self):
+        self.log = []
+        self.fn = _Fn(self.log)
+
+    def get_function(self, name):
+        return self.fn
+
+    def to_device(self, array):
+        self.log.append(("copy", None))
+        return array
+
+
+def test_the_timed_device_brackets_each_launch_and_nothing_else(bench):
+    inner = _Inner()
+    dev = bench.TimedDevice(inner, gpu=False)
+    fn = dev.get_function("k")
+    fn.max_dynamic_shared_size_bytes = 99000  # forwarded to the real function
+    assert inner.fn.max_dynamic_shared_size_bytes == 99000
+    dev.to_device(np.zeros(3))
+    fn((1,), (32,), ())
+    fn((2,), (32,), ())
+    assert len(dev._pairs) == 2  # two launches, two brackets; the copy is outside
+    assert [e[0] for e in inner.log] == ["copy", "launch", "launch"]
+    dev.reset()
+    assert dev.kernel_seconds() == 0.0
+
+
+def test_torch_running_out_of_memory_is_a_result(bench, monkeypatch):
+    torch = pytest.importorskip("torch")
+    import torch.nn.functional as F
+
+    def oom(*args, **kwargs):
+        raise torch.OutOfMemoryError("CUDA out of memory. Tried to allocate 512.00 GiB")
+
+    monkeypatch.setattr(F, "scaled_dot_product_attention", oom)
+    out = bench.torch_timing((1, 1, 8, 4), gpu=False, deadline=float("inf"))
+    assert out["oom"] is True and "512.00 GiB" in out["error"] and "device_s" not in out
 
 
 def test_the_gpu_path_imports_nothing_the_gpu_image_lacks():
     """The GPU machine's image has no python-flint: the benchmark's imports must not need it."""
-    import subprocess
-    import sys
-
     root = BENCH.parents[1]
     code = ("import sys, refattn, refattn.bundle.suites, gpu_backend.launch, "
             "gpu_backend.cupy_backend, gpu_backend.emulator_backend; "
