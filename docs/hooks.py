@@ -10,6 +10,8 @@ Everything a page shows that the code can say is generated at build time, so it 
   ``test`` extras);
 - ``<!-- refattn-help COMMAND -->`` in a page becomes the text of ``refattn COMMAND --help``;
 - ``<!-- schema NAME -->`` becomes the published JSON Schema ``refattn/bundle/schema/NAME``;
+- the docstrings' Sphinx roles (``:class:`~refattn.X``` and the like, which numpydoc readers of
+  the source expect) render as plain code names instead of showing the role;
 - the nav entries of pages other engineers own (:data:`OPTIONAL_PAGES`) are dropped while the
   page does not exist yet, so the strict build does not depend on their schedule.
 """
@@ -154,3 +156,15 @@ def on_page_markdown(markdown: str, page: Any, config: Any, files: Any) -> str:
     schema_dir = ROOT / "refattn" / "bundle" / "schema"
     return _SCHEMA.sub(
         lambda m: f"```json\n{(schema_dir / m.group(1)).read_text().rstrip()}\n```", markdown)
+
+
+_ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj|const):<code>(~?)([^<]*)</code>")
+
+
+def _plain_role(m: re.Match[str]) -> str:
+    name = m.group(2).split(".")[-1] if m.group(1) else m.group(2)  # ~a.b.c reads as c
+    return f"<code>{name}</code>"
+
+
+def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:
+    return _ROLE.sub(_plain_role, html)
