@@ -15,13 +15,15 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     """``--workers N``, ``--scheduler ADDR`` and ``--timeout S`` (shared with verify)."""
     where = p.add_mutually_exclusive_group()
     where.add_argument("--workers", type=int, default=None, metavar="N",
-                       help="start a local dask cluster of N worker processes (loopback only; "
+                       help="start a local dask cluster of N worker processes (at most one "
+                       "per CPU core; loopback only; "
                        f"needs {install_hint('distributed')})")
     where.add_argument("--scheduler", default=None, metavar="ADDR",
                        help="use the running dask scheduler at ADDR (e.g. tcp://host:8786)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
                    help=f"seconds to wait for the scheduler to answer (default "
-                   f"{DEFAULT_TIMEOUT:g})")
+                   f"{DEFAULT_TIMEOUT:g}); whatever listens at ADDR, an address that does "
+                   "not answer as a dask scheduler is given up within about S + 2 s")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
