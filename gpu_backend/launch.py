@@ -21,6 +21,7 @@ import numpy as np
 from gpu_backend.abi import INT_PARAMS, POINTERS, REAL_PARAMS
 from gpu_backend.source import TILES
 from refattn.call import AttentionCall
+from refattn.call.gate import check_head_map
 from refattn.call.placement import operand_multipliers
 from refattn.dropout import Philox
 from refattn.engine.reduce import reduce_to_shape
@@ -154,7 +155,7 @@ def _prepare(call: AttentionCall, device: Device) -> _Launch:
     L.put("Q", call.q if mult.query == 1.0 else call.q * mult.query)
     L.put("K", call.k if mult.key == 1.0 else call.k * mult.key)
     L.put("V", call.v)
-    L.put("HEAD_MAP", call.head_map.astype(np.int64))
+    L.put("HEAD_MAP", check_head_map(call))  # re-checked: the kernels index k, v with it
     L.real("POST", mult.post)
     L.real("FQ", mult.query * mult.post)
     L.real("FK", mult.key * mult.post)

@@ -19,20 +19,92 @@ __all__ = [
     "check_finite",
     "check_float64",
     "check_shape",
+    "compact",
     "first_index",
     "float64_input",
     "format_index",
+    "immutable_copy",
+    "memory_error",
 ]
 
 
 def as_array(name: str, x: object) -> np.ndarray:
-    """Return ``x`` as an ndarray without changing its dtype (DLPack/``__array__`` accepted)."""
-    if isinstance(x, np.ndarray):
+    """Return ``x`` as a plain ndarray without changing its dtype (DLPack/``__array__``
+    accepted); the one gate every array input passes.
+
+    An ndarray subclass never reaches the checks as itself (its own ``isfinite``, ``max`` or
+    indexing could hide values): a masked array is accepted only when no element is masked (a
+    masked element has no value, and refattn never fills one), ``np.matrix`` is refused (it is
+    always 2-D and ``*`` is its matrix product), and any other subclass (``np.memmap``, say)
+    is read as the plain array of its data.
+
+    Examples
+    --------
+    >>> z = np.ma.masked_invalid([1.0, np.nan])
+    >>> try:
+    ...     as_array("dropout", z)
+    ... except RefAttnError as exc:
+    ...     print(str(exc)[:73])
+    dropout: a masked array with 1 masked element(s), the first at index (1);
+    >>> type(as_array("q", np.ma.masked_array([1.0, 2.0]))).__name__
+    'ndarray'
+    """
+    if type(x) is np.ndarray:
         return x
+    if isinstance(x, np.ma.MaskedArray):
+        mask = np.ma.getmaskarray(x)
+        idx = first_index(mask)
+        if idx is not None:
+            raise RefAttnError(
+                f"{name}: a masked array with {int(mask.sum())} masked element(s), the first "
+                f"at index {format_index(idx)}; a masked element has no value and refattn "
+                "never fills one: pass x.filled(value), or express the mask with visible= / "
+                "query_valid=")
+        return np.asarray(np.ma.getdata(x))
+    if isinstance(x, np.matrix):
+        raise RefAttnError(f"{name}: np.matrix is not accepted (always 2-D, and * is its matrix "
+                           "product); pass np.asarray(x) reshaped to the documented axes")
     try:
-        return np.asarray(x)
+        return np.asarray(x)  # a plain ndarray: subclasses are read as their data
+    except MemoryError as exc:
+        raise memory_error(exc, f"{name}: reading the input as an array") from None
     except Exception as exc:  # pragma: no cover - exotic objects
         raise RefAttnError(f"{name}: cannot be read as an array ({exc})") from None
+
+
+def compact(x: np.ndarray) -> np.ndarray:
+    """The smallest view of ``x`` that broadcasts back to it: each axis of stride 0 (a
+    broadcast axis) cut to length 1. Checks run on it, so a broadcast input costs what its
+    data costs, not what its shape claims.
+
+    Examples
+    --------
+    >>> compact(np.broadcast_to(np.arange(3.0), (1000, 1000, 3))).shape
+    (1, 1, 3)
+    """
+    cut = tuple(slice(0, 1) if st == 0 and n > 1 else slice(None)
+                for st, n in zip(x.strides, x.shape, strict=True))
+    return x[cut]
+
+
+def memory_error(exc: BaseException, doing: str) -> RefAttnError:
+    """A :class:`RefAttnError` for a ``MemoryError`` raised while ``doing`` something,
+    naming the bytes the failed allocation asked for when numpy says so.
+
+    Examples
+    --------
+    >>> try:
+    ...     np.empty(2**50)
+    ... except MemoryError as exc:
+    ...     print(str(memory_error(exc, "forward"))[:73])
+    memory: forward needs an array of 9007199254740992 bytes (8388608.00 GiB)
+    """
+    size = getattr(exc, "_total_size", None)  # numpy's _ArrayMemoryError knows the request
+    if isinstance(size, int):
+        need = f"an array of {size} bytes ({size / 2**30:.2f} GiB)"
+    else:
+        need = "more memory than it could get"
+    return RefAttnError(f"memory: {doing} needs {need}, more than this machine can give")
 
 
 def format_index(index: Sequence[int], letters: Sequence[str] | None = None) -> str:
@@ -66,11 +138,12 @@ def check_bool(name: str, x: np.ndarray) -> None:
 
 def check_finite(name: str, x: np.ndarray) -> None:
     """Reject NaN and +/-inf, naming the first offending index and its value."""
-    bad = ~np.isfinite(x)
+    small = compact(x)  # a broadcast input is checked once per stored element
+    bad = ~np.isfinite(small)
     idx = first_index(bad)
     if idx is not None:
         raise RefAttnError(
-            f"{name}: non-finite value {x[idx].item()!r} at index {format_index(idx)}; "
+            f"{name}: non-finite value {small[idx].item()!r} at index {format_index(idx)}; "
             "expected finite float64"
         )
 
@@ -126,3 +199,24 @@ def check_broadcastable(name: str, x: np.ndarray, target: Sequence[int], letters
                 f"{name}: axis {axis} (aligned with {names[offset + axis]}) has size {size}, "
                 f"expected 1 or {want} to broadcast to [{letters}] = {list(target)}"
             )
+
+
+def immutable_copy(x: np.ndarray) -> np.ndarray:
+    """A private C-ordered copy of ``x`` (an index table, a head map) that nobody can make
+    writeable again.
+
+    Its memory belongs to an immutable ``bytes`` object, so ``flags.writeable = True``
+    raises (a copy that owns its memory could be unlocked by anyone holding it, and an index
+    changed after the gate checked it would send a kernel out of bounds).
+
+    Examples
+    --------
+    >>> h = immutable_copy(np.array([0, 1]))
+    >>> try:
+    ...     h.flags.writeable = True
+    ... except ValueError:
+    ...     print("locked")
+    locked
+    """
+    data = np.ascontiguousarray(x)
+    return np.frombuffer(data.tobytes(), dtype=data.dtype).reshape(data.shape)

@@ -21,9 +21,12 @@ from refattn._checks import (
     check_finite,
     check_float64,
     check_shape,
+    compact,
     first_index,
     float64_input,
     format_index,
+    immutable_copy,
+    memory_error,
 )
 from refattn._version import __version__
 from refattn.call.hazards import check_forward_overflow
@@ -33,7 +36,7 @@ from refattn.errors import RefAttnError
 from refattn.masks import BaseRelation
 from refattn.records import float_record, tensor_record
 
-__all__ = ["AttentionCall", "MultiplierSource"]
+__all__ = ["AttentionCall", "MultiplierSource", "check_head_map"]
 
 AllMaskedRows = Literal["reject", "sanitize_then_zero_invalid_query"]
 ReturnedWeights = Literal["none", "pre_dropout", "post_dropout"]
@@ -60,6 +63,55 @@ def _frozen_copy(x: np.ndarray) -> np.ndarray:
     out = np.array(x, copy=True)
     out.flags.writeable = False
     return out
+
+
+def _frozen_broadcast(x: np.ndarray) -> np.ndarray:
+    """A read-only copy of ``x`` that stays a broadcast view: only :func:`compact` ``(x)``
+    is copied, so a ``np.broadcast_to`` bias or mask of any claimed shape costs what its
+    data costs (the dense engines count it at full size in their memory estimate)."""
+    small = compact(x)
+    if small.shape == x.shape:
+        return _frozen_copy(x)
+    return np.broadcast_to(_frozen_copy(small), x.shape)  # read-only view of a private copy
+
+
+def check_head_map(call: AttentionCall) -> np.ndarray:
+    """The call's head map, checked again right before a kernel indexes memory with it.
+
+    The gate checked it at construction and keeps it in memory nobody can make writeable,
+    but a kernel that reads ``k[head_map[h]]`` without bounds checks (numba, CUDA) must not
+    trust even that: this re-checks dtype, shape and every entry against ``[0, Hkv)``.
+
+    Returns
+    -------
+    (Hq,) int64 ndarray
+        The head map to pass to the kernel.
+
+    Raises
+    ------
+    RefAttnError
+        Naming the first entry out of range.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> x = np.zeros((1, 2, 3, 4)); kv = np.zeros((1, 1, 3, 4))
+    >>> check_head_map(AttentionCall(x, kv, kv)).tolist()
+    [0, 0]
+    """
+    hm = call.head_map
+    Hq, Hkv = call.q.shape[1], call.k.shape[1]
+    if not (isinstance(hm, np.ndarray) and hm.dtype == np.int64 and hm.shape == (Hq,)):
+        raise RefAttnError(f"head_map: expected an int64 array of shape [Hq={Hq}] at launch, "
+                           f"got {getattr(hm, 'dtype', type(hm).__name__)} "
+                           f"{list(np.shape(hm))}")
+    bad = np.flatnonzero((hm < 0) | (hm >= Hkv))
+    if bad.size:
+        h = int(bad[0])
+        raise RefAttnError(f"head_map: entry h={h} is {int(hm[h])} at launch, expected a kv "
+                           f"head in [0, {Hkv}) (the array was changed after the call was "
+                           "validated)")
+    return hm
 
 
 def _positive_real(name: str, x: object, what: str) -> float:
@@ -92,7 +144,12 @@ class AttentionCall:
     """Frozen description of one scaled-dot-product attention call (``attention_call_v1``).
 
     Validation runs at construction, before any arithmetic; every array is copied and made
-    read-only, so the call cannot change after it was checked.
+    read-only, so the call cannot change after it was checked. A broadcast ``visible``,
+    ``query_valid``, ``bias`` or ``dropout`` (``np.broadcast_to``) stays a read-only view of
+    a copy of its data; the head map lives in memory nobody can make writeable again (and
+    kernels re-check it before launch: :func:`check_head_map`). Array subclasses pass the
+    same gate: a masked array with a masked element and ``np.matrix`` are refused. A
+    ``MemoryError`` while validating becomes a :class:`RefAttnError` naming the bytes.
 
     Parameters
     ----------
@@ -183,7 +240,10 @@ class AttentionCall:
 
     def __post_init__(self) -> None:
         try:
-            self._validate()
+            try:
+                self._validate()
+            except MemoryError as exc:
+                raise memory_error(exc, "validating the call") from None
         except RefAttnError as exc:
             shapes = ", ".join(
                 f"{n}={list(np.shape(getattr(self, n)))}" for n in ("q", "k", "v")
@@ -252,7 +312,7 @@ class AttentionCall:
                 )
             hm = hm_in.astype(np.int64)
             ledger["head_map_mode"] = "explicit"
-        self._set("head_map", _frozen_copy(hm))
+        self._set("head_map", immutable_copy(hm))  # nobody can make it writeable again
 
         # scale: a multiplier, applied once
         if self.scale is None:
@@ -282,13 +342,13 @@ class AttentionCall:
             check_bool("visible", vis)
             check_broadcastable("visible", vis, full, "B,Hq,Q,K")
             ledger["visible"] = tensor_record(vis)
-            self._set("visible", _frozen_copy(vis))
+            self._set("visible", _frozen_broadcast(vis))
         if self.query_valid is not None:
             qv = as_array("query_valid", self.query_valid)
             check_bool("query_valid", qv)
             check_broadcastable("query_valid", qv, (B, 1, Q, 1), "B,1,Q,1")
             ledger["query_valid"] = tensor_record(qv)
-            self._set("query_valid", _frozen_copy(qv))
+            self._set("query_valid", _frozen_broadcast(qv))
 
         # finite bias
         if self.bias is not None:
@@ -297,7 +357,7 @@ class AttentionCall:
             check_broadcastable("bias", bias, full, "B,Hq,Q,K")
             check_finite("bias", bias)
             ledger["bias"] = tensor_record(bias)
-            self._set("bias", _frozen_copy(bias))
+            self._set("bias", _frozen_broadcast(bias))
 
         # dropout multiplier
         _refuse_scalar_dropout(self.dropout)
@@ -307,7 +367,7 @@ class AttentionCall:
             check_broadcastable("dropout", z, full, "B,Hq,Q,K")
             check_finite("dropout", z)
             ledger["dropout"] = tensor_record(z)
-            self._set("dropout", _frozen_copy(z))
+            self._set("dropout", _frozen_broadcast(z))
 
         if self.all_masked_rows not in _POLICIES:
             raise RefAttnError(
@@ -495,6 +555,7 @@ class AttentionCall:
                     f"dropout: stream returned {z.dtype} {list(z.shape)}, expected float64 "
                     f"{list(self.score_shape)}"
                 )
+            check_finite("dropout (the stream's multiplier)", z)
             return z
         return np.broadcast_to(self.dropout, self.score_shape)
 

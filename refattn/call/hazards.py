@@ -16,6 +16,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn._checks import compact
 from refattn.errors import RefAttnError
 
 __all__ = ["LIMIT", "check_backward_overflow", "check_forward_overflow", "score_bound"]
@@ -28,7 +29,7 @@ LIMIT = float(np.finfo(np.float64).max) / 2
 def _max_abs(x: Any) -> float:
     if x is None:
         return 0.0
-    a = np.asarray(x)
+    a = compact(np.asarray(x))  # a broadcast bias is read once per stored element
     return float(np.max(np.abs(a))) if a.size else 0.0
 
 

@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from refattn._checks import as_array, check_finite, check_float64
+from refattn._checks import as_array, check_finite, check_float64, immutable_copy
 from refattn.call.gate import AttentionCall
 from refattn.errors import RefAttnError
 from refattn.masks import relation
@@ -52,9 +52,7 @@ def _int_table(name: str, x: object, ndim: int) -> np.ndarray:
         raise RefAttnError(f"{name}: expected {ndim} axes, got shape {list(arr.shape)}")
     if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
         raise RefAttnError(f"{name}: value {int(arr.max())} does not fit in int64")
-    out = arr.astype(np.int64)
-    out.flags.writeable = False
-    return out
+    return immutable_copy(arr.astype(np.int64, copy=False))  # never writeable again
 
 
 def _pages(name: str, x: object) -> np.ndarray:

@@ -16,8 +16,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from refattn._checks import as_array, check_finite, check_float64, check_shape
+from refattn._checks import as_array, check_finite, check_float64, check_shape, memory_error
 from refattn.call import AttentionCall
+from refattn.call.gate import check_head_map
 from refattn.call.hazards import check_backward_overflow
 from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
@@ -81,7 +82,12 @@ def forward(call: AttentionCall, *, backend: str = "numpy", **options: Any) -> T
     """
     if not isinstance(call, AttentionCall):
         raise RefAttnError(f"call: expected an AttentionCall, got {type(call).__name__}")
-    return get_backend(backend).forward(call, **options)
+    module = get_backend(backend)
+    check_head_map(call)  # every backend indexes k and v with it
+    try:
+        return module.forward(call, **options)
+    except MemoryError as exc:
+        raise memory_error(exc, f"the {backend} forward") from None
 
 
 def _check_grad_output(call: AttentionCall, grad_output: object) -> np.ndarray:
@@ -125,7 +131,12 @@ def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     if not isinstance(trace, Trace):
         raise RefAttnError(f"trace: expected a Trace, got {type(trace).__name__}")
     g = _check_grad_output(trace.call, grad_output)
-    return get_backend(trace.backend).backward(trace, g)
+    module = get_backend(trace.backend)
+    check_head_map(trace.call)
+    try:
+        return module.backward(trace, g)
+    except MemoryError as exc:
+        raise memory_error(exc, f"the {trace.backend} backward") from None
 
 
 class ValueAndGrad(NamedTuple):
@@ -170,7 +181,11 @@ def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *, backend: str
     module = get_backend(backend)
     if hasattr(module, "value_and_grad"):
         g = _check_grad_output(call, grad_output)
-        return ValueAndGrad(*module.value_and_grad(call, g, **options))
+        check_head_map(call)
+        try:
+            return ValueAndGrad(*module.value_and_grad(call, g, **options))
+        except MemoryError as exc:
+            raise memory_error(exc, f"the {backend} value_and_grad") from None
     trace = forward(call, backend=backend, **options)
     return ValueAndGrad(trace.output, backward(trace, grad_output))
 

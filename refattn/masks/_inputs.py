@@ -12,7 +12,14 @@ from typing import Any
 
 import numpy as np
 
-from refattn._checks import as_array, check_bool, check_shape, first_index, format_index
+from refattn._checks import (
+    as_array,
+    check_bool,
+    check_shape,
+    first_index,
+    format_index,
+    immutable_copy,
+)
 from refattn.errors import RefAttnError
 
 __all__ = [
@@ -31,10 +38,9 @@ WindowBound = int | np.ndarray | None
 
 
 def frozen(x: np.ndarray) -> np.ndarray:
-    """A read-only C-contiguous copy of ``x``."""
-    out = np.array(x, copy=True, order="C")
-    out.flags.writeable = False
-    return out
+    """A read-only C-contiguous copy of ``x`` (positions, segments, lengths, bounds) that
+    nobody can make writeable again (:func:`refattn._checks.immutable_copy`)."""
+    return immutable_copy(x)
 
 
 def _is_int_scalar(x: Any) -> bool:

@@ -23,8 +23,6 @@ import numpy as np
 from refattn.adapters import jax as jax_adapter
 from refattn.adapters import torch as torch_adapter
 from refattn.adapters.plain import PlainCall, plain_call
-from refattn.bundle.manifest import check_schema, read_manifest
-from refattn.bundle.read import load
 from refattn.bundle.spec import CaseSpec, case_spec
 from refattn.bundle.suites import build_suite
 from refattn.bundle.tolerances import precision_name, resolve_dtype
@@ -323,9 +321,13 @@ def _suite(name: str) -> tuple[CaseSpec, ...]:
 
 
 def _bundle(directory: Path) -> tuple[CaseSpec, ...]:
-    manifest = check_schema(read_manifest(directory / "manifest.json"))
-    return tuple(case_spec(load(directory / entry["file"], manifest=manifest))
-                 for entry in manifest["cases"].values())
+    from refattn.bundle.checked import checked_cases  # verify's reading checks
+
+    cases = checked_cases(directory)
+    for c in cases:
+        if c.spec is None:
+            raise RefAttnError(f"{directory}: case {c.case_id!r} is rejected: {c.failure}")
+    return tuple(c.spec for c in cases if c.spec is not None)
 
 
 def load_cases(source: str | os.PathLike | None = None, *, suite: str = "conformance"

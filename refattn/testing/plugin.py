@@ -5,7 +5,10 @@ Owns the collection hooks: the ``refattn_cases`` marker (what :func:`cases` retu
 suite, or of a bundle directory (``bundle=``, ``--refattn-bundle DIR`` or the ini option
 ``refattn_bundle``), once per dtype the :class:`~refattn.testing.Supports` declares; test ids
 are the case names (``causal_square``, or ``causal_square-float32`` when several dtypes run).
-A case outside the declaration is collected as skipped, with the reason.
+A case outside the declaration is collected as skipped, with the reason. A bundle's cases are
+read with verify's checks (:func:`refattn.bundle.checked.checked_cases`: confined reads,
+header and hashes first, the call rebuilt through the gate, finite inputs); a case that fails
+them is collected as a test that FAILS with the reason, never skipped.
 
 Importing this module (pytest does it in every session once refattn is installed) imports
 pytest and the standard library only; the cases are read and the engine imported only when a
@@ -26,6 +29,8 @@ __all__ = ["ARGNAME", "MARKER", "cases"]
 MARKER = "refattn_cases"
 #: the argument a test may name to receive the cases without the marker (default Supports)
 ARGNAME = "refattn_case"
+#: the mark of a bundle case that failed verify's checks (its test fails with the reason)
+_BROKEN = "refattn_rejected_case"
 
 
 def cases(supports: Any = None, *, suite: str = "conformance", bundle: Any = None,
@@ -75,6 +80,9 @@ def pytest_configure(config: pytest.Config) -> None:
         "markers", f"{MARKER}(supports=None, *, suite='conformance', bundle=None, "
         "argname='case'): run the test once per refattn golden case and dtype "
         "(refattn.testing.cases)")
+    config.addinivalue_line(
+        "markers", f"{_BROKEN}(reason): a bundle case that failed verify's checks; its test "
+        "fails with the reason")
 
 
 def _bundle_option(config: pytest.Config) -> Path | None:
@@ -95,12 +103,15 @@ def _params(config: pytest.Config, supports: Any, suite: str, bundle: Any) -> li
         raise pytest.UsageError(f"refattn.testing.cases: supports must be a "
                                 f"refattn.testing.Supports, got {type(supports).__name__}")
     source = bundle if bundle is not None else _bundle_option(config)
-    try:
-        specs = load_cases(source, suite=suite)
-    except RefAttnError as exc:
-        raise pytest.UsageError(f"refattn.testing.cases: {exc}") from None
     several = len(supports.dtypes) > 1
     params = []
+    try:
+        if source is None:
+            specs = load_cases(None, suite=suite)
+        else:  # verify's checks; a case that fails them FAILS, never skips
+            specs, params = _bundle_cases(Path(source), supports, several)
+    except RefAttnError as exc:
+        raise pytest.UsageError(f"refattn.testing.cases: {exc}") from None
     for spec in specs:
         for dtype in supports.dtypes:
             reason = ineligibility(spec, supports, dtype)
@@ -109,6 +120,35 @@ def _params(config: pytest.Config, supports: Any, suite: str, bundle: Any) -> li
             ident = f"{spec.case_id}-{dtype}" if several else spec.case_id
             params.append(pytest.param(Case(spec, dtype), id=ident, marks=marks))
     return params
+
+
+def _bundle_cases(directory: Path, supports: Any, several: bool) -> tuple[list[Any], list[Any]]:
+    """The specs of a bundle's cases that pass verify's reading checks, and one failing
+    parameter per case that does not (:func:`refattn.bundle.checked.checked_cases`)."""
+    from refattn.bundle.checked import checked_cases
+    from refattn.errors import RefAttnError
+
+    if not directory.is_dir():
+        raise RefAttnError(f"{directory}: not a bundle directory (expected manifest.json and "
+                           "cases/ written by refattn golden)")
+    specs, failing = [], []
+    for checked in checked_cases(directory):
+        if checked.spec is not None:
+            specs.append(checked.spec)
+            continue
+        for dtype in supports.dtypes:
+            ident = f"{checked.case_id}-{dtype}" if several else checked.case_id
+            failing.append(pytest.param(None, id=ident, marks=getattr(pytest.mark, _BROKEN)(
+                reason=f"{checked.case_id}: {checked.failure}")))
+    return specs, failing
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_runtest_call(item: pytest.Item) -> None:
+    """A bundle case that failed verify's checks fails its test (never a skip)."""
+    marker = item.get_closest_marker(_BROKEN)
+    if marker is not None:
+        pytest.fail(f"refattn bundle case rejected: {marker.kwargs['reason']}", pytrace=False)
 
 
 def pytest_generate_tests(metafunc: pytest.Metafunc) -> None:

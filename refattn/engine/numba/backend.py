@@ -31,6 +31,7 @@ import numba
 import numpy as np
 
 from refattn.call import AttentionCall
+from refattn.call.gate import check_head_map
 from refattn.dropout import Philox
 from refattn.engine.alloc import zeros_block
 from refattn.engine.memory import check_memory
@@ -403,6 +404,7 @@ def forward(
     if not isinstance(materialize, (bool, np.bool_)):
         raise RefAttnError(f"materialize: expected True or False, got {materialize!r}")
     _check_supported(call)
+    check_head_map(call)  # the kernels index k and v with it unchecked
     if materialize:
         if block_q is not None or block_k is not None:
             raise RefAttnError("block_q/block_k: tile sizes apply only with materialize=False")
@@ -427,6 +429,7 @@ def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     >>> g.grad_scores is None, g.grad_q.shape
     (True, (1, 1, 3, 2))
     """
+    check_head_map(trace.call)  # the kernels index k and v with it unchecked
     if trace.materialized.get("mode") == "streaming":
         return _stream_backward(trace, grad_output)
     check_memory(trace.call, "backward", backend="numba")
@@ -488,6 +491,7 @@ def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *,
     from refattn.engine.reference import backward as ref_backward
     from refattn.engine.reference import forward as ref_forward
 
+    check_head_map(call)  # the kernels index k and v with it unchecked
     if call.score.name == "additive":  # no fast path: the reference (documented fallback)
         trace = ref_forward(call)
         return trace.output, ref_backward(trace, grad_output)
