@@ -52,8 +52,8 @@ def timed(fn) -> float:  # type: ignore[no-untyped-def]
 
 # -- fuzz -------------------------------------------------------------------------------------
 def _values(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.ndarray:
-    """Continuous normals, dyadic values (multiples of 1/4: exact sums, ties) or a few repeated
-    values (equal scores, parallel rows)."""
+    """Continuous normals, dyadic values (multiples of 1/4: exact sums, ties), a few repeated
+    values (equal scores, parallel rows) or values of widely spread exponents."""
     match kind:
         case "normal":
             return rng.standard_normal(shape) * rng.choice([0.3, 1.0, 3.0])
@@ -61,6 +61,8 @@ def _values(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.n
             return rng.integers(-6, 7, shape) / 4.0
         case "repeated":
             return rng.choice(rng.standard_normal(2), shape)
+        case "wide":  # exponents over 2**-300 .. 2**20: exact sums need thousands of bits
+            return rng.standard_normal(shape) * 2.0 ** rng.integers(-300, 21, shape)
         case _:
             raise ValueError(kind)
 
@@ -76,7 +78,7 @@ def random_call(rng: np.random.Generator) -> tuple[refattn.AttentionCall, np.nda
     Hq = Hkv * group
     Q, K = int(rng.integers(1, 5)), int(rng.integers(1, 6))
     Dk, Dv = int(rng.integers(1, 5)), int(rng.integers(1, 4))
-    kind = str(rng.choice(["normal", "normal", "dyadic", "repeated"]))
+    kind = str(rng.choice(["normal", "normal", "dyadic", "repeated", "wide"]))
     q = _values(rng, (B, Hq, Q, Dk), kind)
     k = _values(rng, (B, Hkv, K, Dk), kind)
     v = _values(rng, (B, Hkv, K, Dv), kind)

@@ -335,8 +335,8 @@ def exact_calls(
     from [0.3, 60], bias (full, broadcast, ALiBi slopes from [0, 1] per head or per batch row
     and head), sink logits from [-3, 3], dropout (explicit with p from [0, 0.9], Philox, or a
     real multiplier), dense or causal masks and unused rows, GQA and head maps, Q != K. Values
-    are continuous normals, multiples of 1/4 (exact sums that land on ties) or repeated values
-    (equal scores, parallel rows); q may repeat k's rows (cosine exactly 1).
+    are continuous normals, multiples of 1/4 (exact sums that land on ties), repeated values
+    (equal scores, parallel rows) or of widely spread exponents; q may repeat k's rows.
     """
     from refattn import AttentionCall
     from refattn.call.bias import alibi
@@ -349,7 +349,7 @@ def exact_calls(
     Hq = Hkv * draw(st.integers(1, max_group))
     Q, K = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
     Dk, Dv = draw(st.integers(1, max_width)), draw(st.integers(1, max_width))
-    kind = draw(st.sampled_from(["normal", "dyadic", "repeated"]))
+    kind = draw(st.sampled_from(["normal", "dyadic", "repeated", "wide"]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
 
     def values(*shape: int) -> np.ndarray:
@@ -357,6 +357,8 @@ def exact_calls(
             return rng.standard_normal(shape)
         if kind == "dyadic":
             return rng.integers(-6, 7, shape) / 4.0
+        if kind == "wide":  # exponents from 2**-300 to 2**20: long exact sums, exp(-huge)
+            return rng.standard_normal(shape) * 2.0 ** rng.integers(-300, 21, shape)
         return rng.choice(rng.standard_normal(2), shape)
 
     q, k, v = values(B, Hq, Q, Dk), values(B, Hkv, K, Dk), values(B, Hkv, K, Dv)

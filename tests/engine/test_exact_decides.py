@@ -183,6 +183,34 @@ def test_additive_terms_that_cancel_give_exactly_zero():
     assert certify(call, _tensors(t, g)).passed
 
 
+def test_exp_of_a_huge_negative_argument_rounds_to_plus_zero_at_once():
+    q, k = np.array([[[[1e6]]]]), np.array([[[[1e6], [-1e6]]]])  # scores 1e12 and -1e12
+    t = refattn.forward(refattn.AttentionCall(q, k, k, scale=1.0), backend="exact")
+    # exp(-2e12) = 2**-(2.9e12): before, rounding it built a 2**40-bit integer (MemoryError)
+    assert t.probs.ravel().tolist() == [1.0, 0.0] and not np.signbit(t.probs).any()
+
+
+def test_lse_just_above_zero_is_plus_zero():
+    # row max 0, the other term exp(-1e5) = 2**-144270: lse = log1p(2**-144270) > 0 rounds to
+    # +0.0 (before: log(1 + tiny) straddled 0 and was taken as -0.0)
+    z, k = np.zeros((1, 1, 1, 1)), np.ones((1, 1, 2, 1))
+    call = refattn.AttentionCall(z, k, k, bias=np.array([[[[0.0, -1e5]]]]))
+    t = refattn.forward(call, backend="exact")
+    assert t.lse.ravel().tolist() == [0.0] and not np.signbit(t.lse).any()
+
+
+def test_additive_tanh_difference_far_below_the_subnormals_keeps_its_sign():
+    # u = tanh(30000) - tanh(30001) = -(about 2 e**-60000) < 0: RN is -0.0. tanh near 1 buries
+    # such a difference under the ball's radius at every precision; the exact sign part first
+    # (1 - 1 = 0) and the rest, each a relative enclosure, decide it
+    fam = Additive(np.ones((1, 2, 1)), np.zeros((1, 2, 1)), np.array([[0.0, 1.0]]),
+                   np.array([[1.0, -1.0]]))
+    q, k = np.array([[[[30000.0]]]]), np.ones((1, 1, 2, 1))
+    t, g = _run(refattn.AttentionCall(q, k, k, score=fam, scale=1.0), np.ones((1, 1, 1, 1)))
+    assert t.scores.ravel().tolist() == [0.0, 0.0] and np.signbit(t.scores).all()
+    assert g.grad_q.ravel().tolist() == [0.0]
+
+
 # -- generated calls over every feature --------------------------------------------------------
 def _family_scales(call, t, g, scales: dict[str, float]) -> dict[str, float]:
     """Natural magnitudes (upper bounds of the sum of absolute terms) of a family's gradients.

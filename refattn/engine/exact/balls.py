@@ -3,9 +3,10 @@
 Owns the few array operations the rounding points need, on object arrays whose elements are
 python-flint ``arb`` balls: matrix products through FLINT's ``arb_mat`` (one product per
 leading index, exact when the working precision covers the operands' exponent span),
-element-wise ``exp``, ``log``, ``tanh`` and ``sqrt``, sums over axes, and the conversion of a
-binary64 array into exact balls. Arithmetic with ``+ - * /`` is numpy's object dispatch to
-arb's operators; every result is a rigorous enclosure at the current precision.
+element-wise ``exp``, ``log``, ``log1p``, ``tanh``, ``sech**2`` and ``sqrt``, sums over axes,
+and the conversion of a binary64 array into exact balls. Arithmetic with ``+ - * /`` is
+numpy's object dispatch to arb's operators; every result is a rigorous enclosure at the
+current precision.
 """
 
 from __future__ import annotations
@@ -15,13 +16,16 @@ from flint import arb, arb_mat
 
 from refattn.engine.exact.rounding import to_balls
 
-__all__ = ["ZERO", "balls", "exp", "log", "matmul", "sqrt", "tanh", "total"]
+__all__ = ["ZERO", "balls", "exp", "log", "log1p", "matmul", "sech2", "sqrt", "tanh", "total"]
 
 ZERO = arb(0)
 
 exp = np.frompyfunc(lambda x: x.exp(), 1, 1)
 log = np.frompyfunc(lambda x: x.log(), 1, 1)
+log1p = np.frompyfunc(lambda x: x.log1p(), 1, 1)
 tanh = np.frompyfunc(lambda x: x.tanh(), 1, 1)
+#: sech(x)**2 = 1 - tanh(x)**2 with a relative enclosure: 1 - t*t loses every bit for large x
+sech2 = np.frompyfunc(lambda x: x.sech() ** 2, 1, 1)
 sqrt = np.frompyfunc(lambda x: x.sqrt(), 1, 1)
 
 

@@ -200,7 +200,7 @@ class _Operands:
             case "bilinear":
                 u = matmul(matmul(self.q_s, self.metric()), _t(balls(self.k_s)))
             case "additive":
-                u = total(self.pair() * balls(self.family.v)[None, :, None, None, :], axis=-1)
+                u = self.tanh_sum(balls(self.family.v)[None, :, None, None, :], axis=-1)
             case "cosine":
                 q_hat, _, _ = self.unit(self.q_s, "q")
                 k_hat, _, _ = self.unit(self.k_s, "k")
@@ -213,16 +213,49 @@ class _Operands:
         W = self.family.W  # (Hq, Dq, Dk) or shared (Dq, Dk)
         return balls(W if W.ndim == 2 else W[None])
 
-    def pair(self) -> np.ndarray:
-        """tanh(Wq q_i + Wk k_j + b) of the additive family, (B, Hq, Q, K, Da)."""
+    def pre(self) -> np.ndarray:
+        """Wq q_i + Wk k_j + b of the additive family, (B, Hq, Q, K, Da) (exact sums)."""
         def build() -> np.ndarray:
             fam = self.family  # Wq, Wk (Hq, Da, D)
             qt = matmul(self.q_s, _t(balls(fam.Wq))[None])  # (B, Hq, Q, Da)
             kt = matmul(self.k_s, _t(balls(fam.Wk))[None])  # (B, Hq, K, Da)
             pre = qt[:, :, :, None, :] + kt[:, :, None, :, :]
-            return B_.tanh(pre + balls(fam.b)[None, :, None, None, :])
+            return pre + balls(fam.b)[None, :, None, None, :]
+
+        return self.cached("pre", build)
+
+    def pair(self) -> tuple[np.ndarray, np.ndarray]:
+        """tanh(pre) of the additive family as (base, rest), (B, Hq, Q, K, Da) each.
+
+        ``base`` is the exact sign of pre (1, -1, or 0 where the ball holds 0) and ``rest``
+        ``tanh(pre) - base`` (``-2 / (exp(2 pre) + 1)`` for pre > 0), a relative enclosure
+        however large ``|pre|`` is: sums of tanh that cancel to a tiny value are then
+        decided, where tanh(pre) = 1 - tiny would bury it under the ball's radius.
+        """
+        def build() -> tuple[np.ndarray, np.ndarray]:
+            pre = self.pre()
+            base = np.empty(pre.shape, dtype=object)
+            rest = np.empty(pre.shape, dtype=object)
+            for i, x in np.ndenumerate(pre):
+                if x > 0:
+                    base[i], rest[i] = arb(1), -2 / ((2 * x).exp() + 1)
+                elif x < 0:
+                    base[i], rest[i] = arb(-1), 2 / ((-2 * x).exp() + 1)
+                else:
+                    base[i], rest[i] = ZERO, x.tanh()
+            return base, rest
 
         return self.cached("pair", build)
+
+    def tanh_sum(self, coef: np.ndarray, axis: int | tuple[int, ...]) -> np.ndarray:
+        """``sum coef * tanh(pre)`` over ``axis``: the exact part first, then the rest."""
+        base, rest = self.pair()
+        return total(coef * base, axis=axis) + total(coef * rest, axis=axis)
+
+    def pair_slope(self) -> np.ndarray:
+        """1 - tanh(pre)**2 as sech(pre)**2 (an enclosure as tight for large |pre| as for
+        small: 1 - t * t would cancel every bit), (B, Hq, Q, K, Da)."""
+        return self.cached("pair_slope", lambda: B_.sech2(self.pre()))
 
     def unit(self, x: np.ndarray, which: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(x / n, n, clamped) with n = max(|x|, eps) per row, n of shape (..., 1)."""
@@ -285,11 +318,23 @@ def forward_tensors(call: AttentionCall, rounding: Rounding) -> dict[str, Any]:
 
     def lse_balls() -> np.ndarray:  # log(sum_legal exp(s_j) [+ exp(sink)]), shifted by m
         m = balls(row_max)
-        e = np.where(vis, B_.exp(balls(legal) - m[..., None]), ZERO)
-        denom = total(e, axis=-1)
+        if not isinstance(rounding, Stepwise):
+            e = np.where(vis, B_.exp(balls(legal) - m[..., None]), ZERO)
+            denom = total(e, axis=-1)
+            if sink_row is not None:
+                denom = denom + B_.exp(balls(sink_row) - m)
+            return m + B_.log(denom)
+        # m + log1p(sum of the terms but one maximal term): each term exp(s - m) < 1 keeps a
+        # relative enclosure, so lse = 0 + (a tiny positive) is decided (+0 or its value)
+        # where log(1 + tiny) would straddle 0 at every precision
+        top = vis & (legal == row_max[..., None])  # terms exactly 1
+        count = top.sum(axis=-1) - 1  # (B, Hq, Q)
+        e = np.where(vis & ~top, B_.exp(balls(legal) - m[..., None]), ZERO)
+        rest = total(e, axis=-1) + balls(count.astype(np.float64))
         if sink_row is not None:
-            denom = denom + B_.exp(balls(sink_row) - m)
-        return m + B_.log(denom)
+            rest = rest + np.where(sink_row == row_max, arb(1),
+                                   B_.exp(balls(sink_row) - m))
+        return m + B_.log1p(rest)
 
     lse = rounding.point("lse", lse_balls, letters="bhi")
     probs = rounding.point(
@@ -406,8 +451,7 @@ def _family_backward(ops: _Operands, gb: np.ndarray, Hkv: int,
         case "additive":
             def pre_grad() -> np.ndarray:  # G (1 - t^2) v, (B, Hq, Q, K, Da)
                 def build() -> np.ndarray:
-                    pair = ops.pair()
-                    return gb[..., None] * (1 - pair * pair) * balls(fam.v)[None, :, None, None]
+                    return gb[..., None] * ops.pair_slope() * balls(fam.v)[None, :, None, None]
 
                 return ops.cached("pre_grad", build)
 
@@ -427,8 +471,8 @@ def _family_backward(ops: _Operands, gb: np.ndarray, Hkv: int,
                     exact=param("Wk")),
                 "b": point("grad_score_b", lambda: total(pre_grad(), axis=(0, 2, 3)) * post,
                            start=SUM_BITS, exact=param("b")),
-                "v": point("grad_score_v", lambda: total(gb[..., None] * ops.pair(),
-                                                         axis=(0, 2, 3)) * post, start=SUM_BITS,
+                "v": point("grad_score_v", lambda: ops.tanh_sum(gb[..., None], axis=(0, 2, 3))
+                           * post, start=SUM_BITS,
                            exact=param("v")),
             }
         case "cosine":

@@ -144,12 +144,20 @@ def round_ball(x: arb) -> float | None:
     if not x.is_finite():
         return None
     mm, me, rm, re_ = _dyadic(x)
+    if mm == 0 and rm == 0:
+        return 0.0  # exactly 0: +0
+    if rm != 0 and not (x > 0 or x < 0):
+        return None  # contains 0 and is not exactly 0: the sign of a rounded zero is unknown
+    sign = -1.0 if x < 0 else 1.0
+    # |v| < 2**top for every v in the ball: below 2**-1075 everything rounds to a signed
+    # zero (checked first, so that no integer of 2**40 bits is ever built for exp(-1e12))
+    top = max(me + abs(mm).bit_length(), re_ + rm.bit_length()) + 1
+    if top <= -1075:
+        return math.copysign(0.0, sign)
     if rm == 0:
         return rn_dyadic(mm, me)
-    e = min(me, re_)
+    e = min(me, re_)  # the ball excludes 0, so rad < |mid| and both shifts stay small
     mid, rad = mm << (me - e), rm << (re_ - e)
-    if mid - rad <= 0 <= mid + rad:
-        return None  # contains 0 and is not exactly 0: the sign of a rounded zero is unknown
     lo, hi = rn_dyadic(mid - rad, e), rn_dyadic(mid + rad, e)
     return lo if lo == hi else None
 
