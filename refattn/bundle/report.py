@@ -161,6 +161,10 @@ class CaseResult:
     notes : tuple of str
     guarantee : Guarantee or None
         Which guarantee the recomputation established (None: not recomputed, or none held).
+    backend : str or None
+        The other engine ``--backend`` ran on this case (None: none, or it could not).
+    backend_error : float or None
+        Its max|stored - recomputed| (float64 rule of ``refattn compare``).
     """
 
     case_id: str
@@ -174,6 +178,8 @@ class CaseResult:
     notes: tuple[str, ...] = ()
     certified: int | None = None
     guarantee: Guarantee | None = None
+    backend: str | None = None
+    backend_error: float | None = None
 
     @property
     def passed(self) -> bool:
@@ -208,6 +214,7 @@ class CaseResult:
         out = asdict(self)
         out["passed"] = self.passed
         out["recompute_error"] = _json_float(self.recompute_error)
+        out["backend_error"] = _json_float(self.backend_error)
         out["gradcheck_error"] = _json_float(self.gradcheck_error)
         out["gradcheck_inputs"] = list(self.gradcheck_inputs)
         out["notes"] = list(self.notes)
@@ -283,7 +290,13 @@ class VerifyReport:
         rest = len(self.cases) - sum(counts.values())
         if rest:
             parts.append(f"{rest} without one")
-        return ["guarantees: " + ", ".join(parts)]
+        out = ["guarantees: " + ", ".join(parts)]
+        ran = [c for c in self.cases if c.backend_error is not None]
+        for name in sorted({str(c.backend) for c in ran}):
+            errs = [c.backend_error for c in ran if c.backend == name]
+            out.append(f"backend {name!r}: ran {len(errs)} of {len(self.cases)} case(s), "
+                       f"max|stored - recomputed| {max(errs):.2e} (float64 rule)")
+        return out
 
     def to_dict(self) -> dict[str, Any]:
         """The report as JSON-ready values (``refattn verify --json``).

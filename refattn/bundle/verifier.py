@@ -97,7 +97,7 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
         problems += check_recorded(spec, spec.to_call())
     except RefAttnError as exc:
         return CaseResult(case_id, checked, problems=(Problem(case_id, None, "file", str(exc)),))
-    max_err = identical = grad_err = guarantee = None
+    max_err = identical = grad_err = guarantee = backend_error = None
     inputs: tuple[str, ...] = ()
     case = None
     notes: list[str] = []
@@ -107,6 +107,7 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
                                   exact_max_seconds=exact_max_seconds)
             max_err, identical, guarantee, case = (done.max_abs_error, done.bit_identical,
                                                    done.guarantee, done.case)
+            backend_error = done.backend_error
             problems += done.problems
             notes += done.notes
         except Unsupported as exc:
@@ -133,7 +134,8 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
         except RefAttnError as exc:
             problems.append(Problem(case_id, None, "certificate", str(exc)))
     return CaseResult(case_id, checked, max_err, identical, grad_err, inputs, grad_method,
-                      tuple(problems), tuple(notes), certified, guarantee)
+                      tuple(problems), tuple(notes), certified, guarantee,
+                      backend if backend_error is not None else None, backend_error)
 
 
 # -- the bundle -----------------------------------------------------------------------------

@@ -289,10 +289,9 @@ def test_cases_another_backend_cannot_run_are_noted_not_failed(tmp_path):
     r = verify(tmp_path, backend="numba", gradcheck=False)
     assert r.passed
     noted = {c.case_id: c.notes for c in r.cases}
-    (ran,) = noted["bias_full"]  # numba ran it: its difference from the stored tensors
-    assert ran.startswith("backend 'numba': max|stored - recomputed|")
-    assert "cannot run" in noted["softcap_5"][0] and "softcap" in noted["softcap_5"][0]
+    assert noted["bias_full"] == () and "softcap" in noted["softcap_5"][0]
     assert "note case=softcap_5" in r.format()
+    assert "backend 'numba': ran 1 of 2 case(s), max|stored - recomputed|" in r.format()
     # the exact generator still recomputed both: the bundle's guarantee does not depend on it
     assert [c.guarantee.kind for c in r.cases] == ["bit_identical"] * 2
 
