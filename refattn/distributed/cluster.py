@@ -77,10 +77,14 @@ def connect(*, workers: int | None = None, scheduler: str | None = None,
     workers : int, optional
         Start a ``LocalCluster`` of this many worker processes (one thread each, loopback
         only, the scheduler's HTTP status page on a free loopback port); it is shut down on exit.
+        At most :func:`usable_cores`.
     scheduler : str, optional
         Address of a running scheduler (``tcp://host:port``); the cluster is left running.
+        Whatever listens there must answer as a dask scheduler within ``timeout``.
     timeout : float
-        Seconds to wait for the scheduler (or the local cluster) to answer.
+        Seconds to wait for the scheduler (or the local cluster) to answer; a scheduler
+        address is given up within about ``timeout + 2`` seconds for the probe and as much
+        again for building the client.
     memory_limit : str or int
         Per-worker memory limit of a local cluster (dask's spelling, e.g. ``"1GiB"``).
 
@@ -92,7 +96,9 @@ def connect(*, workers: int | None = None, scheduler: str | None = None,
     Raises
     ------
     RefAttnError
-        Both given, a bad worker count, dask missing, or no scheduler answering in time.
+        Both given, a bad worker count or more workers than usable cores, dask missing, an
+        address dask cannot reach a scheduler by, or no scheduler answering in time (a silent
+        listener, an HTTP server, a worker: each named in one line).
 
     Examples
     --------

@@ -214,8 +214,8 @@ def worker_memory_limit(client: Any) -> int | None:
         workers = client.scheduler_info().get("workers", {})
     except Exception:  # an older dask or a scheduler gone: the driver's own limit then
         return None
-    limits = [w.get("memory_limit") for w in workers.values() if isinstance(w, dict)]
-    limits = [int(n) for n in limits if isinstance(n, (int, float)) and n > 0]
+    reported = [w.get("memory_limit") for w in workers.values() if isinstance(w, dict)]
+    limits = [int(n) for n in reported if isinstance(n, (int, float)) and n > 0]
     return min(limits) if limits else None
 
 
