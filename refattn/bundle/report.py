@@ -293,7 +293,7 @@ class VerifyReport:
         out = ["guarantees: " + ", ".join(parts)]
         ran = [c for c in self.cases if c.backend_error is not None]
         for name in sorted({str(c.backend) for c in ran}):
-            errs = [c.backend_error for c in ran if c.backend == name]
+            errs = [float(c.backend_error or 0.0) for c in ran if c.backend == name]
             out.append(f"backend {name!r}: ran {len(errs)} of {len(self.cases)} case(s), "
                        f"max|stored - recomputed| {max(errs):.2e} (float64 rule)")
         return out

@@ -90,10 +90,11 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
         checked, data = loaded
     problems: list[Problem] = []
     try:
-        loaded = load_bytes(data, rel, manifest=manifest, file_name=Path(rel).name)
-        if loaded.case_id != case_id:
-            raise RefAttnError(f"{rel}: the file holds case {loaded.case_id!r}, not {case_id!r}")
-        spec = case_spec(loaded)
+        case_file = load_bytes(data, rel, manifest=manifest, file_name=Path(rel).name)
+        if case_file.case_id != case_id:
+            raise RefAttnError(f"{rel}: the file holds case {case_file.case_id!r}, not "
+                               f"{case_id!r}")
+        spec = case_spec(case_file)
         problems += check_recorded(spec, spec.to_call())
     except RefAttnError as exc:
         return CaseResult(case_id, checked, problems=(Problem(case_id, None, "file", str(exc)),))
