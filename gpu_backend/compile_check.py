@@ -253,6 +253,7 @@ def _loop_json(c: LoopCounts | None) -> dict[str, object] | None:
             "fp64_vector": c.fp64_vector, "lds": c.lds, "lds_bytes": c.lds_bytes,
             "sts_bytes": c.sts_bytes, "ldgsts_bytes": c.ldgsts_bytes,
             "call_rel_noinc": c.calls, "inner_loops": c.inner_loops,
+            "inner_trips": [[hex(s), hex(e), t] for s, e, t in c.inner_trips],
             "lds_bytes_per_dmma_fma": c.lds_bytes_per_dmma_fma}
 
 

@@ -238,9 +238,10 @@ def sass_model(check: dict[str, Any], dims: tuple[int, ...] = (64, 128)) -> dict
                                                   for p in ("row_read", "col_read")),
                                  main_loop_calls=main["call_rel_noinc"],
                                  **asdict(tile_cycles(counts, hw)))
-                    if main["inner_loops"]:
-                        entry["note"] = (f"{main['inner_loops']} inner loop(s) counted once: "
-                                         "static counts of a runtime-D kernel")
+                    unknown = sum(1 for *_, t in main.get("inner_trips", []) if t is None)
+                    if unknown:
+                        entry["note"] = (f"{unknown} inner loop(s) without a constant trip "
+                                         "count counted once")
                 ratio = entry.get("lds_bytes_per_dmma_fma")
                 entry["targets_met"] = (
                     entry["fraction_of_dmma_peak"] >= TARGETS[role]

@@ -8,11 +8,16 @@ instructions of a kernel, its ``CALL.REL.NOINC`` sites, and the same counts insi
 What the counts mean for speed is :mod:`gpu_backend.perf_model`'s business.
 
 Loops come from the branch structure: a branch to an address at or before its own (a back edge)
-closes a loop whose body is the address range [target, branch]. The *main loop* is the
-innermost such range that holds at least :data:`MAIN_LOOP_SHARE` of the kernel's hot
-multiply-adds (DMMA multiply-adds where the kernel has DMMA, else DFMA instructions): the loop
-over key (or query) tiles. Counts inside it are static, per iteration; a loop nested inside it
-(``inner_loops`` > 0) is counted once, so its trip count is not in the figures.
+closes a loop whose body is the address range [target, the last such branch]. The *main loop*
+is the innermost such range that holds at least :data:`MAIN_LOOP_SHARE` of the kernel's hot
+multiply-adds (DMMA multiply-adds where the kernel has DMMA, else DFMA instructions) and whose
+trip count is not a compile-time constant: the loop over key (or query) tiles, not a loop over
+the head width. Its counts are those of one iteration along the *plain path*: of
+the paths through the body's branches, the one doing the most DMMA work and, among those,
+issuing the fewest instructions (the feature branches a plain call skips: bias, masks on
+partial tiles, dropout, softcap); a loop nested inside is weighted by its trip count where
+:func:`trip_count` recognises a constant counted loop, and counted once otherwise
+(``inner_trips`` says which). ``CALL.REL.NOINC`` sites are counted over the whole body.
 """
 
 from __future__ import annotations
@@ -32,7 +37,7 @@ from pathlib import Path
 from refattn.errors import RefAttnError
 
 __all__ = ["MAIN_LOOP_SHARE", "Instruction", "KernelCounts", "LoopCounts", "disassemble",
-           "dmma_fma", "kernel_counts", "parse", "tool_path"]
+           "dmma_fma", "kernel_counts", "parse", "tool_path", "trip_count"]
 
 #: share of a kernel's hot multiply-adds a loop must hold to be its main loop
 MAIN_LOOP_SHARE = 0.8
@@ -134,6 +139,7 @@ class LoopCounts:
     ldgsts_bytes: int  # cp.async into shared memory
     calls: int  # CALL.REL.NOINC sites
     inner_loops: int
+    inner_trips: tuple[tuple[int, int, int | None], ...] = ()  # (start, end, trips or None)
 
     @property
     def lds_bytes_per_dmma_fma(self) -> float | None:
@@ -151,20 +157,196 @@ class KernelCounts:
     notes: tuple[str, ...] = field(default=())
 
 
+_INT = re.compile(r"^-?(?:0x[0-9a-f]+|\d+)$")
+_MOVES = {"MOV": 1, "UMOV": 1, "MOV32I": 1, "IMAD.MOV.U32": 3, "IMAD.MOV": 3}
+_ADDS = ("VIADD", "IADD3", "UIADD3", "IADD", "IMAD.IADD")
+_COMPARE = {"EQ": lambda v, n: v == n, "NE": lambda v, n: v != n, "LT": lambda v, n: v < n,
+            "LE": lambda v, n: v <= n, "GT": lambda v, n: v > n, "GE": lambda v, n: v >= n}
+
+
+def _constant(token: str) -> int | None:
+    token = token.strip()
+    if token in ("RZ", "URZ"):
+        return 0
+    return int(token, 0) if _INT.match(token) else None
+
+
+def _dest(i: Instruction) -> str:
+    return i.operands.split(",")[0].strip()
+
+
+def trip_count(instrs: list[Instruction], start: int, end: int) -> int | None:
+    """Iterations of the loop [start, end] when it is a plain counted loop, else None.
+
+    The idiom nvcc emits for ``for (i = c; i < n; i += s)`` with constants: before the loop
+    ``MOV``/``IMAD.MOV.U32``/``UMOV R, c``; in the body ``VIADD``/``IADD3``/``UIADD3 R, R, s``
+    and then ``ISETP``/``UISETP.<cmp> P, PT, R, n``; the back edge ``@P`` or ``@!P BRA``
+    (possibly through ``PLOP3.LUT P, PT, PT, PT, UP, 0x80, 0x0``, a copy of a uniform
+    predicate). The loop is simulated from c; anything else gives None.
+
+    Examples
+    --------
+    >>> text = '''Function : k
+    ...   /*0000*/   IMAD.MOV.U32 R39, RZ, RZ, RZ ;
+    ...   /*0010*/   VIADD R39, R39, 0x8 ;
+    ...   /*0020*/   ISETP.GE.U32.AND P1, PT, R39, 0x40, PT ;
+    ...   /*0030*/   DMMA.16x8x4 R8, R2, R4, R8 ;
+    ...   /*0040*/   @!P1 BRA 0x10 ;'''
+    >>> trip_count(parse(text)["k"], 0x10, 0x40)
+    8
+    """
+    branch = next((i for i in instrs if i.address == end), None)
+    if branch is None or not branch.predicate:
+        return None
+    negated = "!" in branch.predicate
+    pred = branch.predicate.lstrip("@!")
+    body = [i for i in instrs if start <= i.address < end]
+    setter = next((i for i in reversed(body) if _dest(i) == pred), None)
+    if setter is not None and setter.opcode == "PLOP3.LUT":
+        ops = [o.strip() for o in setter.operands.split(",")]
+        if ops[1:4] != ["PT", "PT", "PT"] or ops[5:7] != ["0x80", "0x0"]:
+            return None
+        pred = ops[4]
+        setter = next((i for i in reversed(body)
+                       if i.address < setter.address and _dest(i) == pred), None)
+    if setter is None or setter.base not in ("ISETP", "UISETP"):
+        return None
+    parts = setter.opcode.split(".")
+    ops = [o.strip() for o in setter.operands.split(",")]
+    if len(parts) < 2 or parts[1] not in _COMPARE or len(ops) < 4:
+        return None
+    reg, limit = ops[2], _constant(ops[3])
+    adds = [i for i in body if i.opcode in _ADDS
+            and [o.strip() for o in i.operands.split(",")][:2] == [reg, reg]]
+    if limit is None or len(adds) != 1 or adds[0].address > setter.address:
+        return None
+    step = _constant(adds[0].operands.split(",")[2])
+    init = None
+    for i in reversed([i for i in instrs if i.address < start]):
+        ops_i = [o.strip() for o in i.operands.split(",")]
+        if ops_i[0] == reg:
+            if not i.predicate and i.opcode in _MOVES and len(ops_i) > _MOVES[i.opcode]:
+                init = _constant(ops_i[_MOVES[i.opcode]])
+            break
+    if init is None or not step:
+        return None
+    compare = _COMPARE[parts[1]]
+    v, trips = init, 0
+    while trips < 1 << 16:
+        v += step
+        trips += 1
+        if compare(v, limit) == negated:  # the branch falls through: the loop ends
+            return trips
+    return None
+
+
+def _data_dependent(body: list[Instruction], branch: Instruction) -> bool:
+    """Whether ``branch``'s predicate comes from a floating-point compare (DSETP/FSETP)."""
+    pred = branch.predicate.lstrip("@!")
+    for i in reversed([i for i in body if i.address < branch.address]):
+        if _dest(i) == pred:
+            return i.base in ("DSETP", "FSETP")
+    return False
+
+
+def _plain_path(instrs: list[Instruction], start: int, end: int,
+                weight: dict[int, int]) -> set[int]:
+    """Addresses on one iteration's path through [start, end] that does the most DMMA work,
+    then the most cp.async copies (the next tile's prefetch); among those, it skips what a
+    branch on an integer condition can skip (features a plain call does not use) but not
+    what a branch on a floating-point compare (DSETP/FSETP: data, such as a masked score's
+    skipped exp) would skip.
+
+    The body's basic blocks form a DAG over forward branches and fall-throughs (back edges
+    of inner loops are not followed: their bodies count ``weight`` times; a branch out of
+    the range or to the loop head ends the path). A predicated branch has both successors.
+    """
+    body = [i for i in instrs if start <= i.address <= end]
+    if not body:
+        return set()
+    leaders = {body[0].address}
+    for n, i in enumerate(body):
+        t = i.branch_target()
+        if i.base in ("BRA", "BRX", "EXIT", "RET") and n + 1 < len(body):
+            leaders.add(body[n + 1].address)
+        if t is not None and start < t <= end and t > i.address:
+            leaders.add(t)
+    blocks: list[list[Instruction]] = []
+    for i in body:
+        if i.address in leaders:
+            blocks.append([])
+        blocks[-1].append(i)
+    index = {b[0].address: n for n, b in enumerate(blocks)}
+    best: list[tuple[int, int, int, int | None]] = [(0, 0, 0, None)] * len(blocks)
+    for n in range(len(blocks) - 1, -1, -1):
+        block = blocks[n]
+        fma = sum(weight.get(i.address, 1) * dmma_fma(i.opcode) for i in block
+                  if i.base == "DMMA")
+        cost = sum(weight.get(i.address, 1) for i in block if i.base != "NOP")
+        copies = sum(weight.get(i.address, 1) for i in block if i.base == "LDGSTS")
+        last = block[-1]
+        t = last.branch_target()
+        succ: list[int | None] = []
+        falls = n + 1 < len(blocks)
+        if last.base in ("EXIT", "RET", "BRX"):
+            falls = falls and bool(last.predicate)
+        elif t is not None and t > last.address:  # forward: taken, and untaken if guarded
+            succ.append(index.get(t))  # None: out of the range, the path ends
+            falls = falls and bool(last.predicate)
+        elif t is not None and (t == start or t > end or last.address == end):
+            falls = falls and bool(last.predicate)  # the main loop's own back edge
+        if falls:
+            succ.append(n + 1)
+        options = [(0, 0, 0, None) if s is None else (*best[s][:3], s) for s in succ]
+        sign = 1 if len(succ) == 2 and _data_dependent(body, last) else -1
+        f, g, c, s = (max(options, key=lambda o: (o[0], o[1], sign * o[2])) if options
+                      else (0, 0, 0, None))
+        best[n] = (fma + f, copies + g, cost + c, s)
+    path: set[int] = set()
+    n: int | None = 0
+    while n is not None:
+        path.update(i.address for i in blocks[n])
+        n = best[n][3]
+    return path
+
+
 def _range_counts(instrs: list[Instruction], start: int, end: int,
-                  loops: list[tuple[int, int]]) -> LoopCounts:
-    body = [i for i in instrs if start <= i.address <= end and i.base != "NOP"]
-    dmma = Counter(i.opcode for i in body if i.base == "DMMA")
-    lds = Counter(i.opcode for i in body if i.base == "LDS")
-    inner = sum(1 for s, e in loops if start <= s and e <= end and (s, e) != (start, end))
+                  loops: list[tuple[int, int]], *, expand: bool = False) -> LoopCounts:
+    """Counts over [start, end]; ``expand``: along :func:`_plain_path` only, inner loops
+    weighted by their trip counts where :func:`trip_count` finds them (else once). Calls are
+    counted over the whole range."""
+    inner = [(s, e) for s, e in loops if start <= s and e <= end and (s, e) != (start, end)]
+    found = {(s, e): trip_count(instrs, s, e) if expand else None for s, e in inner}
+    weight: dict[int, int] = {}
+    for i in instrs:
+        if start <= i.address <= end:
+            w = 1
+            for (s, e), t in found.items():
+                if t and s <= i.address <= e:
+                    w *= t
+            weight[i.address] = w
+    path = _plain_path(instrs, start, end, weight) if expand else set(weight)
+    calls = sum(1 for i in instrs if start <= i.address <= end
+                and i.opcode.startswith("CALL.REL.NOINC"))
+    body = [(i, weight[i.address]) for i in instrs
+            if i.address in path and i.base != "NOP"]
+    dmma: Counter[str] = Counter()
+    lds: Counter[str] = Counter()
+    for i, w in body:
+        if i.base == "DMMA":
+            dmma[i.opcode] += w
+        elif i.base == "LDS":
+            lds[i.opcode] += w
     return LoopCounts(
-        start, end, len(body), dict(dmma), sum(n * dmma_fma(op) for op, n in dmma.items()),
-        sum(1 for i in body if i.base == "DFMA"),
-        sum(1 for i in body if i.base in ("DFMA", "DADD", "DMUL")), dict(lds),
+        start, end, sum(w for _, w in body), dict(dmma),
+        sum(n * dmma_fma(op) for op, n in dmma.items()),
+        sum(w for i, w in body if i.base == "DFMA"),
+        sum(w for i, w in body if i.base in ("DFMA", "DADD", "DMUL")), dict(lds),
         32 * sum(n * lds_bytes(op) for op, n in lds.items()),
-        32 * sum(lds_bytes(i.opcode) for i in body if i.base == "STS"),
-        32 * sum(lds_bytes(i.opcode) for i in body if i.base == "LDGSTS"),
-        sum(1 for i in body if i.opcode.startswith("CALL.REL.NOINC")), inner)
+        32 * sum(w * lds_bytes(i.opcode) for i, w in body if i.base == "STS"),
+        32 * sum(w * lds_bytes(i.opcode) for i, w in body if i.base == "LDGSTS"),
+        calls, len(inner),
+        tuple((s, e, found[(s, e)]) for s, e in inner) if expand else ())
 
 
 def kernel_counts(name: str, instrs: list[Instruction]) -> KernelCounts:
@@ -182,8 +364,11 @@ def kernel_counts(name: str, instrs: list[Instruction]) -> KernelCounts:
     >>> k.main_loop.dmma_fma, k.main_loop.lds_bytes, k.main_loop.lds_bytes_per_dmma_fma
     (256, 256, 1.0)
     """
-    loops = sorted({(t, i.address) for i in instrs
-                    if (t := i.branch_target()) is not None and t <= i.address})
+    ends: dict[int, int] = {}  # loop head -> its last back edge (continue edges merge)
+    for i in instrs:
+        if (t := i.branch_target()) is not None and t <= i.address:
+            ends[t] = max(ends.get(t, i.address), i.address)
+    loops = sorted(ends.items())
     end = instrs[-1].address if instrs else 0
     total = _range_counts(instrs, 0, end, loops)
     hot_total, weight = ((total.dmma_fma, "dmma_fma") if total.dmma_fma
@@ -193,14 +378,17 @@ def kernel_counts(name: str, instrs: list[Instruction]) -> KernelCounts:
     if hot_total:
         candidates = [(e - s, s, e) for s, e in loops
                       if getattr(_range_counts(instrs, s, e, loops), weight)
-                      >= MAIN_LOOP_SHARE * hot_total]
+                      >= MAIN_LOOP_SHARE * hot_total and trip_count(instrs, s, e) is None]
         if candidates:
             _, s, e = min(candidates)
-            main = _range_counts(instrs, s, e, loops)
+            main = _range_counts(instrs, s, e, loops, expand=True)
         else:
             notes.append(f"no loop holds {MAIN_LOOP_SHARE:.0%} of the {weight}")
     if main is not None and main.inner_loops:
-        notes.append(f"{main.inner_loops} loop(s) nested in the main loop are counted once")
+        unknown = sum(1 for *_, t in main.inner_trips if t is None)
+        notes.append(f"{main.inner_loops} loop(s) nested in the main loop: "
+                     f"{main.inner_loops - unknown} weighted by their trip counts, "
+                     f"{unknown} counted once (trip count not a constant)")
     return KernelCounts(name, total, tuple(loops), main, tuple(notes))
 
 

@@ -195,3 +195,44 @@ def test_the_bank_table_reports_the_kernels_layout():
     assert table["row_read"]["D=64 kernels"] == table["row_read"]["D=64 stride=68"] == 2
     assert table["row_read"]["D=64 stride=64"] == 8
     assert compile_check.layout_for("stride=D", 128) == "stride=128"
+
+
+PATHS = """
+                Function : attention_dq_d64
+        /*0000*/                   IMAD.MOV.U32 R39, RZ, RZ, RZ ;
+        /*0010*/                   ISETP.NE.AND P2, PT, R7, RZ, PT ;
+        /*0020*/              @!P2 BRA 0x60 ;
+        /*0030*/                   DFMA R2, R2, R4, R2 ;
+        /*0040*/                   DFMA R2, R2, R4, R2 ;
+        /*0050*/                   DFMA R2, R2, R4, R2 ;
+        /*0060*/                   DSETP.GT.AND P3, PT, R8, R10, PT ;
+        /*0070*/               @P3 BRA 0xa0 ;
+        /*0080*/                   DFMA R12, R12, R4, R12 ;
+        /*0090*/                   DADD R12, R12, R4 ;
+        /*00a0*/                   VIADD R39, R39, 0x4 ;
+        /*00b0*/                   LDS.64 R20, [R0] ;
+        /*00c0*/                   DMMA.884 R8, R20, R22, R8 ;
+        /*00d0*/                   ISETP.GE.U32.AND P1, PT, R39, 0x40, PT ;
+        /*00e0*/              @!P1 BRA 0xa0 ;
+        /*00f0*/              @P0 BRA 0x10 ;
+        /*0100*/                   EXIT ;
+"""
+
+
+def test_inner_counted_loops_are_expanded_and_feature_branches_skipped():
+    """The main loop 0x10..0xf0: a branch on an integer flag (ISETP) skips 3 DFMA (a feature
+    a plain call does not use: skipped); a branch on a double compare (DSETP) would skip a
+    DFMA and a DADD (data: kept); the inner loop 0xa0..0xe0 counts i = 0, 4, .., 60: 16 trips
+    of one LDS.64 and one DMMA.884."""
+    ins = sass.parse(PATHS)["attention_dq_d64"]
+    assert sass.trip_count(ins, 0xA0, 0xE0) == 16
+    assert sass.trip_count(ins, 0x10, 0xF0) is None  # P0 is not a counted loop's predicate
+    k = sass.kernel_counts("dq", ins)
+    m = k.main_loop
+    assert (m.start, m.end) == (0x10, 0xF0)
+    assert m.dmma == {"DMMA.884": 16} and m.dmma_fma == 16 * 256
+    assert m.dfma == 1 and m.fp64_vector == 2  # the data branch's DFMA and DADD, not the 3
+    assert m.lds_bytes == 16 * 256 and m.lds_bytes_per_dmma_fma == 1.0
+    # 0x10, 0x20, 0x60, 0x70, 0x80, 0x90, 0xf0 once; 0xa0..0xe0 (5 instructions) 16 times
+    assert m.instructions == 7 + 16 * 5
+    assert m.inner_trips == ((0xA0, 0xE0, 16),)

@@ -128,7 +128,8 @@ def test_the_sass_model_on_a_made_up_report():
             "sts_bytes": 0, "ldgsts_bytes": 0, "inner_loops": 0, "call_rel_noinc": 0}
     check = {"smem_layout": "swizzle", "arches": {"sm_90": {"kernels": {
         "attention_forward_d64": {"role": "forward", "registers": 200, "spill_bytes": 0,
-                                  "main_loop": main}}}}}
+                                  "dmma_instructions": 64, "dmma": main["dmma"], "dfma": 40,
+                                  "call_rel_noinc": 0, "main_loop": main}}}}}
     m = perf_model.sass_model(check, dims=(64,))["sm_90"]["forward"]["D=64"]
     h = HARDWARE["sm_90"]
     dmma = 32768 / h.dmma_fma_per_clock_smsp
@@ -136,6 +137,13 @@ def test_the_sass_model_on_a_made_up_report():
     assert m["shared_cycles"] == 1024 and m["bound"] == "fp64"
     assert m["fraction_of_dmma_peak"] == pytest.approx(dmma / fp64)
     assert m["lds_bytes_per_dmma_fma"] == 1.0 and m["targets_met"]
+    assert m["lds64_cycles"] == 2 and m["layout"] == "swizzle"
+    # the same kernel with shared memory unswizzled (stride 64): 8 cycles per LDS.64,
+    # 128 x 8 x 4 = 4096 shared cycles bound the tile: 1022.7 / 4096 < 0.5
+    check["smem_layout"] = "stride=D"
+    u = perf_model.sass_model(check, dims=(64,))["sm_90"]["forward"]["D=64"]
+    assert u["shared_cycles"] == 4096 and u["bound"] == "shared"
+    assert u["fraction_of_dmma_peak"] == pytest.approx(dmma / 4096) and not u["targets_met"]
 
 
 def test_the_model_json_has_its_fields(tmp_path, capsys):
