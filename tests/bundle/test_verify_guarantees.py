@@ -330,3 +330,21 @@ def test_integer_tensors_and_structural_zeros_must_be_equal():
                        {"grad_probs": np.array([0.0, 0.5])}, kappa=1.0,
                        scales={"grad_probs": 1.0})
     assert "exact (structural) 0" in t.reason
+
+
+def test_a_workers_task_applies_the_same_requirement(numpy_bundle):
+    """``refattn verify --workers`` sends each case's bytes to verify_case_bytes: --require
+    and --exact-max-seconds travel with them, so a worker's verdict is the serial one."""
+    from refattn.bundle.verifier import check_file, verify_case_bytes
+
+    manifest = json.loads((numpy_bundle / "manifest.json").read_text())
+    serial = {c.case_id: c for c in verify(numpy_bundle, gradcheck=False, require="exact").cases}
+    for case_id, entry in sorted(manifest["cases"].items()):
+        verdict, checked, data = check_file(numpy_bundle, case_id, entry)
+        assert verdict is None and data is not None
+        task = verify_case_bytes(case_id, entry, data, checked, gradcheck=False,
+                                 require="exact")
+        assert task == serial[case_id]
+    fallback = verify_case_bytes(case_id, entry, data, checked, gradcheck=False,
+                                 exact_max_seconds=0)
+    assert fallback.guarantee.kind == "within_float64_recomputation"
