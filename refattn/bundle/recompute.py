@@ -282,13 +282,14 @@ def recompute(spec: CaseSpec, backend: str | None = None, *,
     common = sorted(n for n in fresh if n in spec.tensors)
     stored = {n: np.asarray(spec.tensors[n]) for n in common}
     diffs = {n: d for n in common if (d := _first_bit_difference(stored[n], fresh[n]))}
-    identical = not diffs and not problems
+    same_set = set(spec.tensors) == set(fresh)  # else: no guarantee about the case
+    identical = not diffs and same_set
     max_err = _max_abs_error(stored, fresh)
     # 2. the guarantee
     guarantee: Guarantee | None = None
     kap = kappa(trace.scores)
     if reference == "exact" and not diffs:
-        guarantee = Guarantee("bit_identical", "exact", kap)
+        guarantee = Guarantee("bit_identical", "exact", kap) if same_set else None
     elif reference == "exact" and claimed == "exact":
         for name, diff in diffs.items():
             problems.append(Problem(cid, name, "recompute", "the case claims the exact "
@@ -304,7 +305,7 @@ def recompute(spec: CaseSpec, backend: str | None = None, *,
             problems.append(Problem(cid, t.name, "recompute", f"beyond the float64 backend "
                                     f"bound{'' if factor == 1 else ' (x2)'} of the {what} "
                                     f"result: {t.reason}"))
-        if not failed:
+        if not failed and same_set:
             worst = max(checked, key=lambda t: t.fraction, default=None)
             guarantee = Guarantee(
                 "within_bound" if reference == "exact" else "within_float64_recomputation",

@@ -348,3 +348,11 @@ def test_a_workers_task_applies_the_same_requirement(numpy_bundle):
     fallback = verify_case_bytes(case_id, entry, data, checked, gradcheck=False,
                                  exact_max_seconds=0)
     assert fallback.guarantee.kind == "within_float64_recomputation"
+
+
+def test_a_case_missing_a_tensor_gets_no_guarantee(bundle):
+    _reseal(bundle, LOOP6, lambda t: t.pop("row_dot"))
+    r = verify(bundle, gradcheck=False)
+    case = r.cases[0]
+    assert case.case_id == LOOP6 and case.guarantee is None and not case.passed
+    assert ("row_dot", "recompute") in {(p.tensor, p.stage) for p in case.problems}
