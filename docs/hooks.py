@@ -11,7 +11,8 @@ Everything a page shows that the code can say is generated at build time, so it 
 - ``<!-- refattn-help COMMAND -->`` in a page becomes the text of ``refattn COMMAND --help``;
 - ``<!-- schema NAME -->`` becomes the published JSON Schema ``refattn/bundle/schema/NAME``;
 - the docstrings' Sphinx roles (``:class:`~refattn.X``` and the like, which numpydoc readers of
-  the source expect) render as plain code names instead of showing the role;
+  the source expect) render as code names, linked to the API entry they name where there is
+  one, instead of showing the role;
 - the nav entries of pages other engineers own (:data:`OPTIONAL_PAGES`) are dropped while the
   page does not exist yet, so the strict build does not depend on their schedule.
 """
@@ -162,8 +163,13 @@ _ROLE = re.compile(r":(?:class|func|meth|mod|data|attr|exc|obj|const):<code>(~?)
 
 
 def _plain_role(m: re.Match[str]) -> str:
+    """A role as its code name; a dotted one links to its API entry where the site has one
+    (an optional autoref: unresolved, it stays plain text and raises no warning)."""
+    target = m.group(2).removesuffix("()")
     name = m.group(2).split(".")[-1] if m.group(1) else m.group(2)  # ~a.b.c reads as c
-    return f"<code>{name}</code>"
+    if "." not in target:
+        return f"<code>{name}</code>"
+    return f'<autoref identifier="{target}" optional><code>{name}</code></autoref>'
 
 
 def on_page_content(html: str, page: Any, config: Any, files: Any) -> str:

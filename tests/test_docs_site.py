@@ -31,6 +31,7 @@ def test_the_site_builds_strictly(tmp_path):
     # what the hooks generate is there: API pages with the docstrings, figures, --help text
     api = (site / "api" / "testing" / "index.html").read_text()
     assert "assert_matches" in api and "Supports" in api
+    assert 'href="../refattn/#refattn.RefAttnError"' in api  # a docstring's role, linked
     assert "AttentionCall" in (site / "api" / "refattn" / "index.html").read_text()
     for page in (site / "api").glob("*/index.html"):  # Sphinx roles render as code names
         assert ":class:<code>" not in page.read_text() and ":func:<code>" not in \
