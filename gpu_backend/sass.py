@@ -250,8 +250,9 @@ def _data_dependent(body: list[Instruction], branch: Instruction) -> bool:
 
 
 def _plain_path(instrs: list[Instruction], start: int, end: int,
-                weight: dict[int, int]) -> set[int]:
-    """Addresses on one iteration's path through [start, end] that does the most DMMA work,
+                weight: dict[int, int], hot: str = "dmma_fma") -> set[int]:
+    """Addresses on one iteration's path through [start, end] that does the most ``hot`` work
+    (DMMA multiply-adds, or DFMA instructions in a kernel without DMMA),
     then the most cp.async copies (the next tile's prefetch); among those, it skips what a
     branch on an integer condition can skip (features a plain call does not use) but not
     what a branch on a floating-point compare (DSETP/FSETP: data, such as a masked score's
@@ -280,8 +281,11 @@ def _plain_path(instrs: list[Instruction], start: int, end: int,
     best: list[tuple[int, int, int, int | None]] = [(0, 0, 0, None)] * len(blocks)
     for n in range(len(blocks) - 1, -1, -1):
         block = blocks[n]
-        fma = sum(weight.get(i.address, 1) * dmma_fma(i.opcode) for i in block
-                  if i.base == "DMMA")
+        if hot == "dmma_fma":
+            fma = sum(weight.get(i.address, 1) * dmma_fma(i.opcode) for i in block
+                      if i.base == "DMMA")
+        else:  # a kernel without DMMA: its DFMA work
+            fma = sum(weight.get(i.address, 1) for i in block if i.base == "DFMA")
         cost = sum(weight.get(i.address, 1) for i in block if i.base != "NOP")
         copies = sum(weight.get(i.address, 1) for i in block if i.base == "LDGSTS")
         last = block[-1]
@@ -311,7 +315,8 @@ def _plain_path(instrs: list[Instruction], start: int, end: int,
 
 
 def _range_counts(instrs: list[Instruction], start: int, end: int,
-                  loops: list[tuple[int, int]], *, expand: bool = False) -> LoopCounts:
+                  loops: list[tuple[int, int]], *, expand: bool = False,
+                  hot: str = "dmma_fma") -> LoopCounts:
     """Counts over [start, end]; ``expand``: along :func:`_plain_path` only, inner loops
     weighted by their trip counts where :func:`trip_count` finds them (else once). Calls are
     counted over the whole range."""
@@ -325,7 +330,7 @@ def _range_counts(instrs: list[Instruction], start: int, end: int,
                 if t and s <= i.address <= e:
                     w *= t
             weight[i.address] = w
-    path = _plain_path(instrs, start, end, weight) if expand else set(weight)
+    path = _plain_path(instrs, start, end, weight, hot) if expand else set(weight)
     calls = sum(1 for i in instrs if start <= i.address <= end
                 and i.opcode.startswith("CALL.REL.NOINC"))
     body = [(i, weight[i.address]) for i in instrs
@@ -381,7 +386,7 @@ def kernel_counts(name: str, instrs: list[Instruction]) -> KernelCounts:
                       >= MAIN_LOOP_SHARE * hot_total and trip_count(instrs, s, e) is None]
         if candidates:
             _, s, e = min(candidates)
-            main = _range_counts(instrs, s, e, loops, expand=True)
+            main = _range_counts(instrs, s, e, loops, expand=True, hot=weight)
         else:
             notes.append(f"no loop holds {MAIN_LOOP_SHARE:.0%} of the {weight}")
     if main is not None and main.inner_loops:
