@@ -31,9 +31,11 @@ def _cupy() -> Any:
     try:
         import cupy
     except ImportError:
+        from refattn._install import install_hint
+
         raise RefAttnError(
             "backend 'cupy': CuPy is not installed; install the gpu extra for CUDA 13 "
-            "(pip install 'refattn[gpu]', which brings cupy-cuda13x), or use "
+            f"({install_hint('gpu')}, which brings cupy-cuda13x), or use "
             "backend='cuda_emulator' to run the same kernels on the CPU") from None
     try:
         count = cupy.cuda.runtime.getDeviceCount()

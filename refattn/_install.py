@@ -4,9 +4,10 @@ Owns one question: which ``pip install`` command brings an optional extra (``plo
 ``distributed``, ...) into *this* environment. A wheel or an index install takes
 ``pip install 'refattn[plot]'``; a checkout (an editable install, or ``pip install .`` of a
 directory) cannot resolve that name from an index that may not hold refattn at all, so it gets
-the checkout's own path. The answer comes from the installed distribution's ``direct_url.json``
-(PEP 610), read with :mod:`importlib.metadata`; a source tree that was never installed (run
-with ``PYTHONPATH``) is recognised by its ``pyproject.toml``.
+the checkout's own path. Code imported from a checkout (an editable install, or ``PYTHONPATH``)
+is recognised by the ``pyproject.toml`` above the package; otherwise the installed
+distribution's ``direct_url.json`` (PEP 610, read with :mod:`importlib.metadata`) says whether
+it came from a local directory (``pip install /path``) or from an index or a wheel.
 """
 
 from __future__ import annotations
@@ -19,13 +20,25 @@ from urllib.parse import unquote, urlparse
 __all__ = ["install_hint"]
 
 
+def _source_tree() -> Path | None:
+    """The checkout this refattn is imported from (a directory with ``pyproject.toml`` above
+    the package, outside ``site-packages``), if it is one."""
+    root = Path(__file__).resolve().parents[1]
+    if (root / "pyproject.toml").is_file() and not {"site-packages", "dist-packages"} & set(
+            root.parts):
+        return root
+    return None
+
+
 def _checkout() -> tuple[Path, bool] | None:
     """(directory, editable) when refattn comes from a local directory, else None."""
+    tree = _source_tree()
+    if tree is not None:  # running from a checkout (editable install, or PYTHONPATH)
+        return tree, True
     try:
         text = metadata.distribution("refattn").read_text("direct_url.json")
-    except metadata.PackageNotFoundError:  # not installed: a source tree on sys.path?
-        root = Path(__file__).resolve().parents[1]
-        return (root, True) if (root / "pyproject.toml").is_file() else None
+    except metadata.PackageNotFoundError:
+        return None
     if text is None:
         return None  # installed from an index: pip records no direct URL
     try:

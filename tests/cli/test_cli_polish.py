@@ -175,17 +175,30 @@ class _Dist:
     (None, "pip install 'refattn[plot]'"),  # from an index: pip records no direct_url.json
 ])
 def test_install_hint_follows_the_installation(monkeypatch, direct_url, expected):
+    monkeypatch.setattr(_install, "_source_tree", lambda: None)  # as from site-packages
     text = None if direct_url is None else json.dumps(direct_url)
     monkeypatch.setattr(_install.metadata, "distribution", lambda name: _Dist(text))
     assert _install.install_hint("plot") == expected
 
 
-def test_install_hint_of_a_source_tree_that_was_never_installed(monkeypatch):
+def test_install_hint_of_a_source_tree(monkeypatch):
+    """Imported from a checkout (this one), whatever metadata is found (an egg-info in the
+    working directory has no direct_url.json), the hint names the checkout."""
     def absent(name):
         raise _install.metadata.PackageNotFoundError(name)
 
     monkeypatch.setattr(_install.metadata, "distribution", absent)
     assert _install.install_hint("distributed") == f'pip install -e "{ROOT}[distributed]"'
+    monkeypatch.setattr(_install.metadata, "distribution", lambda name: _Dist(None))
+    assert _install.install_hint("plot") == f'pip install -e "{ROOT}[plot]"'
+
+
+def test_install_hint_of_site_packages_is_not_a_source_tree(monkeypatch, tmp_path):
+    fake = tmp_path / "lib" / "site-packages" / "refattn" / "_install.py"
+    fake.parent.mkdir(parents=True)
+    (fake.parents[1] / "pyproject.toml").write_text("")  # even with a stray pyproject.toml
+    monkeypatch.setattr(_install, "__file__", str(fake))
+    assert _install._source_tree() is None
 
 
 def test_install_hint_of_this_environment_installs():
