@@ -9,7 +9,8 @@ image has (Python, numpy, CuPy for CUDA 13, torch with CUDA; no python-flint, no
    against the NumPy reference under the GPU tolerance (forward normwise <= 1e-13 kappa,
    elementwise <= 1e-12 kappa max|ref|; gradients within 1e-12 kappa of their natural
    magnitude); run-to-run bit identity of a causal Philox-dropout call (forward and
-   gradients, streaming), and its dropout multipliers bit for bit against the CPU's;
+   gradients, streaming), and its dropout multipliers bit for bit against the CPU's; at
+   every timed shape, the output and gradients of every run bit-identical to the first's;
 3. forward+backward of refattn's streaming kernels and of torch's float64
    ``scaled_dot_product_attention``, timed the same way: **device time** by CUDA events
    with the inputs already on the device (refattn: an event pair around each kernel launch,
@@ -78,6 +79,9 @@ class TimedDevice:
         self.max_shared_bytes = inner.max_shared_bytes
         self.compile_options = inner.compile_options
         self._pairs: list[Any] = []
+
+    def __getattr__(self, name: str) -> Any:  # anything else the launcher asks of a device
+        return getattr(self.inner, name)
 
     def reset(self) -> None:
         self._pairs = []
@@ -197,21 +201,33 @@ def refattn_timing(shape: tuple[int, ...], device: TimedDevice, gpu: bool,
         pool = cupy.get_default_memory_pool()
         pool.free_all_blocks()
 
+    results: list[dict[str, np.ndarray]] = []
+
     def run() -> tuple[float, float]:
         device.reset()
         _sync(gpu)
         t0 = time.perf_counter()
         trace = launch.forward(device, call, materialize=False)
-        launch.backward(device, trace, g)  # numpy results: synchronised by the copies
+        grads = launch.backward(device, trace, g)  # numpy results: synchronised by the copies
         wall = time.perf_counter() - t0
+        got = {"output": trace.output, **{n: x for n, x in grads.tensors().items()
+                                          if n in ("grad_q", "grad_k", "grad_v")}}
+        if not results:
+            results.append(got)
+        elif not all(np.array_equal(got[n], results[0][n], equal_nan=True) for n in got):
+            out["bit_identical_across_runs"] = False
         return device.kernel_seconds(), wall
 
+    out: dict[str, Any] = {}
     first_kernels, first_wall = run()  # warm (the first shape also loads the kernels)
-    out: dict[str, Any] = {"warm_kernel_s": first_kernels, "warm_end_to_end_s": first_wall}
+    out.update(warm_kernel_s=first_kernels, warm_end_to_end_s=first_wall)
     if pool is not None:
         out["peak_bytes"] = int(pool.total_bytes())
     repeats = _repeats(first_wall, deadline)
     runs = [run() for _ in range(repeats)]
+    if repeats:
+        out.setdefault("bit_identical_across_runs", True)  # output and gradients, every run
+    results.clear()
     if runs:
         out["device_s"] = _median([r[0] for r in runs])
         out["end_to_end_s"] = _median([r[1] for r in runs])
@@ -471,7 +487,9 @@ def main(argv: list[str] | None = None) -> int:
     path = args.out / "gpu_bench.json"
     path.write_text(json.dumps(report, indent=2, default=str) + "\n")
     print(f"wrote {path}")
-    ok = not report["conformance"]["failures"] and all(report["determinism"].values())
+    ok = (not report["conformance"]["failures"] and all(report["determinism"].values())
+          and all(row["refattn"].get("bit_identical_across_runs", True) for row in rows
+                  if "refattn" in row))
     return 0 if ok else 1
 
 
@@ -515,6 +533,8 @@ def print_report(r: dict[str, Any]) -> None:
               f"{row.get('speedup_vs_torch_end_to_end', float('nan')):>6.2f}")
         if "error" in t:
             print(f"{'':<18} torch: {t['error']}")
+        if a.get("bit_identical_across_runs") is False:
+            print(f"{'':<18} refattn: output or gradients NOT bit-identical across runs")
     print(f"total {r['seconds']:.0f} s of a {r['budget_s']:.0f} s budget")
 
 

@@ -37,6 +37,7 @@ def test_the_gpu_benchmark_dry_run_checks_and_reports(bench, tmp_path, monkeypat
         r = row["refattn"]
         # the kernels run inside the end-to-end interval: their sum cannot exceed it
         assert 0 < r["device_s"] <= r["end_to_end_s"]
+        assert r.get("bit_identical_across_runs", True) is True
         assert row["flops"] == 12.0 * np.prod(row["shape"][:3]) * row["shape"][2] * row[
             "shape"][3]
         assert row["refattn_tflops"] == pytest.approx(row["flops"] / r["device_s"] / 1e12)

@@ -11,7 +11,7 @@ import subprocess
 
 import pytest
 
-from gpu_backend import compile_check, sass
+from gpu_backend import compile_check, perf_model, sass
 from gpu_backend.source import KERNEL_DIR
 from refattn.errors import RefAttnError
 
@@ -176,6 +176,13 @@ def test_the_kernels_meet_issue_24s_targets_once_they_use_tensor_cores(report):
     failures = {f"{arch} {name}": [t for t, ok in k["targets"].items() if not ok]
                 for arch, rep in report["arches"].items() for name, k in rep["kernels"].items()
                 if not k["targets_met"]}
+    # and the modelled fraction of the DMMA peak at D = 64 and 128 (forward >= 0.5, dq and
+    # dk/dv >= 0.4)
+    model = perf_model.sass_model(report, dims=(64, 128))
+    failures |= {f"{arch} {role} {d}: {e['fraction_of_dmma_peak']:.2f} of the DMMA peak "
+                 f"({e['kernel']})": []
+                 for arch, roles in model.items() for role, per in roles.items()
+                 for d, e in per.items() if not e["targets_met"]}
     assert not failures
 
 
