@@ -199,8 +199,9 @@ def test_goldens_tutorial_shows_the_compare_output_it_gets(tmp_path, monkeypatch
             assert line in printed, line
 
 
-def _eligible(name: str) -> int:
-    """How many runs should pass, from the adapters' own verdicts (not refattn.testing's)."""
+def _eligible(name: str) -> int | None:
+    """How many runs should pass, from the adapters' own verdicts (not refattn.testing's);
+    None for an example whose count this test does not derive independently."""
     from refattn.adapters import jax as jax_adapter
     from refattn.adapters import torch as torch_adapter
     from refattn.bundle.spec import case_spec
@@ -210,7 +211,7 @@ def _eligible(name: str) -> int:
     sdpa = [s for s in specs if torch_adapter.ineligible(s, "sdpa") is None]
     return {"test_torch_sdpa.py": 2 * len(sdpa),  # float64 and float32
             "test_jax_attention.py": sum(jax_adapter.ineligible(s) is None for s in specs),
-            "test_my_attention.py": sum("bias" not in s.tensors for s in sdpa)}[name]
+            "test_my_attention.py": sum("bias" not in s.tensors for s in sdpa)}.get(name)
 
 
 def _framework(source: str) -> str | None:
@@ -237,8 +238,9 @@ def test_pytest_examples_pass_on_every_eligible_case(tmp_path, page, name, sourc
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-2000:]
     summary = proc.stdout.strip().splitlines()[-1]
     counts = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|skipped|failed)", summary))
-    assert counts.get("failed", 0) == 0 and counts["passed"] >= 40, summary
-    assert counts["passed"] == _eligible(name), "the adapters' own count of expressible cases"
+    assert counts.get("failed", 0) == 0 and counts.get("passed", 0) >= 1, summary
+    if (eligible := _eligible(name)) is not None:
+        assert counts["passed"] == eligible, "the adapters' own count of expressible cases"
     assert quoted is not None, f"{page} shows no output after {name}"
     shown = dict((k, int(n)) for n, k in re.findall(r"(\d+) (passed|skipped)", quoted))
     assert shown == {k: counts.get(k, 0) for k in shown}, (summary, quoted)
