@@ -298,8 +298,9 @@ def recompute(spec: CaseSpec, backend: str | None = None, *,
     else:
         factor = 1.0 if reference == "exact" else 2.0
         what = "correctly rounded" if reference == "exact" else "float64 recomputation"
+        scales = natural_scales(case.call, trace, grads)
         checked = check_bound(stored, fresh, kappa=kap, factor=factor, what=what,
-                              scales=natural_scales(case.call, trace, grads))
+                              scales=scales)
         failed = [t for t in checked if t.reason]
         for t in failed:
             problems.append(Problem(cid, t.name, "recompute", f"beyond the float64 backend "
@@ -310,7 +311,8 @@ def recompute(spec: CaseSpec, backend: str | None = None, *,
             guarantee = Guarantee(
                 "within_bound" if reference == "exact" else "within_float64_recomputation",
                 reference, kap, factor * FORWARD_BOUND * kap, factor * GRADIENT_BOUND * kap,
-                worst.fraction if worst else 0.0, worst.name if worst else None, why_not)
+                worst.fraction if worst else 0.0, worst.name if worst else None, why_not,
+                natural=bool(scales))
     if require == "exact" and (reference != "exact" or diffs):
         first: str | None = next(iter(diffs), None)
         reason = (diffs[first].replace("not bit-identical", "not bit-identical to the "

@@ -71,6 +71,9 @@ class Guarantee:
         The tensor that used it.
     reason : str
         Why the exact generator did not run the case (empty when it did).
+    natural : bool
+        Whether gradients were measured against their natural magnitude (dot-family calls);
+        else normwise and against ``max|reference|`` per element.
 
     Examples
     --------
@@ -89,16 +92,18 @@ class Guarantee:
     worst_fraction: float | None = None
     worst_tensor: str | None = None
     reason: str = ""
+    natural: bool = True
 
     @property
     def text(self) -> str:
         """The guarantee in one sentence."""
         if self.kind == "bit_identical":
             return "bit-identical to the correctly rounded result"
+        scale = ("of their natural magnitude" if self.natural
+                 else "normwise and of max|reference| per element")
         bound = (f"forward tensors {self.forward_bound:.1e} normwise, gradients "
-                 f"{self.gradient_bound:.1e} of their natural magnitude (kappa "
-                 f"{self.kappa:.3g}); worst {self.worst_tensor} at {self.worst_fraction:.1%} "
-                 "of its bound")
+                 f"{self.gradient_bound:.1e} {scale} (kappa {self.kappa:.3g}); worst "
+                 f"{self.worst_tensor} at {self.worst_fraction:.1%} of its bound")
         if self.kind == "within_bound":
             return f"within the float64 backend bound of the correctly rounded result: {bound}"
         return (f"within twice the float64 backend bound of an independent float64 "

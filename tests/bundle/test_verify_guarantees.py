@@ -201,7 +201,11 @@ def test_an_honest_numpy_bundle_passes_within_the_documented_bound(numpy_bundle,
         assert 0 < g.worst_fraction <= 1 and g.worst_tensor in stored
         assert g.text.startswith("within the float64 backend bound of the correctly rounded "
                                  f"result: forward tensors {g.forward_bound:.1e} normwise")
+        bilinear = c.case_id == "score_bilinear_per_head"  # no natural magnitude defined
+        assert g.natural is not bilinear
+        assert ("normwise and of max|reference| per element" in g.text) is bilinear
     assert any(c.guarantee.kappa > 1 for c in within)  # large_logits: a conditioned bound
+    assert "score_bilinear_per_head" in {c.case_id for c in within}
     assert main(["verify", str(numpy_bundle), "--quiet", "--no-gradcheck"]) == 0
     out = capsys.readouterr().out
     for c in within:
