@@ -19,6 +19,7 @@ from safetensors.numpy import save
 from refattn._checks import as_array
 from refattn.bundle.format import atomic_write
 from refattn.bundle.fsio import MAX_CASE_BYTES, read_regular
+from refattn.bundle.read import layout_inspector
 from refattn.bundle.tolerances import resolve_dtype
 from refattn.errors import RefAttnError
 
@@ -68,7 +69,8 @@ def read_candidate(path: str | os.PathLike) -> dict[str, np.ndarray]:
         Naming the file (and tensor) when the file is truncated or its header is invalid.
     """
     path = Path(path)
-    data = read_regular(path, max_bytes=MAX_CASE_BYTES, what="candidate file")
+    data = read_regular(path, max_bytes=MAX_CASE_BYTES, what="candidate file",
+                        inspect=layout_inspector(str(path), bfloat16=True))  # header first
     if len(data) < 8:
         raise RefAttnError(f"{path}: truncated file ({len(data)} bytes, no header length)")
     n = int.from_bytes(data[:8], "little")

@@ -19,7 +19,7 @@ import hashlib
 import json
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,7 +39,7 @@ from refattn.bundle.report import Problem, Stage
 from refattn.errors import RefAttnError
 
 __all__ = ["LoadedCase", "SafetensorsHeader", "case_size_limit", "check_case_file",
-           "decode_safetensors", "load", "load_bytes", "parse_header"]
+           "decode_safetensors", "layout_inspector", "load", "load_bytes", "parse_header"]
 
 _ITEMSIZE = {"float64": 8, "int64": 8, "bool": 1}
 #: room for the safetensors header (names, dtypes, offsets, the metadata's hashes)
@@ -172,7 +172,8 @@ def read_header(fd: int, size: int, shown: str) -> SafetensorsHeader:
     return parse_header(first + os.pread(fd, n, 8), size, shown)
 
 
-def _layout(header: SafetensorsHeader, size: int, shown: str
+def _layout(header: SafetensorsHeader, size: int, shown: str,
+            dtypes: Mapping[str, str] = _ST_DTYPES
             ) -> dict[str, tuple[np.dtype, tuple[int, ...], int, int]]:
     """Every tensor's (dtype, shape, start, stop) in file offsets, checked against the
     safetensors rules: known dtype, non-negative integer shape, data size equal to the shape's,
@@ -182,10 +183,10 @@ def _layout(header: SafetensorsHeader, size: int, shown: str
     base = 8 + header.length
     for name, rec in header.entries.items():
         where = f"{shown}: tensor {name[:60]!r}"
-        if not (isinstance(rec, dict) and rec.get("dtype") in _ST_DTYPES):
+        if not (isinstance(rec, dict) and rec.get("dtype") in dtypes):
             shown_dtype = rec.get("dtype") if isinstance(rec, dict) else rec
             raise RefAttnError(f"{where}: unsupported dtype {str(shown_dtype)[:40]!r}")
-        dtype = np.dtype(_ST_DTYPES[rec["dtype"]])
+        dtype = np.dtype(dtypes[rec["dtype"]])
         shape, offsets = rec.get("shape"), rec.get("data_offsets")
         if not (isinstance(shape, list) and all(
                 type(x) is int and x >= 0 for x in shape) and len(shape) <= 32):
@@ -276,6 +277,31 @@ def _hash_range(fd: int, start: int, stop: int) -> str:
         h.update(chunk)
         pos += len(chunk)
     return h.hexdigest()
+
+
+def layout_inspector(shown: str, *, bfloat16: bool = False) -> Callable[[int, int], None]:
+    """``inspect(fd, size)`` for :func:`~refattn.bundle.fsio.read_regular` that checks a
+    safetensors file's header and tensor layout (no duplicated key; sizes that match the
+    shapes; data covering the file exactly once) before the file is read: a file whose
+    header describes less than its size, or more, is refused unread. ``bfloat16``: accept
+    ``BF16`` tensors too (candidate files).
+
+    Examples
+    --------
+    >>> import tempfile, pathlib
+    >>> from safetensors.numpy import save
+    >>> p = pathlib.Path(tempfile.mkdtemp()) / "c.safetensors"
+    >>> _ = p.write_bytes(save({"output": np.zeros(2)}) + bytes(2**20))
+    >>> read_regular(p, max_bytes=2**21, inspect=layout_inspector("c"))  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+        ...
+    refattn.errors.RefAttnError: c: corrupt file: its tensors end at byte ..., the file has ...
+    """
+    dtypes = {**_ST_DTYPES, "BF16": "<u2"} if bfloat16 else _ST_DTYPES
+
+    def inspect(fd: int, size: int) -> None:
+        _layout(read_header(fd, size, shown), size, shown, dtypes)
+    return inspect
 
 
 def _manifest_inspector(entry: Mapping[str, Any] | None, shown: str):

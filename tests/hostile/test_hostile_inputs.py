@@ -160,6 +160,25 @@ def test_a_sparse_case_file_claiming_a_huge_q_is_refused_in_bounded_memory(bundl
     assert peak < PEAK_BOUND, f"peak RSS {peak / GiB:.2f} GiB"
 
 
+def test_a_sparse_candidate_file_is_refused_unread(tmp_path):
+    from safetensors.numpy import save
+
+    path = tmp_path / "candidate.safetensors"
+    path.write_bytes(save({"output": np.zeros((1, 1, 3, 2))}))
+    with open(path, "r+b") as fh:
+        fh.truncate(GiB)  # a 1 GiB hole after an honest header
+    peak, out = _peak_rss(f"""
+        from refattn import RefAttnError
+        from refattn.bundle.candidates import read_candidate
+        try:
+            read_candidate({str(path)!r})
+        except RefAttnError as exc:
+            print(str(exc).split(": ", 1)[1])
+    """)
+    assert out.startswith("corrupt file: its tensors end at byte"), out
+    assert peak < PEAK_BOUND, f"peak RSS {peak / GiB:.2f} GiB"
+
+
 def test_an_honest_case_file_is_read_into_one_buffer_as_read_only_views(bundle):
     case = load(_case_file(bundle))
     q = case.tensors["q"]
