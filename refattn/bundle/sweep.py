@@ -72,12 +72,16 @@ _MAX_SPEC_BYTES = 4 * 2**20
 #: schema violations collected before the most specific one is named
 _MAX_ERRORS = 100
 #: peak memory of computing and checking a case (:func:`case_budget`), measured as peak RSS
-#: growth of encode_case on dot, masked, biased, dropout and additive cases (numpy and exact
-#: generators): 998-1279 bytes per score element (b, h, i, j), 424 more per element per
-#: additive width Da, at most 273 per element of the q, k, v and output rows; rounded up
+#: growth of encode_case (numpy and exact generators; most of it the reference error's arb
+#: balls): 998-1279 bytes per score element (b, h, i, j) with masks, bias and dropout;
+#: 424-823 more per score element per additive width Da; at most 440 per element of the q,
+#: k, v and output rows (cosine); the bilinear family about 550 per element of W and 230 per
+#: element of W per (b, h) it is used for. Rounded up (estimates 1.3-2.4x the measured peak)
 _BYTES_PER_SCORE = 1536
-_BYTES_PER_SCORE_PER_DA = 512
-_BYTES_PER_ROW_ELEMENT = 384
+_BYTES_PER_SCORE_PER_DA = 1024
+_BYTES_PER_ROW_ELEMENT = 640
+_BYTES_PER_W = 640
+_BYTES_PER_W_USE = 256
 _SHAPE_AXES = ("B", "Hq", "Hkv", "Q", "K", "Dk", "Dv")
 _BUILTIN_DEFAULTS: dict[str, Any] = {
     "score": "dot", "scale": "default", "mask": "none", "bias": "none", "dropout": "none",
@@ -695,7 +699,8 @@ class CaseBudget(NamedTuple):
     seconds : float
         Computing it and checking it against the exact real result: the exact generator's
         own estimate (:func:`refattn.engine.exact.backend.estimate_seconds`), which the
-        reference-error check every case gets costs about as much as.
+        reference-error check every case gets costs about as much as; for the bilinear
+        family, plus the products with W, which that estimate leaves out.
     bytes : int
         Peak memory of computing and checking it (an upper estimate, measured).
     input_bytes : int
@@ -720,7 +725,7 @@ def case_budget(description: Mapping[str, Any]) -> CaseBudget:
     --------
     >>> b = case_budget(normalize({"shape": [1, 2, 1, 128, 128, 64, 64]}))
     >>> b.scores, round(b.seconds, 2), b.bytes // 2**20
-    (32768, 0.79, 72)
+    (32768, 0.79, 88)
     >>> case_budget(normalize({"shape": [65536] * 7})).bytes > 2**74   # no overflow
     True
     """
@@ -731,13 +736,20 @@ def case_budget(description: Mapping[str, Any]) -> CaseBudget:
     da = int(score["da"]) if score["family"] == "additive" else 0
     rows = B * Hq * (Q + K) * (Dk + Dv)  # q, k, v and output rows, per query head
     seconds = SECONDS_PER_ELEMENT * (4 * n * max(da, 1) + rows)
+    w = 0  # elements of the bilinear W: (Dk, Dk) shared or (Hq, Dk, Dk)
+    if score["family"] == "bilinear":
+        w = Dk * Dk * (1 if score["shared"] else Hq)
+        # q W and its gradient: measured 7.5e-6 s per element of W per head at Q + K = 8,
+        # growing by 2.5e-7 s per further row (the exact generator's estimate leaves it out)
+        seconds += SECONDS_PER_ELEMENT * B * Hq * Dk * Dk * (2 + (Q + K) / 8)
     inputs = B * (Hq * Q * (Dk + Dv) + Hkv * K * (Dk + Dv))  # q, grad_output; k, v
     if description["bias"] == "random":
         inputs += n  # (B, Hq, Q, K)
-    if score["family"] == "bilinear":
-        inputs += Dk * Dk * (1 if score["shared"] else Hq)  # W
+    inputs += w  # W
     inputs += Hq * da * (2 * Dk + 2)  # the additive family's two projections and two vectors
     peak = (_BYTES_PER_SCORE + _BYTES_PER_SCORE_PER_DA * da) * n + _BYTES_PER_ROW_ELEMENT * rows
+    if w:
+        peak += _BYTES_PER_W * w + _BYTES_PER_W_USE * B * Hq * Dk * Dk
     return CaseBudget(seconds, peak + 8 * inputs, 8 * inputs, n)
 
 
@@ -772,7 +784,7 @@ def check_budget(description: Mapping[str, Any], cid: str | None = None, *,
     ...     check_budget(d, "big", max_bytes=16 * 2**30)
     ... except RefAttnError as exc:
     ...     print(str(exc)[:75])
-    case big: needs about 3403761582080 bytes (3170.0 GiB) of memory to compute
+    case big: needs about 3472481058816 bytes (3234.0 GiB) of memory to compute
     """
     budget = case_budget(description)
     where = f"case {cid or case_id(description)}: "
