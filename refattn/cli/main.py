@@ -11,6 +11,7 @@ from collections.abc import Sequence
 from typing import NoReturn
 
 from gradcheck.errors import GradcheckError
+from refattn._checks import memory_error
 from refattn._version import __version__
 from refattn.cli import (
     calibrate,
@@ -47,7 +48,12 @@ def build_parser() -> argparse.ArgumentParser:
     'conformance'
     """
     parser = _Parser(
-        prog="refattn", description="float64 reference engine for scaled-dot-product attention"
+        prog="refattn", description="float64 reference engine for scaled-dot-product attention",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+        epilog="examples:\n"
+        "  refattn golden --out goldens                      # the conformance suite\n"
+        "  refattn verify goldens\n"
+        "  refattn COMMAND --help                            # what COMMAND does, examples",
     )
     parser.add_argument("--version", action="version", version=f"refattn {__version__}")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
@@ -96,8 +102,8 @@ def _main(argv: Sequence[str] | None) -> int:
     except OSError as exc:
         where = f"{exc.filename}: " if exc.filename else ""
         message = f"{where}{exc.strerror or exc}"
-    except MemoryError:
-        message = "out of memory (the call is too large for this machine)"
+    except MemoryError as exc:  # what the library did not already turn into a RefAttnError
+        message = str(memory_error(exc, f"refattn {args.command}"))
     print(f"refattn {args.command}: error: {message}", file=sys.stderr)
     return 2
 
