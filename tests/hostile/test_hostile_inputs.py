@@ -311,6 +311,17 @@ def test_a_memory_error_becomes_a_refattn_error_naming_the_bytes(monkeypatch):
         refattn.AttentionCall(x, x, x)
 
 
+def test_a_memory_error_in_a_command_is_one_line_naming_the_bytes(monkeypatch, capsys):
+    import refattn.cli.verify as verify_cli
+    from refattn.cli import main
+
+    monkeypatch.setattr(verify_cli, "run", lambda args: np.empty(2**50))
+    assert main(["verify", "."]) == 2
+    err = capsys.readouterr().err
+    assert err == ("refattn verify: error: memory: refattn verify needs an array of "
+                   "9007199254740992 bytes (8388608.00 GiB), more than this machine can give\n")
+
+
 # -- 3. one gate for every input: array subclasses -------------------------------------------
 def _qkv():
     rng = np.random.default_rng(0)
