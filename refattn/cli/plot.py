@@ -9,6 +9,8 @@ worst element marked. Prints one line per file written.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 from pathlib import Path
 
 from refattn._install import install_hint
@@ -60,15 +62,42 @@ def run(args: argparse.Namespace) -> int:
         candidate = read_candidate(args.candidate)
     elif args.tensor:
         raise RefAttnError("--tensor: only with --candidate")
-    written = []
-    for spec in progress(specs, desc="plot", enabled=False if args.quiet else None):
-        written += plot_case(spec, args.out)
-        if candidate is not None:
-            written += plot_error(spec, candidate, args.out, dtype=args.dtype,
-                                  tensors=args.tensor)
+    written: list[Path] = []
+    before = _pngs(args.out)  # None: the directory is this run's to create
+    try:
+        for spec in progress(specs, desc="plot", enabled=False if args.quiet else None):
+            written += plot_case(spec, args.out)
+            if candidate is not None:
+                written += plot_error(spec, candidate, args.out, dtype=args.dtype,
+                                      tensors=args.tensor)
+    except BaseException:  # Ctrl-C or an error: remove what this run added, nothing else
+        _remove_new(args.out, before)
+        raise
     if args.quiet:  # one line, however many files
         print(f"wrote {len(written)} file(s) to {args.out}")
     else:
         for path in written:
             print(path)
     return 0
+
+
+def _pngs(out: Path) -> set[str] | None:
+    """The PNG files already in ``out`` (None when ``out`` does not exist)."""
+    try:
+        return {e.name for e in os.scandir(out) if e.name.endswith(".png")}
+    except FileNotFoundError:
+        return None
+    except OSError:
+        return set()  # not readable: nothing will be removed
+
+
+def _remove_new(out: Path, before: set[str] | None) -> None:
+    """Remove the PNG files this run added to ``out``, and ``out`` itself if the run made it
+    and it is empty again; files that were there before stay, whatever happened to them."""
+    now = _pngs(out) or set()
+    for name in now - (before or set()):
+        with contextlib.suppress(OSError):
+            os.unlink(out / name)
+    if before is None:
+        with contextlib.suppress(OSError):
+            out.rmdir()

@@ -261,3 +261,36 @@ def test_plot_quiet_prints_one_line(tmp_path, capsys):
     written = sorted((tmp_path / "p").glob("*.png"))
     assert len(written) >= 4
     assert out == [f"wrote {len(written)} file(s) to {tmp_path / 'p'}"]
+
+
+@pytest.mark.parametrize("existing", [False, True])
+def test_ctrl_c_during_plot_removes_only_what_it_drew(tmp_path, monkeypatch, capsys, existing):
+    pytest.importorskip("matplotlib")
+    from refattn import plot
+
+    bundle = tmp_path / "b"
+    assert main(["golden", "--suite", "contract", "--out", str(bundle), "--quiet"]) == 0
+    out = tmp_path / "p"
+    if existing:  # the user's directory and files: they stay
+        out.mkdir()
+        (out / "mine.png").write_bytes(b"user's")
+        (out / "notes.txt").write_text("user's")
+    real, calls = plot.plot_case, []
+
+    def interrupted_after_one(spec, out_dir):
+        calls.append(spec.case_id)
+        if len(calls) == 2:  # the first case's two files are written by now
+            raise KeyboardInterrupt
+        return real(spec, out_dir)
+
+    monkeypatch.setattr(plot, "plot_case", interrupted_after_one)
+    capsys.readouterr()
+    assert main(["plot", str(bundle), "--out", str(out)]) == 130
+    captured = capsys.readouterr()
+    assert captured.err == "refattn: interrupted\n" and captured.out == ""
+    assert len(calls) == 2
+    if existing:
+        assert sorted(os.listdir(out)) == ["mine.png", "notes.txt"]
+        assert (out / "mine.png").read_bytes() == b"user's"
+    else:
+        assert not out.exists()
