@@ -154,6 +154,7 @@ def taylor_test(
             # rounding of the two contractions and of t <g, w>
             noise[i] = EPS * (float(np.abs(v).ravel() @ np.abs(ft).ravel()) + mag0 + t * gw_mag)
         used = res > 100 * noise
+        verdict: Verdict
         if not used.any():
             slope, verdict = float("nan"), "exact"
         else:

@@ -43,7 +43,7 @@ def tensor_sha256(x: np.ndarray) -> str:
     arr = np.ascontiguousarray(x)  # no copy when x is C-contiguous already
     if arr.dtype.byteorder == ">" or (arr.dtype.byteorder == "=" and sys.byteorder == "big"):
         arr = arr.astype(arr.dtype.newbyteorder("<"))
-    return hashlib.sha256(arr.reshape(-1).view(np.uint8)).hexdigest()  # the bytes, uncopied
+    return hashlib.sha256(arr.reshape(-1).view(np.uint8).data).hexdigest()  # the bytes, uncopied
 
 
 def atomic_write(path: Path, data: bytes) -> None:

@@ -183,6 +183,7 @@ def causal(q_len: int, k_len: int, *, alignment: CausalAlignment) -> VisibilityR
     """
     Q = _length("q_len", q_len)
     K = _length("k_len", k_len)
+    layout: Layout
     match alignment:
         case "upper_left":
             offset, layout = 0, "padded"

@@ -109,7 +109,7 @@ def _partition(n: int, block: int | Sequence[int]) -> list[int]:
         if block < 1:
             raise RefAttnError(f"block: expected a positive tile width, got {block}")
         return [min(int(block), n - start) for start in range(0, n, int(block))]
-    sizes = [int(x) for x in block]
+    sizes = [int(x) for x in block]  # type: ignore[union-attr]  # a sequence here
     if any(x < 1 for x in sizes) or sum(sizes) != n:
         raise RefAttnError(
             f"block: expected positive tile sizes summing to the row length {n}, got {sizes}"

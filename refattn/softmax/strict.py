@@ -76,7 +76,7 @@ def _rows(scores: object, visible: object | None, name: str = "scores") -> tuple
             f"expected a finite score on every legal entry{hint} "
             f"({int(bad.sum())} such entr{'y' if bad.sum() == 1 else 'ies'})"
         )
-    empty = ~vis.any(axis=-1)
+    empty = np.asarray(~vis.any(axis=-1))
     idx = first_index(empty)
     if idx is not None:
         raise RefAttnError(
