@@ -342,7 +342,7 @@ def _score(value: Any) -> dict[str, Any]:
     if family == "bilinear":
         out["shared"] = bool(given.get("shared", False))
     elif family == "cosine":
-        out["eps"] = float(given.get("eps", 1e-6))
+        out["eps"] = _finite("score eps", given.get("eps", 1e-6))
     elif family == "additive":
         out["da"] = int(given.get("da", 4))
     return out
@@ -377,10 +377,19 @@ def _mask(value: Any) -> dict[str, Any]:
             raise RefAttnError(f"mask: unknown mask kind {kind!r}")
 
 
+def _finite(name: str, value: Any) -> float:
+    """A SPEC's number as a finite float (TOML and YAML spell inf and nan; JSON Schema cannot
+    refuse them)."""
+    x = float(value)
+    if not math.isfinite(x):
+        raise RefAttnError(f"{name}: expected a finite number, got {x!r}")
+    return x
+
+
 def _dropout(value: Any) -> dict[str, Any] | None:
     if value == "none":
         return None
-    return {"p": float(value["p"]), "seed": int(value["seed"]),
+    return {"p": _finite("dropout p", value["p"]), "seed": int(value["seed"]),
             "offset": int(value.get("offset", 0))}
 
 
@@ -401,7 +410,7 @@ def normalize(fields: Mapping[str, Any]) -> dict[str, Any]:
         "v": DESCRIPTION_VERSION,
         "shape": _shape(merged["shape"]),
         "score": _score(merged["score"]),
-        "scale": "default" if scale == "default" else float(scale),
+        "scale": "default" if scale == "default" else _finite("scale", scale),
         "mask": _mask(merged["mask"]),
         "bias": str(merged["bias"]),
         "dropout": _dropout(merged["dropout"]),

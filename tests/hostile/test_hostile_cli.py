@@ -403,3 +403,91 @@ def test_check_budget_passes_a_case_within_both_limits():
     assert budget.scores == 2 * 128 * 128
     # q and grad_output (B, Hq, Q, D); k and v (B, Hkv, K, D)
     assert budget.input_bytes == 8 * (2 * 128 * 64 * 2 + 128 * 64 * 2)
+
+
+@pytest.mark.parametrize(("field", "expected"), [
+    ("scale = [inf]", "scale: expected a finite number, got inf"),
+    ("scale = [nan]", "scale: expected a finite number, got nan"),
+    ('score = [{ family = "cosine", eps = inf }]', "score eps: expected a finite number"),
+    ("dropout = [{ p = nan, seed = 1 }]", "dropout p: expected a finite number, got nan"),
+])
+def test_non_finite_numbers_are_named(tmp_path, capsys, field, expected):
+    """TOML and YAML spell inf and nan, which JSON Schema cannot refuse (they once ended in
+    json's ValueError: Out of range float values are not JSON compliant)."""
+    spec = tmp_path / "s.toml"
+    spec.write_text(f'name = "t"\n[[grid]]\nshape = [[1, 1, 1, 2, 2, 4, 4]]\n{field}\n')
+    assert main(["sweep", str(spec), "--out", str(tmp_path / "b")]) == 2
+    err = capsys.readouterr().err
+    assert err.count("\n") == 1 and f"grid/0: {expected}" in err, err
+
+
+# -- generated SPEC documents ---------------------------------------------------------------------
+_WORDS = ["none", "causal_upper_left", "causal_lower_right", "dot", "cosine", "additive",
+          "bilinear", "window", "key_padding", "prefix", "segments", "causal", "random",
+          "alibi", "exact", "numpy", "default", "upper_left", "lower_right"]
+_KEYS = ["shape", "score", "scale", "mask", "bias", "dropout", "seed", "generator", "family",
+         "eps", "da", "shared", "kind", "alignment", "left", "right", "causal", "pad",
+         "length", "count", "p", "offset", "B", "Hq", "Hkv", "Q", "K", "Dk", "Dv"]
+
+
+def _spec_documents():
+    """SPEC documents near the schema: each field drawn from values of its own kind (small
+    and edge-case numbers, inf and nan, every mask kind with in- and out-of-range parameters)
+    or, now and then, from anything at all."""
+    from hypothesis import strategies as st
+
+    weird = st.recursive(
+        st.integers(-2**70, 2**70) | st.booleans() | st.none() | st.text(max_size=4)
+        | st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(_WORDS),
+        lambda inner: st.lists(inner, max_size=3)
+        | st.dictionaries(st.sampled_from(_KEYS), inner, max_size=3), max_leaves=8)
+    counts = st.integers(0, 6) | st.sampled_from([65536, 2**64])
+    numbers = st.floats(allow_nan=True, allow_infinity=True) | st.sampled_from(
+        [0.0, 1e-320, 0.5, 1 - 2**-33, 1.0, 1e308])
+    axes = st.lists(st.integers(1, 5), min_size=7, max_size=7)
+    shape = axes | axes.map(lambda a: dict(zip(("B", "Hq", "Hkv", "Q", "K", "Dk", "Dv"), a,
+                                               strict=True)))
+    score = st.sampled_from(["dot", "bilinear", "cosine", "additive"]) | st.fixed_dictionaries(
+        {"family": st.sampled_from(["dot", "bilinear", "cosine", "additive"])},
+        optional={"eps": numbers, "da": counts, "shared": st.booleans()})
+    mask = st.sampled_from(["none", "causal_upper_left", "causal_lower_right"]) | (
+        st.fixed_dictionaries(
+            {"kind": st.sampled_from(["causal", "window", "key_padding", "prefix", "segments"])},
+            optional={"alignment": st.sampled_from(["upper_left", "lower_right"]),
+                      "left": counts, "right": counts, "causal": st.booleans(),
+                      "pad": counts, "length": counts, "count": counts}))
+    dropout = st.just("none") | st.fixed_dictionaries(
+        {"p": numbers, "seed": st.integers(0, 2**64)}, optional={"offset": counts})
+    kinds = {"shape": shape, "score": score, "scale": st.just("default") | numbers,
+             "mask": mask, "bias": st.sampled_from(["none", "random", "alibi"]),
+             "dropout": dropout, "seed": st.integers(0, 2**64), "generator":
+             st.sampled_from(["exact", "numpy"])}
+    fields = st.fixed_dictionaries({}, optional={
+        key: value | weird if key != "shape" else value for key, value in kinds.items()})
+    grid = st.fixed_dictionaries({"shape": st.lists(shape, min_size=1, max_size=2)}, optional={
+        key: st.lists(value, min_size=1, max_size=2) | weird
+        for key, value in kinds.items() if key != "shape"})
+    return st.fixed_dictionaries({"name": st.just("f")}, optional={
+        "grid": st.lists(grid, min_size=1, max_size=2),
+        "case": st.lists(fields.map(lambda f: {"shape": [1, 1, 1, 2, 2, 2, 2], **f}),
+                         min_size=1, max_size=2),
+        "defaults": fields,
+    })
+
+
+def test_generated_spec_documents_end_in_a_sweep_or_a_refattn_error():
+    """Any document (wrong types, inf and nan, huge integers, unknown words, partial shapes)
+    either expands or raises RefAttnError: never another exception (a traceback in the CLI).
+    Cases are held to 64 MiB so that a valid large shape is refused, not drawn."""
+    from hypothesis import HealthCheck, given, settings
+
+    @settings(max_examples=300, deadline=None,
+              suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large])
+    @given(_spec_documents())
+    def check(doc):
+        try:
+            expand(check_spec(doc), max_bytes=64 * 2**20)
+        except RefAttnError:
+            pass
+
+    check()
