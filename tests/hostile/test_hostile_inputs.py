@@ -1,7 +1,7 @@
 """Hostile input to the readers, the gate and the pytest plugin (issue 25, items 3 to 5): each
 reproducer of the issue ends in one RefAttnError or a FAIL, with bounded memory.
 
-Memory is measured as the peak RSS (``ru_maxrss``) of a fresh subprocess that runs only the
+Memory is measured as the peak RSS (``VmHWM``) of a fresh subprocess that runs only the
 probe, against a bound far below what the unfixed code needed (the file or array the input
 claims) and far above the interpreter's own baseline; no test asserts a time. The probes that
 already held before the issue are pinned here too, each pointing to the test file that covers
@@ -92,10 +92,17 @@ def _reseal(bundle: Path, mutate, *, header_edit=None) -> None:
 
 
 def _peak_rss(code: str) -> tuple[int, str]:
-    """Run ``code`` in a fresh interpreter; its peak RSS in bytes and its last output line."""
+    """Run ``code`` in a fresh interpreter; its peak RSS in bytes and its output.
+
+    The peak is ``VmHWM`` of ``/proc/self/status``, which belongs to the new process image.
+    ``ru_maxrss`` would not do: Linux carries it over fork and exec, so a child of a large
+    pytest process would report the parent's peak."""
+    if not Path("/proc/self/status").exists():
+        pytest.skip("peak RSS is read from /proc/self/status (Linux)")
     prog = textwrap.dedent(code) + textwrap.dedent("""
-        import resource
-        print(resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024)
+        for line in open("/proc/self/status"):
+            if line.startswith("VmHWM:"):
+                print(int(line.split()[1]) * 1024)
     """)
     run = subprocess.run([sys.executable, "-c", prog], capture_output=True, text=True,
                          timeout=600, check=False)
@@ -105,12 +112,12 @@ def _peak_rss(code: str) -> tuple[int, str]:
 
 
 def _sparse_case(bundle: Path, *, claim_in_header: bool) -> None:
-    """Issue probe: a 1 GiB sparse case file whose manifest claims ``q`` is
-    [1, 1, 16384, 8192] (1 GiB of float64). With ``claim_in_header`` the file's own header
-    claims it too (a consistent header, zeros for data); else the honest small header is
-    followed by a hole up to 1 GiB."""
+    """Issue probe (at a quarter of its 2 GiB): a 512 MiB sparse case file whose manifest
+    claims ``q`` is [1, 1, 8192, 8192] (512 MiB of float64). With ``claim_in_header`` the
+    file's own header claims it too (a consistent header, zeros for data); else the honest
+    small header is followed by a hole up to 512 MiB."""
     path = _case_file(bundle)
-    shape = [1, 1, 16384, 8192]
+    shape = [1, 1, 8192, 8192]
     size = 8 * int(np.prod(shape))
 
     def edit(entry):
@@ -157,7 +164,8 @@ def test_a_sparse_case_file_claiming_a_huge_q_is_refused_in_bounded_memory(bundl
     assert lines[0].startswith("verify False"), out
     assert lines[1].startswith("compare refused") and lines[2].startswith(
         "diagnostics refused"), out
-    assert peak < PEAK_BOUND, f"peak RSS {peak / GiB:.2f} GiB"
+    # unfixed: the file read in chunks and joined, then copied by safetensors (2-3 x 512 MiB)
+    assert peak < 0.45 * GiB, f"peak RSS {peak / GiB:.2f} GiB"
 
 
 def test_a_sparse_candidate_file_is_refused_unread(tmp_path):
