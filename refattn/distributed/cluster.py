@@ -273,8 +273,10 @@ def _scheduler_client(d: ModuleType, address: str, shown: str, timeout: float) -
 
 
 def _forget_quietly(outcome: _Outcome) -> None:
-    """Drop a failed client construction; dask's ``Client.__del__`` of the half-built client
-    would print a traceback on the way out."""
+    """Drop a failed client construction: dask's ``Client.__del__`` of the half-built client
+    would print a traceback on the way out, and its comms a warning each ("Closing dangling
+    stream"), now or at exit; dask's comm logging stays at ERROR from here on."""
+    logging.getLogger("distributed.comm").setLevel(logging.ERROR)
     hook = sys.unraisablehook
     sys.unraisablehook = lambda _: None
     try:

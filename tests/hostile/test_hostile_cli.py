@@ -169,6 +169,50 @@ def test_addresses_dask_cannot_reach_are_named_before_connecting(address, expect
         assert err.count("\n") == 1 and expected in err, err
 
 
+_FAKE_SCHEDULER = """
+import asyncio, sys
+from distributed.core import Server
+
+async def stall(**kw):
+    await asyncio.sleep(3600)
+
+def identity():  # refattn's probe asks with no arguments; dask's client with n_workers
+    return {"type": "Scheduler", "id": "fake"}
+
+async def main():
+    handlers = {"identity": lambda **kw: identity(), "register-client": stall}
+    if sys.argv[1] == "fail":
+        handlers = {"identity": identity}
+    server = Server(handlers)
+    await server.listen("tcp://127.0.0.1:0")
+    print(server.address, flush=True)
+    await asyncio.sleep(3600)
+
+asyncio.run(main())
+"""
+
+
+@pytest.mark.parametrize("mode", ["stall", "fail"])
+def test_a_scheduler_that_answers_the_probe_then_fails_the_client(tmp_path, mode):
+    """dask's handshake and identity pass; the client's registration is never answered, or
+    its own identity request fails: the client is given up (dask's own timeout, under
+    refattn's watchdog) in one line, with neither ``Client.__del__``'s traceback nor dask's
+    "Closing dangling stream" warnings."""
+    pytest.importorskip("distributed")
+    server = subprocess.Popen([sys.executable, "-c", _FAKE_SCHEDULER, mode],
+                              stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True)
+    try:
+        address = server.stdout.readline().strip()
+        assert address.startswith("tcp://127.0.0.1:"), address
+        result = run_cli("sweep", str(tmp_path / "s.toml"), "--out", str(tmp_path / "b"),
+                         "--scheduler", address, "--timeout", "2")
+        assert_one_line_error(result, f"--scheduler {address}: no dask scheduler answered "
+                              "within 2 s as a client")
+    finally:
+        server.kill()
+        server.wait()
+
+
 def test_a_worker_is_not_a_scheduler():
     pytest.importorskip("distributed")
     from refattn.distributed import connect
