@@ -108,6 +108,18 @@ def diagnose(cand: Mapping[str, np.ndarray], gold: Mapping[str, np.ndarray],
                and np.asarray(gold[n]).dtype.kind == "f"]
     if not failing:
         return ()
+    with np.errstate(all="ignore"):  # a hypothesis that overflows simply does not fit
+        return _diagnose(cand, gold, spec, failing, passes, fits)
+
+
+#: what a hypothesis on a call that cannot be rebuilt or rerun raises: it is skipped (a
+#: diagnosis never turns a failing report into an error)
+_SKIPPED = (RefAttnError, ValueError, TypeError, KeyError, IndexError, ZeroDivisionError)
+
+
+def _diagnose(cand: Mapping[str, np.ndarray], gold: Mapping[str, np.ndarray],
+              spec: CaseSpec | None, failing: list[str], passes: Passes,
+              fits: Fits) -> tuple[Diagnosis, ...]:
     found: list[Diagnosis] = []
     found += _layouts(cand, gold, failing, passes)
     explained = {n for d in found for n in d.tensors}
@@ -119,12 +131,14 @@ def diagnose(cand: Mapping[str, np.ndarray], gold: Mapping[str, np.ndarray],
     if spec is not None and rest and np.prod(spec.score_shape) <= MAX_RECOMPUTED_SCORES:
         try:
             context = _Context(spec, cand)
-        except RefAttnError:  # a call this reader cannot rebuild: no recomputed hypotheses
+        except _SKIPPED:  # a call this reader cannot rebuild: no recomputed hypotheses
             context = None
         if context is not None:
-            call_level += _scales(context, rest, fits)
-            call_level += _supports(context, rest, fits)
-            call_level += _gqa_sum(context, rest, fits)
+            for hypothesis in (_scales, _supports, _gqa_sum):
+                try:
+                    call_level += hypothesis(context, rest, fits)
+                except _SKIPPED:
+                    continue
     found += call_level
     explained |= {n for d in call_level for n in d.tensors}
     found += _ratios(cand, gold, [n for n in rest if n not in explained], fits, spec)
@@ -246,7 +260,7 @@ class _Context:
             out = dict(trace.tensors())
             if self.backward:
                 out.update(backward(trace, self.grad_output).tensors())
-        except RefAttnError:
+        except _SKIPPED:
             return None
         return out
 

@@ -204,3 +204,19 @@ def test_an_unrecognised_error_gets_no_diagnosis():
     with pytest.raises(AssertionError) as err:
         assert_matches(c, out)
     assert "diagnosis" not in str(err.value)
+
+
+@pytest.mark.parametrize("name", ["gqa_hq8_hkv2_causal", "dropout_philox", "softcap_5",
+                                  "paged_kv_decode", "score_additive"])
+def test_garbage_never_makes_the_diagnosis_raise(name):
+    c = case(name)
+    rng = np.random.default_rng(7)
+    for kind in ("noise", "nan", "huge"):
+        out = {n: rng.standard_normal(np.shape(c.expected[n]))
+               for n in ("output", "grad_q", "grad_k", "grad_v")}
+        if kind == "nan":
+            out["output"][..., 0] = np.nan
+        elif kind == "huge":
+            out = {n: 1e300 * x for n, x in out.items()}
+        report = compare(out, c.spec, check="gradients")
+        assert not report.passed and report.diagnoses == ()  # noise fits no hypothesis
