@@ -408,6 +408,12 @@ def _support_alternatives(spec: CaseSpec) -> list[tuple[str, np.ndarray]]:
 def _describe_support(spec: CaseSpec) -> str:
     record = spec.call_manifest["visibility"].get("relation") or {}
     a = spec.axes
+    vis = spec.visible_full()  # (B, Hq, Q, K)
+    for alignment in ("lower_right", "upper_left") if a["Q"] != a["K"] else ():
+        if np.array_equal(vis, np.broadcast_to(_triangle(a["Q"], a["K"], alignment),
+                                               vis.shape)):
+            return (f"the case's is the {alignment.replace('_', '-')} causal triangle "
+                    f"(Q={a['Q']}, K={a['K']})")
     alignment = record.get("alignment")
     if record.get("causal") and alignment in ("upper_left", "lower_right"):
         return f"the case's is the {alignment.replace('_', '-')} causal triangle (Q={a['Q']}, " \

@@ -220,3 +220,30 @@ def test_garbage_never_makes_the_diagnosis_raise(name):
             out = {n: 1e300 * x for n, x in out.items()}
         report = compare(out, c.spec, check="gradients")
         assert not report.passed and report.diagnoses == ()  # noise fits no hypothesis
+
+
+def flash_like(c: Case, *, causal: bool, alignment: str):
+    """A causal-only kernel (FlashAttention's interface: causal=True, no mask tensor)."""
+    Q, K = c.q.shape[2], c.k.shape[2]
+    offset = K - Q if alignment == "lower_right" else 0
+    tri = np.arange(K)[None, :] <= np.arange(Q)[:, None] + offset  # (Q, K)
+    visible = np.broadcast_to(tri if causal else True, c.visible.shape)
+    return run(c, visible=visible)
+
+
+def test_a_causal_only_kernel_with_the_wrong_triangle_fails_naming_it():
+    from refattn.testing import Supports
+    from refattn.testing.supports import ineligibility
+
+    lower = Supports(masks="causal", causal_alignment="lower_right", bias=False)
+    eligible = [Case(s) for s in SPECS.values() if ineligibility(s, lower) is None]
+    rectangular = [c for c in eligible if c.is_causal and c.q.shape[2] != c.k.shape[2]]
+    assert rectangular  # the declaration selects lower-right cases with Q != K
+    for c in eligible:  # the right kernel passes every eligible case
+        out = flash_like(c, causal=c.is_causal, alignment="lower_right")
+        assert_matches(c, out)
+    for c in rectangular:  # the wrong triangle fails each, and the diagnosis names it
+        out = flash_like(c, causal=True, alignment="upper_left")
+        text = diagnosis_of(c, out)
+        assert "probability support is the upper-left causal triangle" in text, c.name
+        assert "the case's is the lower-right causal triangle" in text, c.name
