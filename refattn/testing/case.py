@@ -20,6 +20,8 @@ from typing import Any, Literal
 
 import numpy as np
 
+from refattn.adapters import flash_attn as flash_adapter
+from refattn.adapters import flex as flex_adapter
 from refattn.adapters import jax as jax_adapter
 from refattn.adapters import torch as torch_adapter
 from refattn.adapters.plain import PlainCall, plain_call
@@ -31,7 +33,8 @@ from refattn.errors import RefAttnError
 __all__ = ["TARGETS", "Case", "causal_alignments", "flash_window", "load_cases"]
 
 #: lowerings a case offers
-TARGETS = ("numpy", "torch_sdpa", "jax")
+TARGETS = ("numpy", "torch_sdpa", "jax", "flex_attention", "flash_attn", "flash_attn_varlen",
+           "flash_attn_kvcache")
 
 
 @dataclass(frozen=True, eq=False)
@@ -220,7 +223,9 @@ class Case:
         return self.plain.grad_output
 
     # -- framework lowerings ------------------------------------------------------------
-    def not_expressible(self, target: Literal["numpy", "torch_sdpa", "jax"]) -> str | None:
+    def not_expressible(self, target: Literal["numpy", "torch_sdpa", "jax", "flex_attention",
+                                              "flash_attn", "flash_attn_varlen",
+                                              "flash_attn_kvcache"]) -> str | None:
         """Why ``target`` cannot express this case, or None when it can.
 
         Examples
@@ -236,6 +241,10 @@ class Case:
                 return torch_adapter.ineligible(self.spec, "sdpa")
             case "jax":
                 return jax_adapter.ineligible(self.spec)
+            case "flex_attention":
+                return flex_adapter.ineligible(self.spec)
+            case "flash_attn" | "flash_attn_varlen" | "flash_attn_kvcache":
+                return flash_adapter.ineligible(self.spec, target)
             case _:
                 raise RefAttnError(f"target: expected one of {list(TARGETS)}, got {target!r}")
 
@@ -259,6 +268,39 @@ class Case:
         naming why when the function cannot express the case.
         """
         return jax_adapter.jax_call(self.spec, dtype=dtype or self.dtype, **options)
+
+    def to_flex_attention(self, *, dtype: Any = None, **options: Any) -> Any:
+        """The exact ``torch.nn.attention.flex_attention.flex_attention`` call in ``dtype``
+        (default: the case's), as :class:`refattn.adapters.flex.FlexCall`: ``out, aux =
+        flex_attention(*f.args, **f.kwargs)``, then ``f.finish((out, aux))``. score_mod
+        (softcap, bias) and the block mask's mask_mod come from the case's relation.
+
+        ``options``: ``device`` (default ``"cpu"``: forward only in PyTorch 2.13),
+        ``requires_grad``. Raises :class:`~refattn.RefAttnError` naming why when
+        flex_attention cannot express the case.
+        """
+        return flex_adapter.flex_call(self.spec, dtype=dtype or self.dtype, **options)
+
+    def to_flash_attn(self, *, dtype: Any = None) -> Any:
+        """The arguments of FlashAttention's ``flash_attn_func`` ((B, L, H, D) layout,
+        ``softmax_scale``, bottom-right ``causal``, ``window_size``, ``softcap``,
+        ``alibi_slopes``) in ``dtype``, as :class:`refattn.adapters.flash_attn.FlashCall`:
+        ``c.finish(flash_attn_func(*c.args, **c.kwargs))``. Raises
+        :class:`~refattn.RefAttnError` naming why when the interface cannot express the case.
+        """
+        return flash_adapter.flash_call(self.spec, "flash_attn", dtype=dtype or self.dtype)
+
+    def to_flash_attn_varlen(self, *, dtype: Any = None) -> Any:
+        """:meth:`to_flash_attn` for ``flash_attn_varlen_func``: the sequences packed
+        ((total, H, D), ``cu_seqlens_q/k``, ``max_seqlen_q/k``)."""
+        return flash_adapter.flash_call(self.spec, "flash_attn_varlen",
+                                        dtype=dtype or self.dtype)
+
+    def to_flash_attn_kvcache(self, *, dtype: Any = None) -> Any:
+        """:meth:`to_flash_attn` for ``flash_attn_with_kvcache`` (forward only): the keys as
+        a cache with ``cache_seqlens``."""
+        return flash_adapter.flash_call(self.spec, "flash_attn_kvcache",
+                                        dtype=dtype or self.dtype)
 
 
 def causal_alignments(spec: CaseSpec) -> tuple[str, ...]:

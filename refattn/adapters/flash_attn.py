@@ -1,0 +1,424 @@
+"""FlashAttention lowering: one golden case as the exact arguments of FlashAttention's interface.
+
+Owns :class:`FlashCall`, :func:`flash_call` (``case.to_flash_attn()``,
+``case.to_flash_attn_varlen()``, ``case.to_flash_attn_kvcache()``) and :func:`ineligible`.
+The interface is the one ``flash_attn/flash_attn_interface.py`` of Dao-AILab/flash-attention
+(FlashAttention 2) documents, which Triton and CUDA kernels that follow FlashAttention's API
+take as-is:
+
+- ``flash_attn_func(q, k, v, dropout_p=0.0, softmax_scale=None, causal=False,
+  window_size=(-1, -1), softcap=0.0, alibi_slopes=None, deterministic=False,
+  return_attn_probs=False)``: q ``(batch_size, seqlen, nheads, headdim)``, k and v
+  ``(batch_size, seqlen, nheads_k, headdim)``;
+- ``flash_attn_varlen_func(q, k, v, cu_seqlens_q, cu_seqlens_k, max_seqlen_q, max_seqlen_k,
+  ...)``: q ``(total_q, nheads, headdim)``, k and v ``(total_k, nheads_k, headdim)``,
+  ``cu_seqlens_q/k`` ``(batch_size + 1,)`` int32 cumulative sequence lengths;
+- ``flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None,
+  rotary_sin=None, cache_seqlens=None, cache_batch_idx=None, cache_leftpad=None,
+  block_table=None, softmax_scale=None, causal=False, window_size=(-1, -1), softcap=0.0,
+  rotary_interleaved=True, alibi_slopes=None, num_splits=0, return_softmax_lse=False)``:
+  k_cache and v_cache ``(batch_size_cache, seqlen_cache, nheads_k, headdim)``, cache_seqlens
+  ``(batch_size,)`` int32 ("Does not support backward pass").
+
+Their documented semantics, which the lowering relies on (quoted from the docstrings):
+GQA "head 0, 1, 2 of Q will attention to head 0 of K, V" (query head h reads kv head
+h // (Hq // Hkv)); "If causal=True, the causal mask is aligned to the bottom right corner of
+the attention matrix" (key j <= i + seqlen_k - seqlen_q, per sequence); with ``window_size``
+"Query at position i will only attend to keys between [i + seqlen_k - seqlen_q -
+window_size[0], i + seqlen_k - seqlen_q + window_size[1]] inclusive" (-1: unbounded); "If the
+row of the mask is all zero, the output will be zero"; ``alibi_slopes`` "(nheads,) or
+(batch_size, nheads), fp32. A bias of (-alibi_slope * |i + seqlen_k - seqlen_q - j|) is added
+to the attention score of query i and key j"; ``softmax_scale`` "Default to 1 /
+sqrt(headdim)"; ``softcap`` "Anything > 0 activates softcapping attention" (the kernel caps
+the scaled score, ``softcap * tanh(softmax_scale * qk / softcap)``, then adds ALiBi and masks:
+refattn's order); ``softmax_lse`` ``(batch_size, nheads, seqlen)`` or ``(nheads, total_q)``,
+"The logsumexp of each row of the matrix QK^T * scaling".
+
+A case is expressible when its scores are dot products, it has no dropout multiplier
+(FlashAttention draws its own), no sink logit, Dk == Dv, grouped heads, a bias only if it is
+exactly FlashAttention's ALiBi, and a visibility that is exactly the support the arguments
+generate: one window band per sequence, the same for every head; :func:`ineligible` names
+what fails. Arrays are NumPy, in the run's dtype (the real kernels take float16 / bfloat16
+CUDA tensors: :meth:`FlashCall.torch_arguments`). Nothing here imports torch or flash_attn.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import numpy as np
+
+from refattn.adapters import semantic_limits
+from refattn.bundle.spec import CaseSpec
+from refattn.bundle.tolerances import precision_name, resolve_dtype
+from refattn.call.placement import operand_multipliers
+from refattn.errors import RefAttnError
+
+__all__ = ["FUNCTIONS", "FlashCall", "flash_call", "ineligible"]
+
+Function = Literal["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
+#: the three entry points, by lowering name
+FUNCTIONS: dict[str, Function] = {"flash_attn": "flash_attn_func",
+                                  "flash_attn_varlen": "flash_attn_varlen_func",
+                                  "flash_attn_kvcache": "flash_attn_with_kvcache"}
+
+#: one sequence: (batch row, first query row, end, first key row, end) in the case's frame
+Sequence = tuple[int, int, int, int, int]
+
+
+def _sequences(spec: CaseSpec, variant: str) -> list[Sequence]:
+    B, _, Q, K = spec.score_shape
+    if variant == "flash_attn":
+        return [(b, 0, Q, 0, K) for b in range(B)]
+    vis = spec.visible_full()[:, 0]  # (B, Q, K); head independence is checked later
+    segments = None
+    relation = spec.relation()
+    if variant == "flash_attn_varlen" and relation is not None:
+        with_segments = [r for r in relation.leaves() if r.q_segment is not None]
+        if len(with_segments) == 1:
+            segments = with_segments[0]
+    out: list[Sequence] = []
+    for b in range(B):
+        if segments is None:
+            seen = np.flatnonzero(vis[b].any(axis=0))
+            out.append((b, 0, Q, 0, int(seen[-1]) + 1 if seen.size else 0))
+            continue
+        qs = segments.q_segment[min(b, segments.q_segment.shape[0] - 1)]
+        ks = segments.k_segment[min(b, segments.k_segment.shape[0] - 1)]
+        for s in dict.fromkeys(qs.tolist()):  # segment ids in order of first query row
+            rows, keys = np.flatnonzero(qs == s), np.flatnonzero(ks == s)
+            if rows.size != rows[-1] - rows[0] + 1 or (
+                    keys.size and keys.size != keys[-1] - keys[0] + 1):
+                return []  # not contiguous: no varlen packing
+            k0 = int(keys[0]) if keys.size else 0
+            seen = np.flatnonzero(vis[b][rows[0]:rows[-1] + 1, k0:k0 + keys.size].any(axis=0))
+            k1 = k0 + (int(seen[-1]) + 1 if seen.size else 0)
+            out.append((b, int(rows[0]), int(rows[-1]) + 1, k0, k1))
+    return out
+
+
+def _geometry(spec: CaseSpec, seqs: list[Sequence], window: tuple[int, int]
+              ) -> tuple[np.ndarray, np.ndarray]:
+    """(B, Q, K) support that ``window`` generates over ``seqs`` and |diagonal - key|."""
+    B, _, Q, K = spec.score_shape
+    support = np.zeros((B, Q, K), bool)
+    dist = np.zeros((B, Q, K), np.int64)
+    left, right = window
+    for b, q0, q1, k0, k1 in seqs:
+        ii = np.arange(q1 - q0)[:, None]
+        jj = np.arange(k1 - k0)[None, :]
+        d = jj - (ii + (k1 - k0) - (q1 - q0))  # key - diagonal (bottom-right aligned)
+        support[b, q0:q1, k0:k1] = ((left < 0) | (d >= -left)) & ((right < 0) | (d <= right))
+        dist[b, q0:q1, k0:k1] = np.abs(d)
+    return support, dist
+
+
+def _window(spec: CaseSpec, seqs: list[Sequence]) -> tuple[int, int] | None:
+    vis = spec.visible_full()  # (B, Hq, Q, K)
+    if not (vis == vis[:, :1]).all():
+        return None
+    vis = vis[:, 0]
+    covered, _ = _geometry(spec, seqs, (-1, -1))
+    if (vis & ~covered).any():
+        return None
+    dmin, dmax = 0, 0
+    for b, q0, q1, k0, k1 in seqs:
+        ii = np.arange(q1 - q0)[:, None]
+        jj = np.arange(k1 - k0)[None, :]
+        d = (jj - (ii + (k1 - k0) - (q1 - q0)))[vis[b, q0:q1, k0:k1]]
+        if d.size:
+            dmin, dmax = min(dmin, int(d.min())), max(dmax, int(d.max()))
+    window = (-dmin, dmax)
+    if not np.array_equal(_geometry(spec, seqs, window)[0], vis):
+        return None
+    if np.array_equal(_geometry(spec, seqs, (-1, window[1]))[0], vis):
+        window = (-1, window[1])
+    if np.array_equal(_geometry(spec, seqs, (window[0], -1))[0], vis):
+        window = (window[0], -1)
+    return window
+
+
+def _alibi(spec: CaseSpec, seqs: list[Sequence], window: tuple[int, int]) -> Any:
+    """The slopes ((Hq,) or (B, Hq)) whose ALiBi is the case's bias on every visible score,
+    or a string saying why there are none."""
+    B, Hq, Q, K = spec.score_shape
+    bias = np.broadcast_to(np.asarray(spec.tensors["bias"], np.float64), (B, Hq, Q, K))
+    support, dist = _geometry(spec, seqs, window)
+    slopes = np.zeros((B, Hq))
+    for b in range(B):
+        for h in range(Hq):
+            on = support[b] & (dist[b] > 0)
+            if not on.any():
+                continue
+            s = -bias[b, h][on] / dist[b][on]
+            slopes[b, h] = s[0]
+    expected = -slopes[:, :, None, None] * dist[:, None]
+    on = np.broadcast_to(support[:, None], bias.shape)
+    if not np.array_equal(np.where(on, expected, 0.0), np.where(on, bias, 0.0)):
+        return "bias tensor (FlashAttention takes only ALiBi slopes; this bias is not " \
+               "-slope * |i + seqlen_k - seqlen_q - j|)"
+    if not np.array_equal(slopes.astype(np.float32).astype(np.float64), slopes):
+        return "ALiBi slopes not representable in float32 (alibi_slopes are fp32)"
+    return slopes[0] if (slopes == slopes[:1]).all() else slopes
+
+
+@dataclass(frozen=True)
+class _Plan:
+    sequences: list[Sequence]
+    window: tuple[int, int]
+    alibi: np.ndarray | None
+
+
+def _plan(spec: CaseSpec, variant: str) -> _Plan | str:
+    if variant not in FUNCTIONS:
+        raise RefAttnError(f"variant: expected one of {list(FUNCTIONS)}, got {variant!r}")
+    lim = semantic_limits(spec)
+    if lim["family"] != "dot":
+        return f"score family {lim['family']!r} (FlashAttention computes dot products)"
+    if lim["dropout"]:
+        return "dropout multiplier (FlashAttention draws its own dropout mask from dropout_p)"
+    if lim["sink"]:
+        return "sink logit (not a FlashAttention argument)"
+    if not lim["equal_kv_width"]:
+        return "Dk != Dv (FlashAttention takes one headdim for q, k and v)"
+    a = spec.axes
+    if spec.head_map_mode == "explicit" and not np.array_equal(
+            np.asarray(spec.tensors["head_map"]), np.arange(a["Hq"]) // (a["Hq"] // a["Hkv"])):
+        return "explicit head map (FlashAttention's query head h reads kv head h // (Hq // Hkv))"
+    if variant == "flash_attn_kvcache" and spec.conventions.get("kv_layout") == "paged":
+        return ("paged KV cache of page size "
+                f"{spec.conventions.get('page_size')} (flash_attn_with_kvcache documents "
+                "page_block_size as a multiple of 256)")
+    seqs = _sequences(spec, variant)
+    window = _window(spec, seqs) if seqs else None
+    if window is None:
+        what = {"flash_attn": "one window band over the whole (Q, K) matrix",
+                "flash_attn_varlen": "one window band per packed sequence",
+                "flash_attn_kvcache": "one window band per cache (queries at the end of the "
+                "first cache_seqlens[b] keys)"}[variant]
+        return f"visibility is not {what}, the same for every head (bottom-right aligned)"
+    alibi = None
+    if "bias" in spec.tensors:
+        alibi = _alibi(spec, seqs, window)
+        if isinstance(alibi, str):
+            return alibi
+    return _Plan(seqs, window, alibi)
+
+
+def ineligible(spec: CaseSpec, variant: str = "flash_attn") -> str | None:
+    """Why FlashAttention's ``variant`` (``flash_attn``, ``flash_attn_varlen``,
+    ``flash_attn_kvcache``) cannot express ``spec`` exactly, or None when it can.
+
+    Examples
+    --------
+    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.suites.conformance import CASES
+    >>> ineligible(case_spec(CASES["causal_upper_left_q3_k7"]()))[:64]
+    'visibility is not one window band over the whole (Q, K) matrix, '
+    >>> ineligible(case_spec(CASES["key_padding_lengths_7_5_2"]()), "flash_attn_varlen") is None
+    True
+    """
+    plan = _plan(spec, variant)
+    return plan if isinstance(plan, str) else None
+
+
+@dataclass(frozen=True, eq=False)
+class FlashCall:
+    """One case lowered to a FlashAttention entry point: ``getattr(flash_attn,
+    c.function)(*c.args, **c.kwargs)``; :meth:`finish` maps what it returns back.
+
+    Attributes
+    ----------
+    function : {"flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"}
+    args : tuple of ndarray
+        ``flash_attn_func``: q ``(B, Q, Hq, D)``, k, v ``(B, K, Hkv, D)``.
+        ``flash_attn_varlen_func``: q ``(total_q, Hq, D)``, k, v ``(total_k, Hkv, D)``,
+        ``cu_seqlens_q``, ``cu_seqlens_k`` ``(n_seq + 1,)`` int32, ``max_seqlen_q``,
+        ``max_seqlen_k`` (int). ``flash_attn_with_kvcache``: q ``(B, Q, Hq, D)``, k_cache,
+        v_cache ``(B, K, Hkv, D)``. Floats in the run's dtype, rounded once from float64.
+    kwargs : dict
+        ``softmax_scale`` (None where the case leaves the scale to the kernel), ``causal``,
+        ``window_size``, ``softcap`` (0.0: off), ``alibi_slopes`` (None, ``(Hq,)`` or
+        ``(B, Hq)`` float32); ``dropout_p=0.0``, ``deterministic=False`` and
+        ``return_attn_probs=True`` (func, varlen: returns the lse), or ``cache_seqlens``
+        ``(B,)`` int32 and ``return_softmax_lse=True`` (kvcache).
+    sequences : list of (b, q0, q1, k0, k1)
+        Each packed sequence (one per batch row for func and kvcache) as query and key row
+        ranges of the case.
+    grad_output : ndarray
+        G_O in :attr:`args`' q layout, for the backward of func and varlen (zero on the rows
+        refattn leaves unused, whose output it zeroes).
+    query_valid : (B, 1, Q, 1) bool ndarray
+    dtype : str
+    """
+
+    function: Function
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    sequences: list[Sequence]
+    grad_output: np.ndarray
+    query_valid: np.ndarray
+    dtype: str
+    shape: tuple[int, ...]
+    query_multiplier: float = 1.0
+    key_multiplier: float = 1.0
+
+    @property
+    def packed(self) -> bool:
+        return self.function == "flash_attn_varlen_func"
+
+    def _rows(self, kind: str) -> tuple[np.ndarray, np.ndarray]:
+        b = np.concatenate([np.full((s[2] if kind == "q" else s[4]) - (s[1] if kind == "q"
+                                                                       else s[3]), s[0])
+                            for s in self.sequences] or [np.zeros(0, int)])
+        r = np.concatenate([np.arange(s[1], s[2]) if kind == "q" else np.arange(s[3], s[4])
+                            for s in self.sequences] or [np.zeros(0, int)])
+        return b.astype(np.int64), r.astype(np.int64)
+
+    def _unpack(self, x: np.ndarray, kind: str, rows: int) -> np.ndarray:
+        """(total, H, D) or (B, T, H, D) -> (B, H, T, D) zero-filled outside the sequences."""
+        B = self.shape[0]
+        if not self.packed:
+            return np.ascontiguousarray(x.transpose(0, 2, 1, 3))
+        b, r = self._rows(kind)
+        out = np.zeros((B, rows, *x.shape[1:]), x.dtype)
+        out[b, r] = x
+        return np.ascontiguousarray(out.transpose(0, 2, 1, 3))
+
+    def outputs(self, output: Any, lse: Any = None, grads: Any = None) -> dict[str, np.ndarray]:
+        """The entry point's ``out``, ``softmax_lse`` and gradients of ``(q, k, v)`` under
+        refattn's names and layout (B, H, T, D): rows where :attr:`query_valid` is False
+        zeroed, placement multipliers applied to the gradients; ``lse`` ``(B, Hq, Q)`` only
+        where every query row is used (an unused row's golden lse is that of its sanitised
+        row)."""
+        B, Hq, Q, K = self.shape
+        out = self._unpack(_np(output), "q", Q)
+        tensors = {"output": np.where(self.query_valid, out, 0).astype(out.dtype)}
+        if lse is not None and self.query_valid.all():
+            lse = _np(lse)
+            if self.packed:  # (nheads, total_q) -> (B, Hq, Q)
+                full = np.zeros((B, Q, Hq), lse.dtype)
+                b, r = self._rows("q")
+                full[b, r] = lse.T
+                lse = full.transpose(0, 2, 1)
+            tensors["lse"] = np.ascontiguousarray(lse)
+        if grads is not None:
+            g_q, g_k, g_v = (_np(g) for g in grads[:3])
+            tensors.update(grad_q=_scaled(self._unpack(g_q, "q", Q), self.query_multiplier),
+                           grad_k=_scaled(self._unpack(g_k, "k", K), self.key_multiplier),
+                           grad_v=self._unpack(g_v, "k", K))
+        return tensors
+
+    def finish(self, result: Any, grads: Any = None) -> dict[str, np.ndarray]:
+        """:meth:`outputs` of what the entry point returned: ``out``, ``(out, softmax_lse)``
+        (kvcache) or ``(out, softmax_lse, S_dmask)`` (func, varlen with
+        ``return_attn_probs=True``)."""
+        if isinstance(result, tuple):
+            return self.outputs(result[0], result[1], grads)
+        return self.outputs(result, None, grads)
+
+    def torch_arguments(self, *, device: Any = "cuda", dtype: Any = None) -> tuple[Any, dict]:
+        """``(args, kwargs)`` as torch tensors on ``device`` (floats in ``dtype``, default
+        the run's; cu_seqlens and cache_seqlens int32; alibi_slopes float32), for the real
+        kernels."""
+        import torch
+
+        def conv(x: Any, name: str = "") -> Any:
+            if not isinstance(x, np.ndarray):
+                return x
+            t = torch.from_numpy(np.ascontiguousarray(x)).to(device)
+            if dtype is not None and x.dtype.kind == "f" and name != "alibi_slopes":
+                t = t.to(dtype)
+            return t
+
+        return (tuple(conv(a) for a in self.args),
+                {k: conv(v, k) for k, v in self.kwargs.items()})
+
+
+def _np(x: Any) -> np.ndarray:
+    if hasattr(x, "detach"):
+        x = x.detach().cpu()
+        if str(x.dtype) == "torch.bfloat16":
+            x = x.float()
+        return x.numpy()
+    return np.asarray(x)
+
+
+def _scaled(g: np.ndarray, m: float) -> np.ndarray:  # d/dx f(m x) = m f'(m x)
+    return g if m == 1.0 else (g.astype(np.float64) * m).astype(g.dtype)
+
+
+def flash_call(spec: CaseSpec, variant: str = "flash_attn", *, dtype: Any = "float64"
+               ) -> FlashCall:
+    """The FlashAttention call of ``spec`` (``variant``: ``flash_attn``,
+    ``flash_attn_varlen`` or ``flash_attn_kvcache``) in ``dtype`` (see :class:`FlashCall`).
+
+    Raises
+    ------
+    RefAttnError
+        When the entry point cannot express the case, naming why (:func:`ineligible`).
+
+    Examples
+    --------
+    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.suites.conformance import CASES
+    >>> c = flash_call(case_spec(CASES["causal_lower_right_q3_k7"]()))
+    >>> c.function, [x.shape for x in c.args], c.kwargs["causal"], c.kwargs["window_size"]
+    ('flash_attn_func', [(1, 3, 2, 4), (1, 7, 2, 4), (1, 7, 2, 4)], True, (-1, -1))
+    >>> c = flash_call(case_spec(CASES["key_padding_lengths_7_5_2"]()), "flash_attn_varlen")
+    >>> c.args[3].tolist(), c.args[4].tolist(), c.args[5:]
+    ([0, 4, 8, 12], [0, 7, 12, 14], (4, 7))
+    """
+    plan = _plan(spec, variant)
+    if isinstance(plan, str):
+        raise RefAttnError(f"{spec.case_id}: {FUNCTIONS.get(variant, variant)} cannot express "
+                           f"this case: {plan}")
+    precision = precision_name(resolve_dtype(dtype))
+    np_dtype = resolve_dtype(precision)
+    t = spec.tensors
+    mult = operand_multipliers(spec.scale, spec.scale_placement)
+
+    def btnh(x: Any, m: float = 1.0) -> np.ndarray:  # (B, H, T, D) -> (B, T, H, D)
+        x = np.asarray(x, np.float64)
+        x = x if m == 1.0 else x * m
+        return np.ascontiguousarray(x.transpose(0, 2, 1, 3)).astype(np_dtype)
+
+    q, k, v = btnh(t["q"], mult.query), btnh(t["k"], mult.key), btnh(t["v"])
+    # refattn zeroes the output rows it leaves unused: they carry no cotangent
+    g_o = btnh(np.where(spec.query_valid_full(), t["grad_output"], 0.0))
+    causal = plan.window == (-1, 0)
+    common: dict[str, Any] = {
+        "softmax_scale": None if spec.scale_is_default and spec.scale_placement == "post"
+        else float(mult.post),
+        "causal": causal,
+        "window_size": (-1, -1) if causal else plan.window,
+        "softcap": 0.0 if spec.softcap is None else float(spec.softcap),
+        "alibi_slopes": None if plan.alibi is None else plan.alibi.astype(np.float32),
+    }
+    seqs = plan.sequences
+    function = FUNCTIONS[variant]
+    if variant == "flash_attn":
+        args: tuple[Any, ...] = (q, k, v)
+        kwargs = {"dropout_p": 0.0, **common, "deterministic": False,
+                  "return_attn_probs": True}
+    elif variant == "flash_attn_varlen":
+        qb = np.concatenate([np.full(s[2] - s[1], s[0]) for s in seqs]).astype(np.int64)
+        qr = np.concatenate([np.arange(s[1], s[2]) for s in seqs]).astype(np.int64)
+        kb = np.concatenate([np.full(s[4] - s[3], s[0]) for s in seqs]).astype(np.int64)
+        kr = np.concatenate([np.arange(s[3], s[4]) for s in seqs]).astype(np.int64)
+        lq = [s[2] - s[1] for s in seqs]
+        lk = [s[4] - s[3] for s in seqs]
+        cu_q = np.concatenate([[0], np.cumsum(lq)]).astype(np.int32)
+        cu_k = np.concatenate([[0], np.cumsum(lk)]).astype(np.int32)
+        args = (q[qb, qr], k[kb, kr], v[kb, kr], cu_q, cu_k, int(max(lq)), int(max(lk)))
+        g_o = g_o[qb, qr]
+        kwargs = {"dropout_p": 0.0, **common, "deterministic": False,
+                  "return_attn_probs": True}
+    else:
+        args = (q, k, v)
+        kwargs = {"cache_seqlens": np.array([s[4] for s in seqs], np.int32), **common,
+                  "return_softmax_lse": True}
+    return FlashCall(function, args, kwargs, seqs, np.ascontiguousarray(g_o),
+                     np.ascontiguousarray(spec.query_valid_full()), precision,
+                     spec.score_shape, float(mult.query), float(mult.key))

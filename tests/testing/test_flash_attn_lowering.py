@@ -1,0 +1,97 @@
+"""case.to_flash_attn() / to_flash_attn_varlen() / to_flash_attn_kvcache(): the arguments of
+FlashAttention's documented interface, run through a from-scratch NumPy implementation of that
+interface (tests/testing/flash_attn_reference.py, written from its docstrings), match the
+golden tensors on every case each entry point accepts, gradients included where the interface
+has a backward; refusals are named."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from refattn import RefAttnError
+from refattn.adapters import flash_attn as fa
+from refattn.testing import Case, assert_matches, load_cases
+
+sys.path.insert(0, str(Path(__file__).parent))
+import flash_attn_reference as ref
+
+SPECS = load_cases()
+BY_NAME = {s.case_id: s for s in SPECS}
+RUNS = [(variant, s) for variant in fa.FUNCTIONS for s in SPECS
+        if fa.ineligible(s, variant) is None]
+
+
+def run(call, *, gradients=True, **override):
+    fn = getattr(ref, call.function)
+    kwargs = {**call.kwargs, **override}
+    if call.function == "flash_attn_with_kvcache" or not gradients:
+        return call.finish(fn(*call.args, **kwargs))
+    result, grads = fn(*call.args, **kwargs, dout=call.grad_output)
+    return call.finish(result, grads)
+
+
+@pytest.mark.parametrize(("variant", "spec"), RUNS, ids=[f"{v}-{s.case_id}" for v, s in RUNS])
+def test_the_documented_interface_reproduces_every_case_it_accepts(variant, spec):
+    case = Case(spec)
+    call = getattr(case, f"to_{variant}")()
+    got = run(call)
+    if variant != "flash_attn_kvcache":  # "Does not support backward pass"
+        assert {"grad_q", "grad_k", "grad_v"} <= set(got)
+    # ALiBi travels as slopes: the bias gets no gradient from FlashAttention
+    assert_matches(case, got, check="listed" if "bias" in spec.tensors else "auto")
+
+
+def test_how_many_cases_each_entry_point_accepts():
+    counts = {v: sum(r[0] == v for r in RUNS) for v in fa.FUNCTIONS}
+    assert counts == {"flash_attn": 29, "flash_attn_varlen": 35, "flash_attn_kvcache": 32}
+
+
+@pytest.mark.parametrize(("name", "variant", "why"), [
+    ("causal_upper_left_q3_k7", "flash_attn", "visibility is not one window band"),
+    ("bias_full", "flash_attn", "bias tensor"),
+    ("sink_per_head", "flash_attn", "sink logit"),
+    ("dropout_philox", "flash_attn_varlen", "dropout"),
+    ("dk16_dv3", "flash_attn", "Dk != Dv"),
+    ("gqa_explicit_head_map", "flash_attn", "explicit head map"),
+    ("prefix_lm_4_of_8", "flash_attn_varlen", "one window band per packed sequence"),
+    ("paged_kv_decode", "flash_attn_kvcache", "Dk != Dv"),
+])
+def test_refusals_name_the_reason(name, variant, why):
+    case = Case(BY_NAME[name])
+    assert why in case.not_expressible(variant)
+    with pytest.raises(RefAttnError, match=f"{name}: flash_attn.* cannot express this case"):
+        getattr(case, f"to_{variant}")()
+
+
+def test_the_arguments_of_the_documented_interface():
+    c = Case(BY_NAME["causal_lower_right_q3_k7"]).to_flash_attn()
+    assert c.function == "flash_attn_func" and c.kwargs["causal"] is True
+    assert c.kwargs["softmax_scale"] is None  # the kernel's default 1/sqrt(headdim) is tested
+    assert set(c.kwargs) == {"dropout_p", "softmax_scale", "causal", "window_size", "softcap",
+                             "alibi_slopes", "deterministic", "return_attn_probs"}
+    w = Case(BY_NAME["sliding_window_causal_incl3"]).to_flash_attn()
+    assert (w.kwargs["causal"], w.kwargs["window_size"]) == (False, (2, 0))
+    a = Case(BY_NAME["alibi_per_batch_slopes"]).to_flash_attn()
+    assert a.kwargs["alibi_slopes"].shape == (2, 2) and a.kwargs["alibi_slopes"].dtype == \
+        np.float32
+    assert Case(BY_NAME["alibi_causal"]).to_flash_attn().kwargs["alibi_slopes"].shape == (4,)
+    v = Case(BY_NAME["packed_segments"]).to_flash_attn_varlen()
+    assert v.args[0].ndim == 3 and v.args[3].dtype == np.int32
+    assert v.args[3][-1] == v.args[0].shape[0] and v.args[4][-1] == v.args[1].shape[0]
+    k = Case(BY_NAME["decode_batched_positions"]).to_flash_attn_kvcache()
+    assert k.function == "flash_attn_with_kvcache"
+    assert k.kwargs["cache_seqlens"].tolist() == [128, 61]
+    assert k.kwargs["return_softmax_lse"] is True and k.args[1].shape == (2, 128, 2, 4)
+
+
+def test_a_wrong_argument_fails():  # the comparison can fail: upper-left vs bottom-right
+    case = Case(BY_NAME["causal_lower_right_q3_k7"])
+    with pytest.raises(AssertionError, match="output"):
+        assert_matches(case, run(case.to_flash_attn(), window_size=(-1, -4), causal=False))
+    case = Case(BY_NAME["explicit_scale_0p2"])
+    with pytest.raises(AssertionError):
+        assert_matches(case, run(case.to_flash_attn(), softmax_scale=None))
