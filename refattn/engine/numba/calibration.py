@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from functools import cache
 from pathlib import Path
@@ -22,8 +23,8 @@ from refattn.engine.numba.fused_host import value_and_grad
 from refattn.engine.numba.providers import LAYOUTS, Provider, available_providers, fingerprint
 from refattn.errors import RefAttnError
 
-__all__ = ["BUDGETS_MIB", "FULL_SHAPES", "QUICK_SHAPES", "calibrate", "calibration_path",
-           "current_provider"]
+__all__ = ["BUDGETS_MIB", "CALIBRATION_SECONDS", "FULL_SHAPES", "QUICK_SHAPES", "calibrate",
+           "calibration_notice", "calibration_path", "current_provider"]
 
 BUDGETS_MIB = (2, 8, 32)  # per-thread score-buffer budgets a calibration tries
 
@@ -41,6 +42,22 @@ def calibration_path() -> Path:
 #: benchmarks/attention.py
 QUICK_SHAPES = ((1, 2, 1024, 4096, 64),)
 FULL_SHAPES = ((1, 2, 1024, 4096, 64), (1, 2, 1024, 2048, 128))
+
+#: what an automatic calibration costs, as the notice states it (seconds, with the compile of a
+#: cold kernel cache: measured 45 s on a 2-core Xeon with MKL; see docs/performance.md)
+CALIBRATION_SECONDS = 45
+
+
+def calibration_notice() -> str:
+    """The one line printed on standard error when a call calibrates by itself.
+
+    Examples
+    --------
+    >>> calibration_notice().startswith("refattn: calibrating the CPU path once")
+    True
+    """
+    return (f"refattn: calibrating the CPU path once (about {CALIBRATION_SECONDS} s; cached in "
+            f"{calibration_path()}; run 'refattn calibrate' ahead to avoid this)")
 
 
 def calibrate(*, shapes: tuple[tuple[int, ...], ...] = QUICK_SHAPES, repeats: int = 5,
@@ -87,6 +104,9 @@ def calibrate(*, shapes: tuple[tuple[int, ...], ...] = QUICK_SHAPES, repeats: in
 def current_provider() -> Provider:
     """The calibrated provider and layout of this machine (calibrating once if needed).
 
+    A calibration run from here (no cached one for this machine's fingerprint) first prints
+    :func:`calibration_notice` on standard error, once per process (the choice is cached in
+    memory and on disk); ``REFATTN_QUIET=1`` silences it.
     ``REFATTN_BLAS_PROVIDER=name[/layout[/budget MiB]]`` overrides the calibration.
     """
     wanted = os.environ.get("REFATTN_BLAS_PROVIDER")
@@ -97,8 +117,10 @@ def current_provider() -> Provider:
                 wanted = record["choice"]
         except (OSError, ValueError, KeyError):
             pass
-    if not wanted:
-        wanted = calibrate()["choice"]
+    if not wanted:  # inside the user's first call: say why it takes this long
+        if os.environ.get("REFATTN_QUIET", "") in ("", "0"):
+            print(calibration_notice(), file=sys.stderr, flush=True)
+        wanted = calibrate(shapes=QUICK_SHAPES)["choice"]
     name, layout, budget = [*wanted.split("/"), "", ""][:3]
     for p in available_providers():
         if p.name == name:
