@@ -377,7 +377,7 @@ def flash_call(spec: CaseSpec, variant: str = "flash_attn", *, dtype: Any = "flo
     precision = precision_name(resolve_dtype(dtype))
     np_dtype = resolve_dtype(precision)
     t = spec.tensors
-    mult = operand_multipliers(spec.scale, spec.scale_placement)
+    mult = operand_multipliers(spec.scale, spec.scale_placement)  # type: ignore[arg-type]
 
     def btnh(x: Any, m: float = 1.0) -> np.ndarray:  # (B, H, T, D) -> (B, T, H, D)
         x = np.asarray(x, np.float64)

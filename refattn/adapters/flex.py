@@ -135,7 +135,7 @@ def relation_mask_mod(relation: Any, torch: Any, device: Any = "cpu") -> Any:
         p, r = q_pos[b, q_idx], k_pos[b, kv_idx]  # query and key coordinates
         out = key_valid[b, kv_idx]
         if q_seg is not None:
-            out = out & (q_seg[b, q_idx] == k_seg[b, kv_idx])
+            out = out & (q_seg[b, q_idx] == k_seg[b, kv_idx])  # type: ignore[index]
         if prefix is not None:
             P = prefix[b] if prefix.ndim == 1 else prefix[b, h]
             q_in = p < P
@@ -285,7 +285,7 @@ def flex_call(spec: CaseSpec, *, dtype: Any = "float64", device: Any = "cpu",
               "bfloat16": torch.bfloat16}[precision]
     t = spec.tensors
     B, Hq, Q, K = spec.score_shape
-    mult = operand_multipliers(spec.scale, spec.scale_placement)
+    mult = operand_multipliers(spec.scale, spec.scale_placement)  # type: ignore[arg-type]
     head_map = np.asarray(t["head_map"], dtype=np.int64)
     Hkv = int(t["k"].shape[1])
     expand = spec.head_map_mode == "explicit" and not np.array_equal(
