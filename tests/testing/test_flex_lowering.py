@@ -38,6 +38,17 @@ def test_flex_attention_forward_matches_every_case_it_accepts(spec):
     assert_matches(case, got)
 
 
+@pytest.mark.parametrize("name", ["causal_lower_right_q3_k7", "softcap_5",
+                                  "alibi_per_batch_slopes", "gqa_explicit_head_map"])
+def test_float32_runs_under_the_float32_rule(name):
+    case = Case(BY_NAME[name], "float32")
+    f = case.to_flex_attention()
+    assert all(a.dtype == torch.float32 for a in f.args)
+    got = run(f)
+    assert got["output"].dtype == np.float32
+    assert_matches(case, got)
+
+
 def test_it_expresses_exactly_dot_scores_without_dropout_or_sinks():
     # an independent statement of the same set: Supports with softcap on and nothing else
     declared = {s.case_id for s in SPECS if ineligibility(s, Supports(softcap=True)) is None}
