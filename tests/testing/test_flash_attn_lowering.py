@@ -95,3 +95,13 @@ def test_a_wrong_argument_fails():  # the comparison can fail: upper-left vs bot
     case = Case(BY_NAME["explicit_scale_0p2"])
     with pytest.raises(AssertionError):
         assert_matches(case, run(case.to_flash_attn(), softmax_scale=None))
+
+
+def test_torch_arguments_for_the_real_kernels():
+    torch = pytest.importorskip("torch")
+    c = Case(BY_NAME["alibi_per_batch_slopes"]).to_flash_attn_varlen()
+    args, kwargs = c.torch_arguments(device="cpu", dtype=torch.float16)
+    assert args[0].dtype == torch.float16 and args[0].shape == c.args[0].shape
+    assert args[3].dtype == torch.int32 and args[5:] == c.args[5:]
+    assert kwargs["alibi_slopes"].dtype == torch.float32  # "fp32", as documented
+    assert kwargs["window_size"] == c.kwargs["window_size"]
