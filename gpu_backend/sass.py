@@ -22,6 +22,7 @@ partial tiles, dropout, softcap); a loop nested inside is weighted by its trip c
 
 from __future__ import annotations
 
+import bisect
 import glob
 import os
 import re
@@ -240,10 +241,11 @@ def trip_count(instrs: list[Instruction], start: int, end: int) -> int | None:
     return None
 
 
-def _data_dependent(body: list[Instruction], branch: Instruction) -> bool:
-    """Whether ``branch``'s predicate comes from a floating-point compare (DSETP/FSETP)."""
-    pred = branch.predicate.lstrip("@!")
-    for i in reversed([i for i in body if i.address < branch.address]):
+def _data_dependent(body: list[Instruction], position: int) -> bool:
+    """Whether the predicate of the branch at ``body[position]`` comes from a floating-point
+    compare (DSETP/FSETP)."""
+    pred = body[position].predicate.lstrip("@!")
+    for i in reversed(body[:position]):
         if _dest(i) == pred:
             return i.base in ("DSETP", "FSETP")
     return False
@@ -278,6 +280,7 @@ def _plain_path(instrs: list[Instruction], start: int, end: int,
             blocks.append([])
         blocks[-1].append(i)
     index = {b[0].address: n for n, b in enumerate(blocks)}
+    position = {i.address: n for n, i in enumerate(body)}
     best: list[tuple[int, int, int, int | None]] = [(0, 0, 0, None)] * len(blocks)
     for n in range(len(blocks) - 1, -1, -1):
         block = blocks[n]
@@ -302,7 +305,7 @@ def _plain_path(instrs: list[Instruction], start: int, end: int,
         if falls:
             succ.append(n + 1)
         options = [(0, 0, 0, None) if s is None else (*best[s][:3], s) for s in succ]
-        sign = 1 if len(succ) == 2 and _data_dependent(body, last) else -1
+        sign = 1 if len(succ) == 2 and _data_dependent(body, position[last.address]) else -1
         f, g, c, s = (max(options, key=lambda o: (o[0], o[1], sign * o[2])) if options
                       else (0, 0, 0, None))
         best[n] = (fma + f, copies + g, cost + c, s)
@@ -381,9 +384,21 @@ def kernel_counts(name: str, instrs: list[Instruction]) -> KernelCounts:
     main = None
     notes: list[str] = []
     if hot_total:
+        # hot work before each instruction (prefix sums): a loop's share in O(log n)
+        addresses = [i.address for i in instrs]
+        prefix = [0]
+        for i in instrs:
+            hot = (dmma_fma(i.opcode) if i.base == "DMMA" else 0) if weight == "dmma_fma" \
+                else int(i.base == "DFMA")
+            prefix.append(prefix[-1] + hot)
+
+        def share(s: int, e: int) -> int:
+            return prefix[bisect.bisect_right(addresses, e)] - prefix[
+                bisect.bisect_left(addresses, s)]
+
         candidates = [(e - s, s, e) for s, e in loops
-                      if getattr(_range_counts(instrs, s, e, loops), weight)
-                      >= MAIN_LOOP_SHARE * hot_total and trip_count(instrs, s, e) is None]
+                      if share(s, e) >= MAIN_LOOP_SHARE * hot_total
+                      and trip_count(instrs, s, e) is None]
         if candidates:
             _, s, e = min(candidates)
             main = _range_counts(instrs, s, e, loops, expand=True, hot=weight)
