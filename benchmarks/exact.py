@@ -53,7 +53,8 @@ def timed(fn) -> float:  # type: ignore[no-untyped-def]
 # -- fuzz -------------------------------------------------------------------------------------
 def _values(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.ndarray:
     """Continuous normals, dyadic values (multiples of 1/4: exact sums, ties), a few repeated
-    values (equal scores, parallel rows) or values of widely spread exponents."""
+    values (equal scores, parallel rows), values of widely spread exponents, tiny values
+    (subnormal products) or huge ones."""
     match kind:
         case "normal":
             return rng.standard_normal(shape) * rng.choice([0.3, 1.0, 3.0])
@@ -63,6 +64,10 @@ def _values(rng: np.random.Generator, shape: tuple[int, ...], kind: str) -> np.n
             return rng.choice(rng.standard_normal(2), shape)
         case "wide":  # exponents over 2**-300 .. 2**20: exact sums need thousands of bits
             return rng.standard_normal(shape) * 2.0 ** rng.integers(-300, 21, shape)
+        case "tiny":  # products in the subnormal range and below
+            return rng.standard_normal(shape) * 2.0 ** rng.integers(-1074, -400, shape)
+        case "huge":  # scores near the largest binary64 the gate allows
+            return rng.standard_normal(shape) * 2.0 ** rng.integers(100, 500, shape)
         case _:
             raise ValueError(kind)
 
@@ -78,7 +83,7 @@ def random_call(rng: np.random.Generator) -> tuple[refattn.AttentionCall, np.nda
     Hq = Hkv * group
     Q, K = int(rng.integers(1, 5)), int(rng.integers(1, 6))
     Dk, Dv = int(rng.integers(1, 5)), int(rng.integers(1, 4))
-    kind = str(rng.choice(["normal", "normal", "dyadic", "repeated", "wide"]))
+    kind = str(rng.choice(["normal", "normal", "dyadic", "repeated", "wide", "tiny", "huge"]))
     q = _values(rng, (B, Hq, Q, Dk), kind)
     k = _values(rng, (B, Hkv, K, Dk), kind)
     v = _values(rng, (B, Hkv, K, Dv), kind)
@@ -158,19 +163,22 @@ def random_call(rng: np.random.Generator) -> tuple[refattn.AttentionCall, np.nda
     if group > 1 and rng.random() < 0.3:
         kw["head_map"] = rng.integers(0, Hkv, Hq)
         desc.append("head_map")
-    g_o = _values(rng, (B, Hq, Q, Dv), kind)
+    g_o = _values(rng, (B, Hq, Q, Dv), "normal" if kind == "huge" else kind)
     return refattn.AttentionCall(q, k, v, **kw), g_o, ", ".join(desc)
 
 
 def fuzz(seconds: float, seed: int) -> int:
     """Random calls for ``seconds``; returns the number of exact failures."""
+    from refattn.call.hazards import check_backward_overflow
+
     rng = np.random.default_rng(seed)
-    tried, failed, invalid = 0, [], 0
+    tried, failed, invalid, overflow = 0, [], 0, 0
     slowest = (0.0, "")
     start = time.perf_counter()
     while time.perf_counter() - start < seconds:
         try:
             call, g_o, desc = random_call(rng)
+            check_backward_overflow(call, g_o)  # refattn.backward's own up-front check
         except refattn.RefAttnError:
             invalid += 1  # a combination the gate refuses (e.g. an overflowing score bound)
             continue
@@ -179,6 +187,12 @@ def fuzz(seconds: float, seed: int) -> int:
         try:
             t = refattn.forward(call, backend="exact")
             refattn.backward(t, g_o)
+        except refattn.RefAttnError as exc:
+            if "overflows binary64 (its exact value exceeds" in str(exc):
+                overflow += 1  # the documented refusal of a value beyond binary64, by name
+                continue
+            failed.append(f"{desc}\n    {type(exc).__name__}: {exc}")
+            continue
         except Exception as exc:  # every failure is counted and described
             failed.append(f"{desc}\n    {type(exc).__name__}: {exc}\n" +
                           "".join(traceback.format_exception(exc)[-3:]))
@@ -189,6 +203,7 @@ def fuzz(seconds: float, seed: int) -> int:
     elapsed = time.perf_counter() - start
     print(f"exact fuzz: {elapsed:.0f} s, seed {seed}, on {cpu_model()}")
     print(f"  calls tried: {tried} (and {invalid} random combinations the gate refused)")
+    print(f"  exact values beyond binary64, refused by tensor and element: {overflow}")
     print(f"  exact failures (undecided or any error): {len(failed)}")
     for f in failed[:5]:
         print(f"    {f}")

@@ -9,6 +9,7 @@ from __future__ import annotations
 from typing import Any
 
 import numpy as np
+from hypothesis import assume
 from hypothesis import strategies as st
 
 # -- visibility (issue 3) ---------------------------------------------------------------------
@@ -336,7 +337,8 @@ def exact_calls(
     and head), sink logits from [-3, 3], dropout (explicit with p from [0, 0.9], Philox, or a
     real multiplier), dense or causal masks and unused rows, GQA and head maps, Q != K. Values
     are continuous normals, multiples of 1/4 (exact sums that land on ties), repeated values
-    (equal scores, parallel rows) or of widely spread exponents; q may repeat k's rows.
+    (equal scores, parallel rows), of widely spread exponents, tiny (subnormal products) or
+    huge; q may repeat k's rows. A call the gate refuses (an overflow bound) is rejected.
     """
     from refattn import AttentionCall
     from refattn.call.bias import alibi
@@ -349,7 +351,7 @@ def exact_calls(
     Hq = Hkv * draw(st.integers(1, max_group))
     Q, K = draw(st.integers(1, max_len)), draw(st.integers(1, max_len))
     Dk, Dv = draw(st.integers(1, max_width)), draw(st.integers(1, max_width))
-    kind = draw(st.sampled_from(["normal", "dyadic", "repeated", "wide"]))
+    kind = draw(st.sampled_from(["normal", "dyadic", "repeated", "wide", "tiny", "huge"]))
     rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
 
     def values(*shape: int) -> np.ndarray:
@@ -359,6 +361,10 @@ def exact_calls(
             return rng.integers(-6, 7, shape) / 4.0
         if kind == "wide":  # exponents from 2**-300 to 2**20: long exact sums, exp(-huge)
             return rng.standard_normal(shape) * 2.0 ** rng.integers(-300, 21, shape)
+        if kind == "tiny":  # products in the subnormal range and below
+            return rng.standard_normal(shape) * 2.0 ** rng.integers(-1074, -400, shape)
+        if kind == "huge":  # scores towards the largest binary64 the gate allows
+            return rng.standard_normal(shape) * 2.0 ** rng.integers(100, 500, shape)
         return rng.choice(rng.standard_normal(2), shape)
 
     q, k, v = values(B, Hq, Q, Dk), values(B, Hkv, K, Dk), values(B, Hkv, K, Dv)
@@ -422,4 +428,16 @@ def exact_calls(
             kw["dropout"] = rng.uniform(-1.0, 2.0, (1, 1, Q, K))
     if Hq > Hkv and draw(st.booleans()):
         kw["head_map"] = rng.integers(0, Hkv, Hq)
-    return AttentionCall(q, k, v, **kw), values(B, Hq, Q, Dv)
+    from refattn import RefAttnError
+    from refattn.call.hazards import check_backward_overflow
+
+    try:
+        call = AttentionCall(q, k, v, **kw)
+    except RefAttnError:
+        assume(False)  # e.g. huge values whose scores could overflow float64
+    g_o = rng.standard_normal((B, Hq, Q, Dv)) if kind == "huge" else values(B, Hq, Q, Dv)
+    try:
+        check_backward_overflow(call, g_o)  # refattn.backward's own up-front check
+    except RefAttnError:
+        assume(False)
+    return call, g_o

@@ -14,7 +14,9 @@ while its ball never shrinks to a point:
   and rational ``x_t``. With ``w = exp(2 / N)`` (N a common denominator; w is transcendental)
   every term is a rational function of ``w`` whose poles at the roots of ``w**n = -1`` no
   other ``n`` shares, so the sum is rational exactly when the coefficients of every ``|x|``
-  cancel; it is then ``sum_{x_t = 0} c_t`` (sech**2) or 0 (tanh).
+  cancel; it is then ``sum_{x_t = 0} c_t`` (sech**2) or 0 (tanh). Otherwise its exact part
+  and its (possibly tiny: ``tanh(30000) = 1 - 2e-26058``) remainder are rounded together by
+  :func:`~refattn.engine.exact.rounding.round_sum` (:func:`round_tanh_sum`).
 
 Every input is a binary64 array read as exact rationals (:class:`fractions.Fraction`); nothing
 here is approximate. The deciders take the flat indices of the undecided elements and return,
@@ -29,10 +31,18 @@ from fractions import Fraction
 from typing import Literal
 
 import numpy as np
+from flint import arb
 
-from refattn.engine.exact.rounding import rn_fraction
+from refattn.engine.exact.rounding import (
+    EXACT_PRECISION,
+    MAX_PRECISION,
+    precision,
+    rn_fraction,
+    round_sum,
+)
 
-__all__ = ["AdditiveExact", "CosineExact", "rational_sqrt_sum", "rational_tanh_sum"]
+__all__ = ["AdditiveExact", "CosineExact", "rational_sqrt_sum", "rational_tanh_sum",
+           "round_tanh_sum"]
 
 Decider = Callable[[list[int]], list["float | None"]]
 
@@ -109,6 +119,54 @@ def rational_tanh_sum(terms: Iterable[tuple[Fraction, Fraction]],
         sign = 1 if (f == "sech2" or x > 0) else -1
         groups[abs(x)] = groups.get(abs(x), Fraction(0)) + sign * c
     return rational if all(g == 0 for g in groups.values()) else None
+
+
+def _arb(x: Fraction) -> arb:
+    """A dyadic rational as a ball at the working precision (exact when it fits)."""
+    return arb(x.numerator) * arb(2) ** -(x.denominator.bit_length() - 1)
+
+
+def round_tanh_sum(terms: Iterable[tuple[Fraction, Fraction]],
+                   f: Literal["tanh", "sech2"] = "tanh") -> float | None:
+    """RN(``sum_t c_t f(x_t)``) for dyadic ``c_t``, ``x_t``; None if 65,536 bits don't tell.
+
+    A rational value (:func:`rational_tanh_sum`) is rounded exactly. Otherwise the value is
+    its exact part (``sum c_t sign(x_t)`` for tanh, ``sum_{x_t = 0} c_t`` for sech^2) plus a
+    remainder of tails such as ``2 / (exp(2 |x|) + 1)``, each a relative enclosure, and
+    :func:`~refattn.engine.exact.rounding.round_sum` rounds the two without adding them in
+    arb: an exact part on a tie with a remainder of ``e**-60000`` is decided at once.
+
+    Examples
+    --------
+    >>> tie = Fraction(2 ** 53 + 1)  # v tanh(x) with x huge: just below the tie v -> down
+    >>> round_tanh_sum([(tie, Fraction(30000))]) == 2.0 ** 53
+    True
+    >>> round_tanh_sum([(tie, Fraction(-30000))]) == -(2.0 ** 53)
+    True
+    """
+    terms = [(c, x) for c, x in terms if c != 0]
+    exact = rational_tanh_sum(terms, f)
+    if exact is not None:
+        return rn_fraction(exact)
+    if f == "tanh":
+        r = sum((c * (1 if x > 0 else -1) for c, x in terms if x != 0), Fraction(0))
+    else:
+        r = sum((c for c, x in terms if x == 0), Fraction(0))
+    bits = EXACT_PRECISION
+    while bits <= MAX_PRECISION:
+        with precision(bits):
+            tail = arb(0)
+            for c, x in terms:
+                if x == 0:
+                    continue
+                xb = _arb(abs(x))
+                part = -2 / ((2 * xb).exp() + 1) if f == "tanh" else xb.sech() ** 2
+                tail += _arb(c) * (part if (f == "sech2" or x > 0) else -part)
+        value = round_sum(r, tail)
+        if value is not None:
+            return value
+        bits *= 2
+    return None
 
 
 def _round(value: Fraction | None) -> float | None:
@@ -229,8 +287,7 @@ class AdditiveExact:
     def _decider(self, shape: tuple[int, ...], f: Literal["tanh", "sech2"],
                  terms: Callable[..., Iterable[tuple[Fraction, Fraction]]]) -> Decider:
         def decide(idx: list[int]) -> list[float | None]:
-            return [_round(rational_tanh_sum(terms(*np.unravel_index(n, shape)), f))
-                    for n in idx]
+            return [round_tanh_sum(terms(*np.unravel_index(n, shape)), f) for n in idx]
 
         return decide
 

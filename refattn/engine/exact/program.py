@@ -328,12 +328,15 @@ def forward_tensors(call: AttentionCall, rounding: Rounding) -> dict[str, Any]:
         # relative enclosure, so lse = 0 + (a tiny positive) is decided (+0 or its value)
         # where log(1 + tiny) would straddle 0 at every precision
         top = vis & (legal == row_max[..., None])  # terms exactly 1
-        count = top.sum(axis=-1) - 1  # (B, Hq, Q)
-        e = np.where(vis & ~top, B_.exp(balls(legal) - m[..., None]), ZERO)
-        rest = total(e, axis=-1) + balls(count.astype(np.float64))
+        ones = top.sum(axis=-1) - 1  # (B, Hq, Q): the terms exactly 1 but one, an integer
         if sink_row is not None:
-            rest = rest + np.where(sink_row == row_max, arb(1),
-                                   B_.exp(balls(sink_row) - m))
+            ones = ones + (sink_row == row_max)
+        # the integer first, exactly; then the terms below 1 (their sum keeps its relative
+        # enclosure when the integer is 0: adding -1 and +1 around them would not)
+        e = np.where(vis & ~top, B_.exp(balls(legal) - m[..., None]), ZERO)
+        rest = balls(ones.astype(np.float64)) + total(e, axis=-1)
+        if sink_row is not None:
+            rest = rest + np.where(sink_row == row_max, ZERO, B_.exp(balls(sink_row) - m))
         return m + B_.log1p(rest)
 
     lse = rounding.point("lse", lse_balls, letters="bhi")

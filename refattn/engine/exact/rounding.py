@@ -32,7 +32,8 @@ from refattn._checks import format_index
 from refattn.errors import RefAttnError
 
 __all__ = ["EXACT_PRECISION", "MAX_PRECISION", "START_PRECISION", "Exact", "decide",
-           "precision", "rn_dyadic", "rn_fraction", "rn_sqrt", "round_ball", "to_balls"]
+           "precision", "rn_dyadic", "rn_fraction", "rn_sqrt", "round_ball", "round_sum",
+           "to_balls"]
 
 #: first working precision of a rounding point (bits); doubled until every element is decided
 START_PRECISION = 128
@@ -156,10 +157,68 @@ def round_ball(x: arb) -> float | None:
         return math.copysign(0.0, sign)
     if rm == 0:
         return rn_dyadic(mm, me)
+    # a radius far below the mid's last bit and half an ulp of the result (tanh(1e300) has
+    # one of 2**-(3e79)) is widened to 2**(that - 2): a larger ball decides nothing wrongly,
+    # and no rounding boundary is that close to a mid that is not on one
+    half_ulp = max(me + abs(mm).bit_length() - 54, -1075)
+    floor = min(me, half_ulp) - 2
+    if re_ + rm.bit_length() < floor:
+        rm, re_ = 1, floor
     e = min(me, re_)  # the ball excludes 0, so rad < |mid| and both shifts stay small
     mid, rad = mm << (me - e), rm << (re_ - e)
     lo, hi = rn_dyadic(mid - rad, e), rn_dyadic(mid + rad, e)
     return lo if lo == hi else None
+
+
+def _pow2_exponent(x: Fraction) -> int:
+    """The exponent of the last bit of a nonzero dyadic rational."""
+    p, q = abs(x.numerator), x.denominator
+    return (p & -p).bit_length() - 1 - (q.bit_length() - 1)
+
+
+def round_sum(r: Fraction, t: arb) -> float | None:
+    """RN(r + v) for every real v in the ball ``t``, r an exact dyadic rational; or None.
+
+    Rounds an exact part plus a small remainder (an additive sum of tanh is its exact signs
+    plus tails like ``e**-60000``) without adding them in arb, whose sum would round r's
+    bits and never tell on which side of a tie ``r`` the remainder puts the value. When
+    ``|t|`` is below a quarter of the spacing of ``r`` and the rounding boundaries around it,
+    no boundary lies between ``r + t`` and ``r + sign(t) 2**(m - 2)``: that is rounded.
+
+    Examples
+    --------
+    >>> tie = 1 + Fraction(1, 2 ** 53)  # RN(tie) = 1.0 (to even); just above it rounds up
+    >>> with precision(128):
+    ...     round_sum(tie, arb(2) ** -100000 * (1 + arb(1) / 3)) == 1 + 2 ** -52
+    True
+    """
+    if r == 0:
+        return round_ball(t)
+    if not t.is_finite():
+        return None
+    tm, te, rm, re_ = _dyadic(t)
+    if tm == 0 and rm == 0:
+        return rn_fraction(r)
+    if rm != 0 and not (t > 0 or t < 0):
+        return None
+    if r.denominator & (r.denominator - 1):
+        raise ValueError("round_sum: r must be dyadic")
+    # boundaries (midpoints, representable values: multiples of half an ulp, a quarter at the
+    # binade's lower edge) and r itself are all multiples of 2**m
+    top_bit = abs(r.numerator).bit_length() - r.denominator.bit_length()  # floor(log2|r|)
+    half_ulp = max(top_bit - 53, -1075)
+    m = min(_pow2_exponent(r), half_ulp - 1)
+    top = max(te + abs(tm).bit_length(), re_ + rm.bit_length()) + 1  # |t| < 2**top
+    sign = 1 if t > 0 else -1
+    if top <= m - 2:
+        return rn_fraction(r + sign * Fraction(2) ** (m - 2))
+    floor = min(te, m) - 2  # widen a radius far below every bit that matters (see round_ball)
+    if re_ + rm.bit_length() < floor:
+        rm, re_ = 1, floor
+    mid = Fraction(tm) * Fraction(2) ** te
+    rad = Fraction(rm) * Fraction(2) ** re_
+    lo, hi = rn_fraction(r + mid - rad), rn_fraction(r + mid + rad)
+    return lo if lo == hi and math.copysign(1.0, lo) == math.copysign(1.0, hi) else None
 
 
 @contextmanager
