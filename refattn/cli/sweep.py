@@ -23,7 +23,9 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
                    help=f"seconds to wait for the scheduler to answer (default "
                    f"{DEFAULT_TIMEOUT:g}); whatever listens at ADDR, an address that does "
-                   "not answer as a dask scheduler is given up within about S + 2 s")
+                   "not answer as a dask scheduler is given up within about S + 2 s, and a "
+                   "scheduler that stops answering mid-run within about S (a sweep then "
+                   "resumes when rerun)")
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -54,6 +56,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     with connect(workers=args.workers, scheduler=args.scheduler, timeout=args.timeout) as client:
         result = run_sweep(args.spec, args.out, client=client, force=args.force,
-                           progress=False if args.quiet else None)
+                           progress=False if args.quiet else None, timeout=args.timeout)
     print(describe(result, args.out))
     return 0

@@ -104,7 +104,7 @@ def run(args: argparse.Namespace) -> int:
                         gradcheck_method=_VERIFIER_METHOD[args.gradcheck_method],
                         backend=args.backend, exact=args.exact, require=args.require,
                         exact_max_seconds=args.exact_max_seconds,
-                        progress=False if args.quiet else None)
+                        progress=False if args.quiet else None, timeout=args.timeout)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:

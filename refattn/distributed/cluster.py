@@ -12,6 +12,14 @@ answer an ``identity`` request within ``timeout`` (a probe on its own event loop
 thread, so a listener that accepts and never answers, an HTTP server or a worker cannot hold
 the command), and the client itself is built under the same watchdog. The number of local
 worker processes is refused above the CPU cores this process may use.
+
+Once the work is submitted, :class:`Watchdog` bounds every wait for it: results are awaited a
+tick at a time, the scheduler is asked for its identity in the background every
+:data:`HEARTBEAT_SECONDS` (a scheduler that leaves one request unanswered for ``timeout``
+seconds, e.g. a paused process, ends the wait), and a task that gives no result within its
+bound (its cases' estimated seconds times :data:`SAFETY_FACTOR`, plus
+:data:`STARTUP_SECONDS` and ``timeout``) ends it too, in one line naming the scheduler, what
+was awaited and for how long.
 """
 
 from __future__ import annotations
@@ -23,14 +31,16 @@ import numbers
 import os
 import sys
 import threading
-from collections.abc import Callable, Iterator
+import time
+from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
 from refattn.errors import RefAttnError
 
-__all__ = ["DEFAULT_TIMEOUT", "connect", "dask_distributed", "usable_cores", "worker_threads"]
+__all__ = ["DEFAULT_TIMEOUT", "SAFETY_FACTOR", "STARTUP_SECONDS", "Watchdog", "connect",
+           "dask_distributed", "usable_cores", "worker_threads"]
 
 #: seconds to wait for a scheduler (or a local cluster) to answer
 DEFAULT_TIMEOUT = 10.0
@@ -39,6 +49,17 @@ DEFAULT_TIMEOUT = 10.0
 GRACE_SECONDS = 2.0
 #: address schemes a scheduler may be reached by (``inproc`` reaches only this process)
 _SCHEMES = ("tcp", "tls", "ws", "wss", "ucx")
+#: a task's estimated seconds (measured on an idle 2-core machine) times this is the longest
+#: its result is awaited (a loaded machine runs several times slower; no result at all is
+#: what this catches)
+SAFETY_FACTOR = 20.0
+#: seconds added to every task's bound: a fresh worker imports refattn and its stack first
+STARTUP_SECONDS = 60.0
+#: seconds between two background requests for the scheduler's identity while results are
+#: awaited (at most; ``timeout / 3`` when that is shorter)
+HEARTBEAT_SECONDS = 5.0
+#: seconds of one wait for a result before the watchdog looks again
+_TICK = 0.1
 
 
 def dask_distributed() -> ModuleType:
@@ -205,9 +226,8 @@ class _Outcome:
         self.error: BaseException | None = None
 
 
-def _bounded(what: Callable[[], Any], seconds: float, name: str) -> _Outcome:
-    """Run ``what()`` in a daemon thread and wait for it at most ``seconds``: a wait on the
-    network that ignores its own timeout cannot hold the caller, nor the process at exit."""
+def _background(what: Callable[[], Any], name: str) -> tuple[_Outcome, threading.Thread]:
+    """Start ``what()`` in a daemon thread; its :class:`_Outcome` says when it is done."""
     outcome = _Outcome()
 
     def run() -> None:
@@ -219,6 +239,13 @@ def _bounded(what: Callable[[], Any], seconds: float, name: str) -> _Outcome:
 
     thread = threading.Thread(target=run, name=name, daemon=True)
     thread.start()
+    return outcome, thread
+
+
+def _bounded(what: Callable[[], Any], seconds: float, name: str) -> _Outcome:
+    """Run ``what()`` in a daemon thread and wait for it at most ``seconds``: a wait on the
+    network that ignores its own timeout cannot hold the caller, nor the process at exit."""
+    outcome, thread = _background(what, name)
     thread.join(seconds)
     return outcome
 
@@ -295,8 +322,11 @@ def _close_quietly(client: Any, timeout: float) -> None:
         _forget_quietly(closing)
 
 
-def worker_threads(client: Any) -> int:
+def worker_threads(client: Any, timeout: float = DEFAULT_TIMEOUT, command: str = "dask") -> int:
     """Total worker threads of a client's cluster (1 without a client).
+
+    The scheduler is asked within ``timeout`` seconds (a silent one is a
+    :class:`~refattn.errors.RefAttnError` naming it, prefixed with ``command``).
 
     Examples
     --------
@@ -305,4 +335,148 @@ def worker_threads(client: Any) -> int:
     """
     if client is None:
         return 1
-    return max(1, sum(client.nthreads().values()))
+    counts = Watchdog(client, timeout, command).call(client.nthreads,
+                                                     "the number of worker threads")
+    return max(1, sum(counts.values()))
+
+
+def _address(client: Any) -> str:
+    try:
+        address = str(client.scheduler.address)
+    except Exception:  # a client without a scheduler rpc: named as dask names it
+        address = "?"
+    return address if address.isprintable() and len(address) <= 200 else ascii(address[:200])
+
+
+class Watchdog:
+    """Bounded waits on the futures of a dask client (``refattn sweep``/``verify`` on dask).
+
+    Parameters
+    ----------
+    client : distributed.Client
+    timeout : float
+        Seconds the scheduler may leave a request unanswered (``--timeout``).
+    command : str
+        Names the waiting command in messages (``"sweep"``, ``"verify"``).
+    resume : str
+        Appended to every message (what the user can do: e.g. rerun to resume).
+
+    Examples
+    --------
+    >>> Watchdog.task_bound(1.5, timeout=10) == 1.5 * SAFETY_FACTOR + STARTUP_SECONDS + 10
+    True
+    """
+
+    def __init__(self, client: Any, timeout: float, command: str, resume: str = "") -> None:
+        self.client = client
+        self.timeout = _timeout(timeout)
+        self.command = command
+        self.resume = resume
+        self.address = _address(client)
+        self.interval = min(HEARTBEAT_SECONDS, self.timeout / 3)
+        self.silent = False  # set once the scheduler has been found silent
+        self._beat: _Outcome | None = None
+        self._beat_started = 0.0
+        self._last_answer = time.monotonic()
+
+    @staticmethod
+    def task_bound(estimated_seconds: float, timeout: float) -> float:
+        """Longest wait for a task estimated to take ``estimated_seconds`` (see module doc)."""
+        return SAFETY_FACTOR * max(0.0, float(estimated_seconds)) + STARTUP_SECONDS + timeout
+
+    def _fail(self, what: str) -> RefAttnError:
+        tail = f"; {self.resume}" if self.resume else ""
+        return RefAttnError(f"{self.command}: {what}{tail}")
+
+    def check(self, waiting_for: str, since: float) -> None:
+        """Raise when the scheduler has left a request unanswered for ``timeout`` seconds, or
+        its connection is lost; start the next background request when one is due."""
+        now = time.monotonic()
+        beat = self._beat
+        status = getattr(self.client, "status", "running")
+        if status in ("closing", "closed"):
+            self.silent = True
+            raise self._fail(f"the connection to the dask scheduler at {self.address} was "
+                             f"lost while waiting for {waiting_for} (after "
+                             f"{now - since:.1f} s)")
+        if beat is not None and beat.done:
+            self._beat = None
+            if beat.error is not None:
+                self.silent = True
+                raise self._fail(f"the dask scheduler at {self.address} failed while waiting "
+                                 f"for {waiting_for} (after {now - since:.1f} s: "
+                                 f"{type(beat.error).__name__}: {_one_line(beat.error)})")
+            self._last_answer = now
+        elif beat is not None and now - self._beat_started > self.timeout:
+            self.silent = True
+            raise self._fail(f"the dask scheduler at {self.address} did not answer for "
+                             f"{now - self._beat_started:.1f} s (--timeout {self.timeout:g}) "
+                             f"while waiting for {waiting_for}, for {now - since:.1f} s")
+        if self._beat is None and now - self._last_answer >= self.interval:
+            self._beat, _ = _background(self.client.scheduler_info, "refattn-heartbeat")
+            self._beat_started = now
+
+    def call(self, what: Callable[[], Any], name: str) -> Any:
+        """``what()`` (a request to the scheduler), given up after ``timeout`` seconds."""
+        t0 = time.monotonic()
+        outcome = _bounded(what, self.timeout, "refattn-request")
+        if not outcome.done:
+            self.silent = True
+            raise self._fail(f"the dask scheduler at {self.address} did not answer for "
+                             f"{time.monotonic() - t0:.1f} s (--timeout {self.timeout:g}) "
+                             f"while asking for {name}")
+        if outcome.error is not None:
+            raise outcome.error
+        return outcome.value
+
+    def completed(self, bounds: dict[Any, float], what: str) -> Iterator[Any]:
+        """The futures of ``bounds`` (future -> its longest wait, s) as they complete.
+
+        Between two completions the wait is bounded by the largest bound among the futures
+        not yet returned (the next to finish is running and within its own bound); the
+        scheduler is watched all along (:meth:`check`).
+        """
+        d = dask_distributed()
+        pending = dict(bounds)
+        ac = d.as_completed(list(pending), loop=self.client.loop)
+        since = time.monotonic()
+        while not ac.is_empty():
+            if ac.has_ready():
+                future = next(ac)
+                pending.pop(future, None)
+                yield future
+                since = time.monotonic()
+                continue
+            time.sleep(_TICK)
+            self.check(f"{what} ({len(pending)} pending)", since)
+            limit = max(pending.values(), default=0.0)
+            waited = time.monotonic() - since
+            if waited > limit:
+                raise self._fail(f"no result from the workers of the dask scheduler at "
+                                 f"{self.address} for {waited:.0f} s while waiting for {what} "
+                                 f"({len(pending)} pending; bound {limit:.0f} s: the slowest "
+                                 f"pending task's estimate x {SAFETY_FACTOR:g} + "
+                                 f"{STARTUP_SECONDS:g} s + --timeout)")
+
+    def result(self, future: Any, bound: float, what: str) -> Any:
+        """``future.result()`` of a completed future, fetched in ticks under :meth:`check`."""
+        if getattr(future, "status", None) == "error":
+            return future.result()  # raises the task's error, held here already
+        since = time.monotonic()
+        while True:
+            try:
+                return future.result(timeout=max(_TICK, min(1.0, self.timeout / 3)))
+            except (TimeoutError, asyncio.TimeoutError):
+                if getattr(future, "status", None) == "error":
+                    raise
+            self.check(f"the result of {what}", since)
+            waited = time.monotonic() - since
+            if waited > bound:
+                raise self._fail(f"the result of {what} did not arrive from the dask "
+                                 f"scheduler at {self.address} within {waited:.0f} s")
+
+    def cancel(self, futures: Iterable[Any]) -> None:
+        """Cancel what is left, waiting at most ``timeout`` (nothing once found silent)."""
+        left = [f for f in futures if not f.done()]
+        if left and not self.silent:
+            _bounded(lambda: self.client.cancel(left), self.timeout, "refattn-cancel")

@@ -7,8 +7,13 @@ the cases still missing. Without a client they are computed here, one after anot
 they are dealt into tasks of similar estimated cost (largest first) and each task returns its
 cases' file bytes and manifest entries. Only this process writes: a case reaches the staging
 directory only once its whole result has arrived, so a worker killed mid-case leaves nothing
-behind, and dask runs the lost task again on another worker. The bundle's bytes depend only
-on the cases, never on the worker count, the order of arrival or the number of runs.
+behind, and dask runs the lost task again on another worker. Every wait is bounded
+(:class:`~refattn.distributed.cluster.Watchdog`): a scheduler silent for ``timeout`` seconds,
+or a task without a result within its cases' estimated time times
+:data:`~refattn.distributed.cluster.SAFETY_FACTOR` (plus start-up and ``timeout``), ends the
+run with one error; what finished stays staged and the bundle is not swapped in, so a rerun
+resumes. The bundle's bytes depend only on the cases, never on the worker count, the order of
+arrival or the number of runs.
 """
 
 from __future__ import annotations
@@ -22,9 +27,17 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from refattn._progress import progress as progress_bar
-from refattn.bundle.sweep import Sweep, SweepCase, build_case, check_budget, cost, load_sweep
+from refattn.bundle.sweep import (
+    Sweep,
+    SweepCase,
+    build_case,
+    case_budget,
+    check_budget,
+    cost,
+    load_sweep,
+)
 from refattn.bundle.write import Encoded, bundle_generator, encode_case, write_sweep
-from refattn.distributed.cluster import worker_threads
+from refattn.distributed.cluster import DEFAULT_TIMEOUT, Watchdog, worker_threads
 from refattn.engine.memory import available_bytes
 from refattn.errors import RefAttnError
 
@@ -121,7 +134,7 @@ def _task_count(n: int, threads: int) -> int:
 
 def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
               client: Any = None, force: bool = False, progress: bool | None = None,
-              tasks: int | None = None) -> SweepResult:
+              tasks: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> SweepResult:
     """Compute every case of a sweep SPEC and write them as one golden bundle.
 
     Parameters
@@ -140,6 +153,12 @@ def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
     tasks : int, optional
         Number of tasks the pending cases are dealt into (default: 8 per worker thread, at
         most 32 cases per task); 1 case per task when equal to the number of cases.
+    timeout : float
+        With a client: seconds the scheduler may leave a request unanswered before the run
+        is given up (``--timeout``); each task's result is awaited at most its cases'
+        estimated seconds (:func:`~refattn.bundle.sweep.case_budget`) times
+        :data:`~refattn.distributed.cluster.SAFETY_FACTOR`, plus
+        :data:`~refattn.distributed.cluster.STARTUP_SECONDS` and ``timeout``.
 
     Returns
     -------
@@ -151,7 +170,9 @@ def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
         A bad SPEC (named key and place), a case that cannot run (named), a case whose
         estimated time or memory is over the limit (this machine's available memory, or the
         smallest memory limit of the client's workers; nothing is drawn first), an output
-        directory holding another bundle or another sweep's unfinished work, a failing task.
+        directory holding another bundle or another sweep's unfinished work, a failing task,
+        a scheduler silent for ``timeout`` seconds or a task past its bound (the cases
+        finished so far stay staged: a rerun resumes).
 
     Examples
     --------
@@ -165,7 +186,7 @@ def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
     >>> run_sweep(d / "s.toml", d / "bundle", progress=False).up_to_date
     True
     """
-    max_bytes = worker_memory_limit(client)  # None: here, or workers without a limit
+    max_bytes = worker_memory_limit(client, timeout)  # None: here, or workers without one
     if isinstance(spec, Sweep):
         sweep = spec
         limit = max_bytes if max_bytes is not None else available_bytes()
@@ -185,8 +206,9 @@ def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
         if client is None:
             results: Iterator[Encoded] = _in_process(cases, stats)
         else:
-            n = tasks if tasks is not None else _task_count(len(cases), worker_threads(client))
-            results = _on_workers(client, deal(cases, n), stats)
+            threads = worker_threads(client, timeout, "sweep") if tasks is None else 1
+            n = tasks if tasks is not None else _task_count(len(cases), threads)
+            results = _on_workers(client, deal(cases, n), stats, timeout)
         yield from progress_bar(results, desc=f"sweep {sweep.name}", total=len(cases),
                                 enabled=progress)
         stats["t1"] = time.perf_counter()
@@ -199,9 +221,9 @@ def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
                        max(0.0, stats["t1"] - stats["t0"]), sweep.sweep_id)
 
 
-def worker_memory_limit(client: Any) -> int | None:
+def worker_memory_limit(client: Any, timeout: float = DEFAULT_TIMEOUT) -> int | None:
     """The smallest memory limit among a client's workers, in bytes (None: no client, or
-    no worker reports a limit).
+    no worker reports a limit). The scheduler is asked within ``timeout`` seconds.
 
     Examples
     --------
@@ -210,8 +232,12 @@ def worker_memory_limit(client: Any) -> int | None:
     """
     if client is None:
         return None
+    watch = Watchdog(client, timeout, "sweep")
     try:
-        workers = client.scheduler_info().get("workers", {})
+        workers = watch.call(client.scheduler_info, "its workers' memory limits").get(
+            "workers", {})
+    except RefAttnError:
+        raise
     except Exception:  # an older dask or a scheduler gone: the driver's own limit then
         return None
     reported = [w.get("memory_limit") for w in workers.values() if isinstance(w, dict)]
@@ -226,18 +252,19 @@ def _in_process(cases: list[SweepCase], stats: dict[str, Any]) -> Iterator[Encod
         yield encoded
 
 
-def _on_workers(client: Any, batches: list[list[SweepCase]], stats: dict[str, Any]
-                ) -> Iterator[Encoded]:
-    from refattn.distributed.cluster import dask_distributed
-
-    d = dask_distributed()
+def _on_workers(client: Any, batches: list[list[SweepCase]], stats: dict[str, Any],
+                timeout: float = DEFAULT_TIMEOUT) -> Iterator[Encoded]:
+    watch = Watchdog(client, timeout, "sweep", resume="the cases finished so far are staged: "
+                     "rerun the same command to resume")
     payloads = [[(c.case_id, c.description) for c in batch] for batch in batches]
     futures = client.map(encode_batch, payloads, pure=False)
     stats["tasks"] = len(futures)
+    bounds = {f: Watchdog.task_bound(sum(case_budget(c.description).seconds for c in batch),
+                                     timeout) for f, batch in zip(futures, batches, strict=True)}
     try:
-        for future in d.as_completed(futures, loop=client.loop):
+        for future in watch.completed(bounds, f"the results of {len(futures)} task(s)"):
             try:
-                encoded, seconds = future.result()
+                encoded, seconds = watch.result(future, bounds[future], "a finished task")
             except RefAttnError:
                 raise
             except Exception as exc:  # a task that failed on its workers (e.g. KilledWorker)
@@ -249,7 +276,7 @@ def _on_workers(client: Any, batches: list[list[SweepCase]], stats: dict[str, An
             future.release()
             yield from encoded
     finally:
-        client.cancel([f for f in futures if not f.done()])
+        watch.cancel(futures)
 
 
 def describe(result: SweepResult, out: str | os.PathLike) -> str:

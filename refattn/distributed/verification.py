@@ -5,7 +5,11 @@ manifest and its schema, each case file from inside the bundle with its checksum
 of ``cases/``), exactly as :func:`refattn.bundle.verifier.verify` does; each case whose file
 passes is sent to a worker as bytes (workers need no access to the directory) and checked
 there by :func:`~refattn.bundle.verifier.verify_case_bytes`, the function the serial verify
-runs for it. The report lists the cases in the same order with the same verdicts.
+runs for it. The report lists the cases in the same order with the same verdicts. Every wait
+is bounded (:class:`~refattn.distributed.cluster.Watchdog`): a scheduler silent for
+``timeout`` seconds, or a case without a verdict within its estimated time (the exact
+generator's estimate from the manifest's axes, at most ``exact_max_seconds``) times
+:data:`~refattn.distributed.cluster.SAFETY_FACTOR` plus start-up and ``timeout``, is one error.
 """
 
 from __future__ import annotations
@@ -18,8 +22,8 @@ from refattn.bundle.gradients import GradcheckMethod
 from refattn.bundle.report import CaseResult, VerifyReport
 from refattn.bundle.verifier import check_file, open_bundle, verify_case_bytes
 from refattn.bundle.verifier import verify as verify_serial
-from refattn.distributed.cluster import dask_distributed
-from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS
+from refattn.distributed.cluster import DEFAULT_TIMEOUT, Watchdog
+from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS, SECONDS_PER_ELEMENT
 from refattn.errors import RefAttnError
 
 __all__ = ["verify"]
@@ -29,7 +33,7 @@ def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool 
            gradcheck: bool = True, gradcheck_method: GradcheckMethod = "auto",
            backend: str | None = None, exact: bool = False, require: str = "float64",
            exact_max_seconds: float = DEFAULT_MAX_SECONDS,
-           progress: bool | None = None) -> VerifyReport:
+           progress: bool | None = None, timeout: float = DEFAULT_TIMEOUT) -> VerifyReport:
     """Verify every case of a bundle, the cases checked on a dask cluster's workers.
 
     Parameters
@@ -42,6 +46,8 @@ def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool 
         As for :func:`refattn.bundle.verifier.verify`.
     progress : bool or None
         A bar of cases verified on standard error: None on a terminal only, False never.
+    timeout : float
+        With a client: seconds the scheduler may leave a request unanswered (``--timeout``).
 
     Returns
     -------
@@ -68,22 +74,26 @@ def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool 
                          exact_max_seconds=exact_max_seconds)
     directory, manifest = bundle.directory, bundle.manifest
     options.update(method=gradcheck_method, bit_identical=bundle.bit_identical)
-    d = dask_distributed()
+    watch = Watchdog(client, timeout, "verify")
     results: dict[str, CaseResult] = {}
     futures = {}
+    bounds = {}
     for case_id, entry in sorted(manifest["cases"].items()):  # files read here, in order
         verdict, checked, data = check_file(directory, case_id, entry)
         if verdict is not None or data is None:
             results[case_id] = verdict or CaseResult(case_id, checked)
             continue
-        futures[client.submit(verify_case_bytes, case_id, entry, data, checked, pure=False,
-                              **options)] = case_id
-    done = progress_bar(d.as_completed(list(futures), loop=client.loop), desc="verify",
-                        total=len(futures), enabled=progress)
+        future = client.submit(verify_case_bytes, case_id, entry, data, checked, pure=False,
+                               **options)
+        futures[future] = case_id
+        bounds[future] = Watchdog.task_bound(_estimate(entry, exact_max_seconds), timeout)
+    done = progress_bar(watch.completed(bounds, f"the verdicts of {len(futures)} case(s)"),
+                        desc="verify", total=len(futures), enabled=progress)
     try:
         for future in done:
             try:
-                results[futures[future]] = future.result()
+                results[futures[future]] = watch.result(future, bounds[future],
+                                                        f"case {futures[future]!r}")
             except RefAttnError:
                 raise
             except Exception as exc:  # a task that failed on its workers (e.g. KilledWorker)
@@ -92,5 +102,24 @@ def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool 
                                    f"({type(exc).__name__}: {reason})") from None
             future.release()
     finally:
-        client.cancel([f for f in futures if not f.done()])
+        watch.cancel(futures)
     return bundle.report([results[c] for c in sorted(results)])
+
+
+def _estimate(entry: Any, max_seconds: float) -> float:
+    """Seconds a case's verification is expected to take: twice the exact generator's
+    estimate from the manifest's axes (recomputation and reference check), the exact part at
+    most ``max_seconds`` (a case over it is recomputed in float64); ``max_seconds`` when the
+    axes are unreadable (the manifest passed its schema, but stay safe)."""
+    try:
+        a = {k: int(v) for k, v in entry["call"]["axes"].items()}
+        n = a["B"] * a["Hq"] * a["Q"] * a["K"]
+        rows = a["B"] * a["Hq"] * (a["Q"] + a["K"]) * (a["Dk"] + a["Dv"])
+        width = 1
+        score = entry["call"].get("score") if isinstance(entry["call"], dict) else None
+        if isinstance(score, dict) and isinstance(score.get("da"), int):
+            width = max(1, score["da"])
+        seconds = SECONDS_PER_ELEMENT * (4 * n * width + rows)
+    except (KeyError, TypeError, ValueError, AttributeError):
+        return 2 * max_seconds
+    return 2 * min(max(seconds, 0.0), max_seconds)

@@ -535,3 +535,91 @@ def test_generated_spec_documents_end_in_a_sweep_or_a_refattn_error():
             pass
 
     check()
+
+
+# -- a scheduler that stops answering in the middle of a sweep ----------------------------------
+def _wait_for(predicate, seconds: float, what: str):
+    """Poll ``predicate()`` until it returns something true, at most ``seconds``."""
+    import time
+
+    end = time.monotonic() + seconds
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.05)
+    raise AssertionError(f"{what}: not within {seconds} s")
+
+
+def _stop(process: subprocess.Popen) -> None:
+    import os
+    import signal
+
+    if process.poll() is None:
+        os.kill(process.pid, signal.SIGCONT)
+        process.kill()
+    process.wait(timeout=60)
+
+
+def test_a_scheduler_paused_mid_sweep_ends_the_sweep_in_one_line_and_it_resumes(tmp_path,
+                                                                                capsys):
+    """A real dask scheduler and worker on loopback; once the first case is staged the
+    scheduler process is paused (SIGSTOP): the sweep ends with one line naming the address
+    and exit 2 (it used to wait forever), what finished stays staged, no bundle is swapped
+    in, and the same command run again (here without the cluster) resumes from the staging."""
+    pytest.importorskip("distributed")
+    import json
+    import os
+    import signal
+    import time
+
+    from refattn.bundle.transaction import RESUME_MARK
+
+    spec = tmp_path / "s.toml"
+    spec.write_text('name = "paused"\n[[grid]]\nshape = [[1, 2, 1, 64, 64, 32, 32]]\n'
+                    f"seed = {list(range(12))}\n")
+    out = tmp_path / "b"
+    file = tmp_path / "scheduler.json"
+    scheduler = subprocess.Popen(
+        [sys.executable, "-m", "distributed.cli.dask_scheduler", "--host", "127.0.0.1",
+         "--port", "0", "--no-dashboard", "--scheduler-file", str(file)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    worker = None
+    sweep = None
+    try:
+        _wait_for(lambda: file.exists() and file.read_text().strip(), 120, "scheduler file")
+        address = json.loads(file.read_text())["address"]
+        worker = subprocess.Popen(
+            [sys.executable, "-m", "distributed.cli.dask_worker", "--scheduler-file",
+             str(file), "--nthreads", "1", "--nworkers", "1", "--no-dashboard",
+             "--host", "127.0.0.1"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        code = "import sys; from refattn.cli import main; sys.exit(main(sys.argv[1:]))"
+        sweep = subprocess.Popen([sys.executable, "-c", code, "sweep", str(spec), "--out",
+                                  str(out), "--scheduler", address, "--timeout", "3",
+                                  "--quiet"],
+                                 stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+
+        def staged():
+            return [p for p in tmp_path.glob(f".b{RESUME_MARK}*/bundle/cases/*.safetensors")]
+
+        _wait_for(lambda: staged() or sweep.poll() is not None, 120, "first staged case")
+        assert sweep.poll() is None, "the sweep ended before the scheduler could be paused"
+        os.kill(scheduler.pid, signal.SIGSTOP)
+        paused = time.monotonic()
+        stdout, stderr = sweep.communicate(timeout=120)
+        with capsys.disabled():
+            print(f"\nerror line {time.monotonic() - paused:.1f} s after SIGSTOP: {stderr}")
+        result = subprocess.CompletedProcess(sweep.args, sweep.returncode, stdout, stderr)
+        assert_one_line_error(result, f"the dask scheduler at {address} did not answer",
+                              "rerun the same command to resume")
+        assert not (out / "manifest.json").exists()  # the bundle was not swapped in
+        kept = staged()
+        assert 1 <= len(kept) < 12, len(kept)
+    finally:
+        for process in (sweep, worker, scheduler):
+            if process is not None:
+                _stop(process)
+    capsys.readouterr()
+    assert main(["sweep", str(spec), "--out", str(out), "--quiet"]) == 0
+    assert f"computed {12 - len(kept)}, reused {len(kept)})" in capsys.readouterr().out
+    assert len(json.loads((out / "manifest.json").read_text())["cases"]) == 12
