@@ -47,6 +47,10 @@ __all__ = ["AdditiveExact", "CosineExact", "rational_sqrt_sum", "rational_tanh_s
 Decider = Callable[[list[int]], list["float | None"]]
 
 
+def _index(n: int, shape: tuple[int, ...]) -> tuple[int, ...]:
+    return tuple(int(i) for i in np.unravel_index(n, shape))
+
+
 def _fractions(x: np.ndarray) -> np.ndarray:
     """A binary64 array as an object array of exact Fractions (same shape)."""
     out = np.empty(np.shape(x), dtype=object)
@@ -208,7 +212,7 @@ class CosineExact:
 
         def decide(idx: list[int]) -> list[float | None]:
             out = []
-            for b, h, i, j in (np.unravel_index(n, shape) for n in idx):
+            for b, h, i, j in (_index(n, shape) for n in idx):
                 term = (p * self._dot(b, h, i, j), self.n2q[b, h, i] * self.n2k[b, h, j])
                 out.append(_round(rational_sqrt_sum([term])))
             return out
@@ -240,7 +244,7 @@ class CosineExact:
         def decide(idx: list[int]) -> list[float | None]:
             return [_round(rational_sqrt_sum(self._row_terms(G, b, h, i, d, key_side=False,
                                                              f=f)))
-                    for b, h, i, d in (np.unravel_index(n, shape) for n in idx)]
+                    for b, h, i, d in (_index(n, shape) for n in idx)]
 
         return decide
 
@@ -251,7 +255,7 @@ class CosineExact:
 
         def decide(idx: list[int]) -> list[float | None]:
             out = []
-            for b, g, j, d in (np.unravel_index(n, shape) for n in idx):
+            for b, g, j, d in (_index(n, shape) for n in idx):
                 terms = [t for h in _kv_heads(head_map, g)
                          for t in self._row_terms(G, b, h, j, d, key_side=True, f=f)]
                 out.append(_round(rational_sqrt_sum(terms)))
@@ -287,7 +291,7 @@ class AdditiveExact:
     def _decider(self, shape: tuple[int, ...], f: Literal["tanh", "sech2"],
                  terms: Callable[..., Iterable[tuple[Fraction, Fraction]]]) -> Decider:
         def decide(idx: list[int]) -> list[float | None]:
-            return [round_tanh_sum(terms(*np.unravel_index(n, shape)), f) for n in idx]
+            return [round_tanh_sum(terms(*_index(n, shape)), f) for n in idx]
 
         return decide
 

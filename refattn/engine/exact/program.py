@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 from flint import arb, ctx
@@ -290,7 +290,8 @@ def forward_tensors(call: AttentionCall, rounding: Rounding) -> dict[str, Any]:
     family_exact = ops.exact()  # cosine and additive values can sit on a boundary; dot and
     # bilinear ones are dyadic sums, exact balls at a sufficient precision
     scores = rounding.point(first, ops.scaled_compatibility, letters="bhij", start=SUM_BITS,
-                            exact=family_exact and family_exact.scores(ops.mult.post, full))
+                            exact=None if family_exact is None
+                            else family_exact.scores(ops.mult.post, full))
     out: dict[str, Any] = {}
     if call.softcap is not None:  # scores = c * tanh(softcap_input / c)
         out["softcap_input"] = softcap_input = scores
@@ -461,9 +462,10 @@ def _family_backward(ops: _Operands, gb: np.ndarray, Hkv: int,
             g_q = lambda: matmul(total(pre_grad(), axis=3), balls(fam.Wq)[None])  # noqa: E731
             g_k = lambda: _heads(matmul(total(pre_grad(), axis=2), balls(fam.Wk)[None]),  # noqa: E731
                                  hm, Hkv)
-            def param(which: str) -> Any:
-                shape = getattr(fam, which).shape
-                return fx and fx.grad_param(which, G, mult.post, shape)  # type: ignore[union-attr]
+            def param(which: Literal["Wq", "Wk", "b", "v"]) -> Exact | None:
+                if not isinstance(fx, AdditiveExact):
+                    return None
+                return fx.grad_param(which, G, mult.post, getattr(fam, which).shape)
 
             out["grad_score_params"] = {
                 "Wq": point("grad_score_Wq", lambda: total(
@@ -491,7 +493,9 @@ def _family_backward(ops: _Operands, gb: np.ndarray, Hkv: int,
         case other:
             raise RefAttnError(f"score: the exact backend has no {other!r} family")
     out["grad_q"] = point("grad_q", lambda: g_q() * f_q, letters="bhid", start=SUM_BITS,
-                          exact=fx and fx.grad_q(G, mult.query * mult.post, shape_q))
+                          exact=None if fx is None
+                          else fx.grad_q(G, mult.query * mult.post, shape_q))
     out["grad_k"] = point("grad_k", lambda: g_k() * f_k, letters="bhjd", start=SUM_BITS,
-                          exact=fx and fx.grad_k(G, mult.key * mult.post, hm, shape_k))
+                          exact=None if fx is None
+                          else fx.grad_k(G, mult.key * mult.post, hm, shape_k))
     return out
