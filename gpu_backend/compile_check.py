@@ -274,6 +274,7 @@ def hot_kernel_json(res: KernelResources, counts: KernelCounts, role: str) -> di
             "dmma_instructions": sum(counts.total.dmma.values()), "dmma": counts.total.dmma,
             "dmma_fma": counts.total.dmma_fma, "dfma": counts.total.dfma,
             "call_rel_noinc": counts.total.calls, "main_loop": _loop_json(main),
+            "main_loop_heaviest": _loop_json(counts.heavy_loop),
             "lds_bytes_per_dmma_fma": ratio, "notes": list(counts.notes),
             "targets": targets, "targets_met": all(targets.values())}
 

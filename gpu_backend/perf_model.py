@@ -20,7 +20,10 @@ such warps:
 - cycles per tile = the max of the three (perfect overlap, enough warps to hide latency);
   fraction of the DMMA peak = DMMA cycles / cycles per tile.
 Global memory, L2, barriers and latency are not modelled (the backward designs' dQ traffic
-and ordering are given as separate figures).
+and ordering are given as separate figures). A compiled kernel is charged its main loop along
+the fp64-heaviest path (every branch that adds vector fp64 work taken: features such as
+softcap and dropout included), a lower bound on its fraction; the plain path (branches on
+integer conditions skipped) gives ``plain_path``, an upper bound.
 """
 
 from __future__ import annotations
@@ -221,7 +224,10 @@ def sass_model(check: dict[str, Any], dims: tuple[int, ...] = (64, 128)) -> dict
                 if name is None:
                     continue
                 k = rep["kernels"][name]
-                main = k["main_loop"]
+                # the fp64-heaviest path (features included) is charged; the plain path
+                # (integer-condition branches skipped) gives the other bound
+                main = k.get("main_loop_heaviest") or k["main_loop"]
+                lean = k["main_loop"]
                 entry: dict[str, Any] = {
                     "kernel": name, "spill_bytes": k["spill_bytes"], "registers": k["registers"],
                     "dmma_instructions": k["dmma_instructions"], "dmma": k["dmma"],
@@ -238,6 +244,14 @@ def sass_model(check: dict[str, Any], dims: tuple[int, ...] = (64, 128)) -> dict
                                                   for p in ("row_read", "col_read")),
                                  main_loop_calls=main["call_rel_noinc"],
                                  **asdict(tile_cycles(counts, hw)))
+                    if lean is not None and lean is not main:
+                        plain = tile_cycles(TileCounts(
+                            lean["dmma_fma"], sum(lean["dmma"].values()), lean["fp64_vector"],
+                            lean["instructions"], _smem_cycles(lean, layout, D),
+                            lean["lds_bytes"]), hw)
+                        entry["plain_path"] = {"fraction_of_dmma_peak":
+                                               plain.fraction_of_dmma_peak,
+                                               "bound": plain.bound, "cycles": plain.cycles}
                     unknown = sum(1 for *_, t in main.get("inner_trips", []) if t is None)
                     if unknown:
                         entry["note"] = (f"{unknown} inner loop(s) without a constant trip "

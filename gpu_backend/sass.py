@@ -156,6 +156,9 @@ class KernelCounts:
     loops: tuple[tuple[int, int], ...]
     main_loop: LoopCounts | None
     notes: tuple[str, ...] = field(default=())
+    #: the main loop along the fp64-heaviest path (every branch adding vector fp64 work taken:
+    #: features included), a bound on the plain path's figures from the other side
+    heavy_loop: LoopCounts | None = None
 
 
 _INT = re.compile(r"^-?(?:0x[0-9a-f]+|\d+)$")
@@ -252,7 +255,7 @@ def _data_dependent(body: list[Instruction], position: int) -> bool:
 
 
 def _plain_path(instrs: list[Instruction], start: int, end: int,
-                weight: dict[int, int], hot: str = "dmma_fma") -> set[int]:
+                weight: dict[int, int], hot: str = "dmma_fma", heavy: bool = False) -> set[int]:
     """Addresses on one iteration's path through [start, end] that does the most ``hot`` work
     (DMMA multiply-adds, or DFMA instructions in a kernel without DMMA),
     then the most cp.async copies (the next tile's prefetch); among those, it skips what a
@@ -291,6 +294,9 @@ def _plain_path(instrs: list[Instruction], start: int, end: int,
             fma = sum(weight.get(i.address, 1) for i in block if i.base == "DFMA")
         cost = sum(weight.get(i.address, 1) for i in block if i.base != "NOP")
         copies = sum(weight.get(i.address, 1) for i in block if i.base == "LDGSTS")
+        if heavy:  # the fp64-heaviest path: every branch that adds vector fp64 work taken
+            copies = copies * 10**9 + sum(weight.get(i.address, 1) for i in block
+                                          if i.base in ("DFMA", "DADD", "DMUL"))
         last = block[-1]
         t = last.branch_target()
         succ: list[int | None] = []
@@ -319,7 +325,7 @@ def _plain_path(instrs: list[Instruction], start: int, end: int,
 
 def _range_counts(instrs: list[Instruction], start: int, end: int,
                   loops: list[tuple[int, int]], *, expand: bool = False,
-                  hot: str = "dmma_fma") -> LoopCounts:
+                  hot: str = "dmma_fma", heavy: bool = False) -> LoopCounts:
     """Counts over [start, end]; ``expand``: along :func:`_plain_path` only, inner loops
     weighted by their trip counts where :func:`trip_count` finds them (else once). Calls are
     counted over the whole range."""
@@ -333,7 +339,7 @@ def _range_counts(instrs: list[Instruction], start: int, end: int,
                 if t and s <= i.address <= e:
                     w *= t
             weight[i.address] = w
-    path = _plain_path(instrs, start, end, weight, hot) if expand else set(weight)
+    path = _plain_path(instrs, start, end, weight, hot, heavy) if expand else set(weight)
     calls = sum(1 for i in instrs if start <= i.address <= end
                 and i.opcode.startswith("CALL.REL.NOINC"))
     body = [(i, weight[i.address]) for i in instrs
@@ -381,7 +387,7 @@ def kernel_counts(name: str, instrs: list[Instruction]) -> KernelCounts:
     total = _range_counts(instrs, 0, end, loops)
     hot_total, weight = ((total.dmma_fma, "dmma_fma") if total.dmma_fma
                          else (total.dfma, "dfma"))
-    main = None
+    main = heavy = None
     notes: list[str] = []
     if hot_total:
         # hot work before each instruction (prefix sums): a loop's share in O(log n)
@@ -402,6 +408,7 @@ def kernel_counts(name: str, instrs: list[Instruction]) -> KernelCounts:
         if candidates:
             _, s, e = min(candidates)
             main = _range_counts(instrs, s, e, loops, expand=True, hot=weight)
+            heavy = _range_counts(instrs, s, e, loops, expand=True, hot=weight, heavy=True)
         else:
             notes.append(f"no loop holds {MAIN_LOOP_SHARE:.0%} of the {weight}")
     if main is not None and main.inner_loops:
@@ -409,7 +416,7 @@ def kernel_counts(name: str, instrs: list[Instruction]) -> KernelCounts:
         notes.append(f"{main.inner_loops} loop(s) nested in the main loop: "
                      f"{main.inner_loops - unknown} weighted by their trip counts, "
                      f"{unknown} counted once (trip count not a constant)")
-    return KernelCounts(name, total, tuple(loops), main, tuple(notes))
+    return KernelCounts(name, total, tuple(loops), main, tuple(notes), heavy)
 
 
 def _wheel_bins() -> list[str]:

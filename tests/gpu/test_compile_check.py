@@ -179,6 +179,9 @@ def test_the_kernels_meet_issue_24s_targets_once_they_use_tensor_cores(report):
     # and the modelled fraction of the DMMA peak at D = 64 and 128 (forward >= 0.5, dq and
     # dk/dv >= 0.4)
     model = perf_model.sass_model(report, dims=(64, 128))
+    for arch, roles in model.items():  # every role has a kernel at both widths
+        assert {(r, d) for r, per in roles.items() for d in per} == {
+            (r, f"D={d}") for r in ("forward", "dq", "dkdv") for d in (64, 128)}, arch
     failures |= {f"{arch} {role} {d}: {e['fraction_of_dmma_peak']:.2f} of the DMMA peak "
                  f"({e['kernel']})": []
                  for arch, roles in model.items() for role, per in roles.items()
@@ -243,3 +246,6 @@ def test_inner_counted_loops_are_expanded_and_feature_branches_skipped():
     # 0x10, 0x20, 0x60, 0x70, 0x80, 0x90, 0xf0 once; 0xa0..0xe0 (5 instructions) 16 times
     assert m.instructions == 7 + 16 * 5
     assert m.inner_trips == ((0xA0, 0xE0, 16),)
+    # the fp64-heaviest path takes the feature branch's 3 DFMA as well (the other bound)
+    h = k.heavy_loop
+    assert h.dfma == 4 and h.fp64_vector == 5 and h.instructions == m.instructions + 3
