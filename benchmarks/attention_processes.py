@@ -341,55 +341,95 @@ def summary(results: list[dict[str, Any]], dgemm: float, install: str) -> list[s
     return lines
 
 
-def probe(case: Case, data: Path, *, threads: int, calls: int) -> dict[str, Any]:
-    """Torch's time in one process, alone and right after refattn calls, per hypothesis.
+PROBES = [  # (label, process kind, extra environment of that child)
+    ("torch only (refattn never imported)", "torch_only", {}),
+    ("torch imported first, then refattn", "torch_first", {}),
+    ("a refattn call before torch is imported", "refattn_first", {}),
+    ("refattn first, OMP_WAIT_POLICY=passive", "refattn_first", {"OMP_WAIT_POLICY": "passive"}),
+    ("refattn first, numba workqueue layer", "refattn_first",
+     {"NUMBA_THREADING_LAYER": "workqueue"}),
+]
+PROBE_SLOTS = ("alone", "right after refattn", "after refattn + 0.5 s")
 
-    Each scenario runs in a fresh process; ``env`` scenarios change only that child's
-    environment (never this process's).
-    """
-    scenarios = [
-        ("torch alone", "alone", {}),
-        ("torch right after a refattn call", "after", {}),
-        ("torch after a refattn call + 1 s sleep", "after_sleep", {}),
-        ("torch after refattn, OMP_WAIT_POLICY=passive", "after", {"OMP_WAIT_POLICY": "passive"}),
-        ("torch after refattn, numba workqueue layer", "after",
-         {"NUMBA_THREADING_LAYER": "workqueue"}),
-        ("torch after refattn, BLAS limited to 1 thread after it", "after_limit", {}),
-        ("torch after numpy's threaded matmul", "after_matmul", {}),
-    ]
-    out = {}
-    for label, mode, extra in scenarios:
-        env = {**child_environ(threads, False), **extra}
-        out[label] = _spawn(["probe", mode, list(case), str(data), threads, calls], env)
+
+def probe(case: Case, data: Path, *, threads: int, calls: int, rounds: int) -> dict[str, Any]:
+    """Torch's time in one process under each hypothesis (:data:`PROBES`), in fresh processes
+    interleaved over ``rounds``. Within a process torch is timed alone (0.5 s after anything
+    else), right after a refattn call, and 0.5 s after one, alternately, so that drift of a
+    shared machine hits the three alike. Changes only the children's environment."""
+    runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in PROBES}
+    for _ in range(rounds):
+        for label, kind, extra in PROBES:
+            env = {**child_environ(threads, False), **extra}
+            runs[label].append(_spawn(["probe", kind, list(case), str(data), threads, calls],
+                                      env))
+    out: dict[str, Any] = {}
+    for label, rs in runs.items():
+        out[label] = {slot: statistics.median(t for r in rs for t in r[slot])
+                      for slot in rs[0] if slot in PROBE_SLOTS}
+        out[label]["bindings"] = rs[0]["bindings"]
     return out
 
 
-def child_probe(mode: str, case: Case, data: Path, threads: int, calls: int) -> dict[str, Any]:
-    """One probe scenario: torch's call times, each preceded by what ``mode`` names."""
-    import numpy as np
-    from threadpoolctl import threadpool_limits
+def _torch_bindings() -> str:
+    """Which library torch's ``GOMP_parallel`` and ``dgemm_`` resolve to in this process."""
+    import ctypes
+    import glob
 
+    import torch
+
+    lib = Path(torch.__file__).parent / "lib"
+    own = {"GOMP_parallel": glob.glob(str(lib / "libgomp*")),
+           "dgemm_": [str(lib / "libtorch_cpu.so")]}
+    found = []
+    for symbol, owners in own.items():
+        try:  # the process-wide first definition: what torch's undefined symbol binds to
+            addr = ctypes.cast(getattr(ctypes.CDLL(None), symbol), ctypes.c_void_p).value
+        except AttributeError:
+            found.append(f"{symbol}: torch's")  # not in the global scope: torch's own
+            continue
+        info = Path(_owner(addr))
+        found.append(f"{symbol}: {'torch' if str(info) in owners else info.name}")
+    return ", ".join(found)
+
+
+def _owner(addr: int) -> str:
+    import ctypes
+
+    class DlInfo(ctypes.Structure):
+        _fields_ = [("fname", ctypes.c_char_p), ("fbase", ctypes.c_void_p),
+                    ("sname", ctypes.c_char_p), ("saddr", ctypes.c_void_p)]
+
+    info = DlInfo()
+    ctypes.CDLL(None).dladdr(ctypes.c_void_p(addr), ctypes.byref(info))
+    return (info.fname or b"?").decode()
+
+
+def child_probe(kind: str, case: Case, data: Path, threads: int, calls: int) -> dict[str, Any]:
+    """One probe process: torch's call times in each slot of :data:`PROBE_SLOTS`."""
+    ref_fn = None
+    if kind == "refattn_first":  # refattn's kernels (numba threads, BLAS) run before torch loads
+        ref_fn = make_runner("refattn", case, data)
+        ref_fn()
     _set_threads(threads)
     torch_fn = make_runner("torch", case, data)
-    ref_fn = make_runner("refattn", case, data) if mode != "alone" else None
-    a = np.random.default_rng(1).standard_normal((1024, 1024))
-    torch_fn()
-    if ref_fn is not None:
+    if kind == "torch_first":
+        ref_fn = make_runner("refattn", case, data)
         ref_fn()
-    ts = []
+    torch_fn()
+    slots: dict[str, list[float]] = {"alone": []}
+    if ref_fn is not None:
+        slots.update({"right after refattn": [], "after refattn + 0.5 s": []})
     for _ in range(calls):
-        if mode in ("after", "after_sleep", "after_limit"):
+        time.sleep(0.5)
+        slots["alone"] += _times(torch_fn, 1)
+        if ref_fn is not None:
             ref_fn()
-        if mode == "after_matmul":
-            a @ a
-        if mode == "after_sleep":
-            time.sleep(1.0)
-        if mode == "after_limit":
-            with threadpool_limits(limits=1, user_api="blas"):
-                ts += _times(torch_fn, 1)
-            continue
-        ts += _times(torch_fn, 1)
-    return {"times": ts, "median": statistics.median(ts), "min": min(ts)}
+            slots["right after refattn"] += _times(torch_fn, 1)
+            ref_fn()
+            time.sleep(0.5)
+            slots["after refattn + 0.5 s"] += _times(torch_fn, 1)
+    return {**slots, "bindings": _torch_bindings()}
 
 
 def child_main(spec: list[Any]) -> dict[str, Any]:
@@ -470,11 +510,15 @@ def main(argv: list[str] | None = None) -> int:
         if args.probe:
             case = cases[0] if args.shape else Case(2, 8, 8, 1024, 1024, 64)
             data = write_inputs(case, Path(tmp))
-            out["probe"] = probe(case, data, threads=threads, calls=args.calls)
-            print(f"probe at {case.name}, {args.calls} torch calls per scenario, each scenario"
-                  " in a fresh process:")
+            out["probe"] = probe(case, data, threads=threads, calls=args.calls,
+                                 rounds=args.rounds)
+            print(f"probe at {case.name}: torch f+b median s; {args.rounds} fresh processes "
+                  f"per scenario (interleaved) x {args.calls} calls per slot\n")
+            print("| scenario | " + " | ".join(PROBE_SLOTS) + " | torch's symbols bound to |")
+            print("| --- | ---: | ---: | ---: | --- |")
             for label, r in out["probe"].items():
-                print(f"  {label:<56} median {r['median']:.4f} s  min {r['min']:.4f} s")
+                cells = [f"{r[slot]:.4f}" if slot in r else "-" for slot in PROBE_SLOTS]
+                print(f"| {label} | " + " | ".join(cells) + f" | {r['bindings']} |")
         else:
             print(f"each variant: {args.rounds} fresh processes x (1 warm + {args.calls} timed "
                   "calls), interleaved; figure = median of the process medians; one process "

@@ -73,7 +73,7 @@ def calibrate(*, shapes: tuple[tuple[int, ...], ...] = QUICK_SHAPES, repeats: in
         q, k, v = (rng.standard_normal((B, H, n, D)) for n in (Q, K, K))
         calls.append((AttentionCall(q, k, v), rng.standard_normal((B, H, Q, D))))
     candidates = [base.with_layout(layout, mib << 20) for base in available_providers()
-                  for layout in LAYOUTS for mib in BUDGETS_MIB]
+                  if _loads(base) for layout in LAYOUTS for mib in BUDGETS_MIB]
     timings = {p.key: 0.0 for p in candidates}
     for p in candidates:  # warm every candidate (compiles on first use)
         for call, g in calls:
@@ -98,6 +98,14 @@ def calibrate(*, shapes: tuple[tuple[int, ...], ...] = QUICK_SHAPES, repeats: in
         os.replace(tmp, path)
     current_provider.cache_clear()
     return record
+
+
+def _loads(p: Provider) -> bool:
+    """Whether ``p``'s library loads with the symbols the kernels need (loads it)."""
+    try:
+        return p.address != 0
+    except (OSError, AttributeError):  # a library without the expected symbols
+        return False
 
 
 @cache

@@ -5,6 +5,14 @@ buffer budget, and how to set its thread count), the providers found in this pro
 scipy's OpenBLAS always; Intel oneMKL from the ``mkl`` wheel (``pip install 'refattn[fast]'``)
 and BLIS where their libraries are installed -- and the machine fingerprint a calibration
 (:mod:`.calibration`) is keyed on.
+
+MKL and BLIS are found by their files and loaded only when a provider of theirs runs (a
+calibration, or the calibrated choice). Loading ``mkl_rt`` puts its ``dgemm_`` and the Intel
+OpenMP runtime it brings into the process's global symbol scope (it opens its own libraries
+that way, whatever mode ``mkl_rt`` itself is opened in): torch imported *after* it binds its
+``dgemm_``, ``GOMP_parallel`` and ``omp_get_max_threads`` to them instead of its own (seen with
+``LD_DEBUG=bindings``). Loading it only where it is used keeps every other process's
+libraries as they were.
 """
 
 from __future__ import annotations
@@ -24,7 +32,7 @@ from typing import Any
 
 from refattn.engine.numba.blas import dgemm_address, single_thread_blas
 
-__all__ = ["LAYOUTS", "Provider", "available_providers", "cpu_model", "fingerprint"]
+__all__ = ["LAYOUTS", "Library", "Provider", "available_providers", "cpu_model", "fingerprint"]
 
 LAYOUTS = ("heads", "blas")  # heads on numba threads, one BLAS thread each; or threaded BLAS
 
@@ -37,8 +45,6 @@ class Provider:
     ----------
     name : str
         ``openblas``, ``mkl`` or ``blis``.
-    address : int
-        Address of its Fortran-ABI ``dgemm``.
     version : str
     layout : str
         ``heads`` (tasks on numba threads, BLAS on one thread each) or ``blas`` (one task at
@@ -48,12 +54,23 @@ class Provider:
     """
 
     name: str
-    address: int
     version: str
     layout: str = "heads"
     budget: int = 8 << 20
-    set_threads: Callable[[int], None] | None = field(default=None, repr=False, compare=False)
-    get_threads: Callable[[], int] | None = field(default=None, repr=False, compare=False)
+    load: Callable[[], Library] = field(default=lambda: Library(0), repr=False, compare=False)
+
+    @property
+    def address(self) -> int:
+        """Address of its Fortran-ABI ``dgemm`` (loads the library on first use)."""
+        return self.load().address
+
+    @property
+    def set_threads(self) -> Callable[[int], None] | None:
+        return self.load().set_threads
+
+    @property
+    def get_threads(self) -> Callable[[], int] | None:
+        return self.load().get_threads
 
     @contextlib.contextmanager
     def threads(self, n: int) -> Iterator[None]:
@@ -74,9 +91,8 @@ class Provider:
                 self.set_threads(saved)
 
     def with_layout(self, layout: str, budget: int | None = None) -> Provider:
-        return Provider(self.name, self.address, self.version, layout,
-                        self.budget if budget is None else budget, self.set_threads,
-                        self.get_threads)
+        return Provider(self.name, self.version, layout,
+                        self.budget if budget is None else budget, self.load)
 
     @property
     def key(self) -> str:
@@ -86,6 +102,15 @@ class Provider:
     def record(self) -> dict[str, Any]:
         return {"provider": self.name, "version": self.version, "layout": self.layout,
                 "budget_bytes": self.budget}
+
+
+@dataclass(frozen=True)
+class Library:
+    """A loaded BLAS: its ``dgemm`` address and thread setters (None: threadpoolctl's)."""
+
+    address: int
+    set_threads: Callable[[int], None] | None = None
+    get_threads: Callable[[], int] | None = None
 
 
 def _openblas() -> Provider:
@@ -98,7 +123,7 @@ def _openblas() -> Provider:
             and os.path.basename(os.path.dirname(i.get("filepath", ""))) == "scipy.libs"]
     version = (f"{info[0].get('version')} {info[0].get('architecture')}" if info
                else "scipy's OpenBLAS")
-    return Provider("openblas", address, version)
+    return Provider("openblas", version, load=cache(lambda: Library(address)))
 
 
 def _find(names: tuple[str, ...]) -> str | None:
@@ -113,33 +138,47 @@ def _find(names: tuple[str, ...]) -> str | None:
     return None
 
 
+def _version(distribution: str, path: str) -> str:
+    """The installed wheel's version, else the library's file name (nothing is loaded)."""
+    from importlib import metadata
+
+    try:
+        return metadata.version(distribution)
+    except metadata.PackageNotFoundError:
+        return os.path.basename(path)
+
+
+def _load_mkl(path: str) -> Library:
+    # RTLD_LOCAL for mkl_rt itself; the libraries it opens (mkl_intel_lp64, libiomp5) still
+    # land in the global scope, hence the lazy load (the module docstring)
+    lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+    lib.MKL_Set_Interface_Layer(ctypes.c_int(0))  # LP64: 32-bit integers, as OpenBLAS's dgemm
+    lib.MKL_Get_Max_Threads.restype = ctypes.c_int
+    address = ctypes.cast(lib.dgemm_, ctypes.c_void_p).value
+    return Library(int(address), lambda n: lib.MKL_Set_Num_Threads(ctypes.c_int(n)),
+                   lib.MKL_Get_Max_Threads)
+
+
+def _load_blis(path: str) -> Library:
+    lib = ctypes.CDLL(path, mode=ctypes.RTLD_LOCAL)
+    lib.bli_thread_get_num_threads.restype = ctypes.c_long
+    return Library(int(ctypes.cast(lib.dgemm_, ctypes.c_void_p).value),
+                   lambda n: lib.bli_thread_set_num_threads(ctypes.c_long(n)),
+                   lib.bli_thread_get_num_threads)
+
+
 def _mkl() -> Provider | None:
     path = _find(("mkl_rt",))
     if path is None:
         return None
-    lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    lib.MKL_Set_Interface_Layer(ctypes.c_int(0))  # LP64: 32-bit integers, as OpenBLAS's dgemm
-    lib.MKL_Get_Max_Threads.restype = ctypes.c_int
-    buffer = ctypes.create_string_buffer(256)
-    lib.MKL_Get_Version_String(buffer, ctypes.c_int(256))
-    address = ctypes.cast(lib.dgemm_, ctypes.c_void_p).value
-    return Provider("mkl", int(address), buffer.value.decode(errors="replace").strip(),
-                    set_threads=lambda n: lib.MKL_Set_Num_Threads(ctypes.c_int(n)),
-                    get_threads=lib.MKL_Get_Max_Threads)
+    return Provider("mkl", _version("mkl", path), load=cache(lambda: _load_mkl(path)))
 
 
 def _blis() -> Provider | None:
     path = _find(("blis", "blis-mt"))
     if path is None:
         return None
-    lib = ctypes.CDLL(path, mode=ctypes.RTLD_GLOBAL)
-    if not hasattr(lib, "dgemm_"):
-        return None
-    lib.bli_thread_get_num_threads.restype = ctypes.c_long
-    return Provider("blis", int(ctypes.cast(lib.dgemm_, ctypes.c_void_p).value),
-                    os.path.basename(path),
-                    set_threads=lambda n: lib.bli_thread_set_num_threads(ctypes.c_long(n)),
-                    get_threads=lib.bli_thread_get_num_threads)
+    return Provider("blis", os.path.basename(path), load=cache(lambda: _load_blis(path)))
 
 
 @cache
