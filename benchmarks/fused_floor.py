@@ -214,17 +214,48 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--shape", help="B,Hq,Hkv,Q,K,D (default: the issue's shapes)")
     p.add_argument("--causal", action="store_true")
     p.add_argument("--rounds", type=int, default=5)
+    p.add_argument("--dgemm", action="store_true",
+                   help="also time square DGEMM on the kernels' BLAS (scipy's) and print each "
+                        "product's fraction of it")
     args = p.parse_args(argv)
     cases = ISSUE_SHAPES
     if args.shape:
         cases = [(tuple(int(x) for x in args.shape.split(",")), args.causal)]
     provider = current_provider()
     print(f"provider {provider.key} ({provider.version}); numba threads {numba.get_num_threads()}")
+    square = square_dgemm() if args.dgemm else None
+    if square:
+        print(f"square DGEMM 3072^2 on scipy's BLAS (the kernels' dgemm), default threads, this "
+              f"run: {square:.1f} GF/s")
     for shape, causal in progress(cases, desc="fused floor", unit="shape"):  # terminal only
         r = breakdown(shape, causal=causal, rounds=args.rounds, provider=provider)
         print(f"{shape}{' causal' if causal else ''}:")
         print("\n".join(format_breakdown(r)), flush=True)
+        if square:
+            fused_rate = (12.0 * visible_elements(shape, causal) * shape[5] / 1e9
+                          / r["seconds"]["fused"]["median"])
+            print("  per GEMM / square DGEMM: " + ", ".join(
+                f"{p} {g / square:.2f}" for p, g in r["gemm_gflops"].items())
+                + f"; six together {r['gemms_gflops'] / square:.2f}; fused f+b "
+                f"{fused_rate:.1f} GF/s = {fused_rate / square:.2f}", flush=True)
     return 0
+
+
+def square_dgemm(n: int = 3072, repeats: int = 5) -> float:
+    """GFLOP/s of scipy's ``dgemm`` (the BLAS the kernels call) on n x n operands."""
+    import time
+
+    from scipy.linalg.blas import dgemm
+
+    rng = np.random.default_rng(1)
+    a, b = (np.asfortranarray(rng.standard_normal((n, n))) for _ in range(2))
+    dgemm(1.0, a, b)
+    best = float("inf")
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dgemm(1.0, a, b)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * n**3 / best / 1e9
 
 
 if __name__ == "__main__":
