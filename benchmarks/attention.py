@@ -27,6 +27,10 @@ Usage::
     python3 benchmarks/attention.py --quick         # small shapes, a smoke run
     python3 benchmarks/attention.py --json out.json
 
+Its torch column is torch inside this process, after refattn has loaded its runtimes (the
+load order changes the libraries torch binds to): ``benchmarks/attention_processes.py`` times
+each side in a process of its own and is the baseline to quote.
+
 The environment is printed, never changed: CPU model, numba threads, the BLAS libraries and
 their kernels (threadpoolctl), the calibrated provider, ``OPENBLAS_*`` variables, torch's
 version, threads and SDPA backend.

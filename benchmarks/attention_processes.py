@@ -17,10 +17,25 @@ g, backend="numba")`` with the calibrated provider) and, where the ``mkl`` wheel
 (``pip install "refattn[fast]"``), ``refattn-mkl`` (the same with
 ``REFATTN_BLAS_PROVIDER=mkl/heads/8``).
 
-What slowed torch inside one process (``--probe`` measures it; the findings on an AMD EPYC, 2
-cores, are in ``docs/performance.md``): see :func:`probe`. In short, torch's time after a
-refattn call in the same process is torch's own time once the other runtimes' worker threads
-have gone to sleep; what stays is measured there per hypothesis.
+What changes torch inside one process (``--probe`` times each hypothesis in fresh processes;
+the figures are in ``docs/performance.md``):
+
+- Load order decides which libraries torch's own symbols bind to. ``import torch`` loads its
+  ``libgomp.so.1`` and exports ``dgemm_`` from ``libtorch_cpu.so``; whatever was loaded into
+  the global scope before wins (``LD_DEBUG=bindings``). A refattn call made before torch is
+  imported has loaded numba's OpenMP layer, whose system ``libgomp.so.1`` has the same soname,
+  so torch then runs its parallel regions on the system's libgomp. With the ``mkl`` wheel
+  (``refattn[fast]``) it was worse: refattn loaded ``mkl_rt`` whenever it listed the providers,
+  and ``mkl_rt`` opens ``libmkl_intel_lp64`` and ``libiomp5`` into the global scope, so torch
+  imported afterwards ran its float64 GEMMs on the mkl wheel's ``dgemm_`` and its OpenMP on
+  Intel's runtime (``GOMP_parallel`` bound to ``libiomp5``, whose workers spin 200 ms after
+  each region): torch measured in that process is not torch as users run it.
+  ``benchmarks/attention.py`` lists the providers (``environment()``) before importing torch.
+  refattn now loads MKL only where an MKL provider runs (calibration, or the calibrated
+  choice).
+- Worker threads left spinning after a call (OpenBLAS's about 0.1 s; libgomp's spin count;
+  libiomp5's ``KMP_BLOCKTIME``) compete with the next call on 2 cores: the probe times torch
+  right after a refattn call and 0.5 s after one, alternately in one process.
 
 Usage::
 
