@@ -430,9 +430,9 @@ def _supports(ctx: _Context, names: Sequence[str], fits: Fits) -> list[Diagnosis
     for text, vis in _support_alternatives(ctx.spec):
         explained = _fit_all(ctx, ctx.run(visible=np.ascontiguousarray(vis)), names, fits)
         if explained:
+            case = "" if "the case's" in text else f"; {_describe_support(ctx.spec)}"
             return [Diagnosis("support", explained, f"{_names(explained)} a "
-                              f"recomputation whose probability support is {text}; "
-                              f"{_describe_support(ctx.spec)}")]
+                              f"recomputation whose probability support is {text}{case}")]
     return []
 
 
