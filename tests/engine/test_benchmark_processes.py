@@ -59,3 +59,20 @@ def test_flops_count_visible_pairs(bench):
     assert dense.flops == 12 * 16 * 2
     assert bench.Case(1, 1, 1, 4, 4, 2, causal=True).flops == 12 * 10 * 2
     assert bench.Case(2, 8, 2, 4, 4, 2).name == "(2,8->2,4,2) GQA"
+
+
+def test_targets_follow_the_issue_per_machine_and_install(bench):
+    small, big = bench.Case(1, 8, 8, 512, 512, 64), bench.Case(2, 8, 8, 1024, 1024, 64)
+
+    def result(case, torch_s, ref_s):
+        return {"case": list(case), "variants": {"torch": {"median": torch_s},
+                                                 "refattn": {"median": ref_s}}}
+
+    # 1.4x at L = 1024: met on an Intel default install (1.25), missed on AMD (1.5)
+    results = [result(small, 1.0, 1.0), result(big, 1.4, 1.0)]
+    dgemm = big.flops / 1.0 / 1e9 / 0.8  # refattn at 0.8 of DGEMM on the big case
+    intel = "\n".join(bench.summary(results, dgemm, "default (no mkl)", "Intel Xeon"))
+    amd = "\n".join(bench.summary(results, dgemm, "default (no mkl)", "AMD EPYC"))
+    assert "1.40x torch (need 1.25: met)" in intel and "need 1.00: met" in intel
+    assert "1.40x torch (need 1.50: MISSED)" in amd and "no target" in amd
+    assert "0.80 of DGEMM (need 0.70: met)" in amd and "need 0.70" not in intel
