@@ -215,6 +215,8 @@ def _parse_yaml(text: str, path: Path) -> Any:
         _scan_yaml(yaml, yaml.parse(text, Loader=loader), path)
         return yaml.load(text, Loader=loader)  # a safe loader; no alias got this far
     except yaml.YAMLError as exc:
+        if "maximum nesting depth" in str(exc):  # PyYAML >= 6.0.4 scans ahead and stops first
+            raise RefAttnError(f"SPEC {path}: nested more than {MAX_SPEC_DEPTH} deep") from None
         raise RefAttnError(f"SPEC {path}: not valid YAML ({_shorten(str(exc))})") from None
     except RecursionError:
         raise RefAttnError(f"SPEC {path}: nested more than {MAX_SPEC_DEPTH} deep") from None
