@@ -1,13 +1,16 @@
 """The host side of the GPU path: one program that drives the kernels on a GPU or the emulator.
 
 Owns turning a validated :class:`~refattn.AttentionCall` into the kernels' argument tables
-(``abi.py``), choosing the tile size from the shared memory it needs, launching the forward,
+(``abi.py``), choosing the kernel instance (head width D, zero-padding q, k, v and G_O up to
+it) and checking its shared memory against the device, launching the forward,
 backward and trace kernels through a :class:`Device` (CuPy on a GPU, or the CPU emulator: the
 same ``kernel(grid, block, args, shared_mem=...)`` calls) and assembling refattn's
 :class:`~refattn.Trace` and :class:`~refattn.Gradients` from the results, with numpy arrays
 out. Bad input is refused before any launch: an unsupported score family, shapes beyond the
-kernels' index ranges, heads wider than the shared memory holds, and (on a GPU) a call whose
-buffers exceed the free device memory, each with a RefAttnError naming the tensor or the bytes.
+kernels' 32-bit index ranges, head widths without an instance, an instance whose shared memory
+exceeds the device's per-block limit, a kernel argument that is not a C-contiguous array, and
+(on a GPU) a call whose buffers exceed the free device memory, each with a RefAttnError naming
+the tensor and the limit.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from gpu_backend.abi import INT_PARAMS, POINTERS, REAL_PARAMS
-from gpu_backend.source import TILES
+from gpu_backend.source import INSTANCES
 from refattn.call import AttentionCall
 from refattn.call.gate import check_head_map
 from refattn.call.placement import operand_multipliers
@@ -28,11 +31,14 @@ from refattn.engine.reduce import reduce_to_shape
 from refattn.engine.trace import FORWARD_NAMES, Gradients, Trace
 from refattn.errors import RefAttnError
 
-__all__ = ["Device", "backward", "forward", "shared_bytes"]
+__all__ = ["Device", "Plan", "backward", "forward", "plan", "shared_bytes"]
 
 _STREAM_SAVED = ("output", "row_max", "lse")
 _GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y (blocks over B * Hq or B * Hkv)
 _INT32_MAX = 2**31 - 1
+_WARPS = 4  # warps per block of every tensor-core kernel
+#: the kernels' tile-local indices are int32: row0 + r stays below Q (or K) plus one block
+_INDEX_MAX = _INT32_MAX - 256
 #: a trace-mode call materialises nine (B, Hq, Q, K) tensors; above this many elements it is
 #: refused in favour of materialize=False
 TRACE_ELEMENT_LIMIT = 1 << 26
@@ -54,36 +60,83 @@ class Device(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
-def shared_bytes(kernel: str, T: int, Dk: int, Dv: int) -> int:
-    """Dynamic shared memory of one block of ``kernel`` with T x T tiles.
+def shared_bytes(kernel: str, D: int) -> int:
+    """Dynamic shared memory of one block of ``kernel``'s instance at head width ``D``.
+
+    forward: Q (BQ x D) and two buffers of K and V (BK x D); dq: Q and G_O (BQ x D each) and
+    two buffers of K and V; dkdv: K and V (BKV x D each), two buffers of Q and G_O (BQ2 x D)
+    and the dV accumulators (BKV x D); doubles, unpadded (the tiles are swizzled,
+    kernels/tile.cuh).
 
     Examples
     --------
-    >>> shared_bytes("forward", 32, 64, 64)
-    73728
+    >>> shared_bytes("forward", 64), shared_bytes("dq", 128), shared_bytes("dkdv", 128)
+    (98304, 131072, 163840)
     """
-    match kernel:
-        case "forward":
-            n = 2 * T * Dk + 2 * T * Dv + T * T
-        case "dq":
-            n = 3 * T * Dk + 2 * T * Dv + T * T
-        case "dkdv":
-            n = 3 * T * Dk + 3 * T * Dv + 2 * T * T + 2 * T
-        case _:
-            raise RefAttnError(f"shared_bytes: unknown kernel {kernel!r}")
+    if kernel not in INSTANCES or D not in INSTANCES[kernel]:
+        raise RefAttnError(f"shared_bytes: no instance of {kernel!r} at D={D}")
+    MR, tile = INSTANCES[kernel][D]
+    rows = 8 * MR * _WARPS  # BQ or BKV
+    n = {"forward": rows * D + 4 * tile * D, "dq": 2 * rows * D + 4 * tile * D,
+         "dkdv": 3 * rows * D + 4 * tile * D}[kernel]  # dkdv: + the dV accumulators
     return 8 * n
 
 
-def _tile(device: Device, Dk: int, Dv: int) -> int:
-    need = {T: max(shared_bytes(k, T, Dk, Dv) for k in ("forward", "dq", "dkdv"))
-            for T in TILES}
-    for T in TILES:  # the largest tile that fits
-        if need[T] <= device.max_shared_bytes:
-            return T
-    raise RefAttnError(
-        f"q/v: head widths Dk={Dk}, Dv={Dv} need {need[TILES[-1]]} bytes of shared memory per "
-        f"block even with {TILES[-1]} x {TILES[-1]} tiles; {device.name} offers "
-        f"{device.max_shared_bytes}")
+@dataclass(frozen=True)
+class Plan:
+    """One kernel's instance for a call: its name, head width, rows per block, tile, bytes."""
+
+    kernel: str  # the entry point, e.g. "attention_forward_d64"
+    D: int  # the instance's head width (q, k, v, G_O zero-padded to it)
+    rows: int  # query rows (forward, dq) or keys (dkdv) per block
+    tile: int  # keys (forward, dq) or queries (dkdv) per step
+    shared_bytes: int
+
+
+def plan(kind: str, Dk: int, Dv: int, max_shared_bytes: int, device_name: str = "the device"
+         ) -> Plan:
+    """The instance of ``kind`` ("forward", "dq", "dkdv") for head widths Dk, Dv.
+
+    Both widths are zero-padded to the smallest instance width that holds max(Dk, Dv).
+
+    Raises
+    ------
+    RefAttnError
+        A width above every instance, or an instance whose shared memory exceeds
+        ``max_shared_bytes`` (the device's per-block opt-in limit).
+
+    Examples
+    --------
+    >>> plan("forward", 40, 24, 232448)
+    Plan(kernel='attention_forward_d64', D=64, rows=64, tile=32, shared_bytes=98304)
+    """
+    widths = sorted(INSTANCES[kind])
+    wide = max(Dk, Dv)
+    D = next((w for w in widths if w >= wide), None)
+    if D is None:
+        what = "backward" if kind != "forward" else "forward"  # (the forward is planned first)
+        raise RefAttnError(
+            f"q/v: head widths Dk={Dk}, Dv={Dv} have no {what} kernel instance: the {kind} "
+            f"kernel is instantiated for D in {widths} (narrower heads are zero-padded up to "
+            "the next one)")
+    need = shared_bytes(kind, D)
+    if need > max_shared_bytes:
+        raise RefAttnError(
+            f"q/v: the {kind} kernel at head width D={D} (Dk={Dk}, Dv={Dv}) needs {need} bytes "
+            f"of shared memory per block; {device_name} allows {max_shared_bytes} "
+            "(its per-block opt-in limit)")
+    MR, tile = INSTANCES[kind][D]
+    return Plan(f"attention_{kind}_d{D}", D, 8 * MR * _WARPS, tile, need)
+
+
+def _padded(array: np.ndarray, D: int) -> np.ndarray:
+    """``array`` (..., d) with zero columns appended up to D (a copy only when d < D)."""
+    d = array.shape[-1]
+    if d == D:
+        return array
+    out = np.zeros((*array.shape[:-1], D))
+    out[..., :d] = array
+    return out
 
 
 @dataclass
@@ -116,6 +169,15 @@ class _Launch:
 
     def run(self, kernel: str, grid: tuple[int, ...], block: int, smem: int = 0) -> None:
         dummy = self.slots.setdefault("_DUMMY", self.device.to_device(np.zeros(1)))
+        for name, array in self.slots.items():  # the kernels index every array densely
+            flags = getattr(array, "flags", None)
+            if flags is None or not flags.c_contiguous:
+                raise RefAttnError(f"kernel argument {name}: not a C-contiguous array (the "
+                                   f"kernels index rows densely); {kernel} was not launched")
+        if smem > self.device.max_shared_bytes:
+            raise RefAttnError(f"{kernel}: {smem} bytes of shared memory per block exceed "
+                               f"{self.device.name}'s limit of {self.device.max_shared_bytes}; "
+                               "not launched")
         table = np.array([self.device.address(self.slots.get(n, dummy)) for n in POINTERS],
                          dtype=np.uint64)
         fn = self.device.get_function(kernel)
@@ -137,24 +199,29 @@ def _check_shapes(call: AttentionCall, device: Device) -> None:
             raise RefAttnError(f"q/k: {name} = {blocks} exceeds the kernels' grid range "
                                f"({_GRID_Y_MAX} blocks on the y axis)")
     for name, n in (("Q", Q), ("K", K)):
-        if n > _INT32_MAX:
-            raise RefAttnError(f"q/k: {name} = {n} exceeds the kernels' int32 grid range")
+        if n > _INDEX_MAX:
+            raise RefAttnError(f"q/k: {name} = {n} exceeds the kernels' 32-bit tile-local index "
+                               f"range (at most {_INDEX_MAX}: 2**31 - 1 less one block of rows)")
 
 
-def _prepare(call: AttentionCall, device: Device) -> _Launch:
+def _prepare(call: AttentionCall, device: Device, D: int | None = None) -> _Launch:
     _check_shapes(call, device)
+    if D is None:  # the forward instance's width
+        D = plan("forward", call.q.shape[3], call.v.shape[3], device.max_shared_bytes,
+                 device.name).D
     a = call.axes
-    B, Hq, Hkv, Q, K, Dk, Dv = (a[n] for n in ("B", "Hq", "Hkv", "Q", "K", "Dk", "Dv"))
+    B, Hq, Hkv, Q, K = (a[n] for n in ("B", "Hq", "Hkv", "Q", "K"))
     full = call.score_shape
     L = _Launch(device)
+    # every device row is D wide (zero-padded): the trace kernels read DK = DV = D
     for name, value in zip(("B", "HQ", "HKV", "Q", "K", "DK", "DV"),
-                           (B, Hq, Hkv, Q, K, Dk, Dv), strict=True):
+                           (B, Hq, Hkv, Q, K, D, D), strict=True):
         L.set(name, value)
     mult = operand_multipliers(call.scale, call.scale_placement)
     # the placement's rounded operands, one IEEE product per element as the reference
-    L.put("Q", call.q if mult.query == 1.0 else call.q * mult.query)
-    L.put("K", call.k if mult.key == 1.0 else call.k * mult.key)
-    L.put("V", call.v)
+    L.put("Q", _padded(call.q if mult.query == 1.0 else call.q * mult.query, D))  # (B,Hq,Q,D)
+    L.put("K", _padded(call.k if mult.key == 1.0 else call.k * mult.key, D))  # (B,Hkv,K,D)
+    L.put("V", _padded(call.v, D))  # (B,Hkv,K,D)
     L.put("HEAD_MAP", check_head_map(call))  # re-checked: the kernels index k, v with it
     L.real("POST", mult.post)
     L.real("FQ", mult.query * mult.post)
@@ -217,14 +284,14 @@ def _prepare(call: AttentionCall, device: Device) -> _Launch:
     return L
 
 
-def _memory_check(device: Device, call: AttentionCall, trace: bool) -> None:
+def _memory_check(device: Device, call: AttentionCall, trace: bool, D: int) -> None:
     free = device.free_bytes()
     if free is None:
         return
     a = call.axes
     rows = a["B"] * a["Hq"] * a["Q"]
-    need = 8 * (a["B"] * a["Hq"] * a["Q"] * (2 * a["Dk"] + 3 * a["Dv"])
-                + 2 * a["B"] * a["Hkv"] * a["K"] * (a["Dk"] + a["Dv"]) + 6 * rows)
+    need = 8 * (a["B"] * a["Hq"] * a["Q"] * 5 * D  # q, G_O, output, dq (padded to D)
+                + 4 * a["B"] * a["Hkv"] * a["K"] * D + 6 * rows)  # k, v, dk, dv
     if trace:
         need += 8 * 10 * rows * a["K"]
     if call.bias is not None:
@@ -257,22 +324,24 @@ def forward(device: Device, call: AttentionCall, *, materialize: bool = True) ->
         raise RefAttnError(f"materialize: the full trace of this call has {B * Hq * Q * K} "
                            f"elements per tensor (limit {TRACE_ELEMENT_LIMIT}); pass "
                            "materialize=False to stream")
-    _memory_check(device, call, materialize)
     Dk, Dv = call.q.shape[3], call.v.shape[3]
-    T = _tile(device, Dk, Dv)
-    L = _prepare(call, device)
+    P = plan("forward", Dk, Dv, device.max_shared_bytes, device.name)
+    _memory_check(device, call, materialize, P.D)
+    L = _prepare(call, device, P.D)
     xp = device.xp
-    L.slots["OUT"] = xp.zeros((B, Hq, Q, Dv))
+    L.slots["OUT"] = xp.zeros((B, Hq, Q, P.D))
     L.slots["LSE"] = xp.zeros((B, Hq, Q))
     L.slots["ROW_MAX"] = xp.zeros((B, Hq, Q))
-    nqb = -(-Q // T)
+    nqb = -(-Q // P.rows)
     L.slots["TILES"] = xp.zeros((nqb * B * Hq, 2), dtype=np.int64)
-    L.run(f"attention_forward_t{T}", (nqb, B * Hq), 4 * T, shared_bytes("forward", T, Dk, Dv))
+    L.run(P.kernel, (nqb, B * Hq), 32 * _WARPS, P.shared_bytes)
     host = device.to_host
     done, skipped = (int(x) for x in host(L.slots["TILES"]).sum(axis=0))
     lse, row_max = host(L.slots["LSE"]), host(L.slots["ROW_MAX"])
+    output = np.ascontiguousarray(host(L.slots["OUT"])[..., :Dv])  # (B, Hq, Q, Dv)
     materialized: dict[str, Any] = {
-        "mode": "trace" if materialize else "streaming", "block_q": T, "block_k": T,
+        "mode": "trace" if materialize else "streaming", "kernel": P.kernel, "head_width": P.D,
+        "block_q": P.rows, "block_k": P.tile,
         "tiles_computed": done, "tiles_skipped": skipped, "device": device.describe(),
         "compile_options": list(device.compile_options),
     }
@@ -285,7 +354,7 @@ def forward(device: Device, call: AttentionCall, *, materialize: bool = True) ->
                                               if n not in _STREAM_SAVED]}
         return Trace(call=call, scores=None, biased_scores=None, masked_scores=None,
                      row_max=row_max, lse=lse, probs=None, dropout_multiplier=None,
-                     consumed=None, output=host(L.slots["OUT"]), sanitized_rows=L.sanitized,
+                     consumed=None, output=output, sanitized_rows=L.sanitized,
                      backend=device.name, materialized=materialized, **extra)
     names = ("T_SOFTCAP_INPUT", "T_SCORES", "T_BIASED", "T_MASKED", "T_PROBS", "T_Z",
              "T_CONSUMED")
@@ -299,7 +368,7 @@ def forward(device: Device, call: AttentionCall, *, materialize: bool = True) ->
     return Trace(call=call, scores=t["T_SCORES"], biased_scores=t["T_BIASED"],
                  masked_scores=t["T_MASKED"], row_max=row_max, lse=lse, probs=t["T_PROBS"],
                  dropout_multiplier=t["T_Z"], consumed=t["T_CONSUMED"],
-                 output=host(L.slots["OUT"]), sanitized_rows=L.sanitized, backend=device.name,
+                 output=output, sanitized_rows=L.sanitized, backend=device.name,
                  materialized=materialized, **extra)
 
 
@@ -326,33 +395,37 @@ def backward(device: Device, trace: Trace, grad_output: np.ndarray) -> Gradients
     call = trace.call
     B, Hq, Q, K = call.score_shape
     Hkv, Dk, Dv = call.k.shape[1], call.q.shape[3], call.v.shape[3]
-    T = int(trace.materialized["block_q"])
-    L = _prepare(call, device)
+    PQ = plan("dq", Dk, Dv, device.max_shared_bytes, device.name)
+    PKV = plan("dkdv", Dk, Dv, device.max_shared_bytes, device.name)
+    D = PQ.D
+    L = _prepare(call, device, D)
     xp, host = device.xp, device.to_host
     g_o = np.where(call.query_valid_full(), grad_output, 0.0)  # unused rows consume nothing
-    L.put("G_O", g_o)
-    L.put("OUT", trace.output)
+    L.put("G_O", _padded(g_o, D))  # (B, Hq, Q, D)
+    L.put("OUT", _padded(trace.output, D))
     L.put("LSE", trace.lse)
     L.slots["D"] = xp.zeros((B, Hq, Q))
     L.run("attention_row_dot_output", _grid_stride(B * Hq * Q), 256)
     row_dot_output = host(L.slots["D"])
-    nqb, nkb = -(-Q // T), -(-K // T)
+    nqb, nkb = -(-Q // PQ.rows), -(-K // PKV.rows)
     traced = trace.probs is not None
     extra: dict[str, Any] = {}
     L.slots["TILES"] = xp.zeros((max(nqb * B * Hq, nkb * B * Hkv), 2), dtype=np.int64)
-    if traced:  # the reference's D: sum_j P G_P, before any dS
-        L.slots["ROW_DOT"] = xp.zeros((B, Hq, Q))
-        L.set("DQ_MODE", 1)
-        L.run(f"attention_dq_t{T}", (nqb, B * Hq), 4 * T, shared_bytes("dq", T, Dk, Dv))
-        L.set("DQ_MODE", 0)
-        L.slots["D"] = L.slots.pop("ROW_DOT")
+    if traced:  # the reference's D = sum_j P G_P, from the trace's own G_P, before any dS
         L.put("T_PROBS", trace.probs)
         L.put("T_Z", trace.dropout_multiplier)
         names = ("T_GRAD_CONSUMED", "T_GRAD_PROBS", "T_GRAD_SCORES")
         for name in names:
             L.slots[name] = xp.zeros((B, Hq, Q, K))
+        L.slots["D"] = xp.zeros((B, Hq, Q))  # (T_GRAD_SCORES is recomputed below)
         L.run("attention_trace_backward", _grid_stride(B * Hq * Q * K), 256)
-        grad_consumed, grad_probs, grad_scores = (host(L.slots[n]) for n in names)
+        grad_consumed, grad_probs = (host(L.slots[n]) for n in names[:2])
+        # D and G_S = P (G_P - D) from the same G_P values, as the reference forms them, so a
+        # row whose G_S vanishes exactly (one key) vanishes here too: the tensor-core dq
+        # kernel's G_P (DMMA rounding) would differ from the trace kernel's in the last bit
+        trace_d = (trace.probs * grad_probs).sum(axis=-1)  # (B, Hq, Q)
+        grad_scores = trace.probs * (grad_probs - trace_d[..., None])  # (B, Hq, Q, K)
+        L.put("D", trace_d)
         if call.softcap is not None:  # G_S (1 - tanh^2) from the capped scores
             extra["grad_softcap_input"] = grad_scores * (1.0 - (trace.scores / call.softcap)
                                                          ** 2)
@@ -361,21 +434,23 @@ def backward(device: Device, trace: Trace, grad_output: np.ndarray) -> Gradients
     mode, gshape = _bias_gradient_mode(call)
     L.set("GBIAS_MODE", mode)
     L.slots["GBIAS"] = xp.zeros(gshape)
-    L.slots["DQ"] = xp.zeros((B, Hq, Q, Dk))
+    L.slots["DQ"] = xp.zeros((B, Hq, Q, D))
     L.slots["ROW_DOT"] = xp.zeros((B, Hq, Q))  # the dq kernel's by-product
-    L.run(f"attention_dq_t{T}", (nqb, B * Hq), 4 * T, shared_bytes("dq", T, Dk, Dv))
+    L.run(PQ.kernel, (nqb, B * Hq), 32 * _WARPS, PQ.shared_bytes)
     row_dot = host(L.slots["ROW_DOT"])
-    L.slots["DK"] = xp.zeros((B, Hkv, K, Dk))
-    L.slots["DV"] = xp.zeros((B, Hkv, K, Dv))
-    L.run(f"attention_dkdv_t{T}", (nkb, B * Hkv), 4 * T, shared_bytes("dkdv", T, Dk, Dv))
+    L.slots["DK"] = xp.zeros((B, Hkv, K, D))
+    L.slots["DV"] = xp.zeros((B, Hkv, K, D))
+    L.run(PKV.kernel, (nkb, B * Hkv), 32 * _WARPS, PKV.shared_bytes)
     if call.sink is not None:  # d lse / d sink = sink_probs; the sink carries no value row
         sink_probs = np.exp(call.sink[None, :, None] - trace.lse)
         extra["grad_sink"] = -(sink_probs * row_dot).sum(axis=(0, 2))
     grad_bias = None
     if call.bias is not None:
         grad_bias = reduce_to_shape(host(L.slots["GBIAS"]), call.bias.shape)
-    return Gradients(grad_output=grad_output, grad_v=host(L.slots["DV"]),
+    return Gradients(grad_output=grad_output,
+                     grad_v=np.ascontiguousarray(host(L.slots["DV"])[..., :Dv]),
                      grad_consumed=grad_consumed, grad_probs=grad_probs, row_dot=row_dot,
                      row_dot_output=row_dot_output, grad_scores=grad_scores,
-                     grad_q=host(L.slots["DQ"]), grad_k=host(L.slots["DK"]),
+                     grad_q=np.ascontiguousarray(host(L.slots["DQ"])[..., :Dk]),
+                     grad_k=np.ascontiguousarray(host(L.slots["DK"])[..., :Dk]),
                      grad_bias=grad_bias, **extra)

@@ -11,15 +11,21 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-__all__ = ["KERNELS", "KERNEL_DIR", "TILES", "source_hash", "translation_unit"]
+__all__ = ["INSTANCES", "KERNELS", "KERNEL_DIR", "source_hash", "translation_unit"]
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 MAIN = "attention.cu"
-#: tile sizes the launcher uses (T x T tiles, 4 T threads per block)
-TILES: tuple[int, ...] = (32, 16)
+#: the tensor-core kernels' instances, as attention.cu's entry points instantiate them:
+#: kind -> head width D -> (MR, tile). A block is 4 warps of 8 MR rows: BQ = 32 MR query rows
+#: (forward, dq: the tile is BK keys) or BKV = 32 MR keys (dkdv: the tile is BQ2 queries).
+INSTANCES: dict[str, dict[int, tuple[int, int]]] = {
+    "forward": {32: (2, 32), 64: (2, 32), 128: (1, 32)},
+    "dq": {32: (2, 16), 64: (1, 16), 128: (1, 16)},
+    "dkdv": {32: (1, 32), 64: (1, 32), 128: (1, 16)},
+}
 #: every extern "C" kernel of attention.cu
 KERNELS: tuple[str, ...] = (
-    *(f"attention_{kind}_t{t}" for kind in ("forward", "dq", "dkdv") for t in TILES),
+    *(f"attention_{kind}_d{D}" for kind, dims in INSTANCES.items() for D in dims),
     "attention_row_dot_output", "attention_trace_forward", "attention_trace_backward",
 )
 

@@ -3,8 +3,9 @@
 Owns :func:`build`: ``cuda_emu.h`` and ``attention.cu`` as one translation unit, compiled by
 ``g++`` (or ``$CXX``) with ``-std=c++20 -Werror`` into a shared library whose name carries the
 sha256 of the sources, the header, the flags and the compiler's version, so an edited kernel is
-rebuilt and an unchanged one is reused. Debug builds add bounds-checked shared memory and a
-randomised thread order (``-DREFATTN_EMU_DEBUG``).
+rebuilt and an unchanged one is reused. ``arch`` selects the code path of ``__CUDA_ARCH__``
+(``-DREFATTN_EMU_ARCH``: 900 issues m16n8k4, 800 pairs of m8n8k4). Debug builds add
+bounds-checked shared memory and a randomised thread order (``-DREFATTN_EMU_DEBUG``).
 """
 
 from __future__ import annotations
@@ -50,7 +51,7 @@ def cache_dir() -> Path:
     return path
 
 
-def build(directory: Path = KERNEL_DIR, *, debug: bool = False) -> Path:
+def build(directory: Path = KERNEL_DIR, *, debug: bool = False, arch: int = 900) -> Path:
     """The emulator library of the kernels in ``directory`` (built once per source hash).
 
     Parameters
@@ -60,6 +61,9 @@ def build(directory: Path = KERNEL_DIR, *, debug: bool = False) -> Path:
         test has edited).
     debug : bool
         Bounds-checked shared memory, NaN-poisoned at block start, random thread order.
+    arch : int
+        ``REFATTN_EMU_ARCH``: the ``__CUDA_ARCH__`` whose code path the kernels take (900 or
+        800; they differ in the mma shapes they issue).
 
     Returns
     -------
@@ -72,7 +76,9 @@ def build(directory: Path = KERNEL_DIR, *, debug: bool = False) -> Path:
         Without a compiler, or with the compiler's diagnostics when the sources do not build.
     """
     cxx = compiler()
-    flags = (*_FLAGS, *(_DEBUG if debug else _RELEASE))
+    if arch not in (800, 900):
+        raise RefAttnError(f"cuda_emulator: arch must be 800 or 900, got {arch!r}")
+    flags = (*_FLAGS, *(_DEBUG if debug else _RELEASE), f"-DREFATTN_EMU_ARCH={arch}")
     key = hashlib.sha256("\0".join([source_hash(directory, HEADER), _version(cxx), *flags])
                          .encode()).hexdigest()[:24]
     out = cache_dir() / f"refattn_emu_{key}{'_debug' if debug else ''}.so"

@@ -8,6 +8,17 @@
 // of a warp). Dynamic shared memory is one buffer per block (REFATTN_DYNAMIC_SHARED); __shared__
 // variables are per-OS-thread statics. Atomics are GCC __atomic builtins.
 //
+// The fp64 tensor-core instruction (mma.sync.aligned.m8n8k4 / m16n8k4 / m16n8k8 / m16n8k16
+// .row.col.f64, kernels/mma_*.cuh) is a warp operation too: all 32 lanes of the warp must arrive
+// at an mma of the same shape (else an error naming block, warp and the missing lanes, as for a
+// divergent barrier); the scheduler assembles A, B and C from the lanes' fragments with the PTX
+// layouts and computes every element of D as a k-ascending chain of fused multiply-adds
+// (std::fma), or, with EmuOptions::mma_exact (REFATTN_EMU_MMA=exact for the Python launcher),
+// as the exact sum c + sum_k a_k b_k rounded once (the two differ, e.g. on
+// (1, 2^-53, 2^-53) . (1, 1, 1)). cp.async (kernels/cp_async.cuh) records each copy in the
+// issuing thread's open group and performs it at the cp.async.wait that retires the group, so a
+// kernel that reads shared memory without waiting sees stale (in debug builds NaN) data.
+//
 // With REFATTN_EMU_DEBUG defined: dynamic shared memory is bounds-checked (an index outside the
 // allocation is an error naming block, thread and index), filled with NaN at block start, and
 // the fibers of a block run in a seeded random order each round, so a result that depends on
@@ -53,12 +64,26 @@ struct EmuOptions {  // laid out as gpu_backend.emulator.module.EmuOptions (ctyp
     unsigned int threads;     // OS threads running blocks (0: hardware concurrency)
     unsigned int seed;        // debug builds: seed of the fibers' random order
     unsigned long long stack_bytes;  // per fiber (0: 256 KiB)
+    unsigned int mma_exact;   // 0: mma.sync as a k-ascending fma chain; 1: exact sum rounded once
 };
 
 namespace emu {
 
 enum State { READY, AT_BARRIER, AT_WARP, DONE };
-enum WarpOp { SHFL, SHFL_XOR, SHFL_DOWN, SHFL_UP, BALLOT };
+enum WarpOp { SHFL, SHFL_XOR, SHFL_DOWN, SHFL_UP, BALLOT, MMA };
+
+// one lane's operands of a pending mma.sync (on the lane's own stack while it waits)
+struct MmaArgs {
+    int m, k;
+    const double *a, *b;
+    double* c;
+};
+
+struct AsyncCopy {  // one 16-byte cp.async: done at the wait that retires its group
+    double* dst;
+    const double* src;
+    bool valid;
+};
 enum BarrierOp { PLAIN, OR, AND, COUNT };
 
 struct Fiber {
@@ -74,6 +99,9 @@ struct Fiber {
     // a pending barrier with a predicate
     BarrierOp bop = PLAIN;
     int predicate = 0, bresult = 0;
+    // cp.async: the open group, then the committed groups oldest first
+    std::vector<AsyncCopy> open_copies;
+    std::vector<std::vector<AsyncCopy>> committed;
 };
 
 struct Block;
@@ -194,12 +222,184 @@ inline int barrier(BarrierOp op, int predicate) {
     return f.bresult;
 }
 
+// -- mma.sync and cp.async, called by the wrappers of kernels/mma_*.cuh and cp_async.cuh ------
+inline void mma_f64(int m, int k, const double* a, const double* b, double* c) {
+    MmaArgs args{m, k, a, b, c};
+    Fiber& f = self();
+    f.op = MMA;
+    f.mask = 0xffffffffu;
+    f.value = reinterpret_cast<unsigned long long>(&args);
+    f.param = 0;
+    yield(AT_WARP);
+}
+
+#ifdef REFATTN_EMU_DEBUG
+inline void cp_async16(double& d0, double& d1, const double* src, bool valid) {
+    if (&d1 != &d0 + 1) fail("cp.async: the destination is not two adjacent doubles");
+    self().open_copies.push_back({&d0, src, valid});
+}
+#else
+inline void cp_async16(double& d0, double&, const double* src, bool valid) {
+    self().open_copies.push_back({&d0, src, valid});
+}
+#endif
+
+inline void cp_async_commit() {
+    Fiber& f = self();
+    f.committed.push_back(std::move(f.open_copies));
+    f.open_copies.clear();
+}
+
+inline void cp_async_wait(int n) {  // retire all but the newest n committed groups
+    Fiber& f = self();
+    size_t keep = static_cast<size_t>(n < 0 ? 0 : n);
+    size_t retire = f.committed.size() > keep ? f.committed.size() - keep : 0;
+    for (size_t g = 0; g < retire; ++g)
+        for (const AsyncCopy& c : f.committed[g]) {
+            c.dst[0] = c.valid ? c.src[0] : 0.0;
+            c.dst[1] = c.valid ? c.src[1] : 0.0;
+        }
+    f.committed.erase(f.committed.begin(), f.committed.begin() + static_cast<long>(retire));
+}
+
 // -- the scheduler of one block -----------------------------------------------------------------
 inline void fiber_entry(int index) {
     Block* b = tl_block;
     b->launch->body(b->launch->payload);
     b->fibers[index].state = DONE;
     swapcontext(&b->fibers[index].ctx, &b->scheduler);
+}
+
+// -- mma.sync f64: fragments per the PTX layouts, g = lane >> 2, t = lane & 3 -----------------
+// A (m x k): value v of a lane is row g + 8 (v % (m / 8)), column t + 4 (v / (m / 8));
+// B (k x 8): value v is row t + 4 v, column g; C/D (m x 8): value v is row g + 8 (v / 2),
+// column 2 t + v % 2. (m8n8k4: one A, one B, two C values; m16n8kK: K / 2, K / 4, four.)
+
+// the exact sum of n doubles rounded once to nearest-even (Shewchuk's partials, as Python's
+// math.fsum); finite inputs whose partial sums stay finite
+inline double exact_sum(const double* x, int n) {
+    double p[96];
+    int np = 0;
+    for (int e = 0; e < n; ++e) {
+        double v = x[e];
+        int i = 0;
+        for (int j = 0; j < np; ++j) {
+            double y = p[j];
+            if (std::fabs(v) < std::fabs(y)) std::swap(v, y);
+            const double hi = v + y, lo = y - (hi - v);
+            if (lo != 0.0) p[i++] = lo;
+            v = hi;
+        }
+        np = i;
+        p[np++] = v;
+    }
+    double hi = 0.0;
+    if (np > 0) {
+        hi = p[--np];
+        double lo = 0.0;
+        while (np > 0) {
+            const double v = hi, y = p[--np];
+            hi = v + y;
+            lo = y - (hi - v);
+            if (lo != 0.0) break;
+        }
+        if (np > 0 && ((lo < 0.0 && p[np - 1] < 0.0) || (lo > 0.0 && p[np - 1] > 0.0))) {
+            const double y = lo * 2.0, v = hi + y;
+            if (y == v - hi) hi = v;  // the half-way case: round away from the partial
+        }
+    }
+    return hi;
+}
+
+inline double mma_element(const double* a_row, const double* b_col, double c, int k,
+                          bool exact) {
+    double acc = c;
+    for (int kk = 0; kk < k; ++kk) acc = std::fma(a_row[kk], b_col[kk], acc);  // k ascending
+    if (!exact || !std::isfinite(acc)) return acc;
+    double terms[1 + 2 * 16];
+    terms[0] = c;
+    for (int kk = 0; kk < k; ++kk) {
+        const double hi = a_row[kk] * b_col[kk];
+        if (!std::isfinite(hi)) return acc;
+        terms[1 + 2 * kk] = hi;
+        terms[2 + 2 * kk] = std::fma(a_row[kk], b_col[kk], -hi);  // exact unless subnormal
+    }
+    return exact_sum(terms, 1 + 2 * k);
+}
+
+inline std::string lane_list(const std::vector<int>& lanes) {
+    std::string out;
+    for (int lane : lanes) out += (out.empty() ? "" : ", ") + std::to_string(lane);
+    return out;
+}
+
+// every lane of warp [w0, w1) at an mma of one shape: compute D into the lanes' c; else an error
+inline bool resolve_mma(Block& b, size_t w0, size_t w1) {
+    const int warp = static_cast<int>(w0 / 32);
+    char where[96];
+    std::snprintf(where, sizeof(where), "block (%u, %u, %u), warp %d", b.idx.x, b.idx.y,
+                  b.idx.z, warp);
+    int m = 0, k = 0;
+    for (size_t i = w0; i < w1; ++i) {
+        const Fiber& f = b.fibers[i];
+        if (f.state == AT_WARP && f.op == MMA) {
+            const MmaArgs* args = reinterpret_cast<const MmaArgs*>(f.value);
+            m = args->m;
+            k = args->k;
+            break;
+        }
+    }
+    std::vector<int> missing, other_shape;
+    for (size_t lane = 0; lane < 32; ++lane) {
+        const size_t i = w0 + lane;
+        if (i >= w1) {
+            missing.push_back(static_cast<int>(lane));
+            continue;
+        }
+        const Fiber& f = b.fibers[i];
+        if (f.state != AT_WARP || f.op != MMA) {
+            missing.push_back(static_cast<int>(lane));
+        } else {
+            const MmaArgs* args = reinterpret_cast<const MmaArgs*>(f.value);
+            if (args->m != m || args->k != k) other_shape.push_back(static_cast<int>(lane));
+        }
+    }
+    if (!missing.empty() || !other_shape.empty()) {
+        std::string message = std::string("mma.sync divergence (") + where + "): mma.sync.m" +
+                              std::to_string(m) + "n8k" + std::to_string(k) +
+                              " needs all 32 lanes of the warp";
+        if (!missing.empty())
+            message += "; lane(s) " + lane_list(missing) +
+                       " did not arrive (exited, at a barrier or at another warp operation)";
+        if (!other_shape.empty())
+            message += "; lane(s) " + lane_list(other_shape) + " issued another shape";
+        record_error(b.launch, message);
+        return false;
+    }
+    const int rows = m / 8;  // 1 or 2 row groups
+    double A[16][16], B[16][8], C[16][8];
+    for (int lane = 0; lane < 32; ++lane) {
+        const MmaArgs* args = reinterpret_cast<const MmaArgs*>(b.fibers[w0 + lane].value);
+        const int g = lane >> 2, t = lane & 3;
+        for (int v = 0; v < m * k / 32; ++v) A[g + 8 * (v % rows)][t + 4 * (v / rows)] = args->a[v];
+        for (int v = 0; v < k / 4; ++v) B[t + 4 * v][g] = args->b[v];
+        for (int v = 0; v < m / 4; ++v) C[g + 8 * (v / 2)][2 * t + v % 2] = args->c[v];
+    }
+    const bool exact = b.launch->options && b.launch->options->mma_exact;
+    double Bt[8][16];
+    for (int kk = 0; kk < k; ++kk)
+        for (int n = 0; n < 8; ++n) Bt[n][kk] = B[kk][n];
+    for (int lane = 0; lane < 32; ++lane) {
+        Fiber& f = b.fibers[w0 + lane];
+        const MmaArgs* args = reinterpret_cast<const MmaArgs*>(f.value);
+        const int g = lane >> 2, t = lane & 3;
+        for (int v = 0; v < m / 4; ++v) {
+            const int row = g + 8 * (v / 2), col = 2 * t + v % 2;
+            args->c[v] = mma_element(A[row], Bt[col], C[row][col], k, exact);
+        }
+        f.state = READY;
+    }
+    return true;
 }
 
 inline bool resolve_warps(Block& b) {
@@ -210,6 +410,14 @@ inline bool resolve_warps(Block& b) {
         bool pending = false;
         for (size_t i = w0; i < w1; ++i) pending = pending || b.fibers[i].state == AT_WARP;
         if (!pending) continue;
+        bool mma = false;
+        for (size_t i = w0; i < w1; ++i)
+            mma = mma || (b.fibers[i].state == AT_WARP && b.fibers[i].op == MMA);
+        if (mma) {
+            if (!resolve_mma(b, w0, w1)) return false;
+            resolved = true;
+            continue;
+        }
         const unsigned mask = [&] {
             for (size_t i = w0; i < w1; ++i)
                 if (b.fibers[i].state == AT_WARP) return b.fibers[i].mask;
@@ -241,6 +449,7 @@ inline bool resolve_warps(Block& b) {
                 case SHFL_DOWN: src = lane + f.param < 32 ? lane + f.param : lane; break;
                 case SHFL_UP: src = lane - f.param >= 0 ? lane - f.param : lane; break;
                 case BALLOT: break;
+                case MMA: break;  // resolved by resolve_mma
             }
             if (f.op == BALLOT) {
                 f.result = ballot;
@@ -410,6 +619,8 @@ extern "C" const char* emu_last_error() { return emu::last_error.c_str(); }  // 
 #define gridDim (::emu::tl_block->launch->grid)
 
 #define REFATTN_DYNAMIC_SHARED(type, name) auto name = ::emu::dynamic_shared<type>()
+#define REFATTN_UNROLL
+#define REFATTN_NO_UNROLL
 #ifdef REFATTN_EMU_DEBUG
 #define REFATTN_CHECK_INDEX(i, n)                                                     \
     do {                                                                              \

@@ -10,6 +10,7 @@ in a debug build) is a RefAttnError carrying the emulator's message.
 from __future__ import annotations
 
 import ctypes
+import os
 from pathlib import Path
 from typing import Any
 
@@ -19,14 +20,20 @@ from gpu_backend.emulator.build import build
 from gpu_backend.source import KERNEL_DIR
 from refattn.errors import RefAttnError
 
-__all__ = ["EmuOptions", "EmulatedKernel", "EmulatedModule"]
+__all__ = ["MMA_ROUNDINGS", "EmuOptions", "EmulatedKernel", "EmulatedModule"]
 
 
 class EmuOptions(ctypes.Structure):
     """The C struct EmuOptions of cuda_emu.h."""
 
     _fields_ = [("threads", ctypes.c_uint), ("seed", ctypes.c_uint),
-                ("stack_bytes", ctypes.c_ulonglong)]
+                ("stack_bytes", ctypes.c_ulonglong), ("mma_exact", ctypes.c_uint)]
+
+
+#: how the emulator rounds an mma.sync f64 element: "chain" (a k-ascending fused multiply-add
+#: chain, the default) or "exact" (the exact sum c + sum_k a_k b_k rounded once); the
+#: environment variable REFATTN_EMU_MMA sets the default of every EmulatedModule
+MMA_ROUNDINGS = ("chain", "exact")
 
 
 _SCALARS = {np.dtype(np.int32): ctypes.c_int32, np.dtype(np.int64): ctypes.c_int64,
@@ -83,15 +90,25 @@ class EmulatedModule:
         OS threads that run blocks (0: one per core).
     seed : int
         Seed of the thread order in a debug build.
+    mma : {"chain", "exact"} or None
+        Rounding of the emulated mma.sync f64 (see :data:`MMA_ROUNDINGS`); None reads
+        ``$REFATTN_EMU_MMA`` (default "chain").
+    arch : int
+        The architecture whose code path the kernels take (900: m16n8k4 tiles, 800: pairs of
+        m8n8k4), as ``__CUDA_ARCH__`` on a GPU.
     """
 
     def __init__(self, directory: Path = KERNEL_DIR, *, debug: bool = False, threads: int = 0,
-                 seed: int = 0) -> None:
-        self.path = build(directory, debug=debug)
-        self.debug = debug
+                 seed: int = 0, mma: str | None = None, arch: int = 900) -> None:
+        mma = mma if mma is not None else os.environ.get("REFATTN_EMU_MMA", "chain")
+        if mma not in MMA_ROUNDINGS:
+            raise RefAttnError(f"cuda_emulator: mma rounding must be one of {MMA_ROUNDINGS}, "
+                               f"got {mma!r} (REFATTN_EMU_MMA)")
+        self.path = build(directory, debug=debug, arch=arch)
+        self.debug, self.mma, self.arch = debug, mma, arch
         self._lib = ctypes.CDLL(str(self.path))
         self._lib.emu_last_error.restype = ctypes.c_void_p
-        self._options = EmuOptions(threads, seed, 0)
+        self._options = EmuOptions(threads, seed, 0, int(mma == "exact"))
 
     def get_function(self, name: str) -> EmulatedKernel:
         return EmulatedKernel(self._lib, name, self._options)

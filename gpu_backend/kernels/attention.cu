@@ -1,18 +1,20 @@
-// refattn float64 attention kernels: tiled online-softmax forward, recomputing backward, and a
-// trace mode for small problems. No kernel writes a [Q, K] array except the trace kernels (and
-// the per-element bias gradient when the bias itself is per element). No floating-point
-// atomics: every output element has one owner, so results are bit-identical run to run.
+// refattn float64 attention kernels on the fp64 tensor cores: a FlashAttention-2 style
+// forward (online softmax), a recomputing backward in two kernels (dq over key tiles; dk/dv over
+// query tiles: 3 + 4 = 7 products, no floating-point atomics, every output element has one
+// owner, so results are bit-identical run to run), and a trace mode for small problems. No
+// kernel writes a [Q, K] array except the trace kernels (and the per-element bias gradient when
+// the bias itself is per element).
 //
-// Tiles are T x T (T = 32 or 16), 4 T threads per block. In the forward and dq kernels a thread
-// owns one query row r = t / 4 of the tile and T / 4 of its keys (column group t % 4); the four
-// threads of a row share its running max and sum through warp shuffles. In the dk/dv kernel a
-// thread owns one key of the tile and T / 4 query rows. Dynamic shared memory holds the tiles
-// and the accumulators; the host sizes it (gpu_backend/launch.py, shared_bytes()).
+// The head width D is a template parameter with instances 32, 64 and 128; the host zero-pads q, k, v, G_O to the instance (gpu_backend/launch.py INSTANCES,
+// which mirrors the entry points at the end of this file, and sizes the dynamic shared memory).
+// 128 threads per block; products through refattn_mma_rows (tile.cuh: mma.sync m16n8k4 on
+// sm_90, m8n8k4 on sm_80), tiles loaded with cp.async into XOR-swizzled shared memory.
 //
 // Arguments of every kernel: x, the table of device addresses (RefattnPtr slots); ip, int64
 // parameters (RefattnInt); rp, double parameters (RefattnReal). See common.cuh.
 #include "common.cuh"
 #include "philox.cuh"
+#include "tile.cuh"
 #include "visibility.cuh"
 
 struct RefattnCall {
@@ -98,41 +100,332 @@ __device__ __forceinline__ double refattn_cap_slope(const RefattnCall& c, double
     return 1.0 - t * t;
 }
 
-// rows row0 .. row0 + T - 1 of matrix `slice` (rows x D, row-major) of the array a into dst
-// (T x D), zeros past its last row; the block's 4 T threads share the elements. Dst is a
-// pointer into shared memory (a bounds-checked one in the emulator's debug builds)
-template <int T, typename Dst>
-__device__ __forceinline__ void refattn_load_tile(Dst dst, const double* a, long long slice,
-                                                  long long row0, long long rows, long long D,
-                                                  int t) {
-    for (long long e = t; e < T * D; e += 4 * T) {
-        const long long row = row0 + e / D;
-        dst[e] = row < rows ? a[(slice * rows + row) * D + e % D] : 0.0;
+// -- tiles on the tensor cores ------------------------------------------------------------------
+// A block is NW = 4 warps. In the forward and dq kernels warp w owns the 8 MR query rows
+// wr = 8 MR w .. of the block's BQ = 32 MR rows and walks the keys in tiles of BK; in the dk/dv
+// kernel warp w owns 8 MR keys of the block's BKV = 32 MR and walks the queries in tiles of BQ2.
+// Each product is a sequence of refattn_mma_rows<MR> steps (tile.cuh), k = 4 at a time:
+//   S = Q K^T, dP = G_O V^T          A "row" reads of Q / G_O, B "row" reads of K / V
+//   O += P V, dQ += dS K             the accumulator of S (C layout: lane holds columns 2t,
+//                                    2t + 1 of each 8-wide n-tile) is the A fragment directly:
+//                                    n-tile nt gives two k-steps, s = 0, 1, whose k index t means
+//                                    key 8 nt + 2 t + s; B is read with the same permutation
+//                                    ("col" reads of V / K). No shared-memory round trip.
+// Element (nt, mr, s) of a lane's tile accumulator is acc[nt * 2 MR + 2 mr + s]: row
+// g + 8 mr (+ the warp's first row), column 8 nt + 2 t + s. Row statistics (max, sum) are
+// per lane and reduced over the 4 lanes of a quad (same g) with two shfl_xor steps.
+//
+// K / V (forward, dq) and Q / G_O (dk/dv) tiles are double-buffered: tile n + 1's cp.async
+// copies are issued before tile n is computed. Tiles are classified before they are loaded:
+// SKIP (no visible element: not loaded, not computed), FULL (every element of an in-range row
+// visible: no per-element masking) or PARTIAL (masked by the lane's visibility bits).
+enum RefattnTileClass { REFATTN_SKIP = 0, REFATTN_FULL = 1, REFATTN_PARTIAL = 2 };
+
+constexpr int REFATTN_WARPS = 4;
+constexpr int REFATTN_THREADS = 32 * REFATTN_WARPS;
+
+// this lane's visibility bits of one tile: bit (nt MR + mr) 2 + s for the element in row
+// row + 8 mr, column col + 8 nt + s (rows are queries, or keys when ROWS_ARE_KEYS; col includes
+// the lane's 2 t). A column out of range is invisible; a row out of range is "don't care" (it
+// counts neither for *any nor against *all). With evaluate false every in-range edge is visible
+// and nothing is loaded.
+template <int MR, int NT, bool ROWS_ARE_KEYS>
+__device__ __forceinline__ unsigned refattn_tile_bits(const RefattnVisibility& vis,
+                                                      const long long* ip, bool evaluate,
+                                                      long long b, long long h, int row, int col,
+                                                      int Q, int K, int* any, int* all) {
+    const int rows = ROWS_ARE_KEYS ? K : Q, cols = ROWS_ARE_KEYS ? Q : K;
+    unsigned bits = 0;
+    int a = 0, l = 1;
+    REFATTN_NO_UNROLL  // one copy of the (large) visibility code
+    for (int mr = 0; mr < MR; ++mr) {
+        const int r = row + 8 * mr;
+        const bool row_in = r < rows;
+        REFATTN_NO_UNROLL
+        for (int nt = 0; nt < NT; ++nt) {
+            REFATTN_NO_UNROLL
+            for (int s = 0; s < 2; ++s) {
+                const int cc = col + 8 * nt + s;
+                bool v = cc < cols;
+                if (v && evaluate) {
+                    v = row_in && refattn_visible(vis, ip, b, h, ROWS_ARE_KEYS ? cc : r,
+                                                  ROWS_ARE_KEYS ? r : cc);
+                }
+                if (row_in) {
+                    a |= v ? 1 : 0;
+                    l &= v ? 1 : 0;
+                }
+                bits |= (v ? 1u : 0u) << ((nt * MR + mr) * 2 + s);
+            }
+        }
+    }
+    *any = a;
+    *all = l;
+    return bits;
+}
+
+// -- a relation's tile bounded from its coordinates ---------------------------------------------
+// For a tile of queries [qa, qa + qn) and keys [ka, ka + kn) (both clipped to Q, K), the block
+// reduces each leaf's coordinates over the tile (position and segment ranges of its queries and
+// keys, whether all / any of its keys are valid: one load per query and per key instead of one
+// predicate per element) and bounds the leaf's predicate: REFATTN_SKIP (no edge), REFATTN_FULL
+// (every edge) or REFATTN_PARTIAL (either may hold). The postfix program combines the leaves in
+// three-valued logic. Every thread of the block calls it (two barriers per leaf).
+constexpr int REFATTN_REDUCED = 10;  // pmin pmax qsmin qsmax rmin rmax ksmin ksmax kv_all kv_any
+
+__device__ __forceinline__ int refattn_imin(int a, int b) { return a < b ? a : b; }
+__device__ __forceinline__ long long refattn_llmin(long long a, long long b) { return a < b ? a : b; }
+__device__ __forceinline__ long long refattn_llmax(long long a, long long b) { return a > b ? a : b; }
+
+__device__ __forceinline__ int refattn_leaf_bound(const RefattnVisibility& v, long long l,
+                                                  long long rb, long long rh, int qa, int qn,
+                                                  int ka, int kn, int tid) {
+    __shared__ long long red[REFATTN_WARPS][REFATTN_REDUCED];
+    const long long big = 0x7fffffffffffffffLL, small = -big - 1;
+    const long long qrow = (l * v.rel_b + rb) * v.Q, krow = (l * v.rel_b + rb) * v.K;
+    const bool segments = v.leaf[2 * l] != 0;
+    long long x[REFATTN_REDUCED] = {big, small, big, small, big, small, big, small, 1, 0};
+    if (tid < qn) {
+        const long long p = v.q_pos[qrow + qa + tid];
+        x[0] = x[1] = p;
+        if (segments) x[2] = x[3] = v.q_seg[qrow + qa + tid];
+    }
+    if (tid < kn) {
+        const long long r = v.k_pos[krow + ka + tid];
+        x[4] = x[5] = r;
+        if (segments) x[6] = x[7] = v.k_seg[krow + ka + tid];
+        x[8] = x[9] = v.key_valid[krow + ka + tid] != 0 ? 1 : 0;
+    }
+    REFATTN_UNROLL
+    for (int step = 1; step < 32; step <<= 1) {
+        REFATTN_UNROLL
+        for (int e = 0; e < REFATTN_REDUCED; ++e) {
+            const long long o = __shfl_xor_sync(0xffffffffu, x[e], step);
+            x[e] = e % 2 == 0 ? refattn_llmin(x[e], o) : refattn_llmax(x[e], o);
+        }
+    }
+    if ((tid & 31) == 0)
+        for (int e = 0; e < REFATTN_REDUCED; ++e) red[tid >> 5][e] = x[e];
+    __syncthreads();
+    for (int w = 0; w < REFATTN_WARPS; ++w)
+        for (int e = 0; e < REFATTN_REDUCED; ++e)
+            x[e] = e % 2 == 0 ? refattn_llmin(x[e], red[w][e])
+                              : refattn_llmax(x[e], red[w][e]);
+    __syncthreads();  // red free for the next leaf
+    const long long pmin = x[0], pmax = x[1], rmin = x[4], rmax = x[5];
+    bool all = x[8] != 0, none = x[9] == 0;  // key validity
+    if (segments) {
+        all = all && x[2] == x[3] && x[6] == x[7] && x[2] == x[6];
+        none = none || x[3] < x[6] || x[7] < x[2];  // disjoint segment ranges
+    }
+    const long long topology = v.leaf[2 * l + 1];
+    if (topology == 1) {  // r <= p
+        all = all && rmax <= pmin;
+        none = none || rmin > pmax;
+    } else if (topology == 2) {  // (p < P and r < P) or (p >= P and r <= p)
+        const long long P = v.prefix[(l * v.rel_b + rb) * v.rel_h + rh];
+        all = all && (rmax < P || (pmin >= P && rmax <= pmin));
+        none = none || (rmin >= P && (pmax < P || rmin > pmax));
+    }
+    const long long left = v.left[l * v.rel_h + rh], right = v.right[l * v.rel_h + rh];
+    if (left >= 0) {  // p - r <= left
+        all = all && pmax - rmin <= left;
+        none = none || pmin - rmax > left;
+    }
+    if (right >= 0) {  // r - p <= right
+        all = all && rmax - pmin <= right;
+        none = none || rmin - pmax > right;
+    }
+    return none ? REFATTN_SKIP : all ? REFATTN_FULL : REFATTN_PARTIAL;
+}
+
+// the class of the relation over a tile (queries [qa, qa + qn), keys [ka, ka + kn), clipped)
+__device__ __forceinline__ int refattn_tile_relation(const RefattnVisibility& v, long long b,
+                                                     long long h, int qa, int qn, int ka, int kn,
+                                                     int tid) {
+    const long long rb = v.rel_b == 1 ? 0 : b, rh = v.rel_h == 1 ? 0 : h;
+    unsigned long long stack = 0;  // 2 bits per entry: SKIP 0, FULL 1, PARTIAL 2
+    for (long long t = 0; t < v.program_len; ++t) {
+        const long long op = v.program[t];
+        if (op >= 0) {
+            stack = (stack << 2) |
+                    static_cast<unsigned long long>(refattn_leaf_bound(v, op, rb, rh, qa, qn, ka,
+                                                                       kn, tid));
+        } else {
+            const unsigned long long a = stack & 3ULL, c = (stack >> 2) & 3ULL;
+            unsigned long long r;
+            if (op == -1)  // AND
+                r = (a == REFATTN_SKIP || c == REFATTN_SKIP) ? REFATTN_SKIP
+                    : (a == REFATTN_FULL && c == REFATTN_FULL) ? REFATTN_FULL : REFATTN_PARTIAL;
+            else  // OR
+                r = (a == REFATTN_FULL || c == REFATTN_FULL) ? REFATTN_FULL
+                    : (a == REFATTN_SKIP && c == REFATTN_SKIP) ? REFATTN_SKIP : REFATTN_PARTIAL;
+            stack = ((stack >> 4) << 2) | r;
+        }
+    }
+    int cls = static_cast<int>(stack & 3ULL);
+    if (cls == REFATTN_SKIP && v.has_sanitized && ka == 0) cls = REFATTN_PARTIAL;  // key 0
+    return cls;
+}
+
+// the class of a tile from every lane's any / all (a block-wide vote when visibility is
+// evaluated; otherwise only a column tail makes a tile PARTIAL)
+__device__ __forceinline__ int refattn_tile_class(bool evaluate, int any, int all,
+                                                  bool column_tail) {
+    if (!evaluate) return column_tail ? REFATTN_PARTIAL : REFATTN_FULL;
+    const int some = __syncthreads_or(any);
+    const int every = __syncthreads_and(all);
+    return !some ? REFATTN_SKIP : every ? REFATTN_FULL : REFATTN_PARTIAL;
+}
+
+// the keep bits (word >= threshold) of one Philox draw: the 4 words of counter
+// (j >> 2, i, b Hq + h, offset), i.e. keys 4 (j >> 2) .. + 3 of query i (philox.cuh)
+__device__ __forceinline__ unsigned refattn_keep4(const RefattnCall& c, long long bh, int i,
+                                                  int jgroup) {
+    RefattnWords w;
+    w.w[0] = static_cast<unsigned int>(jgroup);
+    w.w[1] = static_cast<unsigned int>(i);
+    w.w[2] = static_cast<unsigned int>(bh);
+    w.w[3] = c.offset;
+    const RefattnWords r = refattn_philox4x32_10(w, c.key0, c.key1);
+    unsigned k4 = 0;
+    REFATTN_UNROLL
+    for (int e = 0; e < 4; ++e) k4 |= (r.w[e] >= c.threshold ? 1u : 0u) << e;
+    return k4;
+}
+
+// Philox keep bits of a query-row tile (forward, dq), bit (nt MR + mr) 2 + s as
+// refattn_tile_bits. The lane pair t, t ^ 1 holds the four keys 8 nt + 4 (t >> 1) .. + 3 of
+// its rows: the pair splits the NT MR draws (even lane the even ones) and swaps the 4 keep
+// bits with one shuffle, so every word of every draw is used once.
+template <int MR, int NT>
+__device__ __forceinline__ unsigned refattn_keep_bits_rows(const RefattnCall& c, long long bh,
+                                                           int row, int j0, int t) {
+    constexpr int ND = NT * MR;  // draws: (nt, mr); an odd last one is drawn by both lanes
+    unsigned bits = 0;
+    REFATTN_UNROLL
+    for (int d2 = 0; d2 < ND; d2 += 2) {
+        const int mine = d2 + (t & 1) < ND ? d2 + (t & 1) : d2;
+        const int nt_m = mine / MR, mr_m = mine % MR;
+        const unsigned k4 = refattn_keep4(c, bh, row + 8 * mr_m, (j0 >> 2) + 2 * nt_m + (t >> 1));
+        const unsigned other = __shfl_xor_sync(0xffffffffu, k4, 1);
+        REFATTN_UNROLL
+        for (int e = 0; e < 2; ++e) {
+            const int d = d2 + e, nt = d / MR, mr = d % MR;
+            if (d >= ND) break;
+            const unsigned draw = (e == (t & 1)) ? k4 : other;
+            bits |= ((draw >> (2 * (t & 1))) & 3u) << ((nt * MR + mr) * 2);
+        }
+    }
+    return bits;
+}
+
+// Philox keep bits of a key-row tile (dk/dv): element (nt, mr, s) is key row + 8 mr (row =
+// j0 + wr + g), query i0 + 8 nt + 2 t + s. The 4 lanes u = g & 3 of equal g >> 2 and t hold the
+// 4 keys of one group: they split the 2 NT MR draws (lane u the draws d with d % 4 == u) and
+// gather each draw's bit u with four shuffles.
+template <int MR, int NT>
+__device__ __forceinline__ unsigned refattn_keep_bits_keys(const RefattnCall& c, long long bh,
+                                                           int row, int i0, int lane) {
+    constexpr int ND = 2 * NT * MR;  // draws: (nt, s, mr)
+    static_assert(ND % 4 == 0, "draws are split over 4 lanes");
+    const int t = lane & 3, u = (lane >> 2) & 3;
+    const int jgroup = (row - u) >> 2;  // the group of key row (mr = 0)
+    unsigned bits = 0;
+    REFATTN_UNROLL
+    for (int d4 = 0; d4 < ND; d4 += 4) {
+        const int mine = d4 + u, mr_m = mine % MR, s_m = (mine / MR) % 2, nt_m = mine / (2 * MR);
+        const unsigned k4 = refattn_keep4(c, bh, i0 + 8 * nt_m + 2 * t + s_m, jgroup + 2 * mr_m);
+        REFATTN_UNROLL
+        for (int v = 0; v < 4; ++v) {
+            const unsigned draw = __shfl_sync(0xffffffffu, k4, (lane & ~12) | (v << 2));
+            const int d = d4 + v, mr = d % MR, s = (d / MR) % 2, nt = d / (2 * MR);
+            bits |= ((draw >> u) & 1u) << ((nt * MR + mr) * 2 + s);
+        }
+    }
+    return bits;
+}
+
+// the dropout multiplier of element bit `bit` of a tile: Philox keep bits, a dense Z, or 1
+__device__ __forceinline__ double refattn_tile_multiplier(const RefattnCall& c,
+                                                          const long long* ip, unsigned keep,
+                                                          int bit, long long b, long long h,
+                                                          int i, int j) {
+    if (c.drop_mode == 2) return (keep >> bit) & 1u ? c.keep : 0.0;
+    if (c.drop_mode == 1) return strided_at(c.z, ip, P_Z_S0, b, h, i, j);
+    return 1.0;
+}
+
+// C (8 MR x 8 NT per lane-set) += A . B^T over k = 0 .. D - 1: A rows ar + g + 8 mr of tile sa,
+// B rows 8 nt + g of tile sb ("row" reads of both)
+template <int D, int MR, int NT, typename S1, typename S2>
+__device__ __forceinline__ void refattn_mma_abt(double* acc, S1 sa, int ar, S2 sb, int g,
+                                                int t) {
+    for (int k0 = 0; k0 < D; k0 += 4) {
+        double a[MR];
+        REFATTN_UNROLL
+        for (int mr = 0; mr < MR; ++mr) a[mr] = sa[refattn_swz<D>(ar + g + 8 * mr, k0 + t)];
+        REFATTN_UNROLL
+        for (int nt = 0; nt < NT; ++nt)
+            refattn_mma_rows<MR>(acc + nt * 2 * MR, a, sb[refattn_swz<D>(8 * nt + g, k0 + t)]);
     }
 }
 
-// which of this thread's T / 4 edges (i + q4 DI, j + q4 DJ) are visible (in range and legal);
-// returns whether any is
-template <int T, int DI, int DJ>
-__device__ __forceinline__ bool refattn_edges_seen(bool* seen, const RefattnCall& c,
-                                                   const RefattnVisibility& vis,
-                                                   const long long* ip, long long b, long long h,
-                                                   long long i, long long j) {
-    bool any = false;
-    for (int q4 = 0; q4 < T / 4; ++q4) {
-        const long long iq = i + q4 * DI, jq = j + q4 * DJ;
-        seen[q4] = iq < c.Q && jq < c.K && refattn_visible(vis, ip, b, h, iq, jq);
-        any = any || seen[q4];
+// O (8 MR x D per warp) += P . B: P the lane's accumulator tile (NT n-tiles) reused as the A
+// fragment, B rows 8 nt + 2 t + s of tile sb ("col" reads)
+template <int D, int MR, int NT, typename S2>
+__device__ __forceinline__ void refattn_mma_pb(double* out, const double* p, S2 sb, int g,
+                                               int t) {
+    REFATTN_UNROLL
+    for (int nt = 0; nt < NT; ++nt) {
+        REFATTN_UNROLL
+        for (int s = 0; s < 2; ++s) {
+            double a[MR];
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MR; ++mr) a[mr] = p[nt * 2 * MR + 2 * mr + s];
+            REFATTN_UNROLL
+            for (int dt = 0; dt < D / 8; ++dt)
+                refattn_mma_rows<MR>(out + dt * 2 * MR, a,
+                                     sb[refattn_swz<D>(8 * nt + 2 * t + s, 8 * dt + g)]);
+        }
     }
-    return any;
 }
 
-// -- forward: tiled online softmax ------------------------------------------------------------
-// grid (ceil(Q / T), B * Hq); writes output (B,Hq,Q,Dv), lse and row_max (B,Hq,Q), and per
-// block the number of key tiles computed and skipped (fully invisible).
-template <int T>
+// the same product into an accumulator kept in shared memory (the warp's own region, in fragment
+// order: value e of lane l of n-tile dt at (dt 32 + l) 2 MR + e, 16-byte accesses), one n-tile
+// of D at a time; for the dk/dv kernel, whose two accumulators would not fit the registers
+template <int D, int MR, int NT, typename S1, typename S2>
+__device__ __forceinline__ void refattn_mma_pb_shared(S1 acc, const double* p, S2 sb, int lane,
+                                                      int g, int t) {
+    constexpr int W = 2 * MR;
+    REFATTN_NO_UNROLL
+    for (int dt = 0; dt < D / 8; ++dt) {
+        double c[W];
+        REFATTN_UNROLL
+        for (int e = 0; e < W; ++e) c[e] = acc[(dt * 32 + lane) * W + e];
+        REFATTN_UNROLL
+        for (int nt = 0; nt < NT; ++nt) {
+            REFATTN_UNROLL
+            for (int s = 0; s < 2; ++s) {
+                double a[MR];
+                REFATTN_UNROLL
+                for (int mr = 0; mr < MR; ++mr) a[mr] = p[nt * 2 * MR + 2 * mr + s];
+                refattn_mma_rows<MR>(c, a, sb[refattn_swz<D>(8 * nt + 2 * t + s, 8 * dt + g)]);
+            }
+        }
+        REFATTN_UNROLL
+        for (int e = 0; e < W; ++e) acc[(dt * 32 + lane) * W + e] = c[e];
+    }
+}
+
+// -- forward: online softmax, FlashAttention-2 style ----------------------------------------------
+// grid (ceil(Q / BQ), B * Hq), 128 threads; q (B,Hq,Q,D), k, v (B,Hkv,K,D) zero-padded by the
+// host to the instance width D; writes output (B,Hq,Q,D), lse and row_max (B,Hq,Q), and per
+// block the number of key tiles computed and skipped.
+template <int D, int MR, int BK>
 __device__ void refattn_forward(const unsigned long long* x, const long long* ip,
                                 const double* rp) {
+    constexpr int BQ = 8 * MR * REFATTN_WARPS, NT = BK / 8, DT = D / 8, W = 2 * MR;
     REFATTN_DYNAMIC_SHARED(double, smem);
     const RefattnCall c = refattn_call(x, ip, rp);
     const RefattnVisibility vis = refattn_visibility(x, ip);
@@ -140,81 +433,144 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     double* lse = reinterpret_cast<double*>(x[X_LSE]);
     double* row_max = reinterpret_cast<double*>(x[X_ROW_MAX]);
     long long* tiles = reinterpret_cast<long long*>(x[X_TILES]);
-    const int t = threadIdx.x, r = t >> 2, cg = t & 3;
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wr = (tid >> 5) * 8 * MR;
     const long long bh = blockIdx.y, b = bh / c.Hq, h = bh % c.Hq, hk = c.head_map[h];
-    const long long i0 = static_cast<long long>(blockIdx.x) * T, i = i0 + r;
-    const long long Dk = c.Dk, Dv = c.Dv;
-    auto sQ = smem;              // T x Dk
-    auto sK = sQ + T * Dk;       // T x Dk
-    auto sV = sK + T * Dk;       // T x Dv
-    auto sP = sV + T * Dv;       // T x T: P~ Z of the tile
-    auto sO = sP + T * T;        // T x Dv: the output accumulator
+    const int Q = static_cast<int>(c.Q), K = static_cast<int>(c.K);
+    const int i0 = static_cast<int>(blockIdx.x) * BQ, row = i0 + wr + g;
+    const double* kmat = c.k + (b * c.Hkv + hk) * c.K * D;
+    const double* vmat = c.v + (b * c.Hkv + hk) * c.K * D;
+    auto sQ = smem;               // BQ x D
+    auto sK = sQ + BQ * D;        // 2 x BK x D
+    auto sV = sK + 2 * BK * D;    // 2 x BK x D
+    const bool evaluate = vis.mode != 0 || vis.has_sanitized;
+    auto classify = [&](int kb, unsigned* bits) {
+        int any, all, cls = REFATTN_PARTIAL;
+        if (vis.mode == 2) {  // bounded from the relation's coordinates; SKIP and FULL final
+            cls = refattn_tile_relation(vis, b, h, i0, refattn_imin(BQ, Q - i0), kb * BK,
+                                        refattn_imin(BK, K - kb * BK), tid);
+            if (cls == REFATTN_FULL && kb * BK + BK > K) cls = REFATTN_PARTIAL;  // key tail
+            if (cls != REFATTN_PARTIAL) return cls;
+        }
+        *bits = refattn_tile_bits<MR, NT, false>(vis, ip, evaluate, b, h, row, kb * BK + 2 * t,
+                                                 Q, K, &any, &all);
+        return refattn_tile_class(evaluate, any, all, kb * BK + BK > K);
+    };
+    auto load = [&](int kb) {
+        const int buf = kb & 1;
+        refattn_load_tile_async<BK, D, REFATTN_THREADS>(sK + buf * BK * D, kmat, kb * BK, K, tid);
+        refattn_load_tile_async<BK, D, REFATTN_THREADS>(sV + buf * BK * D, vmat, kb * BK, K, tid);
+    };
 
-    refattn_load_tile<T>(sQ, c.q, bh, i0, c.Q, Dk, t);
-    for (long long d = cg; d < Dv; d += 4) sO[r * Dv + d] = 0.0;
-    // the running max and sum of the row; the sink logit joins every row's support
-    double m = c.has_sink ? c.sink[h] : refattn_neg_inf();
-    double l = c.has_sink ? 1.0 : 0.0;
+    refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sQ, c.q + bh * c.Q * D, i0, Q, tid);
+    double o[DT * W];
+    REFATTN_UNROLL
+    for (int e = 0; e < DT * W; ++e) o[e] = 0.0;
+    // the running max and sum of the lane's rows; the sink logit joins every row's support
+    double m[MR], l[MR];
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MR; ++mr) {
+        m[mr] = c.has_sink ? c.sink[h] : refattn_neg_inf();
+        l[mr] = c.has_sink ? 1.0 : 0.0;
+    }
+    const double none = refattn_neg_inf();
     long long done = 0, skipped = 0;
-    const long long nkb = (c.K + T - 1) / T;
-    for (long long kb = 0; kb < nkb; ++kb) {
-        const long long j0 = kb * T;
-        refattn_load_tile<T>(sK, c.k, b * c.Hkv + hk, j0, c.K, Dk, t);
-        refattn_load_tile<T>(sV, c.v, b * c.Hkv + hk, j0, c.K, Dv, t);
-        bool seen[T / 4];
-        const bool any = refattn_edges_seen<T, 0, 1>(seen, c, vis, ip, b, h, i, j0 + cg * (T / 4));
-        if (!__syncthreads_or(any)) {  // a fully invisible tile: no arithmetic at all
+    const int nkb = (K + BK - 1) / BK;
+    unsigned bits;
+    int cls = classify(0, &bits);
+    if (cls != REFATTN_SKIP) load(0);
+    refattn_cp_async_commit();
+    for (int kb = 0; kb < nkb; ++kb) {
+        const int j0 = kb * BK, buf = kb & 1;
+        unsigned bits_next = 0;
+        int cls_next = REFATTN_SKIP;
+        if (kb + 1 < nkb) {
+            cls_next = classify(kb + 1, &bits_next);
+            if (cls_next != REFATTN_SKIP) load(kb + 1);
+        }
+        refattn_cp_async_commit();
+        refattn_cp_async_wait<1>();  // tile kb (and Q) landed
+        __syncthreads();
+        if (cls == REFATTN_SKIP) {
             ++skipped;
-            continue;
+        } else {
+            ++done;
+            double s[NT * W];
+            REFATTN_UNROLL
+            for (int e = 0; e < NT * W; ++e) s[e] = 0.0;
+            refattn_mma_abt<D, MR, NT>(s, sQ, wr, sK + buf * BK * D, g, t);  // S = Q K^T
+            const unsigned keep = c.drop_mode == 2
+                                      ? refattn_keep_bits_rows<MR, NT>(c, bh, row, j0, t)
+                                      : 0u;
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MR; ++mr) {
+                const int i = row + 8 * mr;
+                double tile_max = none;
+                REFATTN_UNROLL
+                for (int nt = 0; nt < NT; ++nt) {
+                    REFATTN_UNROLL
+                    for (int sb = 0; sb < 2; ++sb) {
+                        const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
+                        double capped;
+                        double v = refattn_score(c, s[e], &capped);
+                        if (c.has_bias && i < Q && j < K) v = refattn_biased(c, ip, v, b, h, i, j);
+                        const int bit = (nt * MR + mr) * 2 + sb;
+                        if (cls == REFATTN_PARTIAL && !((bits >> bit) & 1u)) v = none;
+                        s[e] = v;  // visibility after the bias
+                        tile_max = fmax(tile_max, v);
+                    }
+                }
+                tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+                tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+                const double m_new = fmax(m[mr], tile_max);
+                const double corr = m_new == none ? 1.0 : (m[mr] == none ? 0.0 : exp(m[mr] - m_new));
+                double part = 0.0;
+                REFATTN_UNROLL
+                for (int nt = 0; nt < NT; ++nt) {
+                    REFATTN_UNROLL
+                    for (int sb = 0; sb < 2; ++sb) {
+                        const int e = nt * W + 2 * mr + sb;
+                        double p = s[e] == none ? 0.0 : exp(s[e] - m_new);
+                        part += p;
+                        if (p != 0.0 && c.drop_mode != 0)
+                            p *= refattn_tile_multiplier(c, ip, keep, (nt * MR + mr) * 2 + sb, b,
+                                                         h, i, j0 + 8 * nt + 2 * t + sb);
+                        s[e] = p;  // P~ Z
+                    }
+                }
+                part += __shfl_xor_sync(0xffffffffu, part, 1);
+                part += __shfl_xor_sync(0xffffffffu, part, 2);
+                l[mr] = l[mr] * corr + part;
+                m[mr] = m_new;
+                REFATTN_UNROLL
+                for (int dt = 0; dt < DT; ++dt) {
+                    o[dt * W + 2 * mr] *= corr;
+                    o[dt * W + 2 * mr + 1] *= corr;
+                }
+            }
+            refattn_mma_pb<D, MR, NT>(o, s, sV + buf * BK * D, g, t);  // O += P~ Z V
         }
-        ++done;
-        double s[T / 4];
-        double tile_max = refattn_neg_inf();
-        for (int q4 = 0; q4 < T / 4; ++q4) {
-            const int jj = cg * (T / 4) + q4;
-            double dot = 0.0;
-            for (long long d = 0; d < Dk; ++d) dot += sQ[r * Dk + d] * sK[jj * Dk + d];
-            double capped;
-            double biased = refattn_biased(c, ip, refattn_score(c, dot, &capped), b, h, i,
-                                           j0 + jj);
-            s[q4] = seen[q4] ? biased : refattn_neg_inf();  // visibility after the bias
-            tile_max = fmax(tile_max, s[q4]);
-        }
-        tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-        tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-        const double m_new = fmax(m, tile_max);
-        const double none = refattn_neg_inf();
-        const double corr = m_new == none ? 1.0 : (m == none ? 0.0 : exp(m - m_new));
-        double part = 0.0;
-        for (int q4 = 0; q4 < T / 4; ++q4) {
-            const int jj = cg * (T / 4) + q4;
-            double p = s[q4] == none ? 0.0 : exp(s[q4] - m_new);
-            part += p;
-            if (p != 0.0 && c.drop_mode != 0) p *= refattn_multiplier(c, ip, b, h, i, j0 + jj);
-            sP[r * T + jj] = p;
-        }
-        part += __shfl_xor_sync(0xffffffffu, part, 1);
-        part += __shfl_xor_sync(0xffffffffu, part, 2);
-        l = l * corr + part;
-        m = m_new;
-        __syncthreads();  // sP complete
-        for (long long d = cg; d < Dv; d += 4) {
-            double acc = sO[r * Dv + d] * corr;
-            for (int jj = 0; jj < T; ++jj) acc += sP[r * T + jj] * sV[jj * Dv + d];
-            sO[r * Dv + d] = acc;
-        }
-        __syncthreads();  // sK, sV, sP free for the next tile
+        __syncthreads();  // buffer kb free for tile kb + 2
+        cls = cls_next;
+        bits = bits_next;
     }
-    if (i < c.Q) {
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MR; ++mr) {
+        const int i = row + 8 * mr;
+        if (i >= Q) continue;
         const bool used = c.query_valid[b * c.Q + i] != 0;
-        for (long long d = cg; d < Dv; d += 4)
-            out[(bh * c.Q + i) * Dv + d] = used ? sO[r * Dv + d] / l : 0.0;
-        if (cg == 0) {
-            lse[bh * c.Q + i] = m + log(l);
-            row_max[bh * c.Q + i] = m;
+        double* orow = out + (bh * c.Q + i) * D;
+        REFATTN_UNROLL
+        for (int dt = 0; dt < DT; ++dt) {
+            orow[8 * dt + 2 * t] = used ? o[dt * W + 2 * mr] / l[mr] : 0.0;
+            orow[8 * dt + 2 * t + 1] = used ? o[dt * W + 2 * mr + 1] / l[mr] : 0.0;
+        }
+        if (t == 0) {
+            lse[bh * c.Q + i] = m[mr] + log(l[mr]);
+            row_max[bh * c.Q + i] = m[mr];
         }
     }
-    if (t == 0) {
+    if (tid == 0) {
         const long long block = bh * gridDim.x + blockIdx.x;
         tiles[2 * block] = done;
         tiles[2 * block + 1] = skipped;
@@ -222,12 +578,13 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
 }
 
 // -- dq, and the check contraction row_dot = sum_j P G_P ----------------------------------------
-// grid (ceil(Q / T), B * Hq). Mode 0 (P_DQ_MODE): dq (B,Hq,Q,Dk) = fq * sum_j dS k, with
+// grid (ceil(Q / BQ), B * Hq), 128 threads. Mode 0 (P_DQ_MODE): dq (B,Hq,Q,D) = fq sum_j dS k,
 // dS = P (G_P - D) times the softcap slope, the bias gradient of modes 1 (per element) and 3
-// (summed over keys), and row_dot as a by-product. Mode 1: row_dot (B,Hq,Q) = sum_j P G_P
-// only (a trace's D, needed before any dS).
-template <int T>
+// (summed over keys), and row_dot as a by-product. Mode 1: row_dot (B,Hq,Q) = sum_j P G_P only
+// (a trace's D, needed before any dS). Products per tile: S = Q K^T, dP = G_O V^T, dQ += dS K.
+template <int D, int MR, int BK>
 __device__ void refattn_dq(const unsigned long long* x, const long long* ip, const double* rp) {
+    constexpr int BQ = 8 * MR * REFATTN_WARPS, NT = BK / 8, DT = D / 8, W = 2 * MR;
     REFATTN_DYNAMIC_SHARED(double, smem);
     const RefattnCall c = refattn_call(x, ip, rp);
     const RefattnVisibility vis = refattn_visibility(x, ip);
@@ -237,96 +594,151 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     double* gbias = reinterpret_cast<double*>(x[X_GBIAS]);
     double* row_dot = reinterpret_cast<double*>(x[X_ROW_DOT]);
     long long* tiles = reinterpret_cast<long long*>(x[X_TILES]);
-    const int t = threadIdx.x, r = t >> 2, cg = t & 3;
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wr = (tid >> 5) * 8 * MR;
     const long long bh = blockIdx.y, b = bh / c.Hq, h = bh % c.Hq, hk = c.head_map[h];
-    const long long i0 = static_cast<long long>(blockIdx.x) * T, i = i0 + r;
-    const long long Dk = c.Dk, Dv = c.Dv;
-    auto sQ = smem;              // T x Dk
-    auto sG = sQ + T * Dk;       // T x Dv: G_O
-    auto sK = sG + T * Dv;       // T x Dk
-    auto sV = sK + T * Dk;       // T x Dv
-    auto sS = sV + T * Dv;       // T x T: dS of the tile
-    auto sDQ = sS + T * T;       // T x Dk: the dq accumulator
+    const int Q = static_cast<int>(c.Q), K = static_cast<int>(c.K);
+    const int i0 = static_cast<int>(blockIdx.x) * BQ, row = i0 + wr + g;
+    const double* kmat = c.k + (b * c.Hkv + hk) * c.K * D;
+    const double* vmat = c.v + (b * c.Hkv + hk) * c.K * D;
+    auto sQ = smem;               // BQ x D
+    auto sG = sQ + BQ * D;        // BQ x D: G_O
+    auto sK = sG + BQ * D;        // 2 x BK x D
+    auto sV = sK + 2 * BK * D;    // 2 x BK x D
+    const bool evaluate = vis.mode != 0 || vis.has_sanitized;
+    auto classify = [&](int kb, unsigned* bits) {
+        int any, all, cls = REFATTN_PARTIAL;
+        if (vis.mode == 2) {  // bounded from the relation's coordinates; SKIP and FULL final
+            cls = refattn_tile_relation(vis, b, h, i0, refattn_imin(BQ, Q - i0), kb * BK,
+                                        refattn_imin(BK, K - kb * BK), tid);
+            if (cls == REFATTN_FULL && kb * BK + BK > K) cls = REFATTN_PARTIAL;  // key tail
+            if (cls != REFATTN_PARTIAL) return cls;
+        }
+        *bits = refattn_tile_bits<MR, NT, false>(vis, ip, evaluate, b, h, row, kb * BK + 2 * t,
+                                                 Q, K, &any, &all);
+        return refattn_tile_class(evaluate, any, all, kb * BK + BK > K);
+    };
+    auto load = [&](int kb) {
+        const int buf = kb & 1;
+        refattn_load_tile_async<BK, D, REFATTN_THREADS>(sK + buf * BK * D, kmat, kb * BK, K, tid);
+        refattn_load_tile_async<BK, D, REFATTN_THREADS>(sV + buf * BK * D, vmat, kb * BK, K, tid);
+    };
 
-    refattn_load_tile<T>(sQ, c.q, bh, i0, c.Q, Dk, t);
-    refattn_load_tile<T>(sG, c.g_o, bh, i0, c.Q, Dv, t);
-    for (long long d = cg; d < Dk; d += 4) sDQ[r * Dk + d] = 0.0;
-    const double lse_i = i < c.Q ? c.lse[bh * c.Q + i] : 0.0;
-    const double d_i = (i < c.Q && !check_mode) ? c.dvec[bh * c.Q + i] : 0.0;
-    double acc_pg = 0.0;  // row_dot = sum_j P G_P
-    double acc_gb = 0.0;  // the bias gradient summed over keys (bias mode 3)
+    refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sQ, c.q + bh * c.Q * D, i0, Q, tid);
+    refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sG, c.g_o + bh * c.Q * D, i0, Q, tid);
+    double dqa[DT * W];
+    REFATTN_UNROLL
+    for (int e = 0; e < DT * W; ++e) dqa[e] = 0.0;
+    double lse_i[MR], d_i[MR], acc_pg[MR], acc_gb[MR];
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MR; ++mr) {
+        const int i = row + 8 * mr;
+        lse_i[mr] = i < Q ? c.lse[bh * c.Q + i] : 0.0;
+        d_i[mr] = (i < Q && !check_mode) ? c.dvec[bh * c.Q + i] : 0.0;
+        acc_pg[mr] = 0.0;  // row_dot = sum_j P G_P
+        acc_gb[mr] = 0.0;  // the bias gradient summed over keys (bias mode 3)
+    }
     long long done = 0, skipped = 0;
-    const long long nkb = (c.K + T - 1) / T;
-    for (long long kb = 0; kb < nkb; ++kb) {
-        const long long j0 = kb * T;
-        refattn_load_tile<T>(sK, c.k, b * c.Hkv + hk, j0, c.K, Dk, t);
-        refattn_load_tile<T>(sV, c.v, b * c.Hkv + hk, j0, c.K, Dv, t);
-        bool seen[T / 4];
-        const bool any = refattn_edges_seen<T, 0, 1>(seen, c, vis, ip, b, h, i, j0 + cg * (T / 4));
-        if (!__syncthreads_or(any)) {
+    const int nkb = (K + BK - 1) / BK;
+    unsigned bits;
+    int cls = classify(0, &bits);
+    if (cls != REFATTN_SKIP) load(0);
+    refattn_cp_async_commit();
+    for (int kb = 0; kb < nkb; ++kb) {
+        const int j0 = kb * BK, buf = kb & 1;
+        unsigned bits_next = 0;
+        int cls_next = REFATTN_SKIP;
+        if (kb + 1 < nkb) {
+            cls_next = classify(kb + 1, &bits_next);
+            if (cls_next != REFATTN_SKIP) load(kb + 1);
+        }
+        refattn_cp_async_commit();
+        refattn_cp_async_wait<1>();
+        __syncthreads();
+        if (cls == REFATTN_SKIP) {
             ++skipped;
-            continue;
-        }
-        ++done;
-        for (int q4 = 0; q4 < T / 4; ++q4) {
-            const int jj = cg * (T / 4) + q4;
-            const long long j = j0 + jj;
-            double ds = 0.0;
-            if (seen[q4]) {
-                double dot = 0.0;
-                for (long long d = 0; d < Dk; ++d) dot += sQ[r * Dk + d] * sK[jj * Dk + d];
-                double capped;
-                const double sc = refattn_score(c, dot, &capped);
-                const double p = exp(refattn_biased(c, ip, sc, b, h, i, j) - lse_i);
-                double gp = 0.0;  // G_Pdrop = G_O . v_j, then G_P = G_Pdrop Z
-                for (long long d = 0; d < Dv; ++d) gp += sG[r * Dv + d] * sV[jj * Dv + d];
-                if (c.drop_mode != 0) gp *= refattn_multiplier(c, ip, b, h, i, j);
-                acc_pg += p * gp;
-                if (!check_mode) {
-                    const double g_s = p * (gp - d_i);  // grad_scores
-                    if (gbias_mode == 1) gbias[(bh * c.Q + i) * c.K + j] = g_s;
-                    if (gbias_mode == 3) acc_gb += g_s;
-                    ds = g_s * refattn_cap_slope(c, sc);
+        } else {
+            ++done;
+            double s[NT * W], dp[NT * W];
+            REFATTN_UNROLL
+            for (int e = 0; e < NT * W; ++e) s[e] = dp[e] = 0.0;
+            refattn_mma_abt<D, MR, NT>(s, sQ, wr, sK + buf * BK * D, g, t);   // S = Q K^T
+            refattn_mma_abt<D, MR, NT>(dp, sG, wr, sV + buf * BK * D, g, t);  // dP = G_O V^T
+            const unsigned keep = c.drop_mode == 2
+                                      ? refattn_keep_bits_rows<MR, NT>(c, bh, row, j0, t)
+                                      : 0u;
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MR; ++mr) {
+                const int i = row + 8 * mr;
+                REFATTN_UNROLL
+                for (int nt = 0; nt < NT; ++nt) {
+                    REFATTN_UNROLL
+                    for (int sb = 0; sb < 2; ++sb) {
+                        const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
+                        const int bit = (nt * MR + mr) * 2 + sb;
+                        double ds = 0.0;
+                        const bool seen = i < Q && j < K &&
+                                          (cls == REFATTN_FULL || ((bits >> bit) & 1u));
+                        if (seen) {
+                            double capped;
+                            const double sc = refattn_score(c, s[e], &capped);
+                            const double p = exp(refattn_biased(c, ip, sc, b, h, i, j) - lse_i[mr]);
+                            double gp = dp[e];  // G_Pdrop = G_O . v_j, then G_P = G_Pdrop Z
+                            if (c.drop_mode != 0)
+                                gp *= refattn_tile_multiplier(c, ip, keep, bit, b, h, i, j);
+                            acc_pg[mr] += p * gp;
+                            if (!check_mode) {
+                                const double g_s = p * (gp - d_i[mr]);  // grad_scores
+                                if (gbias_mode == 1) gbias[(bh * c.Q + i) * c.K + j] = g_s;
+                                if (gbias_mode == 3) acc_gb[mr] += g_s;
+                                ds = g_s * refattn_cap_slope(c, sc);
+                            }
+                        }  // (the host zero-fills a per-element bias gradient)
+                        s[e] = ds;
+                    }
                 }
-            }  // (the host zero-fills a per-element bias gradient: invisible edges stay 0)
-            sS[r * T + jj] = ds;
-        }
-        if (!check_mode) {
-            __syncthreads();  // sS complete
-            for (long long d = cg; d < Dk; d += 4) {
-                double acc = sDQ[r * Dk + d];
-                for (int jj = 0; jj < T; ++jj) acc += sS[r * T + jj] * sK[jj * Dk + d];
-                sDQ[r * Dk + d] = acc;
             }
+            if (!check_mode) refattn_mma_pb<D, MR, NT>(dqa, s, sK + buf * BK * D, g, t);
         }
-        __syncthreads();  // tiles free for the next key block
+        __syncthreads();
+        cls = cls_next;
+        bits = bits_next;
     }
-    acc_pg += __shfl_xor_sync(0xffffffffu, acc_pg, 1);
-    acc_pg += __shfl_xor_sync(0xffffffffu, acc_pg, 2);
-    acc_gb += __shfl_xor_sync(0xffffffffu, acc_gb, 1);
-    acc_gb += __shfl_xor_sync(0xffffffffu, acc_gb, 2);
-    if (i < c.Q) {
-        if (cg == 0) row_dot[bh * c.Q + i] = acc_pg;
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MR; ++mr) {
+        acc_pg[mr] += __shfl_xor_sync(0xffffffffu, acc_pg[mr], 1);
+        acc_pg[mr] += __shfl_xor_sync(0xffffffffu, acc_pg[mr], 2);
+        acc_gb[mr] += __shfl_xor_sync(0xffffffffu, acc_gb[mr], 1);
+        acc_gb[mr] += __shfl_xor_sync(0xffffffffu, acc_gb[mr], 2);
+        const int i = row + 8 * mr;
+        if (i >= Q) continue;
+        if (t == 0) row_dot[bh * c.Q + i] = acc_pg[mr];
         if (!check_mode) {
-            for (long long d = cg; d < Dk; d += 4)
-                dq[(bh * c.Q + i) * Dk + d] = rp[R_FQ] * sDQ[r * Dk + d];
-            if (gbias_mode == 3 && cg == 0) gbias[bh * c.Q + i] = acc_gb;
+            double* drow = dq + (bh * c.Q + i) * D;
+            REFATTN_UNROLL
+            for (int dt = 0; dt < DT; ++dt) {
+                drow[8 * dt + 2 * t] = rp[R_FQ] * dqa[dt * W + 2 * mr];
+                drow[8 * dt + 2 * t + 1] = rp[R_FQ] * dqa[dt * W + 2 * mr + 1];
+            }
+            if (gbias_mode == 3 && t == 0) gbias[bh * c.Q + i] = acc_gb[mr];
         }
     }
-    if (t == 0) {
+    if (tid == 0) {
         const long long block = bh * gridDim.x + blockIdx.x;
         tiles[2 * block] = done;
         tiles[2 * block + 1] = skipped;
     }
 }
 
-// -- dk, dv: one block per key tile of one kv head, looping over its query heads in order -----
-// grid (ceil(K / T), B * Hkv); dk (B,Hkv,K,Dk) = fk * sum_{h ~ g} sum_i dS q,
-// dv (B,Hkv,K,Dv) = sum_{h ~ g} sum_i (P Z) G_O; the bias gradient of mode 2 (summed over
-// queries), per query head.
-template <int T>
+// -- dk, dv: one block per BKV keys of one kv head, looping over its query heads in order -------
+// grid (ceil(K / BKV), B * Hkv), 128 threads; dk (B,Hkv,K,D) = fk sum_{h ~ g} sum_i dS q,
+// dv (B,Hkv,K,D) = sum_{h ~ g} sum_i (P Z) G_O; the bias gradient of mode 2 (summed over
+// queries), per query head. Products per tile: S^T = K Q^T, dP^T = V G_O^T, dV += (P Z)^T G_O,
+// dK += dS^T Q.
+template <int D, int MR, int BQ2>
 __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                              const double* rp) {
+    constexpr int BKV = 8 * MR * REFATTN_WARPS, NT = BQ2 / 8, DT = D / 8, W = 2 * MR;
     REFATTN_DYNAMIC_SHARED(double, smem);
     const RefattnCall c = refattn_call(x, ip, rp);
     const RefattnVisibility vis = refattn_visibility(x, ip);
@@ -335,95 +747,151 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     double* dv = reinterpret_cast<double*>(x[X_DV]);
     double* gbias = reinterpret_cast<double*>(x[X_GBIAS]);
     long long* tiles = reinterpret_cast<long long*>(x[X_TILES]);
-    const int t = threadIdx.x, jj = t >> 2, qg = t & 3;
-    const long long bg = blockIdx.y, b = bg / c.Hkv, g = bg % c.Hkv;
-    const long long j0 = static_cast<long long>(blockIdx.x) * T, j = j0 + jj;
-    const long long Dk = c.Dk, Dv = c.Dv;
-    auto sK = smem;              // T x Dk
-    auto sV = sK + T * Dk;       // T x Dv
-    auto sQ = sV + T * Dv;       // T x Dk
-    auto sG = sQ + T * Dk;       // T x Dv: G_O
-    auto sPZ = sG + T * Dv;      // T x T: P Z, [query][key]
-    auto sS = sPZ + T * T;       // T x T: dS, [query][key]
-    auto sDK = sS + T * T;       // T x Dk
-    auto sDV = sDK + T * Dk;     // T x Dv
-    auto sL = sDV + T * Dv;      // T: lse of the query tile
-    auto sD = sL + T;            // T: D of the query tile
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wr = (tid >> 5) * 8 * MR;
+    const long long bg = blockIdx.y, b = bg / c.Hkv, hg = bg % c.Hkv;
+    const int Q = static_cast<int>(c.Q), K = static_cast<int>(c.K);
+    const int j0 = static_cast<int>(blockIdx.x) * BKV, row = j0 + wr + g;
+    auto sK = smem;               // BKV x D
+    auto sV = sK + BKV * D;       // BKV x D
+    auto sQ = sV + BKV * D;       // 2 x BQ2 x D
+    auto sG = sQ + 2 * BQ2 * D;   // 2 x BQ2 x D: G_O
+    auto sDV = sG + 2 * BQ2 * D + (tid >> 5) * 8 * MR * D;  // the warp's dV accumulator
+    const bool evaluate = vis.mode != 0 || vis.has_sanitized;
 
-    refattn_load_tile<T>(sK, c.k, b * c.Hkv + g, j0, c.K, Dk, t);
-    refattn_load_tile<T>(sV, c.v, b * c.Hkv + g, j0, c.K, Dv, t);
-    for (long long d = qg; d < Dk; d += 4) sDK[jj * Dk + d] = 0.0;
-    for (long long d = qg; d < Dv; d += 4) sDV[jj * Dv + d] = 0.0;
+    refattn_load_tile_async<BKV, D, REFATTN_THREADS>(sK, c.k + bg * c.K * D, j0, K, tid);
+    refattn_load_tile_async<BKV, D, REFATTN_THREADS>(sV, c.v + bg * c.K * D, j0, K, tid);
+    double dka[DT * W];
+    REFATTN_UNROLL
+    for (int e = 0; e < DT * W; ++e) dka[e] = 0.0;
+    for (int e = 0; e < DT * W; ++e)  // the lane's own entries of the warp's region
+        sDV[((e / W) * 32 + lane) * W + e % W] = 0.0;
     long long done = 0, skipped = 0;
-    const long long nqb = (c.Q + T - 1) / T;
-    for (long long h = 0; h < c.Hq; ++h) {  // the query heads of kv head g, in order
-        if (c.head_map[h] != g) continue;
+    const int nqb = (Q + BQ2 - 1) / BQ2;
+    for (long long h = 0; h < c.Hq; ++h) {  // the query heads of kv head hg, in order
+        if (c.head_map[h] != hg) continue;
         const long long bh = b * c.Hq + h;
-        double gb = 0.0;  // bias gradient of (b, h, j) summed over queries (mode 2)
-        for (long long qb = 0; qb < nqb; ++qb) {
-            const long long i0 = qb * T;
-            __syncthreads();  // the previous tile's readers are done
-            refattn_load_tile<T>(sQ, c.q, bh, i0, c.Q, Dk, t);
-            refattn_load_tile<T>(sG, c.g_o, bh, i0, c.Q, Dv, t);
-            for (long long e = t; e < T; e += 4 * T) {
-                long long row = i0 + e;
-                sL[e] = row < c.Q ? c.lse[bh * c.Q + row] : 0.0;
-                sD[e] = row < c.Q ? c.dvec[bh * c.Q + row] : 0.0;
+        const double* qmat = c.q + bh * c.Q * D;
+        const double* gmat = c.g_o + bh * c.Q * D;
+        auto classify = [&](int qb, unsigned* bits) {
+            int any, all, cls = REFATTN_PARTIAL;
+            if (vis.mode == 2) {  // bounded from the relation's coordinates
+                cls = refattn_tile_relation(vis, b, h, qb * BQ2, refattn_imin(BQ2, Q - qb * BQ2), j0,
+                                            refattn_imin(BKV, K - j0), tid);
+                if (cls == REFATTN_FULL && qb * BQ2 + BQ2 > Q) cls = REFATTN_PARTIAL;
+                if (cls != REFATTN_PARTIAL) return cls;
             }
-            bool seen[T / 4];
-            const bool any =
-                refattn_edges_seen<T, 1, 0>(seen, c, vis, ip, b, h, i0 + qg * (T / 4), j);
-            if (!__syncthreads_or(any)) {
+            *bits = refattn_tile_bits<MR, NT, true>(vis, ip, evaluate, b, h, row,
+                                                    qb * BQ2 + 2 * t, Q, K, &any, &all);
+            return refattn_tile_class(evaluate, any, all, qb * BQ2 + BQ2 > Q);
+        };
+        auto load = [&](int qb) {
+            const int buf = qb & 1;
+            refattn_load_tile_async<BQ2, D, REFATTN_THREADS>(sQ + buf * BQ2 * D, qmat, qb * BQ2,
+                                                             Q, tid);
+            refattn_load_tile_async<BQ2, D, REFATTN_THREADS>(sG + buf * BQ2 * D, gmat, qb * BQ2,
+                                                             Q, tid);
+        };
+        double gb[MR];  // bias gradient of (b, h, j) summed over queries (mode 2)
+        REFATTN_UNROLL
+        for (int mr = 0; mr < MR; ++mr) gb[mr] = 0.0;
+        unsigned bits;
+        int cls = classify(0, &bits);
+        if (cls != REFATTN_SKIP) load(0);
+        refattn_cp_async_commit();
+        for (int qb = 0; qb < nqb; ++qb) {
+            const int i0 = qb * BQ2, buf = qb & 1;
+            unsigned bits_next = 0;
+            int cls_next = REFATTN_SKIP;
+            if (qb + 1 < nqb) {
+                cls_next = classify(qb + 1, &bits_next);
+                if (cls_next != REFATTN_SKIP) load(qb + 1);
+            }
+            refattn_cp_async_commit();
+            refattn_cp_async_wait<1>();
+            __syncthreads();
+            if (cls == REFATTN_SKIP) {
                 ++skipped;
-                continue;
-            }
-            ++done;
-            for (int q4 = 0; q4 < T / 4; ++q4) {
-                const int ii = qg * (T / 4) + q4;
-                const long long i = i0 + ii;
-                double pz = 0.0, ds = 0.0;
-                if (seen[q4]) {
-                    double dot = 0.0;
-                    for (long long d = 0; d < Dk; ++d) dot += sQ[ii * Dk + d] * sK[jj * Dk + d];
-                    double capped;
-                    const double sc = refattn_score(c, dot, &capped);
-                    const double p = exp(refattn_biased(c, ip, sc, b, h, i, j) - sL[ii]);
-                    const double z = c.drop_mode != 0 ? refattn_multiplier(c, ip, b, h, i, j)
-                                                      : 1.0;
-                    double gp = 0.0;
-                    for (long long d = 0; d < Dv; ++d) gp += sG[ii * Dv + d] * sV[jj * Dv + d];
-                    gp *= z;
-                    const double g_s = p * (gp - sD[ii]);
-                    gb += g_s;
-                    pz = p * z;
-                    ds = g_s * refattn_cap_slope(c, sc);
+            } else {
+                ++done;
+                double st[NT * W], dpt[NT * W];
+                REFATTN_UNROLL
+                for (int e = 0; e < NT * W; ++e) st[e] = dpt[e] = 0.0;
+                refattn_mma_abt<D, MR, NT>(st, sK, wr, sQ + buf * BQ2 * D, g, t);   // K Q^T
+                refattn_mma_abt<D, MR, NT>(dpt, sV, wr, sG + buf * BQ2 * D, g, t);  // V G_O^T
+                const unsigned keep = c.drop_mode == 2
+                                          ? refattn_keep_bits_keys<MR, NT>(c, bh, row, i0, lane)
+                                          : 0u;
+                double lse_i[2 * NT], d_i[2 * NT];
+                REFATTN_UNROLL
+                for (int e = 0; e < 2 * NT; ++e) {
+                    const int i = i0 + 8 * (e >> 1) + 2 * t + (e & 1);
+                    lse_i[e] = i < Q ? c.lse[bh * c.Q + i] : 0.0;
+                    d_i[e] = i < Q ? c.dvec[bh * c.Q + i] : 0.0;
                 }
-                sPZ[ii * T + jj] = pz;
-                sS[ii * T + jj] = ds;
+                REFATTN_UNROLL
+                for (int mr = 0; mr < MR; ++mr) {
+                    const int j = row + 8 * mr;
+                    REFATTN_UNROLL
+                    for (int nt = 0; nt < NT; ++nt) {
+                        REFATTN_UNROLL
+                        for (int sb = 0; sb < 2; ++sb) {
+                            const int e = nt * W + 2 * mr + sb, i = i0 + 8 * nt + 2 * t + sb;
+                            const int bit = (nt * MR + mr) * 2 + sb;
+                            double pz = 0.0, ds = 0.0;
+                            const bool seen = i < Q && j < K &&
+                                              (cls == REFATTN_FULL || ((bits >> bit) & 1u));
+                            if (seen) {
+                                double capped;
+                                const double sc = refattn_score(c, st[e], &capped);
+                                const double p = exp(refattn_biased(c, ip, sc, b, h, i, j) -
+                                                     lse_i[2 * nt + sb]);
+                                const double z =
+                                    c.drop_mode != 0
+                                        ? refattn_tile_multiplier(c, ip, keep, bit, b, h, i, j)
+                                        : 1.0;
+                                const double gp = dpt[e] * z;
+                                const double g_s = p * (gp - d_i[2 * nt + sb]);
+                                gb[mr] += g_s;
+                                pz = p * z;
+                                ds = g_s * refattn_cap_slope(c, sc);
+                            }
+                            st[e] = pz;
+                            dpt[e] = ds;
+                        }
+                    }
+                }
+                refattn_mma_pb_shared<D, MR, NT>(sDV, st, sG + buf * BQ2 * D, lane, g, t);  // dV
+                refattn_mma_pb<D, MR, NT>(dka, dpt, sQ + buf * BQ2 * D, g, t);  // dK += dS^T Q
             }
-            __syncthreads();  // sPZ, sS complete
-            for (long long d = qg; d < Dv; d += 4) {
-                double acc = sDV[jj * Dv + d];
-                for (int ii = 0; ii < T; ++ii) acc += sPZ[ii * T + jj] * sG[ii * Dv + d];
-                sDV[jj * Dv + d] = acc;
-            }
-            for (long long d = qg; d < Dk; d += 4) {
-                double acc = sDK[jj * Dk + d];
-                for (int ii = 0; ii < T; ++ii) acc += sS[ii * T + jj] * sQ[ii * Dk + d];
-                sDK[jj * Dk + d] = acc;
-            }
+            __syncthreads();
+            cls = cls_next;
+            bits = bits_next;
         }
-        gb += __shfl_xor_sync(0xffffffffu, gb, 1);
-        gb += __shfl_xor_sync(0xffffffffu, gb, 2);
-        if (gbias_mode == 2 && qg == 0 && j < c.K) gbias[bh * c.K + j] = gb;
+        REFATTN_UNROLL
+        for (int mr = 0; mr < MR; ++mr) {
+            gb[mr] += __shfl_xor_sync(0xffffffffu, gb[mr], 1);
+            gb[mr] += __shfl_xor_sync(0xffffffffu, gb[mr], 2);
+            const int j = row + 8 * mr;
+            if (gbias_mode == 2 && t == 0 && j < K) gbias[bh * c.K + j] = gb[mr];
+        }
     }
-    if (j < c.K) {
-        for (long long d = qg; d < Dk; d += 4)
-            dk[((b * c.Hkv + g) * c.K + j) * Dk + d] = rp[R_FK] * sDK[jj * Dk + d];
-        for (long long d = qg; d < Dv; d += 4)
-            dv[((b * c.Hkv + g) * c.K + j) * Dv + d] = sDV[jj * Dv + d];
+    refattn_cp_async_wait<0>();  // K and V when every head was skipped
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MR; ++mr) {
+        const int j = row + 8 * mr;
+        if (j >= K) continue;
+        double* krow = dk + (bg * c.K + j) * D;
+        double* vrow = dv + (bg * c.K + j) * D;
+        REFATTN_UNROLL
+        for (int dt = 0; dt < DT; ++dt) {
+            krow[8 * dt + 2 * t] = rp[R_FK] * dka[dt * W + 2 * mr];
+            krow[8 * dt + 2 * t + 1] = rp[R_FK] * dka[dt * W + 2 * mr + 1];
+            vrow[8 * dt + 2 * t] = sDV[(dt * 32 + lane) * W + 2 * mr];
+            vrow[8 * dt + 2 * t + 1] = sDV[(dt * 32 + lane) * W + 2 * mr + 1];
+        }
     }
-    if (t == 0) {
+    if (tid == 0) {
         const long long block = bg * gridDim.x + blockIdx.x;
         tiles[2 * block] = done;
         tiles[2 * block + 1] = skipped;
@@ -507,13 +975,22 @@ __device__ void refattn_trace_backward(const unsigned long long* x, const long l
 }
 
 // -- entry points ---------------------------------------------------------------------------------
+// instances <D, MR, BK or BQ2>: 8 MR rows per warp; source.py INSTANCES holds the same table
+// (a test compares). The tiles are chosen for 0 spills (ptxas, sm_80 and sm_90) and every block
+// within an A100's 163 KiB: dq keeps S and dP (2 x BK / 8 x 2 MR doubles per lane) beside its
+// dQ accumulator; dk/dv has MR = 1 and keeps dV in shared memory (refattn_mma_pb_shared).
+// No instance at D = 256: the forward's O (64 doubles per lane at MR = 1) and the dk/dv
+// kernel's dK beside the tile work spill on sm_80.
 #define REFATTN_ARGS const unsigned long long *x, const long long *ip, const double *rp
-extern "C" __global__ void attention_forward_t32(REFATTN_ARGS) { refattn_forward<32>(x, ip, rp); }
-extern "C" __global__ void attention_forward_t16(REFATTN_ARGS) { refattn_forward<16>(x, ip, rp); }
-extern "C" __global__ void attention_dq_t32(REFATTN_ARGS) { refattn_dq<32>(x, ip, rp); }
-extern "C" __global__ void attention_dq_t16(REFATTN_ARGS) { refattn_dq<16>(x, ip, rp); }
-extern "C" __global__ void attention_dkdv_t32(REFATTN_ARGS) { refattn_dkdv<32>(x, ip, rp); }
-extern "C" __global__ void attention_dkdv_t16(REFATTN_ARGS) { refattn_dkdv<16>(x, ip, rp); }
+extern "C" __global__ void attention_forward_d32(REFATTN_ARGS) { refattn_forward<32, 2, 32>(x, ip, rp); }
+extern "C" __global__ void attention_forward_d64(REFATTN_ARGS) { refattn_forward<64, 2, 32>(x, ip, rp); }
+extern "C" __global__ void attention_forward_d128(REFATTN_ARGS) { refattn_forward<128, 1, 32>(x, ip, rp); }
+extern "C" __global__ void attention_dq_d32(REFATTN_ARGS) { refattn_dq<32, 2, 16>(x, ip, rp); }
+extern "C" __global__ void attention_dq_d64(REFATTN_ARGS) { refattn_dq<64, 1, 16>(x, ip, rp); }
+extern "C" __global__ void attention_dq_d128(REFATTN_ARGS) { refattn_dq<128, 1, 16>(x, ip, rp); }
+extern "C" __global__ void attention_dkdv_d32(REFATTN_ARGS) { refattn_dkdv<32, 1, 32>(x, ip, rp); }
+extern "C" __global__ void attention_dkdv_d64(REFATTN_ARGS) { refattn_dkdv<64, 1, 32>(x, ip, rp); }
+extern "C" __global__ void attention_dkdv_d128(REFATTN_ARGS) { refattn_dkdv<128, 1, 16>(x, ip, rp); }
 extern "C" __global__ void attention_row_dot_output(REFATTN_ARGS) {
     refattn_row_dot_output(x, ip, rp);
 }
@@ -524,12 +1001,15 @@ extern "C" __global__ void attention_trace_backward(REFATTN_ARGS) {
     refattn_trace_backward(x, ip, rp);
 }
 
-REFATTN_EXPORT(attention_forward_t32)
-REFATTN_EXPORT(attention_forward_t16)
-REFATTN_EXPORT(attention_dq_t32)
-REFATTN_EXPORT(attention_dq_t16)
-REFATTN_EXPORT(attention_dkdv_t32)
-REFATTN_EXPORT(attention_dkdv_t16)
+REFATTN_EXPORT(attention_forward_d32)
+REFATTN_EXPORT(attention_forward_d64)
+REFATTN_EXPORT(attention_forward_d128)
+REFATTN_EXPORT(attention_dq_d32)
+REFATTN_EXPORT(attention_dq_d64)
+REFATTN_EXPORT(attention_dq_d128)
+REFATTN_EXPORT(attention_dkdv_d32)
+REFATTN_EXPORT(attention_dkdv_d64)
+REFATTN_EXPORT(attention_dkdv_d128)
 REFATTN_EXPORT(attention_row_dot_output)
 REFATTN_EXPORT(attention_trace_forward)
 REFATTN_EXPORT(attention_trace_backward)

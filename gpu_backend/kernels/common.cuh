@@ -13,6 +13,8 @@
 #define REFATTN_EXPORT(name)
 #define REFATTN_DYNAMIC_SHARED(type, name) extern __shared__ type name[]
 #define REFATTN_CHECK_INDEX(i, n)
+#define REFATTN_UNROLL _Pragma("unroll")
+#define REFATTN_NO_UNROLL _Pragma("unroll 1")
 #endif
 
 // NVRTC has no math.h: IEEE constants from their bit patterns
