@@ -17,7 +17,8 @@
 // as the exact sum c + sum_k a_k b_k rounded once (the two differ, e.g. on
 // (1, 2^-53, 2^-53) . (1, 1, 1)). cp.async (kernels/cp_async.cuh) records each copy in the
 // issuing thread's open group and performs it at the cp.async.wait that retires the group, so a
-// kernel that reads shared memory without waiting sees stale (in debug builds NaN) data.
+// kernel that reads shared memory without waiting sees stale (in debug builds NaN) data; debug
+// builds also check that both addresses of every cp.async are 16-byte aligned, as the GPU does.
 //
 // With REFATTN_EMU_DEBUG defined: dynamic shared memory is bounds-checked (an index outside the
 // allocation is an error naming block, thread and index), filled with NaN at block start, and
@@ -236,6 +237,10 @@ inline void mma_f64(int m, int k, const double* a, const double* b, double* c) {
 #ifdef REFATTN_EMU_DEBUG
 inline void cp_async16(double& d0, double& d1, const double* src, bool valid) {
     if (&d1 != &d0 + 1) fail("cp.async: the destination is not two adjacent doubles");
+    if (reinterpret_cast<uintptr_t>(&d0) % 16 != 0 ||
+        (valid && reinterpret_cast<uintptr_t>(src) % 16 != 0))
+        fail("cp.async: a 16-byte copy needs 16-byte aligned addresses (shared %p, global %p)",
+             static_cast<void*>(&d0), static_cast<const void*>(src));
     self().open_copies.push_back({&d0, src, valid});
 }
 #else

@@ -218,6 +218,16 @@ def test_cp_async_copies_zero_fills_and_completes_at_the_wait(modules):
     assert np.isnan(out).all()
 
 
+def test_a_misaligned_cp_async_source_is_caught(modules):
+    src = np.arange(1.0, 131.0)[1:]  # 8 bytes past a 16-byte boundary (numpy aligns to 16)
+    assert src.ctypes.data % 16 == 8
+    k = modules["chain"].get_function("probe_cp_async")
+    with pytest.raises(refattn.RefAttnError, match=r"cp\.async: a 16-byte copy needs 16-byte "
+                                                   r"aligned addresses"):
+        k(1, 64, (src, np.zeros(128), np.int32(128), np.int32(128), np.int32(1)),
+          shared_mem=128 * 8)
+
+
 def test_the_exact_switch_is_read_from_the_environment(probe_dir, monkeypatch):
     monkeypatch.setenv("REFATTN_EMU_MMA", "exact")
     assert EmulatedModule(probe_dir, debug=True).mma == "exact"
