@@ -373,7 +373,8 @@ PROBES = [  # (label, process kind, extra environment of that child)
 PROBE_SLOTS = ("alone", "right after refattn", "after refattn + 0.5 s")
 
 
-def probe(case: Case, data: Path, *, threads: int, calls: int, rounds: int) -> dict[str, Any]:
+def probe(case: Case, data: Path, *, threads: int, calls: int, rounds: int,
+          unset_openblas: bool = False) -> dict[str, Any]:
     """Torch's time in one process under each hypothesis (:data:`PROBES`), in fresh processes
     interleaved over ``rounds``. Within a process torch is timed alone (0.5 s after anything
     else), right after a refattn call, and 0.5 s after one, alternately, so that drift of a
@@ -381,7 +382,7 @@ def probe(case: Case, data: Path, *, threads: int, calls: int, rounds: int) -> d
     runs: dict[str, list[dict[str, Any]]] = {label: [] for label, _, _ in PROBES}
     for _ in range(rounds):
         for label, kind, extra in PROBES:
-            env = {**child_environ(threads, False), **extra}
+            env = {**child_environ(threads, unset_openblas), **extra}
             runs[label].append(_spawn(["probe", kind, list(case), str(data), threads, calls],
                                       env))
     out: dict[str, Any] = {}
@@ -481,11 +482,15 @@ def header_lines(env: dict[str, Any], threads: int, unset: bool, dgemm: dict[str
         "blas: " + "; ".join(env["blas"]),
         f"torch: {env['torch']}",
         "OPENBLAS_* " + ("removed from the children's environment by --unset-openblas-env "
-                         f"(was {env['openblas_env'] or 'none'})" if unset else
+                         f"(was {_openblas_env() or 'none'})" if unset else
                          f"as set: {env['openblas_env'] or 'none'}"),
         f"square DGEMM (numpy matmul {dgemm['n']}^2, {threads} threads, own process): "
         f"{dgemm['gflops']:.1f} GFLOP/s",
     ]
+
+
+def _openblas_env() -> dict[str, str]:
+    return {k: v for k, v in os.environ.items() if k.startswith("OPENBLAS_")}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -532,7 +537,7 @@ def main(argv: list[str] | None = None) -> int:
             case = cases[0] if args.shape else Case(2, 8, 8, 1024, 1024, 64)
             data = write_inputs(case, Path(tmp))
             out["probe"] = probe(case, data, threads=threads, calls=args.calls,
-                                 rounds=args.rounds)
+                                 rounds=args.rounds, unset_openblas=args.unset_openblas_env)
             print(f"probe at {case.name}: torch f+b median s; {args.rounds} fresh processes "
                   f"per scenario (interleaved) x {args.calls} calls per slot\n")
             print("| scenario | " + " | ".join(PROBE_SLOTS) + " | torch's symbols bound to |")
