@@ -20,7 +20,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "(default ~/.cache/refattn). It runs by itself on first use; "
         "REFATTN_BLAS_PROVIDER=openblas/heads/8 overrides it.",
         epilog="examples:\n"
-        "  refattn calibrate                                 # about 7 s\n"
+        "  refattn calibrate                                 # about 5 s (27 s cold)\n"
         "  refattn calibrate --full                          # head dims 64 and 128\n"
         "  refattn calibrate --show                          # the cached choice",
     )
