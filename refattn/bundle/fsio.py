@@ -191,28 +191,9 @@ def open_confined(root: str | os.PathLike, rel: Any, *, max_bytes: int,
     """
     parts = check_relative(rel, what=what)
     shown = "/".join(parts)
-    fds: list[int] = []
-    try:
+    with _confined_fds(root, parts, _NONBLOCK | _NOCTTY, f"cannot read the {what}") as fd:
         try:
-            fds.append(os.open(root, os.O_RDONLY | _DIRECTORY | _CLOEXEC))
-        except OSError as exc:
-            raise os_error(root, exc, "cannot open the bundle directory") from None
-        for i, part in enumerate(parts):
-            last = i == len(parts) - 1
-            flags = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | (
-                _NONBLOCK | _NOCTTY if last else _DIRECTORY)
-            try:
-                fds.append(os.open(part, flags, dir_fd=fds[-1]))
-            except OSError as exc:
-                where = "/".join(parts[: i + 1])
-                if exc.errno in (errno.ELOOP, errno.EMLINK) or (
-                        exc.errno == errno.ENOTDIR and _is_link(fds[-1], part)):
-                    raise RefAttnError(
-                        f"{where}: is a symbolic link; links inside a bundle are not "
-                        "followed (a bundle is read only from its own directory)") from None
-                raise os_error(where, exc, f"cannot read the {what}") from None
-        try:
-            st = os.fstat(fds[-1])
+            st = os.fstat(fd)
         except OSError as exc:
             raise os_error(shown, exc, f"cannot read the {what}") from None
         if not stat.S_ISREG(st.st_mode):
@@ -220,7 +201,39 @@ def open_confined(root: str | os.PathLike, rel: Any, *, max_bytes: int,
         if st.st_size > max_bytes:
             raise RefAttnError(f"{shown}: {st.st_size} bytes exceeds the limit of {max_bytes} "
                                "bytes for this file")
-        yield fds[-1], st.st_size
+        yield fd, st.st_size
+
+
+@contextlib.contextmanager
+def _confined_fds(root: str | os.PathLike, parts: list[str], last_flags: int,
+                  failure: str, *, missing_ok: bool = False) -> Iterator[int]:
+    """Open ``root``, then each of ``parts`` relative to its parent with ``O_NOFOLLOW``
+    (the last with ``last_flags``, the others as directories); yield the last descriptor and
+    close them all. A link anywhere below ``root`` is a :class:`RefAttnError` naming only the
+    path inside the bundle; any other failure is one naming that path and ``failure``, a
+    missing component included unless ``missing_ok`` (then ``FileNotFoundError`` passes
+    through for the caller)."""
+    fds: list[int] = []
+    try:
+        try:
+            fds.append(os.open(root, os.O_RDONLY | _DIRECTORY | _CLOEXEC))
+        except OSError as exc:
+            raise os_error(root, exc, "cannot open the bundle directory") from None
+        for i, part in enumerate(parts):
+            flags = os.O_RDONLY | _NOFOLLOW | _CLOEXEC | (
+                last_flags if i == len(parts) - 1 else _DIRECTORY)
+            where = "/".join(parts[: i + 1])
+            try:
+                fds.append(os.open(part, flags, dir_fd=fds[-1]))
+            except OSError as exc:
+                if missing_ok and isinstance(exc, FileNotFoundError):
+                    raise
+                if exc.errno in (errno.ELOOP, errno.EMLINK) or _is_link(fds[-1], part):
+                    raise RefAttnError(
+                        f"{where}: is a symbolic link; links inside a bundle are not "
+                        "followed (a bundle is read only from its own directory)") from None
+                raise os_error(where, exc, failure) from None
+        yield fds[-1]
     finally:
         for fd in reversed(fds):
             os.close(fd)
@@ -296,33 +309,16 @@ def list_confined(root: str | os.PathLike, rel: str) -> list[tuple[str, int]] | 
     refattn.errors.RefAttnError: other: is a symbolic link; ...
     """
     parts = check_relative(rel, what="directory")
-    fds: list[int] = []
     try:
-        try:
-            fds.append(os.open(root, os.O_RDONLY | _DIRECTORY | _CLOEXEC))
-        except OSError as exc:
-            raise os_error(root, exc, "cannot open the bundle directory") from None
-        for i, part in enumerate(parts):
-            where = "/".join(parts[: i + 1])
+        with _confined_fds(root, parts, _DIRECTORY, "cannot list the directory",
+                           missing_ok=True) as fd:
             try:
-                fds.append(os.open(part, os.O_RDONLY | _DIRECTORY | _NOFOLLOW | _CLOEXEC,
-                                   dir_fd=fds[-1]))
-            except FileNotFoundError:
-                return None
+                names = os.listdir(fd)
+                return sorted((n, os.lstat(n, dir_fd=fd).st_mode) for n in names)
             except OSError as exc:
-                if exc.errno in (errno.ELOOP, errno.EMLINK) or _is_link(fds[-1], part):
-                    raise RefAttnError(
-                        f"{where}: is a symbolic link; links inside a bundle are not "
-                        "followed (a bundle is read only from its own directory)") from None
-                raise os_error(where, exc, "cannot list the directory") from None
-        try:
-            names = os.listdir(fds[-1])
-            return sorted((n, os.lstat(n, dir_fd=fds[-1]).st_mode) for n in names)
-        except OSError as exc:
-            raise os_error("/".join(parts), exc, "cannot list the directory") from None
-    finally:
-        for fd in reversed(fds):
-            os.close(fd)
+                raise os_error("/".join(parts), exc, "cannot list the directory") from None
+    except FileNotFoundError:
+        return None
 
 
 def _is_link(dir_fd: int, name: str) -> bool:
