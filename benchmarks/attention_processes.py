@@ -63,41 +63,18 @@ import sys
 import tempfile
 import time
 from pathlib import Path
-from typing import Any, NamedTuple
+from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
-if str(ROOT) not in sys.path:
-    sys.path.insert(0, str(ROOT))
+HERE = Path(__file__).resolve().parent
+for path in (ROOT, HERE):
+    if str(path) not in sys.path:
+        sys.path.insert(0, str(path))
 
+# the shapes and their flop count are attention.py's (it imports numpy, never refattn, at the
+# top: loading it here changes no library that torch binds to)
+from attention import CASES, Case  # noqa: E402
 
-class Case(NamedTuple):
-    """(B, Hq, Hkv, Q, K, D) and whether the case is causal (upper-left)."""
-
-    B: int
-    Hq: int
-    Hkv: int
-    Q: int
-    K: int
-    D: int
-    causal: bool = False
-
-    @property
-    def name(self) -> str:
-        heads = f"{self.Hq}" if self.Hq == self.Hkv else f"{self.Hq}->{self.Hkv}"
-        return (f"({self.B},{heads},{self.Q},{self.D})" + (" causal" if self.causal else "")
-                + (" GQA" if self.Hq != self.Hkv else ""))
-
-    @property
-    def flops(self) -> float:
-        """Forward+backward: six products of ``2 D`` flops per visible pair and head."""
-        pairs = (sum(min(self.K, i + 1) for i in range(self.Q)) if self.causal
-                 else self.Q * self.K)
-        return 12.0 * self.B * self.Hq * pairs * self.D
-
-
-CASES = [Case(1, 8, 8, 512, 512, 64), Case(2, 8, 8, 1024, 1024, 64),
-         Case(1, 16, 16, 2048, 2048, 128), Case(1, 8, 8, 4096, 4096, 64),
-         Case(1, 16, 16, 2048, 2048, 128, causal=True), Case(1, 32, 8, 2048, 2048, 128)]
 QUICK_CASES = [Case(1, 8, 8, 512, 512, 64), Case(2, 8, 8, 1024, 1024, 64)]
 DRY_CASES = [Case(1, 2, 1, 32, 32, 16, causal=True)]
 MKL_PROVIDER = "mkl/heads/8"
