@@ -4,6 +4,7 @@ of the old flat layout still imports (with a DeprecationWarning naming the new h
 from __future__ import annotations
 
 import importlib
+import importlib.util
 import json
 import shutil
 import subprocess
@@ -118,3 +119,14 @@ def test_every_package_init_says_what_it_owns():
         doc = importlib.import_module(
             ".".join(init.relative_to(ROOT).parent.parts)).__doc__ or ""
         assert len(doc.split()) >= 15, f"{init} needs a docstring saying what it owns"
+
+
+def test_no_benchmark_script_shadows_an_importable_module():
+    # benchmarks/ is sys.path[0] when a script runs, and processes it spawns inherit the path:
+    # a script named like a package (dask's "distributed" once) replaces it in every worker
+    bench = Path(__file__).resolve().parents[1] / "benchmarks"
+    assert str(bench) not in sys.path
+    for script in sorted(bench.glob("*.py")):
+        name = script.stem
+        assert name not in sys.stdlib_module_names, script
+        assert importlib.util.find_spec(name) is None, (script, importlib.util.find_spec(name))

@@ -4,22 +4,17 @@ the figures it reports. It checks the format, never the timing."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import re
-from pathlib import Path
 
 import pytest
 
-BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "attention_processes.py"
+from tests.benchmark_loader import load_benchmark
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("attention_processes", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("attention_processes", "attention_processes")
 
 
 def test_dry_run_reports_each_side_from_its_own_processes(bench, tmp_path, monkeypatch, capsys):

@@ -3,7 +3,6 @@ only kernels in its device column, and reports torch's out-of-memory as a result
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -12,15 +11,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
+from tests.benchmark_loader import load_benchmark
+
 BENCH = Path(__file__).resolve().parents[2] / "benchmarks" / "gpu.py"
 
 
 @pytest.fixture(scope="module")
 def bench():
-    spec = importlib.util.spec_from_file_location("gpu_bench", BENCH)
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
+    return load_benchmark("gpu", "gpu_bench")
 
 
 def test_the_gpu_benchmark_dry_run_checks_and_reports(bench, tmp_path, monkeypatch, capsys):

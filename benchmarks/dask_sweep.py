@@ -1,7 +1,7 @@
 """Scaling of refattn.distributed on local dask workers: sweeps, per-task overhead, one long call.
 
-    python3 benchmarks/distributed.py            # about 3 minutes on 2 cores
-    python3 benchmarks/distributed.py --quick    # smaller sizes, a smoke test
+    python3 benchmarks/dask_sweep.py            # about 3 minutes on 2 cores
+    python3 benchmarks/dask_sweep.py --quick    # smaller sizes, a smoke test
 
 What it measures, in one run, side by side (the machine is shared: absolute times move between
 runs, the ratios measured together are what counts; the load average is printed before and
@@ -36,10 +36,6 @@ from pathlib import Path
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
-# this file is named like dask's package: take its folder off the path (worker processes
-# inherit the path), so that "import distributed" finds dask's
-HERE = Path(__file__).resolve().parent
-sys.path[:] = [p for p in sys.path if Path(p or ".").resolve() != HERE]
 sys.path.insert(0, str(ROOT))
 
 import refattn  # noqa: E402
@@ -286,7 +282,7 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=2, help="alternating rounds of 1 and 2 "
                         "workers per SPEC (default 2)")
     args = parser.parse_args()
-    print(f"refattn benchmarks/distributed.py on {platform.processor() or platform.machine()}, "
+    print(f"refattn benchmarks/dask_sweep.py on {platform.processor() or platform.machine()}, "
           f"{os.cpu_count()} cores, python {platform.python_version()}")
     import distributed
 
