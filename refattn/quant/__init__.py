@@ -1,0 +1,9 @@
+"""Quantised attention (FP8, INT8): the kernel's pipeline emulated exactly beside the real result.
+
+Owns the quantisation description of a call (formats, scales, granularity, rounding, P's
+handling, accumulation precision, output dtype; presets named for the kernels that follow them),
+the bit-exact casts of each format, rigorous bounds on low-precision accumulations, and the
+emulated pipeline whose output is an interval per element. Imports from :mod:`refattn.engine`,
+:mod:`refattn.call` and below; never from :mod:`refattn.bundle`, :mod:`refattn.testing` or the
+CLI, which use it.
+"""
