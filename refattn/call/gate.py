@@ -10,7 +10,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, Literal, Protocol, runtime_checkable
+from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import numpy as np
 
@@ -99,7 +99,7 @@ def check_head_map(call: AttentionCall) -> np.ndarray:
     >>> check_head_map(AttentionCall(x, kv, kv)).tolist()
     [0, 0]
     """
-    hm = call.head_map
+    hm: Any = call.head_map  # re-checked: the array may have been replaced since validation
     Hq, Hkv = call.q.shape[1], call.k.shape[1]
     if not (isinstance(hm, np.ndarray) and hm.dtype == np.int64 and hm.shape == (Hq,)):
         raise RefAttnError(f"head_map: expected an int64 array of shape [Hq={Hq}] at launch, "
@@ -258,7 +258,7 @@ class AttentionCall:
         q = float64_input("q", self.q, 4)
         k = float64_input("k", self.k, 4)
         v = float64_input("v", self.v, 4)
-        ledger = {"query": tensor_record(q), "key_physical": tensor_record(k),
+        ledger: dict[str, Any] = {"query": tensor_record(q), "key_physical": tensor_record(k),
                   "value_physical": tensor_record(v)}
         B, Hq, Q, Dk = q.shape
         Bk, Hkv, K, Dk2 = k.shape
@@ -327,7 +327,7 @@ class AttentionCall:
             scale = _positive_real("scale", self.scale, "multiplier")
             ledger["scale_source"] = "explicit"
         self._set("scale", scale)
-        self._validate_modifiers(Hq)
+        self._validate_modifiers(Hq, score)
 
         # visibility and query validity
         if isinstance(self.visible, BaseRelation):  # evaluated lazily, never copied
@@ -382,17 +382,17 @@ class AttentionCall:
         self._set("ledger", ledger)
         check_forward_overflow(self)  # scores, bias, sink and output stay finite
 
-    def _validate_modifiers(self, Hq: int) -> None:
+    def _validate_modifiers(self, Hq: int, score: ScoreFamily) -> None:
         """Scale placement, softcap and sink (the finite score modifiers)."""
         if self.scale_placement not in PLACEMENTS:
             raise RefAttnError(
                 f"scale_placement: expected one of {list(PLACEMENTS)}, "
                 f"got {self.scale_placement!r}"
             )
-        if self.scale_placement != "post" and not self.score.linear_in_operands:
+        if self.scale_placement != "post" and not score.linear_in_operands:
             raise RefAttnError(
                 f"scale_placement: {self.scale_placement!r} moves alpha into an operand, which "
-                f"changes the {self.score.name} score (it is not linear in q and k); use 'post'"
+                f"changes the {score.name} score (it is not linear in q and k); use 'post'"
             )
         if self.softcap is not None:
             self._set("softcap", _positive_real("softcap", self.softcap, "cap"))
@@ -453,11 +453,12 @@ class AttentionCall:
         >>> call.visible is call.relation, call.visible_array().shape
         (True, (1, 1, 3, 4))
         """
-        if self.relation is None:
-            return self.visible
+        rel = self.relation
+        if rel is None:  # then visible is an array or None (a relation sets self.relation)
+            return cast("np.ndarray | None", self.visible)
 
         def build() -> np.ndarray:
-            dense = self.relation.dense()
+            dense = rel.dense()
             dense.flags.writeable = False
             return dense
 
@@ -486,11 +487,12 @@ class AttentionCall:
         >>> call.row_has_key().tolist()
         [[[False, True, True]]]
         """
-        if self.relation is None:
-            return self.visible_full().any(axis=-1)
+        rel = self.relation
+        if rel is None:
+            return np.asarray(self.visible_full().any(axis=-1))
         B, Hq, Q, _ = self.score_shape
         return self._cached("_row_has_key",
-                            lambda: np.broadcast_to(self.relation.row_any(), (B, Hq, Q)))
+                            lambda: np.broadcast_to(rel.row_any(), (B, Hq, Q)))
 
     def sanitized_rows(self) -> np.ndarray:
         """(B, Hq, Q) bool: rows given the temporary legal key 0 (Policy 3).
@@ -629,6 +631,9 @@ class AttentionCall:
         """
         led = self.ledger
         Hkv = self.k.shape[1]
+        # set by validation (None only as constructor input)
+        hm, scale = cast(np.ndarray, self.head_map), cast(float, self.scale)
+        score = cast(ScoreFamily, self.score)
         sanitized = int(self.sanitized_rows().sum()) if self.all_masked_rows != "reject" else 0
         out: dict[str, Any] = {
             "schema": "attention_call_v1",
@@ -637,9 +642,9 @@ class AttentionCall:
                 "query": led["query"],
                 "key_physical": led["key_physical"],
                 "value_physical": led["value_physical"],
-                "head_map": {"shape": [int(self.head_map.shape[0])], "range": [0, Hkv],
+                "head_map": {"shape": [int(hm.shape[0])], "range": [0, Hkv],
                              "mode": led["head_map_mode"],
-                             "values": [int(h) for h in self.head_map]},
+                             "values": [int(h) for h in hm]},
             },
             "visibility": {
                 "semantic_polarity": "true_means_legal",
@@ -657,11 +662,11 @@ class AttentionCall:
                 "stride": led["bias"]["stride"],
             },
             "scale": {
-                "value": float_record(self.scale),
+                "value": float_record(scale),
                 "source": led["scale_source"],
-                **placement_record(self.scale, self.scale_placement, width=self.q.shape[3]),
+                **placement_record(scale, self.scale_placement, width=self.q.shape[3]),
             },
-            "score": self.score.manifest(),
+            "score": score.manifest(),
             "score_modifiers": {
                 "order": "scale, softcap, finite_bias, visibility, softmax_with_sink",
                 "softcap": None if self.softcap is None else float_record(self.softcap),
