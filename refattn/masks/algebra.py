@@ -17,7 +17,7 @@ StreamingLLM's "window OR the first n tokens" (FlashAttention's ``sink_token_len
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
@@ -45,8 +45,8 @@ class BaseRelation:
     """
 
     shape: tuple[int, int, int, int]
-    layout: str
-    alignment: str
+    layout: str | None  # None only as a VisibilityRelation constructor input (then resolved)
+    alignment: str | None
     window_convention: str | None
 
     # -- what a relation provides ------------------------------------------------------------
@@ -324,7 +324,7 @@ class ComposedRelation(BaseRelation):
             value = t.mask_mod(tb, th, i, j)
             out = value if out is None else combine(out, value)
         shape = np.broadcast_shapes(b.shape, h.shape, i.shape, j.shape)
-        return np.broadcast_to(out, shape).copy()
+        return np.broadcast_to(cast(np.ndarray, out), shape).copy()  # set: >= 2 terms
 
     def leaves(self) -> tuple[Any, ...]:
         out: list[Any] = []

@@ -12,7 +12,7 @@ intersection operators to :mod:`refattn.masks.algebra`, the constructors to
 from __future__ import annotations
 
 from dataclasses import KW_ONLY, dataclass, field
-from typing import Any, Literal, NamedTuple
+from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 
@@ -195,6 +195,7 @@ class VisibilityRelation(BaseRelation):
             set_(self, "q_segment", int_coordinates("q_segment", self.q_segment, (B, Q), "B,Q"))
             set_(self, "k_segment", int_coordinates("k_segment", self.k_segment, (B, K), "B,K"))
 
+        prefix: np.ndarray | None = None
         if self.prefix_length is not None:
             if self.causal:
                 raise RefAttnError(
@@ -202,10 +203,11 @@ class VisibilityRelation(BaseRelation):
                     "causal region, and a separate causal flag would remove legal "
                     "prefix-to-prefix edges; pass prefix_length alone"
                 )
-            set_(self, "prefix_length", prefix_lengths(self.prefix_length, B))
+            prefix = prefix_lengths(self.prefix_length, B)
+            set_(self, "prefix_length", prefix)
         window = window_bounds(self.window)
         set_(self, "window", None if window is None else Window(*window))
-        set_(self, "_heads", head_count(self.prefix_length, window))
+        set_(self, "_heads", head_count(prefix, window))
         self._resolve_labels()
 
     def _resolve_labels(self) -> None:
@@ -269,14 +271,30 @@ class VisibilityRelation(BaseRelation):
                     f"{got[b].tolist()}, {alignment} alignment needs {want[b].tolist()}"
                 )
 
+    # -- fields as validated (the constructor also takes None, ints, tuples) ------------------
+    @property
+    def _prefix(self) -> np.ndarray | None:
+        """``prefix_length`` as validated: (B,) or (B, H) int64, or None."""
+        return cast("np.ndarray | None", self.prefix_length)
+
+    @property
+    def _key_valid(self) -> np.ndarray:
+        """``key_valid`` as validated: (B, K) bool."""
+        return cast(np.ndarray, self.key_valid)
+
+    @property
+    def _k_segment(self) -> np.ndarray:
+        """``k_segment`` as validated ((B, K) int64; read only when q_segment is given)."""
+        return cast(np.ndarray, self.k_segment)
+
     # -- shape and labels --------------------------------------------------------------
     @property
     def heads(self) -> int:
         """Size of the head axis of the relation: 1 when every head shares it."""
         return self._heads
 
-    @property
-    def shape(self) -> tuple[int, int, int, int]:
+    @property  # BaseRelation declares shape an attribute (ComposedRelation assigns it)
+    def shape(self) -> tuple[int, int, int, int]:  # type: ignore[override]
         """``(B, H, Q, K)`` of :meth:`dense` (H is 1 when head-shared)."""
         B, Q = self.q_pos.shape
         return (B, self.heads, Q, self.k_pos.shape[1])
@@ -284,7 +302,7 @@ class VisibilityRelation(BaseRelation):
     @property
     def head_sharing(self) -> Literal["shared", "per_head"]:
         """"per_head" when a window or prefix is given per head, else "shared"."""
-        per_head = self.prefix_length is not None and self.prefix_length.ndim == 2
+        per_head = self._prefix is not None and self._prefix.ndim == 2
         if self.window is not None:
             per_head = per_head or any(isinstance(s, np.ndarray) for s in self.window)
         return "per_head" if per_head else "shared"
@@ -323,11 +341,12 @@ class VisibilityRelation(BaseRelation):
         shape = np.broadcast_shapes(b.shape, h.shape, i.shape, j.shape)
         p = self.q_pos[b, i]  # query coordinate
         r = self.k_pos[b, j]  # key coordinate
-        out = self.key_valid[b, j]
+        out = self._key_valid[b, j]
         if self.q_segment is not None:
-            out = out & (self.q_segment[b, i] == self.k_segment[b, j])
-        if self.prefix_length is not None:
-            P = self.prefix_length[b] if self.prefix_length.ndim == 1 else self.prefix_length[b, h]
+            out = out & (self.q_segment[b, i] == self._k_segment[b, j])
+        prefix = self._prefix
+        if prefix is not None:
+            P = prefix[b] if prefix.ndim == 1 else prefix[b, h]
             q_in = p < P
             out = out & ((q_in & (r < P)) | (~q_in & (r <= p)))
         elif self.causal:
@@ -367,14 +386,14 @@ class VisibilityRelation(BaseRelation):
 
         left, right = self.window if self.window is not None else (None, None)
         prefix = np.zeros((B, H), dtype=np.int64)
-        if self.prefix_length is not None:
-            P = self.prefix_length
+        P = self._prefix
+        if P is not None:
             prefix[:] = P[:, None] if P.ndim == 1 else P
         segmented = self.q_segment is not None
         return KernelArguments(
-            self.q_pos, self.k_pos, self.key_valid, segmented,
-            self.q_segment if segmented else np.zeros((B, Q), dtype=np.int64),
-            self.k_segment if segmented else np.zeros((B, K), dtype=np.int64),
+            self.q_pos, self.k_pos, self._key_valid, segmented,
+            self.q_segment if self.q_segment is not None else np.zeros((B, Q), dtype=np.int64),
+            self._k_segment if segmented else np.zeros((B, K), dtype=np.int64),
             {"bidirectional": 0, "causal": 1, "prefix": 2}[self.topology],
             prefix, per_head(left), per_head(right),
         )
@@ -394,7 +413,8 @@ class VisibilityRelation(BaseRelation):
         """
         window = None
         if self.window is not None:
-            window = {"left": _listed(self.window.left), "right": _listed(self.window.right),
+            left, right = self.window
+            window = {"left": _listed(left), "right": _listed(right),
                       "convention": "excludes_query"}
             if self.window_convention == "includes_query":
                 given = window_to_inclusive(self.window)
@@ -410,12 +430,12 @@ class VisibilityRelation(BaseRelation):
             "head_sharing": self.head_sharing,
             "window": window,
             "window_convention": self.window_convention,
-            "prefix_length": None if self.prefix_length is None else self.prefix_length.tolist(),
+            "prefix_length": None if self._prefix is None else self._prefix.tolist(),
             "q_positions": self.q_pos.tolist(),
             "k_positions": self.k_pos.tolist(),
-            "key_valid": {"polarity": "true_means_valid", "values": self.key_valid.tolist()},
+            "key_valid": {"polarity": "true_means_valid", "values": self._key_valid.tolist()},
             "segments": None if self.q_segment is None else {
-                "q": self.q_segment.tolist(), "k": self.k_segment.tolist()},
+                "q": self.q_segment.tolist(), "k": self._k_segment.tolist()},
         }
 
     @classmethod
@@ -427,10 +447,11 @@ class VisibilityRelation(BaseRelation):
                 f"{manifest.get('schema')!r}"
             )
         w = manifest["window"]
-        window = None
+        window: tuple[WindowBound, WindowBound] | None = None
         if w is not None:
-            window = tuple(None if x is None else (x if isinstance(x, int) else np.array(x))
+            left, right = (None if x is None else (x if isinstance(x, int) else np.array(x))
                            for x in (w["left"], w["right"]))
+            window = (left, right)
         seg = manifest["segments"]
         prefix = manifest["prefix_length"]
         return cls(
