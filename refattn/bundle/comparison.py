@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
-from typing import Any
+from typing import Any, SupportsFloat, cast
 
 import numpy as np
 
@@ -199,7 +199,7 @@ class TensorReport:
         return out
 
 
-def plain(x: float) -> str:
+def plain(x: SupportsFloat) -> str:
     """A float as plain text that reads back exactly: ``0.1``, ``-2.5e-300``, ``nan``, ``inf``.
 
     Examples
@@ -375,7 +375,7 @@ def _exact(name: str, c: np.ndarray, g: np.ndarray) -> TensorReport:
     n = int(diff.sum())
     if n == 0:
         return TensorReport(name, "exact", True, None, g.shape, compared=g.size)
-    first = first_index(diff)
+    first = cast(tuple[int, ...], first_index(diff))  # n > 0
     return TensorReport(
         name, "exact", False, f"{n} element(s) differ; first at {format_index(first)}",
         g.shape, compared=g.size, worst_index=first, worst_candidate=float(c[first]),
@@ -402,7 +402,7 @@ def _numeric(name: str, c_in: np.ndarray, g: np.ndarray, *, precision: str,
     compared = int(both.sum())
     reasons: list[str] = []
     if nonfinite_mm:
-        first = first_index(class_diff)
+        first = cast(tuple[int, ...], first_index(class_diff))  # nonfinite_mm > 0
         reasons.append(f"non-finite positions differ at {nonfinite_mm} element(s), first "
                        f"{format_index(first)}: {plain(c[first])} vs {plain(g[first])}")
     ref_err = ratio = None

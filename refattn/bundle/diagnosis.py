@@ -258,7 +258,7 @@ class _Context:
             call = replace(self.call, **fields)
             trace = forward(call, backend="numpy")
             out = dict(trace.tensors())
-            if self.backward:
+            if self.grad_output is not None and self.backward:
                 out.update(backward(trace, self.grad_output).tensors())
         except _SKIPPED:
             return None
@@ -414,9 +414,9 @@ def _describe_support(spec: CaseSpec) -> str:
                                                vis.shape)):
             return (f"the case's is the {alignment.replace('_', '-')} causal triangle "
                     f"(Q={a['Q']}, K={a['K']})")
-    alignment = record.get("alignment")
-    if record.get("causal") and alignment in ("upper_left", "lower_right"):
-        return f"the case's is the {alignment.replace('_', '-')} causal triangle (Q={a['Q']}, " \
+    recorded = record.get("alignment")
+    if record.get("causal") and recorded in ("upper_left", "lower_right"):
+        return f"the case's is the {recorded.replace('_', '-')} causal triangle (Q={a['Q']}, " \
                f"K={a['K']})" + (" with key padding" if record.get("key_valid") and not all(
                    np.asarray(record["key_valid"]["values"], bool).ravel()) else "")
     if spec.visible_full().all():

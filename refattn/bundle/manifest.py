@@ -141,7 +141,7 @@ def _no_constant(name: str) -> Any:
     raise RefAttnError(f"manifest: {name} is not valid JSON (refattn writes no NaN or infinity)")
 
 
-def parse_manifest(data: bytes, shown: str = "manifest.json") -> Any:
+def parse_manifest(data: bytes | bytearray, shown: str = "manifest.json") -> Any:
     """Parse manifest bytes strictly: UTF-8, JSON without NaN/Infinity or duplicate keys.
 
     Examples

@@ -19,6 +19,7 @@ import numpy as np
 from refattn.bundle.cases import GoldenCase, case_conventions, case_tensors, compute
 from refattn.bundle.read import LoadedCase, load
 from refattn.call import AttentionCall, scores
+from refattn.call.gate import AllMaskedRows, ReturnedWeights
 from refattn.call.paged import PagedKV
 from refattn.dropout import from_manifest
 from refattn.errors import RefAttnError
@@ -94,11 +95,11 @@ class CaseSpec:
         return self.call_manifest["scale"].get("source") == "default_dk_inverse_sqrt"
 
     @property
-    def all_masked_rows(self) -> str:
+    def all_masked_rows(self) -> AllMaskedRows:
         return self.call_manifest["visibility"]["all_masked_row_policy"]
 
     @property
-    def returned_weights(self) -> str:
+    def returned_weights(self) -> ReturnedWeights:
         return self.call_manifest["dropout"].get("returned_weights", "none")
 
     @property

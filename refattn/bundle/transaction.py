@@ -384,7 +384,7 @@ class BundleTransaction:
                                ".safetensors or manifest.json)")
         return self.resume_dir / "bundle" / rel
 
-    def stage(self, rel: str, data: bytes, *, note: bool = False) -> None:
+    def stage(self, rel: str, data: bytes | bytearray, *, note: bool = False) -> None:
         """Add one file to the resumable staging directory, whole or not at all.
 
         ``rel`` is a bundle path (``cases/<case_id>.safetensors``), or with ``note=True`` the

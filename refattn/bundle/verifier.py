@@ -44,7 +44,7 @@ __all__ = ["OpenedBundle", "check_file", "open_bundle", "verify", "verify_case_b
 
 # -- one case --------------------------------------------------------------------------------
 def check_file(directory: Path, case_id: str, entry: Mapping[str, Any]
-               ) -> tuple[CaseResult | None, int, bytes | None]:
+               ) -> tuple[CaseResult | None, int, bytes | bytearray | None]:
     """Step (2)'s reading: the case file's path, bytes and checksums, from inside the bundle.
 
     Returns ``(verdict, tensors checked, bytes)``: a final :class:`CaseResult` when the file
@@ -61,7 +61,8 @@ def check_file(directory: Path, case_id: str, entry: Mapping[str, Any]
     return None, checked, data
 
 
-def verify_case_bytes(case_id: str, entry: Mapping[str, Any], data: bytes, checked: int, *,
+def verify_case_bytes(case_id: str, entry: Mapping[str, Any], data: bytes | bytearray,
+                      checked: int, *,
                       recompute: bool = True, gradcheck: bool = True,
                       method: GradcheckMethod = "auto", backend: str | None = None,
                       exact: bool = False, bit_identical: bool | None = None,
@@ -80,7 +81,7 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
                  recompute: bool, gradcheck: bool, method: GradcheckMethod,
                  backend: str | None, exact: bool, bit_identical: bool | None,
                  require: str = "float64", exact_max_seconds: float = DEFAULT_MAX_SECONDS,
-                 loaded: tuple[int, bytes] | None = None) -> CaseResult:
+                 loaded: tuple[int, bytes | bytearray] | None = None) -> CaseResult:
     rel = entry["file"]
     if loaded is None:
         verdict, checked, data = check_file(directory, case_id, entry)

@@ -227,7 +227,8 @@ def _note(entry: Mapping[str, Any]) -> bytes:
     return json.dumps(entry, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _entry_of(data: bytes | None, note: bytes | None, rel: str) -> dict[str, Any] | None:
+def _entry_of(data: bytes | bytearray | None, note: bytes | None,
+              rel: str) -> dict[str, Any] | None:
     """The manifest entry of a staged or bundled case file, if the file matches it."""
     if data is None or note is None:
         return None
@@ -242,7 +243,7 @@ def _entry_of(data: bytes | None, note: bytes | None, rel: str) -> dict[str, Any
     return entry
 
 
-def _existing(out: Path) -> tuple[dict[str, Any] | None, bytes | None]:
+def _existing(out: Path) -> tuple[dict[str, Any] | None, bytes | bytearray | None]:
     """The bundle manifest already in ``out`` (parsed, raw), or (None, None)."""
     if not os.path.lexists(out / "manifest.json"):
         return None, None
@@ -344,13 +345,15 @@ def write_sweep(out: str | os.PathLike, case_ids: Sequence[str],
                 entries[cid] = entry
         in_dir: dict[str, dict[str, Any]] = {}
         if existing is not None:  # this sweep's own bundle: its verified files count too
-            recorded = existing.get("cases") if isinstance(existing.get("cases"), dict) else {}
+            cases = existing.get("cases")
+            recorded: dict[str, Any] = cases if isinstance(cases, dict) else {}
             for cid in ids:
                 rel = f"cases/{cid}.safetensors"
                 if cid in entries or not isinstance(recorded.get(cid), dict):
                     continue
                 try:
-                    data = read_confined(tx.out, rel, max_bytes=2**34, what="case file")
+                    data: bytes | bytearray = read_confined(tx.out, rel, max_bytes=2**34,
+                                                            what="case file")
                 except RefAttnError:
                     continue
                 if _entry_of(data, _note(recorded[cid]), rel) is not None:
