@@ -7,3 +7,17 @@ emulated pipeline whose output is an interval per element. Imports from :mod:`re
 :mod:`refattn.call` and below; never from :mod:`refattn.bundle`, :mod:`refattn.testing` or the
 CLI, which use it.
 """
+
+from refattn.quant.formats import FORMATS, ROUNDINGS
+from refattn.quant.presets import PRESETS, preset
+from refattn.quant.spec import QuantSpec, TensorQuant, check_quant
+
+__all__ = [
+    "FORMATS",
+    "PRESETS",
+    "ROUNDINGS",
+    "QuantSpec",
+    "TensorQuant",
+    "check_quant",
+    "preset",
+]

@@ -1,0 +1,288 @@
+"""Presets: the quantised pipelines of named kernels, built only from their documented behaviour.
+
+Owns :data:`PRESETS` and :func:`preset`. Each builder's docstring names the source files and
+functions it follows; ``docs/quant-sources.md`` holds the checked facts with file/function
+citations and the corrections to issue 28's summary (FA3's online softmax, FlashInfer's
+per-head scales, vLLM's reciprocal Q scale, SageAttention's fp16 smoothing). Where a kernel's
+arithmetic is undocumented (FP8 tensor-core accumulation, ``ex2.approx``, fast-math division)
+the preset widens the bound (``mma_bits``, ``exp2_ulp``, ``output_ulp``) instead of guessing.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from refattn.errors import RefAttnError
+from refattn.quant.formats import format_max
+from refattn.quant.spec import QuantSpec, TensorQuant
+
+__all__ = ["PRESETS", "preset"]
+
+PRESETS = ("fa3_fp8", "flashinfer_sm90_fp8", "flashinfer_fp8_kv", "vllm_fp8_kv",
+           "sageattention_int8")
+
+SAT = "nearest_even_satfinite"
+FP8_MMA_BITS = 13  # FP8 WGMMA accumulation: undocumented; DeepSeek-V3 measured ~14 bits, widened
+HALF_MMA_BITS = 22  # fp16/bf16 MMA into fp32: undocumented order/truncation, widened from 24
+SAGE_LOG2E = 1.44269504  # SageAttention's literal (per_block_int8: sm_scale * 1.44269504)
+
+
+def _descale(name: str, x: object, head_gran: str) -> tuple[np.ndarray | float, str]:
+    """A descale and its granularity from its shape: a number is per tensor, an array of
+    ndim 2 ``(B, Hkv)`` (FA3) or ndim 1 ``(H,)`` (FlashInfer), as ``head_gran`` says."""
+    if x is None:
+        return 1.0, "tensor"
+    if isinstance(x, np.ndarray) and x.ndim > 0:
+        want = 2 if head_gran == "batch_kv_head" else 1
+        if x.ndim != want:
+            raise RefAttnError(f"{name}: expected a number or a {want}-d array "
+                               f"({'(B, Hkv)' if want == 2 else '(H,)'}), got shape "
+                               f"{list(x.shape)}")
+        return x, head_gran
+    if isinstance(x, np.ndarray):
+        return x, "tensor"
+    return x, "tensor"  # type: ignore[return-value]  # TensorQuant checks the type
+
+
+def _choice(name: str, x: str, allowed: tuple[str, ...]) -> str:
+    if x not in allowed:
+        raise RefAttnError(f"{name}: expected one of {', '.join(allowed)}, got {x!r}")
+    return x
+
+
+def fa3_fp8(*, q_descale: Any = None, k_descale: Any = None, v_descale: Any = None,
+            kv_tile: int | None = None, mma_bits: int = FP8_MMA_BITS) -> QuantSpec:
+    """FlashAttention-3's FP8 forward (hopper/), also behind PyTorch's
+    ``_scaled_dot_product_attention_quantized``.
+
+    Follows Dao-AILab/flash-attention ``hopper/flash_api.cpp`` ``mha_fwd`` (e4m3fn inputs,
+    bf16 output, descales float32 ``(B, Hkv)``, absent = 1),
+    ``hopper/mainloop_fwd_sm90_tma_gmma_ws.hpp`` ``mma`` / ``to_underlying_arguments`` (S on
+    raw FP8 codes; ``c = fl(fl(scale log2e) fl(q_descale k_descale))``; kv blocks visited
+    from the last), ``hopper/softmax.h``
+    ``scale_apply_exp2`` / ``online_softmax`` / ``finalize`` (max on raw S;
+    ``p = exp2f(S c - fl(fl(m c) - 8))``; l from the fp32 p; O = ``acc fl(fl(1/l) v_descale)``;
+    LSE = ``m c ln2 + log(l / 256)``), ``hopper/utils.h`` ``convert_type_out``
+    (``cvt.rn.satfinite`` to e4m3). See docs/quant-sources.md, "FlashAttention-3 FP8 forward".
+
+    Widened: the FP8 WGMMA accumulator (undocumented) is modelled as ``mma_bits`` = 13
+    significand bits with truncation; ``ex2.approx.ftz`` as 2 ulp with flush to zero;
+    fast-math ``1/l`` and the two products as 4 ulp. ``kv_tile=None`` uses the final row max
+    for every p (exact when all keys fit one kBlockN block, 128-192 for FP8); pass the kernel's
+    kBlockN (``tile_size_fwd_sm90``) to emulate its online softmax (blocks from the last).
+
+    Examples
+    --------
+    >>> spec = fa3_fp8(q_descale=np.full((2, 1), 0.5))
+    >>> spec.q.granularity, spec.k.granularity, spec.p_offset, spec.kv_order
+    ('batch_kv_head', 'tensor', 8.0, 'descending')
+    """
+    tensors = {}
+    for name, x in (("q", q_descale), ("k", k_descale), ("v", v_descale)):
+        scale, gran = _descale(f"{name}_descale", x, "batch_kv_head")
+        tensors[name] = TensorQuant("e4m3fn", scale, gran, SAT, "codes")
+    return QuantSpec(**tensors, s_accumulation="fp32", p_format="e4m3fn", p_rounding=SAT,
+                     p_handling="offset", p_offset=8.0, l_from="unrounded",
+                     pv_accumulation="fp32", output_format="bf16", output_post_scale="in_kernel",
+                     exp2_ulp=2.0, name="fa3_fp8", s_descale="exponent", kv_tile=kv_tile,
+                     kv_order="descending", mma_bits=mma_bits, output_ulp=4.0,
+                     returns_lse=True, masks=("none", "causal"), gqa=True)
+
+
+def flashinfer_sm90_fp8(*, q_scale: Any = None, k_scale: Any = None, v_scale: Any = None,
+                        kv_format: str = "e4m3fn", kv_tile: int | None = None,
+                        mma_bits: int = FP8_MMA_BITS) -> QuantSpec:
+    """FlashInfer's SM90 (FA3-derived) FP8 prefill.
+
+    Follows flashinfer-ai/flashinfer ``include/flashinfer/attention/hopper/variants.cuh``
+    ``StandardFP8Attention`` (``p_scale`` = the KV format's max, 448 or 57344; scales per head
+    without a batch axis: q per query head ``(Hq,)``, k and v per kv head ``(Hkv,)``),
+    ``hopper/attention_updater.cuh`` ``scale_apply_exp2`` (no offset: p in [0, 1]) and
+    ``OnlineSoftmax::finalize`` (O = ``acc fl(fl(v_scale / p_scale) / l)``),
+    ``hopper/quantization/mainloop_mma.cuh`` (l from the unscaled fp32 p, before the cast),
+    ``hopper/utils.cuh`` ``convert_type`` (round to nearest, satfinite). See
+    docs/quant-sources.md, "FlashInfer SM90 FP8".
+
+    Not emulated: the LSE (FlashInfer returns it in base 2; not part of this preset's
+    result). Widened as :func:`fa3_fp8`.
+
+    Examples
+    --------
+    >>> spec = flashinfer_sm90_fp8(k_scale=np.ones(2))
+    >>> spec.p_handling, spec.p_multiplier, spec.k.granularity
+    ('multiplier', 448.0, 'head')
+    """
+    fmt = _choice("kv_format", kv_format, ("e4m3fn", "e5m2"))
+    tensors = {}
+    for name, x in (("q", q_scale), ("k", k_scale), ("v", v_scale)):
+        scale, gran = _descale(f"{name}_scale", x, "head")
+        tensors[name] = TensorQuant(fmt, scale, gran, SAT, "codes")
+    return QuantSpec(**tensors, s_accumulation="fp32", p_format=fmt, p_rounding=SAT,
+                     p_handling="multiplier", p_multiplier=format_max(fmt),
+                     l_from="unrounded", pv_accumulation="fp32", output_format="bf16",
+                     output_post_scale="in_kernel", exp2_ulp=2.0, name="flashinfer_sm90_fp8",
+                     s_descale="exponent", kv_tile=kv_tile, kv_order="descending",
+                     mma_bits=mma_bits, output_ulp=4.0, returns_lse=False,
+                     masks=("none", "causal"), gqa=True)
+
+
+def flashinfer_fp8_kv(*, k_scale: float = 1.0, v_scale: float = 1.0, q_dtype: str = "fp16",
+                      kv_format: str = "e4m3fn", kv_tile: int | None = None,
+                      mma_bits: int = HALF_MMA_BITS) -> QuantSpec:
+    """FlashInfer's FA2 prefill with an FP8 KV cache (q in fp16/bf16).
+
+    Follows flashinfer-ai/flashinfer ``include/flashinfer/attention/prefill.cuh``
+    ``compute_qk`` / ``compute_sfm_v`` (K, V codes upcast exactly to q's dtype by
+    ``vec_cast``; P cast to q's dtype; l = row sum of the *rounded* P with fp32 accumulation)
+    and ``normalize_d`` (O = ``o rcp(l)``, output in q's dtype); ``flashinfer/prefill.py``
+    ``single_prefill_with_kv_cache`` (``k_scale`` folded into ``sm_scale`` on the host,
+    ``v_scale`` applied to the kernel's output after it returns: a second rounding in the
+    output dtype). See docs/quant-sources.md, "FlashInfer FA2 with an FP8 KV cache".
+
+    Assumed: fp32 QK accumulation (the default; ``use_fp16_qk_reduction`` is not emulated).
+    Widened: fp16/bf16 MMA accumulation modelled as ``mma_bits`` = 22 bits with truncation.
+
+    Examples
+    --------
+    >>> spec = flashinfer_fp8_kv(v_scale=0.25, q_dtype="bf16")
+    >>> spec.l_from, spec.p_format, spec.output_post_scale
+    ('rounded', 'bf16', 'after_kernel')
+    """
+    dtype = _choice("q_dtype", q_dtype, ("fp16", "bf16"))
+    fmt = _choice("kv_format", kv_format, ("e4m3fn", "e5m2"))
+    return QuantSpec(q=TensorQuant(dtype, 1.0, "tensor", "nearest_even", "codes"),
+                     k=TensorQuant(fmt, k_scale, "tensor", SAT, "codes"),
+                     v=TensorQuant(fmt, v_scale, "tensor", SAT, "codes"),
+                     s_accumulation="fp32", p_format=dtype, p_rounding="nearest_even",
+                     p_handling="offset", p_offset=0.0, l_from="rounded",
+                     pv_accumulation="fp32", output_format=dtype,
+                     output_post_scale="after_kernel", exp2_ulp=2.0, name="flashinfer_fp8_kv",
+                     s_descale="exponent", kv_tile=kv_tile, kv_order="ascending",
+                     mma_bits=mma_bits, output_ulp=4.0, returns_lse=False,
+                     masks=("none", "causal"), gqa=True)
+
+
+def vllm_fp8_kv(*, q_scale: float = 1.0, k_scale: float = 1.0, v_scale: float = 1.0,
+                dtype: str = "bf16", kv_tile: int | None = None,
+                mma_bits: int = FP8_MMA_BITS) -> QuantSpec:
+    """vLLM's FP8 KV cache read by FA3 (the call holds the model's unquantised q, k, v).
+
+    Follows vllm-project/vllm ``csrc/quantization/fp8/nvidia/quant_utils.cuh``
+    ``scaled_vec_conversion`` via ``csrc/cache_kernels.cu`` ``reshape_and_cache_flash_kernel``
+    (cache write: ``cvt.satfinite(fl(x / scale))``), ``csrc/quantization/w8a8/fp8/common.cuh``
+    ``scaled_fp8_conversion`` (Q: ``fl(x fl(1 / scale))`` clamped to +-448, then the cast) and
+    ``vllm/v1/attention/backends/flash_attn.py`` ``FlashAttentionImpl.forward`` (per-tensor
+    scales expanded to FA3's ``(B, Hkv)`` descales); then :func:`fa3_fp8`. See
+    docs/quant-sources.md, "vLLM FP8 KV cache with FA3".
+
+    Widened: the quotient before the cast is taken within 3 fp32 ulps of ``x / scale`` (true
+    division or the reciprocal product; fast math unknown), so a value next to an e4m3
+    rounding boundary gets both codes. Assumed: vLLM's FA3 fork does what Dao-AILab's does.
+
+    Examples
+    --------
+    >>> spec = vllm_fp8_kv(k_scale=0.5)
+    >>> spec.k.source, spec.k.input_format, float(spec.k.scale)
+    ('cast', 'bf16', 0.5)
+    """
+    fmt = _choice("dtype", dtype, ("bf16", "fp16"))
+    tensors = {name: TensorQuant("e4m3fn", s, "tensor", SAT, "cast", input_format=fmt)
+               for name, s in (("q", q_scale), ("k", k_scale), ("v", v_scale))}
+    return fa3_fp8(kv_tile=kv_tile, mma_bits=mma_bits).replace(**tensors, name="vllm_fp8_kv")
+
+
+def sageattention_int8(*, dtype: str = "fp16", kv_tile: int | None = 64,
+                       mma_bits: int = 11) -> QuantSpec:
+    """SageAttention's Triton INT8-QK / FP16-PV kernel (``sageattn_qk_int8_pv_fp16_triton``).
+
+    Follows thu-ml/SageAttention ``sageattention/core.py`` (K smoothed by its per-head mean
+    over the sequence, the mean and the difference rounded in the input dtype; V converted to
+    fp16), ``sageattention/triton/quant_per_block.py`` ``per_block_int8`` /
+    ``quant_per_block_int8_kernel`` (Q times ``fl(sm_scale 1.44269504)`` in fp32; per 128-token
+    Q block and 64-token K block ``scale = fl(amax / 127)``, ``x / scale`` rounded half away from
+    zero), ``sageattention/triton/attn_qk_int8_per_block.py`` ``_attn_fwd_inner`` (S =
+    ``fl(float(int32 dot) fl(q_scale k_scale))``; ``p = exp2(S - m)`` with a running max per
+    64-key tile; l in fp32 from the unrounded p; P to fp16; each tile's PV accumulated in fp16,
+    then added to the fp32 accumulator) and ``_attn_fwd`` (O = ``fl(acc / l)`` in the input
+    dtype). See docs/quant-sources.md, "SageAttention, Triton".
+
+    Widened: the quantisation's fp32 division within 2 ulps (Triton's lowering is open); the
+    fp16-accumulating MMA modelled as ``mma_bits`` = 11 with truncation; ``tl.math.exp2`` as
+    2 ulp with flush to zero. Causal is top-left aligned in SageAttention: emulated only for
+    Q == K (where it equals the lower-right mask). A block of zeros (scale 0, 0/0 in the kernel)
+    is refused.
+
+    Examples
+    --------
+    >>> spec = sageattention_int8()
+    >>> spec.q.block, spec.k.block, spec.pv_accumulation, spec.kv_tile
+    (128, 64, 'fp16_per_tile', 64)
+    """
+    fmt = _choice("dtype", dtype, ("fp16", "bf16"))
+    q = TensorQuant("int8", None, "token_block", "half_away_from_zero", "cast", block=128,
+                    input_format=fmt)
+    k = TensorQuant("int8", None, "token_block", "half_away_from_zero", "cast", block=64,
+                    input_format=fmt)
+    v = TensorQuant("fp16", 1.0, "tensor", "nearest_even", "cast", input_format=fmt)
+    return QuantSpec(q=q, k=k, v=v, s_accumulation="int32", p_format="fp16",
+                     p_rounding="nearest_even", p_handling="offset", p_offset=0.0,
+                     l_from="unrounded", pv_accumulation="fp16_per_tile", output_format=fmt,
+                     output_post_scale="in_kernel", k_smoothing=True, q_prescale=True,
+                     exp2_ulp=2.0, name="sageattention_int8", s_descale="after_dot",
+                     log2e=SAGE_LOG2E, kv_tile=kv_tile, kv_order="ascending",
+                     mma_bits=mma_bits, output_ulp=2.0, returns_lse=False,
+                     masks=("none", "causal"), gqa=True)
+
+
+_BUILDERS: dict[str, Callable[..., QuantSpec]] = {
+    "fa3_fp8": fa3_fp8,
+    "flashinfer_sm90_fp8": flashinfer_sm90_fp8,
+    "flashinfer_fp8_kv": flashinfer_fp8_kv,
+    "vllm_fp8_kv": vllm_fp8_kv,
+    "sageattention_int8": sageattention_int8,
+}
+
+
+def preset(name: str, **scales_and_options: Any) -> QuantSpec:
+    """The :class:`~refattn.quant.spec.QuantSpec` of a named kernel.
+
+    Parameters
+    ----------
+    name : str
+        One of :data:`PRESETS`.
+    **scales_and_options
+        The builder's keywords: ``fa3_fp8(q_descale, k_descale, v_descale, kv_tile,
+        mma_bits)``, ``flashinfer_sm90_fp8(q_scale, k_scale, v_scale, kv_format, kv_tile,
+        mma_bits)``, ``flashinfer_fp8_kv(k_scale, v_scale, q_dtype, kv_format, kv_tile,
+        mma_bits)``, ``vllm_fp8_kv(q_scale, k_scale, v_scale, dtype, kv_tile, mma_bits)``,
+        ``sageattention_int8(dtype, kv_tile, mma_bits)``.
+
+    Returns
+    -------
+    QuantSpec
+
+    Raises
+    ------
+    RefAttnError
+        An unknown preset or keyword.
+
+    Examples
+    --------
+    >>> preset("fa3_fp8", v_descale=2.0).name
+    'fa3_fp8'
+    >>> preset("fa3_fp8", softcap=30.0)
+    Traceback (most recent call last):
+    ...
+    refattn.errors.RefAttnError: preset 'fa3_fp8': unknown option 'softcap'
+    """
+    if name not in _BUILDERS:
+        raise RefAttnError(f"preset: {name!r} is not one of {', '.join(PRESETS)}")
+    builder = _BUILDERS[name]
+    known = builder.__kwdefaults__ or {}
+    for key in scales_and_options:
+        if key not in known:
+            raise RefAttnError(f"preset {name!r}: unknown option {key!r}")
+    return builder(**scales_and_options)
