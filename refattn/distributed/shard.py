@@ -47,13 +47,14 @@ import numbers
 import time
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 
 from refattn._checks import as_array, check_finite, check_float64, check_shape
 from refattn.call import AttentionCall
 from refattn.call.hazards import check_backward_overflow
+from refattn.call.scores import ScoreFamily
 from refattn.dropout import Philox
 from refattn.engine import ValueAndGrad, backward, forward
 from refattn.engine.trace import Gradients, Trace
@@ -147,9 +148,10 @@ class ShardPlan:
 # -- checks and plan --------------------------------------------------------------------------
 def _check_streamable(call: AttentionCall) -> None:
     """What the numba streaming backend runs (the same refusals, before anything is sent)."""
-    if call.score.name != "dot":
+    score = cast(ScoreFamily, call.score)  # validated: never None
+    if score.name != "dot":
         raise RefAttnError(f"score: the numba streaming backend runs the dot score only, got "
-                           f"{call.score.name!r}")
+                           f"{score.name!r}")
     for attr, default in (("scale_placement", "post"), ("softcap", None), ("sink", None)):
         value = getattr(call, attr)
         if not (value is None if default is None else value == default):
@@ -183,7 +185,7 @@ def _bias4(call: AttentionCall) -> tuple[int, int, int, int] | None:
     if call.bias is None:
         return None
     shape = call.bias.shape
-    return (1,) * (4 - len(shape)) + tuple(shape)  # type: ignore[return-value]
+    return (1,) * (4 - len(shape)) + tuple(shape)
 
 
 def plan_shards(call: AttentionCall, *, block_q: int | None = None, block_k: int | None = None,
@@ -288,23 +290,25 @@ def _take4(x: np.ndarray, b: Any, h: Any, i: Any, j: Any) -> np.ndarray:
 def _slice_leaf(rel: VisibilityRelation, b: Any, h: Any, i: slice, j: slice
                 ) -> VisibilityRelation:
     """A coordinate relation on a shard's batch rows, heads, query and key rows."""
-    def rows(x: np.ndarray | None, cols: slice | None) -> np.ndarray | None:
-        if x is None:
-            return None
+    def take(x: np.ndarray, cols: slice | None) -> np.ndarray:
         x = _axis_take(x, 0, b)
         return x if cols is None else x[:, cols]
 
-    prefix = rel.prefix_length
+    def rows(x: np.ndarray | None, cols: slice | None) -> np.ndarray | None:
+        return None if x is None else take(x, cols)
+
+    prefix = cast("np.ndarray | None", rel.prefix_length)  # validated: (B,) or (B, H)
     if prefix is not None:
         prefix = _axis_take(prefix, 0, b)
         if prefix.ndim == 2:
             prefix = _axis_take(prefix, 1, h)
     window = rel.window
     if window is not None:
-        window = tuple(_axis_take(np.asarray(w), 0, h) if isinstance(w, np.ndarray) else w
+        left, right = (_axis_take(np.asarray(w), 0, h) if isinstance(w, np.ndarray) else w
                        for w in window)
+        window = (left, right)
     positional = rel.causal or rel.prefix_length is not None or rel.window is not None
-    return replace(rel, q_pos=rows(rel.q_pos, i), k_pos=rows(rel.k_pos, j),
+    return replace(rel, q_pos=take(rel.q_pos, i), k_pos=take(rel.k_pos, j),
                    key_valid=rows(rel.key_valid, j), q_segment=rows(rel.q_segment, i),
                    k_segment=rows(rel.k_segment, j), prefix_length=prefix, window=window,
                    alignment="explicit_positions" if positional else "none")
@@ -320,13 +324,14 @@ def _prepend_leaf(rel: VisibilityRelation, n: int) -> VisibilityRelation:
     """``rel`` with ``n`` invisible keys in front (coordinates 0, invalid)."""
     B = rel.k_pos.shape[0]
 
-    def front(x: np.ndarray | None, fill: Any) -> np.ndarray | None:
-        if x is None:
-            return None
+    def front(x: np.ndarray, fill: Any) -> np.ndarray:
         return np.concatenate([np.full((B, n), fill, dtype=x.dtype), x], axis=1)
 
-    return replace(rel, k_pos=front(rel.k_pos, 0), key_valid=front(rel.key_valid, False),
-                   k_segment=front(rel.k_segment, -1))
+    def front_or_none(x: np.ndarray | None, fill: Any) -> np.ndarray | None:
+        return None if x is None else front(x, fill)
+
+    return replace(rel, k_pos=front(rel.k_pos, 0), key_valid=front_or_none(rel.key_valid, False),
+                   k_segment=front_or_none(rel.k_segment, -1))
 
 
 def _prepend_relation(rel: Any, n: int) -> Any:
@@ -369,14 +374,15 @@ def _shard_call(call: AttentionCall, unit: Unit, i: tuple[int, int], j: tuple[in
     k = _take4(call.k, bsel, kvsel, jsl, None)  # (B', Hkv', K', Dk)
     v = _take4(call.v, bsel, kvsel, jsl, None)  # (B', Hkv', K', Dv)
     position = {g: n for n, g in enumerate(unit.kv)}
-    head_map = np.array([position[int(call.head_map[h])] for h in unit.heads], dtype=np.int64)
+    call_map = cast(np.ndarray, call.head_map)  # validated: (Hq,) int64
+    head_map = np.array([position[int(call_map[h])] for h in unit.heads], dtype=np.int64)
     kw: dict[str, Any] = {"scale": call.scale, "head_map": head_map,
                           "all_masked_rows": call.all_masked_rows}
     visible: Any = None
     if call.relation is not None:
         visible = _slice_relation(call.relation, bsel, hsel, isl, jsl)
-    elif call.visible is not None:
-        visible = _take4(call.visible, bsel, hsel, isl, jsl)
+    elif call.visible is not None:  # no relation: an array
+        visible = _take4(cast(np.ndarray, call.visible), bsel, hsel, isl, jsl)
     if call.query_valid is not None:
         kw["query_valid"] = _take4(call.query_valid, bsel, None, isl, None)
     bias = None if call.bias is None else _take4(call.bias, bsel, hsel, isl, jsl)
@@ -432,10 +438,11 @@ class _Threads:
     def __enter__(self) -> None:
         import numba
 
-        if self.n > numba.config.NUMBA_NUM_THREADS:
+        limit = numba.config.NUMBA_NUM_THREADS  # type: ignore[attr-defined]  # set at import
+        if self.n > limit:
             raise RefAttnError(
                 f"threads: reproducing the single-process key chunks needs {self.n} numba "
-                f"threads in a task, and this worker has {numba.config.NUMBA_NUM_THREADS}; "
+                f"threads in a task, and this worker has {limit}; "
                 "pass threads= (the local run's numba thread count) no larger than that")
         self.previous = numba.get_num_threads()
         numba.set_num_threads(self.n)
@@ -647,7 +654,7 @@ def _assemble(call: AttentionCall, g: np.ndarray, plan: ShardPlan,
     dk, dv = np.zeros((B, Hkv, K, Dk)), np.zeros((B, Hkv, K, Dv))
     b4 = _bias4(call)
     gbias = None if b4 is None else np.zeros(b4)
-    identity = np.array_equal(call.head_map, np.arange(Hkv))
+    identity = np.array_equal(cast(np.ndarray, call.head_map), np.arange(Hkv))
     for u, unit in enumerate(plan.units):
         hsel = np.ix_(unit.batch, unit.heads)
         for r, (i0, i1) in enumerate(plan.query_ranges):
@@ -672,7 +679,7 @@ def _assemble(call: AttentionCall, g: np.ndarray, plan: ShardPlan,
     grads = Gradients(
         grad_output=g, grad_v=dv, grad_consumed=None, grad_probs=None, row_dot=rowdot,
         row_dot_output=dvec, grad_scores=None, grad_q=dq, grad_k=dk,
-        grad_bias=None if gbias is None else gbias.reshape(call.bias.shape),
+        grad_bias=None if gbias is None or call.bias is None else gbias.reshape(call.bias.shape),
     )
     return ValueAndGrad(out, grads)
 

@@ -64,7 +64,7 @@ def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool 
     >>> verify(d, client=None).passed          # no client: the serial verify
     True
     """
-    options = {"recompute": recompute, "gradcheck": gradcheck, "backend": backend,
+    options: dict[str, Any] = {"recompute": recompute, "gradcheck": gradcheck, "backend": backend,
                "exact": exact, "require": require, "exact_max_seconds": exact_max_seconds}
     if client is None:
         return verify_serial(directory, gradcheck_method=gradcheck_method, progress=progress,

@@ -18,6 +18,7 @@ test asks for them. Defers eligibility to :mod:`refattn.testing.supports` and th
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -104,7 +105,8 @@ def _params(config: pytest.Config, supports: Any, suite: str, bundle: Any) -> li
                                 f"refattn.testing.Supports, got {type(supports).__name__}")
     source = bundle if bundle is not None else _bundle_option(config)
     several = len(supports.dtypes) > 1
-    params = []
+    params: list[Any] = []
+    specs: Sequence[Any]
     try:
         if source is None:
             specs = load_cases(None, suite=suite)
