@@ -57,6 +57,8 @@ __all__ = [
     "format_info",
     "format_max",
     "quantize",
+    "round_down",
+    "round_up",
 ]
 
 FORMATS = ("e4m3fn", "e5m2", "int8", "fp16", "bf16", "fp32")
@@ -154,17 +156,22 @@ def _float64_array(name: str, x: object) -> np.ndarray:
     return arr
 
 
-def _round_nearest_even(x: np.ndarray, info: FormatInfo) -> np.ndarray:
+def _round_significand(x: np.ndarray, info: FormatInfo, to_int: np.ufunc = np.rint) -> np.ndarray:
     """Round onto the format's grid of significands, ignoring its largest value (a result may
-    exceed ``info.max``; the caller applies the overflow rule). inf and NaN pass through."""
+    exceed ``info.max``; the caller applies the overflow rule). inf and NaN pass through.
+    ``to_int``: np.rint (nearest, ties to even), np.floor or np.ceil (directed)."""
     out = np.array(x, dtype=np.float64, copy=True)
     sel = np.isfinite(out) & (out != 0)
     xs = out[sel]
     _, e2 = np.frexp(xs)  # |x| = m 2**e2, m in [0.5, 1): floor(log2|x|) = e2 - 1
     quantum = np.maximum(e2 - 1, info.emin) - (info.precision - 1)  # exponent of one ulp
-    # x * 2**-quantum has at most `precision` integer bits: exact; rint ties to even: exact
-    out[sel] = np.ldexp(np.rint(np.ldexp(xs, -quantum)), quantum)
+    # x * 2**-quantum has at most `precision` integer bits: exact; rint/floor/ceil: exact
+    out[sel] = np.ldexp(to_int(np.ldexp(xs, -quantum)), quantum)
     return out  # a negative value rounding to zero keeps its sign (-0.0), as IEEE casts do
+
+
+def _round_nearest_even(x: np.ndarray, info: FormatInfo) -> np.ndarray:
+    return _round_significand(x, info, np.rint)
 
 
 def _round_half_away(x: np.ndarray) -> np.ndarray:
@@ -239,6 +246,64 @@ def quantize(x: object, fmt: str, rounding: str) -> np.ndarray:
                 out[over] = sign * np.inf
             case _:  # pragma: no cover - excluded by info.rounds above
                 raise RefAttnError(f"rounding: {rounding!r} is not defined for {fmt!r}")
+    return out
+
+
+def round_down(x: object, fmt: str) -> np.ndarray:
+    """The largest value of ``fmt`` at or below each element (round toward -inf), float64 out.
+
+    A directed rounding for bounds: if a quantity lies in ``[lo, hi]``, its cast to ``fmt``
+    under any round-to-nearest rule lies in ``[round_down(lo), round_up(hi)]`` (the cast is
+    monotonic). Below ``-max``: ``-inf``; above ``max``: ``max``; +-inf and NaN unchanged.
+
+    Parameters
+    ----------
+    x : (...) float64 ndarray
+    fmt : str
+        One of ``FORMATS``.
+
+    Returns
+    -------
+    (...) float64 ndarray
+
+    Examples
+    --------
+    >>> round_down(np.array([0.3, -0.3, 500.0, -500.0, 448.0]), "e4m3fn").tolist()
+    [0.28125, -0.3125, 448.0, -inf, 448.0]
+    >>> round_down(np.array([2.7, -2.2]), "int8").tolist()
+    [2.0, -3.0]
+    """
+    return _directed(x, fmt, np.floor)
+
+
+def round_up(x: object, fmt: str) -> np.ndarray:
+    """The smallest value of ``fmt`` at or above each element (round toward +inf), float64 out.
+
+    Above ``max``: ``+inf``; below ``-max``: ``-max``; +-inf and NaN unchanged (see
+    :func:`round_down`).
+
+    Examples
+    --------
+    >>> round_up(np.array([0.3, -0.3, 500.0, -500.0, 2.0**-12]), "e4m3fn").tolist()
+    [0.3125, -0.28125, inf, -448.0, 0.001953125]
+    """
+    return _directed(x, fmt, np.ceil)
+
+
+def _directed(x: object, fmt: str, to_int: np.ufunc) -> np.ndarray:
+    info = format_info(fmt)
+    arr = _float64_array("x", x)
+    if fmt == "int8":
+        out = to_int(arr)
+        lo, hi = -128.0, 127.0
+    else:
+        out = _round_significand(arr, info, to_int)
+        lo, hi = -info.max, info.max
+    finite = np.isfinite(arr)
+    up = to_int is np.ceil
+    # beyond the range: toward the infinity we round to, or the nearest end of the range
+    out[finite & (out > hi)] = np.inf if up else hi
+    out[finite & (out < lo)] = lo if up else -np.inf
     return out
 
 

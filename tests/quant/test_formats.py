@@ -24,6 +24,8 @@ from refattn.quant.formats import (
     format_info,
     format_max,
     quantize,
+    round_down,
+    round_up,
 )
 
 # (exponent bits, mantissa bits, has infinity) from the formats' definitions (OCP FP8 spec for
@@ -256,6 +258,36 @@ def test_fp32_rounding_boundaries_including_subnormals():
         assert np.array_equal(quantize(x, "fp32", "nearest_even"), want)
         assert np.array_equal(quantize(-x, "fp32", "nearest_even"), -want)
         assert np.array_equal(x.astype(np.float32).astype(np.float64), want)  # numpy agrees
+
+
+@pytest.mark.parametrize("fmt", SMALL)
+def test_directed_rounding_between_every_pair_of_neighbours(fmt):
+    a, b, mid, _ = boundaries(fmt)
+    inside = np.concatenate([np.nextafter(a, np.inf), mid, np.nextafter(b, -np.inf)])
+    lo, hi = np.tile(a, 3), np.tile(b, 3)
+    assert np.array_equal(round_down(inside, fmt), lo)
+    assert np.array_equal(round_up(inside, fmt), hi)
+    values = np.concatenate([a, b])
+    assert np.array_equal(round_down(values, fmt), values)
+    assert np.array_equal(round_up(values, fmt), values)
+    mx = format_max(fmt)
+    beyond = np.array([np.nextafter(mx, np.inf), 1e300, -np.nextafter(mx, np.inf), np.inf,
+                       -np.inf])
+    assert round_down(beyond, fmt).tolist() == [mx, mx, -np.inf, np.inf, -np.inf]
+    assert round_up(beyond, fmt).tolist() == [np.inf, np.inf, -mx, np.inf, -np.inf]
+
+
+def test_directed_rounding_fp32_and_int8_against_numpy():
+    rng = np.random.default_rng(5)
+    x = rng.standard_normal(20000) * np.exp2(rng.integers(-150, 120, 20000))
+    near = x.astype(np.float32)  # numpy: nearest; the directed results bracket it
+    down = np.where(near.astype(np.float64) > x, np.nextafter(near, np.float32(-np.inf)), near)
+    up = np.where(near.astype(np.float64) < x, np.nextafter(near, np.float32(np.inf)), near)
+    assert np.array_equal(round_down(x, "fp32"), down.astype(np.float64))
+    assert np.array_equal(round_up(x, "fp32"), up.astype(np.float64))
+    y = np.array([2.5, -2.5, 127.2, 128.5, -128.5, 3.0])
+    assert round_down(y, "int8").tolist() == [2, -3, 127, 127, -np.inf, 3]
+    assert round_up(y, "int8").tolist() == [3, -2, np.inf, np.inf, -128, 3]
 
 
 # -- overflow rules --------------------------------------------------------------------------
