@@ -18,7 +18,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
@@ -54,6 +54,15 @@ def _all_null(a: np.ndarray) -> np.ndarray:
     return a
 
 
+def _filled(x: np.ndarray | None, name: str) -> np.ndarray:
+    """A tensor the reference forward/backward always fills (None only in a streaming
+    trace, or from a backward that left it out)."""
+    if x is None:
+        raise RefAttnError(f"{name}: missing; this check needs the reference forward's "
+                           "materialised tensors and a backward that returns it")
+    return x
+
+
 def rounding_scales(trace: Trace, grad_output: np.ndarray) -> dict[str, np.ndarray]:
     """Magnitudes of the terms each backward tensor sums: ``eps`` times them bounds rounding.
 
@@ -83,18 +92,21 @@ def rounding_scales(trace: Trace, grad_output: np.ndarray) -> dict[str, np.ndarr
     (['grad_k', 'grad_probs', 'grad_q', 'grad_scores', 'grad_v'], (1, 1, 2, 2))
     """
     call = trace.call
-    hm, Hkv = call.head_map, call.k.shape[1]
+    hm, Hkv = cast(np.ndarray, call.head_map), call.k.shape[1]  # validated: (Hq,) int64
+    probs, multiplier = _filled(trace.probs, "probs"), _filled(trace.dropout_multiplier,
+                                                               "dropout_multiplier")
+    consumed = _filled(trace.consumed, "consumed")
     g_o = np.abs(np.where(call.query_valid_full(), grad_output, 0.0))  # (B, Hq, Q, Dv)
     v_eff = np.abs(gather_heads(call.v, hm))  # (B, Hq, K, Dv)
-    P = np.abs(trace.probs)  # (B, Hq, Q, K)
-    g_p = (g_o @ v_eff.swapaxes(-1, -2)) * np.abs(trace.dropout_multiplier)  # |G_P| terms
+    P = np.abs(probs)  # (B, Hq, Q, K)
+    g_p = (g_o @ v_eff.swapaxes(-1, -2)) * np.abs(multiplier)  # |G_P| terms
     d = (P * g_p).sum(-1)  # (B, Hq, Q) |D| terms
     g_s = P * (g_p + d[..., None])  # (B, Hq, Q, K)
     out = {"grad_probs": g_p, "grad_scores": g_s,
-           "grad_v": sum_heads(np.abs(trace.consumed).swapaxes(-1, -2) @ g_o, hm, Hkv)}
+           "grad_v": sum_heads(np.abs(consumed).swapaxes(-1, -2) @ g_o, hm, Hkv)}
     score = getattr(call, "score", None)
     if score is None or getattr(score, "name", "dot") == "dot":
-        alpha = call.scale  # the whole multiplier, wherever it is placed
+        alpha = cast(float, call.scale)  # the whole multiplier, wherever it is placed
         out["grad_q"] = alpha * (g_s @ np.abs(gather_heads(call.k, hm)))
         out["grad_k"] = sum_heads(alpha * (g_s.swapaxes(-1, -2) @ np.abs(call.q)), hm, Hkv)
     if call.bias is not None:
@@ -228,8 +240,9 @@ def attention_problem(
 
     def rebuilt(kw: Mapping[str, np.ndarray]) -> AttentionCall:
         _, params = split(kw)
-        changed = {n: kw[n] for n in INPUTS if n in kw and kw[n] is not getattr(call, n)}
-        if params:
+        changed: dict[str, Any] = {n: kw[n] for n in INPUTS
+                                   if n in kw and kw[n] is not getattr(call, n)}
+        if params and score is not None:  # score_* inputs exist only for a score family
             changed["score"] = dataclasses.replace(score, **params)  # validated copy
         return dataclasses.replace(call, **changed) if changed else call
 
@@ -246,7 +259,7 @@ def attention_problem(
     null: dict[str, Projector] = {}
     if "k" in names and linear_score and no_sink and getattr(call, "softcap", None) is None:
         null["k"] = _key_shift
-    if "bias" in names and no_sink:
+    if "bias" in names and no_sink and call.bias is not None:  # "bias" listed: a bias
         null["bias"] = _all_null if call.bias.shape[-1] == 1 else _bias_row_shift
     inputs = {n: available[n] for n in names}
     return AttentionProblem(call, fn, vjp, inputs, null, term_scale)

@@ -32,10 +32,11 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import cast
 
 import numpy as np
 
-from gradcheck.attention import rounding_scales
+from gradcheck.attention import _filled, rounding_scales
 from gradcheck.directional import stream
 from gradcheck.methods import CS_STEP, EPS
 from gradcheck.report import error_ratio
@@ -119,7 +120,7 @@ class IdentityReport:
                          + [fmt.format(*r).rstrip() for r in rows])
 
 
-def _worst(name: str, residual: np.ndarray, tol: np.ndarray, letters: str | None,
+def _worst(name: str, residual: np.ndarray, tol: np.ndarray | float, letters: str | None,
            detail: str) -> IdentityCheck:
     """Compare residual <= tol elementwise (tol 0 demands exact zero)."""
     residual = np.abs(np.asarray(residual, dtype=np.float64))
@@ -197,14 +198,17 @@ def attention_identities(
     call = trace.call
     B, Hq, Q, _ = call.q.shape
     Hkv, K = call.k.shape[1], call.k.shape[2]
-    alpha = call.scale
-    P, Z, S, out = trace.probs, trace.dropout_multiplier, trace.scores, trace.output
+    alpha = cast(float, call.scale)  # validated: never None
+    hm = cast(np.ndarray, call.head_map)  # validated: (Hq,) int64
+    P, Z = _filled(trace.probs, "probs"), _filled(trace.dropout_multiplier, "dropout_multiplier")
+    S, out = _filled(trace.scores, "scores"), trace.output
+    consumed = _filled(trace.consumed, "consumed")
     G_O = grads.grad_output
     qv = np.broadcast_to(call.query_valid_full()[..., 0], (B, Hq, Q))  # (B, Hq, Q) consumed
     g_o = np.where(call.query_valid_full(), G_O, 0.0)  # (B, Hq, Q, Dv) what the call consumes
-    k_eff = gather_heads(call.k, call.head_map)  # (B, Hq, K, Dk)
-    v_eff = gather_heads(call.v, call.head_map)  # (B, Hq, K, Dv)
-    G_S = grads.grad_scores
+    k_eff = gather_heads(call.k, hm)  # (B, Hq, K, Dk)
+    v_eff = gather_heads(call.v, hm)  # (B, Hq, K, Dv)
+    G_S = _filled(grads.grad_scores, "grad_scores")
     G_P = grads.grad_probs if grads.grad_probs is not None else (g_o @ v_eff.swapaxes(-1, -2)) * Z
     D = grads.row_dot  # (B, Hq, Q)
     checks: list[IdentityCheck] = []
@@ -225,9 +229,9 @@ def attention_identities(
     if dot and softcap is None:
         # key sum of G_K: alpha sum_i (row sum of G_S) q_i, plus rounding of the products
         want_h = alpha * (expected[..., None] * call.q).sum(axis=2)  # (B, Hq, Dk)
-        want = sum_heads(want_h[:, :, None, :], call.head_map, Hkv)[:, :, 0, :]  # (B, Hkv, Dk)
+        want = sum_heads(want_h[:, :, None, :], hm, Hkv)[:, :, 0, :]  # (B, Hkv, Dk)
         per_head = alpha * ((np.abs(G_S).sum(-1) + m)[..., None] * np.abs(call.q)).sum(axis=2)
-        bound = sum_heads(per_head[:, :, None, :], call.head_map, Hkv)[:, :, 0, :]
+        bound = sum_heads(per_head[:, :, None, :], hm, Hkv)[:, :, 0, :]
         checks.append(_worst("key_sum_grad_k", grads.grad_k.sum(axis=2) - want,
                              ulps * EPS * bound, "bgd",
                              "sum_j G_K[j] = 0 (a constant key shift does not change the "
@@ -239,8 +243,8 @@ def attention_identities(
     if dot:
         # Euler: every contraction equals sum_ij G_S S (before a softcap); rounding scale
         # alpha sum |G_S| |q||k|
-        g_e = G_S if softcap is None else grads.grad_softcap_input
-        s_e = S if softcap is None else trace.softcap_input
+        g_e = G_S if softcap is None else _filled(grads.grad_softcap_input, "grad_softcap_input")
+        s_e = S if softcap is None else _filled(trace.softcap_input, "softcap_input")
         scale = alpha * float(
             (np.abs(g_e) * (np.abs(call.q) @ np.abs(k_eff).swapaxes(-1, -2))).sum())
         gs_s = float((g_e * s_e).sum())
@@ -253,10 +257,11 @@ def attention_identities(
         checks.append(IdentityCheck(c.name, c.passed, c.ratio, c.residual, c.tolerance, where,
                                     c.detail))
     else:
-        checks.append(_not_applicable("euler_q_k_s", f"the {family.name} score family"))
+        checks.append(_not_applicable("euler_q_k_s",
+                                      f"the {getattr(family, 'name', '?')} score family"))
 
     # <G_V, V> = <G_O, O>
-    bound_v = float((np.abs(trace.consumed) * (np.abs(g_o) @ np.abs(v_eff).swapaxes(-1, -2))).sum())
+    bound_v = float((np.abs(consumed) * (np.abs(g_o) @ np.abs(v_eff).swapaxes(-1, -2))).sum())
     gv_v = float((grads.grad_v * call.v).sum())
     go_o = float((G_O * out).sum())
     checks.append(_worst("value_output", np.array(abs(gv_v - go_o)), ulps * EPS * bound_v, None,
@@ -319,7 +324,7 @@ def attention_identities(
     vis = call.visible_full()
     live = qv & ~trace.sanitized_rows  # (B, Hq, Q) consumed rows with a real support
     masked = ~vis & live[..., None]  # (B, Hq, Q, K)
-    dropped_row = live & ~(trace.consumed != 0).any(-1)  # every legal route dropped
+    dropped_row = live & ~(consumed != 0).any(-1)  # every legal route dropped
     dead = ~qv | dropped_row  # (B, Hq, Q)
     checks.append(_exact(
         "masked_and_unused_zero",
@@ -359,7 +364,7 @@ def _softmax_jacobian(trace: Trace, G_S: np.ndarray, G_P: np.ndarray, live: np.n
     eye = np.eye(K) * (CS_STEP * 1j)  # (K, K) one complex step per key
     for f in pick:
         idx = np.unravel_index(int(f), live.shape)
-        s = trace.masked_scores[idx]  # (K,) -inf off the support
+        s = _filled(trace.masked_scores, "masked_scores")[idx]  # (K,) -inf off the support
         sc = s[None, :] + eye  # (K, K): row j perturbs key j
         top = s.max() if sink is None else max(s.max(), float(sink[idx[1]]))
         e = np.exp(sc - top)
@@ -368,7 +373,7 @@ def _softmax_jacobian(trace: Trace, G_S: np.ndarray, G_P: np.ndarray, live: np.n
             denom = denom + np.exp(float(sink[idx[1]]) - top)  # the sink logit, held fixed
         p = e / denom
         jt = p.imag / CS_STEP  # jt[j, i] = d p_i / d s_j  (J transposed)
-        pr = trace.probs[idx]
+        pr = _filled(trace.probs, "probs")[idx]
         j1 = 0.0 if sink is None else pr * (1.0 - pr.sum())  # J 1 = p (1 - sum p)
         pmax = float(pr.max())
         gp, gs = G_P[idx], G_S[idx]

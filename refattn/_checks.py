@@ -7,6 +7,7 @@ index or axis and the expectation. None of them casts: a non-float64 array is an
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import SupportsIndex
 
 import numpy as np
 
@@ -107,7 +108,7 @@ def memory_error(exc: BaseException, doing: str) -> RefAttnError:
     return RefAttnError(f"memory: {doing} needs {need}, more than this machine can give")
 
 
-def format_index(index: Sequence[int], letters: Sequence[str] | None = None) -> str:
+def format_index(index: Sequence[SupportsIndex], letters: Sequence[str] | None = None) -> str:
     """Render an index as ``(b=0, h=1, i=3)`` when letters are given, else ``(0, 1, 3)``."""
     if letters is not None and len(letters) == len(index):
         return "(" + ", ".join(f"{a}={int(i)}" for a, i in zip(letters, index, strict=True)) + ")"
