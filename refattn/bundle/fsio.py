@@ -26,7 +26,7 @@ import ctypes.util
 import errno
 import os
 import stat
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path, PurePosixPath
 from typing import Any
 
@@ -205,7 +205,7 @@ def open_confined(root: str | os.PathLike, rel: Any, *, max_bytes: int,
 
 
 @contextlib.contextmanager
-def _confined_fds(root: str | os.PathLike, parts: list[str], last_flags: int,
+def _confined_fds(root: str | os.PathLike, parts: Sequence[str], last_flags: int,
                   failure: str, *, missing_ok: bool = False) -> Iterator[int]:
     """Open ``root``, then each of ``parts`` relative to its parent with ``O_NOFOLLOW``
     (the last with ``last_flags``, the others as directories); yield the last descriptor and
@@ -328,7 +328,7 @@ def _is_link(dir_fd: int, name: str) -> bool:
         return False
 
 
-def write_new(path: Path, data: bytes, *, mode: int = 0o644, sync: bool = True) -> None:
+def write_new(path: Path, data: bytes | bytearray, *, mode: int = 0o644, sync: bool = True) -> None:
     """Create ``path`` (which must not exist; links are not followed), write ``data`` and
     fsync it (``sync=False``: leave that to a later :func:`sync_filesystem`). Any failure (a
     full disk, a read-only directory) removes the partial file and raises a
@@ -380,7 +380,7 @@ def sync_filesystem(root: str | os.PathLike) -> None:
             return
     finally:
         os.close(fd)
-    for here, dirs, files in os.walk(root):
+    for here, dirs, files in os.walk(os.fspath(root)):
         for name in files:
             path = os.path.join(here, name)
             if not stat.S_ISREG(os.lstat(path).st_mode):

@@ -403,7 +403,8 @@ class BundleTransaction:
             tmp.unlink(missing_ok=True)
             raise os_error(target, exc, "cannot rename into place") from None
 
-    def staged(self, rel: str, *, note: bool = False, max_bytes: int = 2**34) -> bytes | None:
+    def staged(self, rel: str, *, note: bool = False,
+               max_bytes: int = 2**34) -> bytes | bytearray | None:
         """The bytes of a staged file or note (no link followed), or None when absent."""
         target = self._resume_path(rel, note=note)
         root = target.parent
@@ -542,7 +543,7 @@ class BundleTransaction:
         self._retire(self._swap_in(bundle), s)
         self.discard_resume()
 
-    def _commit_in_place(self, files: Mapping[str, bytes], s: Survey) -> None:
+    def _commit_in_place(self, files: Mapping[str, bytes | bytearray], s: Survey) -> None:
         """Beside foreign files (``force``): each file replaced atomically, manifest last."""
         out = self.out
         cases = out / "cases"

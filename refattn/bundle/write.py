@@ -227,7 +227,7 @@ def _note(entry: Mapping[str, Any]) -> bytes:
     return json.dumps(entry, sort_keys=True, separators=(",", ":"), allow_nan=False).encode()
 
 
-def _entry_of(data: bytes | bytearray | None, note: bytes | None,
+def _entry_of(data: bytes | bytearray | None, note: bytes | bytearray | None,
               rel: str) -> dict[str, Any] | None:
     """The manifest entry of a staged or bundled case file, if the file matches it."""
     if data is None or note is None:
