@@ -1,13 +1,15 @@
 """What a function under test supports, and why a case falls outside it.
 
 Owns :class:`Supports` (a user's declaration: score families, dropout kinds, grouped heads,
-head maps, bias, masks dense or causal-only, softcap, sinks, value width, dtypes) and
+head maps, bias, masks dense or causal-only, softcap, sinks, value width, dtypes, quantised
+pipelines) and
 :func:`ineligibility`, the one-line reason a golden case is skipped for it. Reads cases through
 :class:`~refattn.bundle.spec.CaseSpec`; runs nothing.
 """
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -17,7 +19,7 @@ from refattn.bundle.spec import CaseSpec
 from refattn.bundle.tolerances import precision_name, resolve_dtype
 from refattn.errors import RefAttnError
 
-__all__ = ["DROPOUT_KINDS", "Supports", "ineligibility"]
+__all__ = ["DROPOUT_KINDS", "Supports", "ineligibility", "quant_preset"]
 
 #: dropout kinds a function may accept: an explicit multiplier tensor Z (any dropout case: a
 #: stream's Z is materialised), or refattn's Philox stream regenerated from its seed
@@ -65,6 +67,14 @@ class Supports:
     dtypes : tuple of str
         The precisions to run: ``float64``, ``float32``, ``float16``, ``bfloat16``; every case
         is run once per dtype.
+    quantized : bool or tuple of str
+        ``False`` (default): the function is not a quantised kernel; quantised cases (issue
+        28: FP8/INT8 inputs with a :class:`~refattn.quant.spec.QuantSpec`) are skipped.
+        ``True``, or preset names from :data:`refattn.quant.PRESETS` (``"fa3_fp8"``, ...):
+        the function is a quantised kernel; only the quantised cases run (of those presets;
+        ``True``: every preset and custom specs), every other case is skipped. Its inputs are
+        ``case.q/k/v`` as the kernel receives them (FP8 codes decoded, or the values it casts
+        itself) and its result is judged against the emulated interval.
 
     Examples
     --------
@@ -80,6 +90,13 @@ class Supports:
     ... except RefAttnError as exc:
     ...     print(exc)
     Supports.dropout: expected kinds from ['multiplier', 'philox'], got ['bernoulli']
+    >>> Supports(quantized="fa3_fp8").quantized
+    ('fa3_fp8',)
+    >>> try:
+    ...     Supports(quantized=("fa4_fp8",))
+    ... except RefAttnError as exc:
+    ...     print(str(exc)[:61])
+    Supports.quantized: expected True, False or preset names from
     """
 
     scores: tuple[str, ...] = ("dot",)
@@ -93,8 +110,10 @@ class Supports:
     sink: bool = False
     distinct_value_width: bool = True
     dtypes: tuple[str, ...] = ("float64",)
+    quantized: bool | tuple[str, ...] = False
 
     def __post_init__(self) -> None:
+        self._check_quantized()
         for name, allowed in (("scores", _FAMILIES), ("dropout", DROPOUT_KINDS),
                               ("dtypes", _DTYPES)):
             value = getattr(self, name)
@@ -118,6 +137,21 @@ class Supports:
                 "Supports(masks='causal'): name the triangle the function computes when Q != "
                 "K: causal_alignment='upper_left' (key j <= query i: PyTorch's is_causal, "
                 "JAX) or 'lower_right' (key j <= i + K - Q: FlashAttention, a KV cache)")
+
+    def _check_quantized(self) -> None:
+        from refattn.quant.presets import PRESETS  # the quant layer, imported when declared
+
+        value = self.quantized
+        if isinstance(value, str):  # a single preset: the tuple it meant
+            value = (value,)
+            object.__setattr__(self, "quantized", value)
+        if isinstance(value, bool):
+            return
+        bad = ([repr(value)] if not isinstance(value, tuple) or not value
+               else [repr(v) for v in value if v not in PRESETS])
+        if bad:
+            raise RefAttnError(f"Supports.quantized: expected True, False or preset names from "
+                               f"{list(PRESETS)}, got {', '.join(bad)}")
 
 
 def _causal_triangle(Q: int, K: int, alignment: str) -> np.ndarray:
@@ -168,6 +202,39 @@ def _dtype_reason(spec: CaseSpec, dtype: str) -> str | None:
     return None
 
 
+def quant_preset(spec: CaseSpec) -> str | None:
+    """The preset name of a quantised case (``"custom"`` for a spec not built by a preset),
+    or None for a case that is not quantised.
+
+    Examples
+    --------
+    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.suites.conformance import CASES
+    >>> quant_preset(case_spec(CASES["causal_square"]())) is None
+    True
+    """
+    quant = getattr(spec, "quant", None)
+    if quant is None:
+        return None
+    record = quant.get("spec", quant) if isinstance(quant, Mapping) else quant
+    name = record.get("name") if isinstance(record, Mapping) else getattr(record, "name", None)
+    return str(name) if name else "custom"
+
+
+def _quant_reason(spec: CaseSpec, supports: Supports) -> str | None:
+    name = quant_preset(spec)
+    wanted = supports.quantized
+    if name is None:
+        return None if not wanted else (
+            "a float case (Supports.quantized selects the quantised cases only)")
+    if not wanted:
+        return f"a quantised kernel: the case is quantised by {name!r} (Supports.quantized)"
+    if wanted is not True and name not in wanted:
+        return (f"the quantised pipeline {name!r}, not one of {list(wanted)} "
+                "(Supports.quantized)")
+    return None
+
+
 def ineligibility(spec: CaseSpec, supports: Supports, dtype: Any = "float64") -> str | None:
     """Why the function described by ``supports`` cannot run ``spec`` in ``dtype``, or None.
 
@@ -198,8 +265,10 @@ def ineligibility(spec: CaseSpec, supports: Supports, dtype: Any = "float64") ->
     a = spec.axes
     family = spec.score_family_name
     mode = spec.dropout.get("mode", "none")
-    reason: str | None = None
-    if family not in supports.scores:
+    reason: str | None = _quant_reason(spec, supports)
+    if reason is not None:
+        pass
+    elif family not in supports.scores:
         reason = f"the {family!r} score family (Supports.scores)"
     elif spec.softcap is not None and not supports.softcap:
         reason = "a softcap (Supports.softcap)"
