@@ -89,6 +89,21 @@ class Case:
         """The golden float64 tensors by canonical name (``output``, ``lse``, ``grad_q``, ...)."""
         return self.spec.tensors
 
+    @property
+    def quant(self) -> Any:
+        """A quantised case's :class:`~refattn.bundle.quantized.QuantCase` (``.spec``, the
+        kernel's :class:`~refattn.quant.spec.QuantSpec` with its scales; ``.call``, the call
+        as the kernel receives it: FP8 codes decoded, or the values it casts itself), or None.
+        ``case.q``, ``case.k``, ``case.v`` are the dequantised inputs of the real result.
+
+        >>> from refattn.bundle.suites.conformance import CASES
+        >>> Case(case_spec(CASES["causal_square"]())).quant is None
+        True
+        """
+        if getattr(self.spec, "quant", None) is None:
+            return None
+        return self.spec.quant_case()
+
     # -- the plain-NumPy description (refattn.adapters.plain states the rules) ----------
     @cached_property
     def plain(self) -> PlainCall:

@@ -73,8 +73,9 @@ class Supports:
         ``True``, or preset names from :data:`refattn.quant.PRESETS` (``"fa3_fp8"``, ...):
         the function is a quantised kernel; only the quantised cases run (of those presets;
         ``True``: every preset and custom specs), every other case is skipped. Its inputs are
-        ``case.q/k/v`` as the kernel receives them (FP8 codes decoded, or the values it casts
-        itself) and its result is judged against the emulated interval.
+        ``case.quant.call``'s q, k, v (as the kernel receives them: FP8 codes decoded, or the
+        values it casts itself) with the scales of ``case.quant.spec``; its result is judged
+        against the emulated interval (:func:`refattn.quant.check.check_candidate`).
 
     Examples
     --------
