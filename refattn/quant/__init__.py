@@ -8,7 +8,9 @@ emulated pipeline whose output is an interval per element. Imports from :mod:`re
 CLI, which use it.
 """
 
+from refattn.quant.bounds import Interval
 from refattn.quant.formats import FORMATS, ROUNDINGS
+from refattn.quant.pipeline import QuantResult, dequantized_call, quantized
 from refattn.quant.presets import PRESETS, preset
 from refattn.quant.spec import QuantSpec, TensorQuant, check_quant
 
@@ -16,8 +18,12 @@ __all__ = [
     "FORMATS",
     "PRESETS",
     "ROUNDINGS",
+    "Interval",
+    "QuantResult",
     "QuantSpec",
     "TensorQuant",
     "check_quant",
+    "dequantized_call",
     "preset",
+    "quantized",
 ]

@@ -234,7 +234,7 @@ def sageattention_int8(*, dtype: str = "fp16", kv_tile: int | None = 64,
                      exp2_ulp=2.0, name="sageattention_int8", s_descale="after_dot",
                      log2e=SAGE_LOG2E, kv_tile=kv_tile, kv_order="ascending",
                      mma_bits=mma_bits, output_ulp=2.0, returns_lse=False,
-                     masks=("none", "causal"), gqa=True)
+                     masks=("none", "causal_equal_lengths"), gqa=True)
 
 
 _BUILDERS: dict[str, Callable[..., QuantSpec]] = {

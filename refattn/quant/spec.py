@@ -53,7 +53,7 @@ L_FROM = ("unrounded", "rounded")
 POST_SCALES = ("in_kernel", "after_kernel")
 S_DESCALES = ("exponent", "after_dot")
 KV_ORDERS = ("ascending", "descending")
-MASKS = ("none", "causal")
+MASKS = ("none", "causal", "causal_equal_lengths")
 SCHEMA = "refattn_quant_spec_v1"
 
 Granularity = Literal["tensor", "batch_kv_head", "head", "token_block", "channel"]
@@ -268,8 +268,9 @@ class QuantSpec:
         Error of the output's division and post-scale in fp32 ulps (approximate division).
     returns_lse : bool
         Whether the kernel returns the log-sum-exp (emulated as ``"lse"``).
-    masks : tuple of {"none", "causal"}
-        The visibilities the kernel supports (causal: lower-right aligned).
+    masks : tuple of {"none", "causal", "causal_equal_lengths"}
+        The visibilities the kernel supports (causal: lower-right aligned; causal only where
+        Q == K, as SageAttention's top-left mask agrees with it only there).
     gqa : bool
         Whether grouped query heads are supported (``head_map[h] = h // (Hq // Hkv)``).
 
@@ -579,8 +580,11 @@ def _check_quant(call: AttentionCall, spec: QuantSpec) -> None:
             raise RefAttnError(f"visible: the kernel supports {' and '.join(spec.masks)} "
                                "visibility only (causal: lower-right aligned "
                                "tril(ones(Q, K), K - Q)), got another mask")
-        if "causal" not in spec.masks:
-            raise RefAttnError("visible: the kernel defines no causal mask")
+        Q, K = call.score_shape[2:]
+        if "causal" not in spec.masks and not ("causal_equal_lengths" in spec.masks and Q == K):
+            raise RefAttnError("visible: the kernel defines no causal mask" + (
+                f" for Q != K (its causal mask is top-left aligned; got Q={Q}, K={K})"
+                if "causal_equal_lengths" in spec.masks else ""))
     elif "none" not in spec.masks:
         raise RefAttnError("visible: the kernel needs a causal mask")
     for name in ("q", "k", "v"):
