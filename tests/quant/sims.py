@@ -185,7 +185,8 @@ class SimResult:
     lse : (B, Hq, Q) or None     natural log (FlashInfer's base-2 LSE is converted: x ln 2)
     scores : (B, Hq, Q, K)       raw S as accumulated (before any scale), -inf where masked
     row_max : (B, Hq, Q)         the final row max of the raw S
-    probs_q : (B, Hq, Q, K)      P as cast (the values multiplied into V)
+    probs_q : (B, Hq, Q, K)      P as cast (the values multiplied into V; with K blocks, each
+                                 block's P with the running max of its time)
     row_sum : (B, Hq, Q)         l as the kernel divides by it
     """
 
@@ -223,7 +224,7 @@ def _online_fp8(S: np.ndarray, vis: np.ndarray, v: np.ndarray, c: np.ndarray, *,
     the cast P with ``l_rounded``); O accumulated in float32. With ``block_n`` the keys are
     visited in blocks from the last to the first (FA3's ``n_block`` loop) with the running max
     and the rescale exp2((m_old - m_new) c); without it, one block (the final row max).
-    Returns (acc, l, m, P8) with P8 the values multiplied into V (from the last rescale).
+    Returns (acc, l, m, P8) with P8 as cast (each block's with the running max of its time).
     """
     K = S.shape[-1]
     Sm = np.where(vis, S, -np.inf).astype(np.float32)
@@ -243,7 +244,6 @@ def _online_fp8(S: np.ndarray, vis: np.ndarray, v: np.ndarray, c: np.ndarray, *,
             alpha = np.where(m_new == -np.inf, F32(1), alpha)
             lsum = (lsum * alpha).astype(np.float32)
             acc = (acc * alpha[..., None]).astype(np.float32)
-            P8 = (P8 * alpha[..., None]).astype(np.float32)  # what the earlier P weigh now
         m = m_new
         with np.errstate(invalid="ignore", over="ignore"):
             ms = (m * c[..., 0]).astype(np.float32)
@@ -504,7 +504,6 @@ def sageattention_int8(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: fl
             np.float32)
         acc = (acc * alpha[..., None]).astype(np.float32)
         acc = (acc + _pv32(p16, vv[..., lo:lo + blkk, :], acc_fmt="fp16")).astype(np.float32)
-        P16 = (P16 * alpha[..., None]).astype(np.float32)
         P16[..., lo:lo + blkk] = p16
         m = m_new
     o = cast((acc / lsum[..., None]).astype(np.float32), dtype, saturate=False)
