@@ -242,25 +242,30 @@ def mul(a: Interval, b: Interval) -> Interval:
 
 
 def div(a: Interval, b: Interval) -> Interval:
-    """Enclosure of ``x / y`` for ``y > 0`` everywhere (error otherwise).
+    """Enclosure of ``x / y`` where ``y > 0``; ``[-inf, inf]`` where ``y``'s interval reaches
+    0 (a kernel may then give anything: 0 by a guard, inf, NaN).
 
     Examples
     --------
     >>> r = div(point(1.0), point(3.0))
-    >>> bool(r.lo[()] < 1 / 3 < r.hi[()]) or bool(r.lo[()] <= 1 / 3 <= r.hi[()])
+    >>> bool(r.lo[()] < 1 / 3 < r.hi[()])
     True
+    >>> div(point(1.0), Interval(np.array(0.0), np.array(1.0))).hi.tolist()
+    inf
     """
-    if np.any(~(b.lo > 0)):
-        raise RefAttnError("div: the divisor's interval must be positive")
     los, his = [], []
     for x in (a.lo, a.hi):
         for y in (b.lo, b.hi):
-            with np.errstate(invalid="ignore", over="ignore", under="ignore"):
+            with np.errstate(invalid="ignore", over="ignore", under="ignore", divide="ignore"):
                 q = x / y
             los.append(_down(q))
             his.append(_up(q))
-    return Interval(np.minimum.reduce(np.broadcast_arrays(*los)),
-                    np.maximum.reduce(np.broadcast_arrays(*his)))
+    with np.errstate(invalid="ignore"):
+        lo = np.minimum.reduce(np.broadcast_arrays(*los))
+        hi = np.maximum.reduce(np.broadcast_arrays(*his))
+        unknown = ~(b.lo > 0)
+    lo, hi, unknown = np.broadcast_arrays(lo, hi, unknown)
+    return Interval(np.where(unknown, -np.inf, lo), np.where(unknown, np.inf, hi))
 
 
 def widen(a: Interval, rel: float | np.ndarray, absolute: float | np.ndarray = 0.0) -> Interval:

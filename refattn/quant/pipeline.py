@@ -74,6 +74,25 @@ class QuantResult:
     emulated: dict[str, Interval]
     backend: str = "numpy"
 
+    def manifest(self) -> dict[str, Any]:
+        """The real (dequantised) call's manifest with ``quant: {"spec": ...}`` added.
+
+        Examples
+        --------
+        >>> import numpy as np
+        >>> from refattn import AttentionCall
+        >>> from refattn.quant import preset, quantized
+        >>> x = np.full((1, 1, 2, 4), 0.5)
+        >>> m = quantized(AttentionCall(x, x, x), preset("fa3_fp8")).manifest()
+        >>> m["schema"], m["quant"]["spec"]["name"], m["quant"]["emulated"][:2]
+        ('attention_call_v1', 'fa3_fp8', ['lse', 'output'])
+        """
+        out = self.real.manifest()
+        out["quant"] = {"spec": self.spec.to_manifest(), "emulated": sorted(self.emulated),
+                        "real_inputs": "codes * scale for 'codes' tensors, 'cast' tensors "
+                                       "as given"}
+        return out
+
 
 def quantized(call: AttentionCall, spec: QuantSpec, *, backend: str = "numpy",
               **options: Any) -> QuantResult:
@@ -314,7 +333,10 @@ def _bounded_arg(d: Interval, c: Interval, m: Interval, smag: np.ndarray, off: f
         amag = np.maximum(np.abs(a.lo), np.abs(a.hi))
         e1 = U32 * (x + 2.0 * y * (1 + U32) + off)
         err = (1 + 1e-6) * (e1 + U32 * (np.where(np.isfinite(amag), amag, 0.0) + e1))
-    return bd.cast(bd.widen(a, 0.0, err), "fp32")
+        # |S c| or |m c| may pass fp32's maximum: the kernel's exponent is then anything
+        overflow = np.maximum(x, y) * (1 + 4 * U32) >= format_max("fp32")
+    arg = bd.cast(bd.widen(a, 0.0, err), "fp32")
+    return Interval(np.where(overflow, -np.inf, arg.lo), np.where(overflow, np.inf, arg.hi))
 
 
 def emulate(call: AttentionCall, spec: QuantSpec) -> dict[str, Interval]:
@@ -366,8 +388,10 @@ def emulate(call: AttentionCall, spec: QuantSpec) -> dict[str, Interval]:
             d = Interval(bd._down(d.lo), np.where(d.hi == 0, 0.0, bd._up(d.hi)))
             prev_mag = np.where(np.isfinite(m_hi), np.maximum(abs(m_lo), abs(m_hi)), 0.0)
             dmag = bd._up(3 * U32 * (prev_mag + _mag(new)) * c.hi)
-        darg = bd.cast(bd.widen(bd.mul(d, c), 0.0, np.where(unchanged | first, 0.0, dmag)),
-                       "fp32")
+            darg = bd.cast(bd.widen(bd.mul(d, c), 0.0, np.where(unchanged | first, 0.0, dmag)),
+                           "fp32")
+            wild = ((prev_mag + _mag(new)) * c.hi * (1 + 4 * U32) >= format_max("fp32")) & ~first
+        darg = Interval(np.where(wild, -np.inf, darg.lo), np.where(wild, np.inf, darg.hi))
         alpha = bd.exp2(darg, spec.exp2_ulp)
         alphas.append(Interval(np.where(first, 1.0, alpha.lo), np.where(first, 1.0, alpha.hi)))
         # p = exp2((S - m) c + off) with S <= m exactly in the kernel
