@@ -1,0 +1,354 @@
+"""Check a quantised kernel's result against the emulated pipeline and the real result.
+
+Owns :func:`check_candidate` and its :class:`QuantReport`: whether each tensor a kernel returned
+lies inside the emulated interval of :func:`refattn.quant.pipeline.quantized` (the tolerance,
+derived, not tuned), and how far it is from the real (unquantised) result in the units kernel
+authors use (max error, SQNR in dB, FA3's ratio to a bf16 path). Defers the emulation to
+:mod:`refattn.quant.pipeline` and the naming of planted bugs to :mod:`refattn.quant.diagnosis`.
+
+The one widening
+----------------
+The candidate must lie in ``[lo, hi]`` of the emulated interval, which already encloses every
+result the kernel's documented arithmetic can give (each cast bit-exact, each fp32/fp16 sum
+bounded over every summation order, exp2 within its ulp bound, undocumented arithmetic widened
+by the preset). The check adds one widening only, and only for ``"output"`` and ``"lse"``: the
+ends are rounded outward onto the grid of the format the kernel returns them in
+(``round_down(lo)``, ``round_up(hi)``; the output's format is ``spec.output_format``, lse is
+fp32). A cast is monotonic, so if the value before the kernel's last cast lies in
+``[lo, hi]``, the value it returns lies in the widened interval; an interval whose ends are
+already on that grid is unchanged. Nothing else is added: no relative or absolute slack.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+
+from refattn._checks import as_array, format_index
+from refattn.errors import RefAttnError
+from refattn.quant.formats import quantize, round_down, round_up
+
+if TYPE_CHECKING:
+    from refattn.quant.pipeline import QuantResult
+
+__all__ = ["QuantReport", "TensorReport", "bf16_path", "check_candidate", "contains"]
+
+#: the tensors of the real Trace a candidate's tensor of the same name is compared with
+REAL_NAMES = ("output", "lse")
+#: the format the kernels return lse in (fp32 in FA3 and FlashInfer)
+LSE_FORMAT = "fp32"
+
+
+@dataclass(frozen=True)
+class TensorReport:
+    """One candidate tensor against its emulated interval and the real result.
+
+    Attributes
+    ----------
+    name : str
+        The tensor (``"output"``, ``"lse"``, or an intermediate the pipeline emulates).
+    shape : tuple of int
+    passed : bool
+        Every element inside its (widened) interval.
+    outside : int
+        How many elements lie outside.
+    worst_index : tuple of int
+        The element farthest outside its interval; when none is outside, the one closest to
+        an end of its interval relative to the interval's radius.
+    worst_value, worst_lo, worst_hi : float
+        The candidate's value there and its interval.
+    worst_distance : float
+        Its distance from the interval (0 inside; inf for NaN where the interval is finite).
+    max_radius : float
+        The largest radius (half width) of the widened intervals: the tolerance in the
+        tensor's own units.
+    max_error, sqnr_db : float or None
+        Against the real result (output and lse only): ``max |candidate - real|`` and
+        ``10 log10(sum real^2 / sum (candidate - real)^2)`` over the finite elements
+        (inf when they are equal).
+    emulated_max_error : float or None
+        ``max |midpoint - real|``: the quantisation error the pipeline itself shows, beside
+        which the candidate's ``max_error`` is read.
+    bf16_max_error, fa3_ratio : float or None
+        Output only: the max error of a bf16 path (:func:`bf16_path`) against the real result,
+        and the candidate's ``max_error`` over it (FA3's test asserts ratio <= 2, plus a
+        rounding floor, for bf16 inputs; 3 in some versions for FP8).
+    """
+
+    name: str
+    shape: tuple[int, ...]
+    passed: bool
+    outside: int
+    worst_index: tuple[int, ...]
+    worst_value: float
+    worst_lo: float
+    worst_hi: float
+    worst_distance: float
+    max_radius: float
+    max_error: float | None = None
+    max_error_index: tuple[int, ...] | None = None
+    sqnr_db: float | None = None
+    emulated_max_error: float | None = None
+    bf16_max_error: float | None = None
+    fa3_ratio: float | None = None
+
+    def line(self) -> str:
+        """One line: verdict, the worst element, and the distances from the real result."""
+        verdict = "inside" if self.passed else f"{self.outside} element(s) outside"
+        text = (f"{self.name}: {verdict} the emulated interval (size {math.prod(self.shape)}, "
+                f"max radius {self.max_radius:.3g}); worst at {format_index(self.worst_index)}: "
+                f"{self.worst_value!r} in [{self.worst_lo!r}, {self.worst_hi!r}]")
+        if not self.passed:
+            text += f", {self.worst_distance:.3g} outside"
+        if self.max_error is not None:
+            text += (f"; vs real: max error {self.max_error:.3g} (the pipeline's own "
+                     f"{self.emulated_max_error:.3g}), SQNR {self.sqnr_db:.1f} dB")
+        if self.fa3_ratio is not None:
+            text += (f", {self.fa3_ratio:.3g}x the bf16 path's max error "
+                     f"{self.bf16_max_error:.3g}")
+        return text
+
+
+@dataclass(frozen=True)
+class QuantReport:
+    """The verdict of :func:`check_candidate`: one :class:`TensorReport` per candidate tensor.
+
+    Attributes
+    ----------
+    passed : bool
+        Every tensor inside its emulated interval.
+    spec_name : str
+        The preset (or ``"custom"``) the candidate was checked against.
+    tensors : dict of str to TensorReport
+    widening : str
+        What was added to the pipeline's intervals (see the module docstring).
+    """
+
+    passed: bool
+    spec_name: str
+    tensors: dict[str, TensorReport] = field(default_factory=dict)
+    widening: str = ""
+
+    def summary(self) -> str:
+        """The verdict and one line per tensor."""
+        head = (f"{self.spec_name}: {'PASS' if self.passed else 'FAIL'} "
+                f"({self.widening})")
+        return "\n".join([head, *(t.line() for t in self.tensors.values())])
+
+    def __str__(self) -> str:
+        return self.summary()
+
+
+def contains(lo: np.ndarray, hi: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Whether each ``x`` lies in ``[lo, hi]``, and its distance from the interval.
+
+    NaN in ``x`` is inside exactly where the interval is NaN (a pipeline that gives NaN
+    there); +-inf is inside where the interval's end is that infinity.
+
+    Parameters
+    ----------
+    lo, hi, x : (...) float64 ndarray
+        Same shape.
+
+    Returns
+    -------
+    inside : (...) bool ndarray
+    distance : (...) float64 ndarray
+        0 inside, ``lo - x`` or ``x - hi`` outside, inf for a NaN outside.
+
+    Examples
+    --------
+    >>> inside, dist = contains(np.array([0.0, 0.0, np.nan]), np.array([1.0, 1.0, np.nan]),
+    ...                         np.array([1.0, 1.5, np.nan]))
+    >>> inside.tolist(), dist.tolist()
+    ([True, False, True], [0.0, 0.5, 0.0])
+    """
+    nan_interval = np.isnan(lo) | np.isnan(hi)
+    with np.errstate(invalid="ignore"):
+        within = (lo <= x) & (x <= hi)
+        below = np.where(x < lo, lo - x, 0.0)
+        above = np.where(x > hi, x - hi, 0.0)
+    inside = np.where(np.isnan(x), nan_interval, within & ~nan_interval)
+    distance = np.where(inside, 0.0, np.maximum(below, above))
+    distance = np.where(~inside & (np.isnan(x) | nan_interval | (distance == 0)), np.inf,
+                        distance)
+    return inside, distance
+
+
+def _max_error(c: np.ndarray, r: np.ndarray) -> tuple[float, tuple[int, ...] | None]:
+    with np.errstate(invalid="ignore"):
+        err = np.where(c == r, 0.0, np.abs(c - r))  # equal infinities: no error
+    err = np.where(np.isnan(err), np.inf, err)
+    if err.size == 0:
+        return 0.0, None
+    i = int(np.argmax(err))
+    return float(err.flat[i]), tuple(int(j) for j in np.unravel_index(i, err.shape))
+
+
+def _sqnr_db(c: np.ndarray, r: np.ndarray) -> float:
+    ok = np.isfinite(c) & np.isfinite(r)
+    signal = float(np.sum(r[ok] ** 2))
+    noise = float(np.sum((c[ok] - r[ok]) ** 2))
+    if noise == 0.0:
+        return math.inf
+    if signal == 0.0:
+        return -math.inf
+    return 10.0 * math.log10(signal / noise)
+
+
+def bf16_path(result: QuantResult) -> np.ndarray:
+    """FA3's bf16 PyTorch path (``attention_ref(upcast=False, reorder_ops=True)``) of the
+    dequantised call, emulated here in float64.
+
+    The inputs of the real result (``result.real.call``: codes times descales) are rounded to
+    fp32 and then to bf16 (as ``(q.float() * q_descale).to(bf16)``); then each of torch's
+    operations is rounded to bf16: ``k * scale``; ``S = q @ k^T`` (the products summed in
+    float64 and rounded once; torch sums them in fp32, a difference far below a bf16 ulp);
+    ``softmax(S)`` (invisible keys -inf); P cast to the spec's P format when it is an FP8
+    format (FA3's ``intermediate_dtype``: torch's cast, which cannot overflow as P <= 1);
+    ``O = P @ v``.
+
+    Returns
+    -------
+    (B, Hq, Q, Dv) float64 ndarray
+        Values of bf16.
+    """
+    call = result.real.call
+    spec = result.spec
+
+    def bf16(x: np.ndarray) -> np.ndarray:
+        with np.errstate(over="ignore"):
+            return quantize(quantize(x, "fp32", "nearest_even"), "bf16", "nearest_even")
+
+    hm = np.asarray(call.head_map)
+    q, k, v = bf16(call.q), bf16(call.k)[:, hm], bf16(call.v)[:, hm]  # (B, Hq, K, D)
+    k = bf16(k * float(call.scale))  # reorder_ops: the scale on k
+    s = bf16(np.einsum("bhqd,bhkd->bhqk", q, k))  # (B, Hq, Q, K)
+    s = np.where(call.visible_full(), s, -np.inf)
+    m = np.max(s, axis=-1, keepdims=True)
+    e = np.exp(s - m)
+    p = bf16(e / np.sum(e, axis=-1, keepdims=True))  # (B, Hq, Q, K)
+    if spec.p_format in ("e4m3fn", "e5m2"):
+        p = quantize(p, spec.p_format, "nearest_even_satfinite")
+    return bf16(np.einsum("bhqk,bhkd->bhqd", p, v))  # (B, Hq, Q, Dv)
+
+
+def _candidate(name: str, x: object, shape: tuple[int, ...]) -> np.ndarray:
+    arr = as_array(f"candidate[{name!r}]", x)
+    if arr.dtype != np.float64:
+        raise RefAttnError(f"candidate[{name!r}]: expected dtype float64 (the kernel's values "
+                           f"converted exactly), got {arr.dtype} (refattn never casts)")
+    if arr.shape != shape:
+        raise RefAttnError(f"candidate[{name!r}]: expected shape {list(shape)}, got "
+                           f"{list(arr.shape)}")
+    return arr
+
+
+def _interval(result: QuantResult, name: str) -> tuple[np.ndarray, np.ndarray]:
+    iv = result.emulated[name]
+    lo = np.asarray(iv.lo, dtype=np.float64)
+    hi = np.asarray(iv.hi, dtype=np.float64)
+    fmt = {"output": result.spec.output_format, "lse": LSE_FORMAT}.get(name)
+    if fmt is not None:  # the one widening: outward onto the returned format's grid
+        lo, hi = round_down(lo, fmt), round_up(hi, fmt)
+    return lo, hi
+
+
+def check_candidate(result: QuantResult, candidate: dict[str, Any]) -> QuantReport:
+    """Check a kernel's tensors against the emulated pipeline and the real result.
+
+    Parameters
+    ----------
+    result : QuantResult
+        From :func:`refattn.quant.pipeline.quantized` for the call the kernel ran.
+    candidate : dict of str to float64 ndarray
+        The kernel's tensors by the pipeline's names: ``"output"`` (B, Hq, Q, Dv),
+        ``"lse"`` (B, Hq, Q) (natural log), or any intermediate in ``result.emulated``;
+        each converted exactly to float64 (a bf16 or fp32 value is a float64 value).
+
+    Returns
+    -------
+    QuantReport
+        ``passed`` when every element of every tensor lies inside its emulated interval
+        (widened only as the module docstring says); per tensor the worst element, its
+        distance from the interval, and for output and lse the max error and SQNR against
+        the real result; for output FA3's ratio to a bf16 path.
+
+    Raises
+    ------
+    RefAttnError
+        An empty candidate, a name the pipeline does not emulate, a tensor that is not
+        float64 or has the wrong shape.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn import AttentionCall
+    >>> from refattn.quant import preset, quantized
+    >>> rng = np.random.default_rng(0)
+    >>> q, k, v = (np.round(rng.standard_normal((1, 1, 4, 8)) * 4) / 4 for _ in range(3))
+    >>> result = quantized(AttentionCall(q, k, v), preset("fa3_fp8"))
+    >>> report = check_candidate(result, {"output": result.emulated["output"].mid})
+    >>> report.passed, report.tensors["output"].outside
+    (True, 0)
+    >>> bad = check_candidate(result, {"output": result.real.output * 1.5})
+    >>> bad.passed
+    False
+    """
+    if not isinstance(candidate, dict) or not candidate:
+        raise RefAttnError("candidate: expected a non-empty dict of tensor name to float64 "
+                           f"ndarray, got {candidate!r:.60}")
+    tensors: dict[str, TensorReport] = {}
+    for name, x in candidate.items():
+        if name not in result.emulated:
+            raise RefAttnError(f"candidate: {name!r} is not a tensor the pipeline emulates "
+                               f"({', '.join(sorted(result.emulated))})")
+        lo, hi = _interval(result, name)
+        c = _candidate(name, x, lo.shape)
+        tensors[name] = _tensor_report(result, name, c, lo, hi)
+    passed = all(t.passed for t in tensors.values())
+    return QuantReport(passed, result.spec.name, tensors,
+                       "intervals as emulated; output and lse ends rounded outward onto "
+                       "their returned format's grid; no other slack")
+
+
+def _tensor_report(result: QuantResult, name: str, c: np.ndarray, lo: np.ndarray,
+                   hi: np.ndarray) -> TensorReport:
+    inside, dist = contains(lo, hi, c)
+    with np.errstate(invalid="ignore", over="ignore"):
+        rad = (hi - lo) / 2
+        mid = lo + rad
+        # inside: how close to an end, relative to the radius (1 at an end)
+        pos = np.where(rad > 0, np.abs(c - mid) / np.where(rad > 0, rad, 1.0), 0.0)
+    pos = np.nan_to_num(pos, nan=0.0)
+    finite_rad = rad[np.isfinite(rad)]
+    outside = int(np.count_nonzero(~inside))
+    if c.size == 0:
+        worst: tuple[int, ...] = ()
+        wv = wl = wh = wd = 0.0
+    else:
+        key = dist if outside else pos
+        flat = int(np.argmax(key))
+        worst = tuple(int(j) for j in np.unravel_index(flat, c.shape))
+        wv, wl, wh, wd = (float(c[worst]), float(lo[worst]), float(hi[worst]),
+                          float(dist[worst]))
+    report: dict[str, Any] = {
+        "name": name, "shape": tuple(c.shape), "passed": outside == 0, "outside": outside,
+        "worst_index": worst, "worst_value": wv, "worst_lo": wl, "worst_hi": wh,
+        "worst_distance": wd,
+        "max_radius": float(finite_rad.max()) if finite_rad.size else 0.0,
+    }
+    if name in REAL_NAMES:
+        real = np.asarray(getattr(result.real, name), dtype=np.float64)
+        report["max_error"], report["max_error_index"] = _max_error(c, real)
+        report["sqnr_db"] = _sqnr_db(c, real)
+        report["emulated_max_error"] = _max_error(result.emulated[name].mid, real)[0]
+        if name == "output":
+            pt, _ = _max_error(bf16_path(result), real)
+            report["bf16_max_error"] = pt
+            err = report["max_error"]
+            report["fa3_ratio"] = (err / pt if pt > 0 else (0.0 if err == 0 else math.inf))
+    return TensorReport(**report)
