@@ -51,9 +51,11 @@ def _call(q, k, v, scale, causal, alignment="lower_right"):
 
 
 # -- scenarios ----------------------------------------------------------------------------
-def fa3(seed: int, *, causal: bool = False, kind: str = "random") -> Scenario:
+def fa3(seed: int, *, causal: bool = False, kind: str = "random",
+        kv_tile: int | None = None) -> Scenario:
+    """``kv_tile``: the kernel's kBlockN (online softmax over 24 keys, blocks from the last)."""
     rng = np.random.default_rng(seed)
-    B, Hq, Hkv, Q, K, D = 2, 4, 2, 5, 9, 16
+    B, Hq, Hkv, Q, K, D = 2, 4, 2, 5, 9 if kv_tile is None else 24, 16
     q = sims.fp8_values(rng, (B, Hq, Q, D))
     k = sims.fp8_values(rng, (B, Hkv, K, D))
     v = sims.fp8_values(rng, (B, Hkv, K, D))
@@ -82,19 +84,19 @@ def fa3(seed: int, *, causal: bool = False, kind: str = "random") -> Scenario:
             d = [np.full((B, Hkv), _f32(0.32)), np.ones((B, Hkv)), np.ones((B, Hkv))]
         case _:
             raise ValueError(kind)
-    spec = preset("fa3_fp8", q_descale=d[0], k_descale=d[1], v_descale=d[2])
+    spec = preset("fa3_fp8", q_descale=d[0], k_descale=d[1], v_descale=d[2], kv_tile=kv_tile)
 
     def simulate(bug=None):
         return sims.fa3_fp8(q, k, v, scale=D ** -0.5, q_descale=d[0], k_descale=d[1],
-                            v_descale=d[2], causal=causal, bug=bug)
-    return Scenario(f"fa3_fp8-{kind}{'-causal' if causal else ''}",
+                            v_descale=d[2], causal=causal, block_n=kv_tile, bug=bug)
+    return Scenario(f"fa3_fp8-{kind}{'-causal' if causal else ''}-tile{kv_tile}",
                     _call(q, k, v, D ** -0.5, causal), spec, simulate)
 
 
 def flashinfer_sm90(seed: int, *, fmt: str = "e4m3fn", causal: bool = False,
-                    kind: str = "random") -> Scenario:
+                    kind: str = "random", kv_tile: int | None = None) -> Scenario:
     rng = np.random.default_rng(seed)
-    B, Hq, Hkv, Q, K, D = 1, 4, 2, 5, 9, 16
+    B, Hq, Hkv, Q, K, D = 1, 4, 2, 5, 9 if kv_tile is None else 24, 16
     near = kind == "near_max"
     q = sims.fp8_values(rng, (B, Hq, Q, D), fmt, near_max=near)
     k = sims.fp8_values(rng, (B, Hkv, K, D), fmt, near_max=near)
@@ -106,12 +108,13 @@ def flashinfer_sm90(seed: int, *, fmt: str = "e4m3fn", causal: bool = False,
     if kind == "descales":
         qs, ks, vs = np.array([0.25, 4.0, 0.5, 2.0]), np.array([0.25, 4.0]), np.array([4.0,
                                                                                          0.25])
-    spec = preset("flashinfer_sm90_fp8", q_scale=qs, k_scale=ks, v_scale=vs, kv_format=fmt)
+    spec = preset("flashinfer_sm90_fp8", q_scale=qs, k_scale=ks, v_scale=vs, kv_format=fmt,
+                  kv_tile=kv_tile)
 
     def simulate(bug=None):
         return sims.flashinfer_sm90_fp8(q, k, v, scale=D ** -0.5, q_scale=qs[None],
                                         k_scale=ks[None], v_scale=vs[None], fmt=fmt,
-                                        causal=causal, bug=bug)
+                                        causal=causal, block_n=kv_tile, bug=bug)
     return Scenario(f"flashinfer_sm90_fp8-{fmt}-{kind}{'-causal' if causal else ''}",
                     _call(q, k, v, D ** -0.5, causal), spec, simulate)
 
@@ -154,11 +157,11 @@ def vllm(seed: int, *, causal: bool = False, kind: str = "random") -> Scenario:
                     _call(q, k, v, D ** -0.5, causal), spec, simulate)
 
 
-def sage(seed: int, *, dtype: str = "fp16", causal: bool = False) -> Scenario:
+def sage(seed: int, *, dtype: str = "fp16", causal: bool = False, Q: int = 8) -> Scenario:
     rng = np.random.default_rng(seed)
     B, Hq, Hkv, D = 1, 2, 1, 16
     K = 80  # two 64-key tiles
-    Q = K if causal else 8  # SageAttention's causal triangle is upper-left: Q == K only
+    Q = K if causal else Q  # SageAttention's causal triangle is upper-left: Q == K only
     q = sims.grid_values(rng, (B, Hq, Q, D), dtype)
     k = sims.cast(sims.grid_values(rng, (B, Hkv, K, D), dtype) + 1.0, dtype,
                   saturate=False).astype(np.float64)  # a mean for the smoothing
@@ -181,11 +184,13 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "fa3-small-p": lambda: fa3(6, kind="small_p"),
     "fa3-descales": lambda: fa3(7, kind="descales"),
     "fa3-biased-p": lambda: fa3(8, kind="biased_p"),
+    "fa3-online-causal": lambda: fa3(9, causal=True, kv_tile=8),
     "fi-sm90-e4m3": lambda: flashinfer_sm90(11),
     "fi-sm90-e5m2-causal": lambda: flashinfer_sm90(12, fmt="e5m2", causal=True),
     "fi-sm90-near-max": lambda: flashinfer_sm90(13, kind="near_max"),
     "fi-sm90-e5m2-near-max": lambda: flashinfer_sm90(14, fmt="e5m2", kind="near_max"),
     "fi-sm90-descales": lambda: flashinfer_sm90(15, kind="descales"),
+    "fi-sm90-online": lambda: flashinfer_sm90(16, kv_tile=8),
     "fi-fp8kv-fp16": lambda: flashinfer_fp8_kv(21),
     "fi-fp8kv-bf16-causal": lambda: flashinfer_fp8_kv(22, dtype="bf16", causal=True),
     "fi-fp8kv-near-max": lambda: flashinfer_fp8_kv(23, kind="near_max"),
@@ -194,6 +199,7 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "vllm-saturating": lambda: vllm(33, kind="saturating"),
     "sage-fp16": lambda: sage(41),
     "sage-bf16-causal": lambda: sage(42, dtype="bf16", causal=True),
+    "sage-two-q-blocks": lambda: sage(43, Q=136),
 }
 
 _RESULTS: dict[str, tuple[Scenario, Any]] = {}
