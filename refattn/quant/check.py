@@ -66,9 +66,10 @@ class TensorReport:
         The largest radius (half width) of the widened intervals: the tolerance in the
         tensor's own units.
     max_error, sqnr_db : float or None
-        Against the real result (output and lse only): ``max |candidate - real|`` and
-        ``10 log10(sum real^2 / sum (candidate - real)^2)`` over the finite elements
-        (inf when they are equal).
+        Against the real result (output and lse only): ``max |candidate - real|`` (inf for
+        a NaN or infinity the real result does not have) and
+        ``10 log10(sum real^2 / sum (candidate - real)^2)`` over the finite elements (inf
+        when they are equal, -inf when a non-finite value differs from the real one).
     emulated_max_error : float or None
         ``max |midpoint - real|``: the quantisation error the pipeline itself shows, beside
         which the candidate's ``max_error`` is read.
@@ -145,8 +146,10 @@ class QuantReport:
 def contains(lo: np.ndarray, hi: np.ndarray, x: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """Whether each ``x`` lies in ``[lo, hi]``, and its distance from the interval.
 
-    NaN in ``x`` is inside exactly where the interval is NaN (a pipeline that gives NaN
-    there); +-inf is inside where the interval's end is that infinity.
+    NaN in ``x`` is inside where the interval is NaN (a pipeline that gives NaN there) or
+    ``[-inf, inf]`` (the pipeline's "no claim": what a NaN or unbounded operand makes of a
+    result, every value and NaN included); +-inf is inside where the interval's end is that
+    infinity.
 
     Parameters
     ----------
@@ -161,17 +164,19 @@ def contains(lo: np.ndarray, hi: np.ndarray, x: np.ndarray) -> tuple[np.ndarray,
 
     Examples
     --------
-    >>> inside, dist = contains(np.array([0.0, 0.0, np.nan]), np.array([1.0, 1.0, np.nan]),
-    ...                         np.array([1.0, 1.5, np.nan]))
+    >>> inside, dist = contains(np.array([0.0, 0.0, np.nan, -np.inf, 0.0]),
+    ...                         np.array([1.0, 1.0, np.nan, np.inf, 1.0]),
+    ...                         np.array([1.0, 1.5, np.nan, np.nan, np.nan]))
     >>> inside.tolist(), dist.tolist()
-    ([True, False, True], [0.0, 0.5, 0.0])
+    ([True, False, True, True, False], [0.0, 0.5, 0.0, 0.0, inf])
     """
     nan_interval = np.isnan(lo) | np.isnan(hi)
+    no_claim = (lo == -np.inf) & (hi == np.inf)
     with np.errstate(invalid="ignore"):
         within = (lo <= x) & (x <= hi)
         below = np.where(x < lo, lo - x, 0.0)
         above = np.where(x > hi, x - hi, 0.0)
-    inside = np.where(np.isnan(x), nan_interval, within & ~nan_interval)
+    inside = np.where(np.isnan(x), nan_interval | no_claim, within & ~nan_interval)
     distance = np.where(inside, 0.0, np.maximum(below, above))
     distance = np.where(~inside & (np.isnan(x) | nan_interval | (distance == 0)), np.inf,
                         distance)
@@ -189,6 +194,10 @@ def _max_error(c: np.ndarray, r: np.ndarray) -> tuple[float, tuple[int, ...] | N
 
 
 def _sqnr_db(c: np.ndarray, r: np.ndarray) -> float:
+    with np.errstate(invalid="ignore"):
+        differ = ~((c == r) | (np.isnan(c) & np.isnan(r)))
+    if np.any(differ & ~(np.isfinite(c) & np.isfinite(r))):
+        return -math.inf  # a non-finite value where the real result differs: infinite noise
     ok = np.isfinite(c) & np.isfinite(r)
     signal = float(np.sum(r[ok] ** 2))
     noise = float(np.sum((c[ok] - r[ok]) ** 2))

@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from refattn.call import AttentionCall
 from refattn.errors import RefAttnError
 from refattn.quant.check import _candidate, _interval, contains
 from refattn.quant.spec import QuantSpec, TensorQuant
@@ -41,12 +42,13 @@ _HEAD_AXIS = {"batch_kv_head": 1, "head": 0}
 
 
 class Mutation(NamedTuple):
-    """One planted bug: its name (in ``MUTATION_NAMES``), what the kernel does wrong, and
-    the spec that emulates that kernel."""
+    """One planted bug: its name (in ``MUTATION_NAMES``), what the kernel does wrong, the
+    spec that emulates that kernel, and the call it receives instead (None: the same call)."""
 
     name: str
     description: str
     spec: QuantSpec
+    call: AttentionCall | None = None
 
 
 def _with(tq: TensorQuant, **changes: Any) -> TensorQuant:
@@ -57,20 +59,58 @@ def _with(tq: TensorQuant, **changes: Any) -> TensorQuant:
     return TensorQuant(**values)
 
 
-def mutations(spec: QuantSpec) -> list[Mutation]:
-    """The planted bugs that change ``spec``, each as a mutated spec.
+def _scale_for(tq: TensorQuant, name: str, call: AttentionCall) -> np.ndarray | None:
+    """``tq``'s scale broadcastable to the tensor (None for granularities not handled)."""
+    s = tq.scale
+    if s is None:
+        return None
+    match tq.granularity:
+        case "tensor":
+            return s.reshape(1, 1, 1, 1)
+        case "batch_kv_head":  # (B, Hkv); query heads read their kv head's
+            return (s[:, call.head_map] if name == "q" else s)[:, :, None, None]
+        case "head":  # (H,) of the tensor's own heads
+            return s[None, :, None, None]
+        case _:
+            return None
 
-    A missing descale (the tensor's scale taken as 1; for a ``"cast"`` tensor the kernel then
-    ignores the scale at the cast too), descales of the wrong kv head (kv head j reads
-    j + 1's, for all three tensors and for each alone; per-head scales that differ only),
-    casts that do not saturate (every satfinite cast, of q/k/v and of P, overflowing to NaN
-    or inf instead), l summed from the rounded P where the spec sums the unrounded p (and
-    vice versa), FA3's offset left out (``p_offset`` 0), FlashInfer's multiplier left out
-    (``p_multiplier`` 1). Mutations that leave the spec as it is are left out.
+
+def _missing_cast_descale(spec: QuantSpec, call: AttentionCall, t: str) -> Mutation | None:
+    """A ``"cast"`` tensor whose codes the kernel casts with its scale and then reads with
+    descale 1: the same codes come from casting ``x / scale`` with scale 1."""
+    tq: TensorQuant = getattr(spec, t)
+    s = _scale_for(tq, t, call)
+    if s is None:
+        return None
+    x = getattr(call, t) / s  # float64; fl32 of it is fl32(x / s) except at fp32 ties
+    mutated = AttentionCall(*(x if n == t else getattr(call, n) for n in ("q", "k", "v")),
+                            visible=call.visible, scale=call.scale, head_map=call.head_map)
+    return Mutation(f"missing_{t}_descale",
+                    f"the kernel casts {t} with its scale but leaves the descale out (1)",
+                    spec.replace(**{t: _with(tq, scale=np.ones_like(tq.scale),
+                                             input_format=None)}), mutated)
+
+
+def mutations(spec: QuantSpec, call: AttentionCall | None = None) -> list[Mutation]:
+    """The planted bugs that change ``spec``, each as a mutated spec (and call).
+
+    A missing descale (a ``"codes"`` tensor's scale taken as 1; for a ``"cast"`` tensor, with
+    ``call`` given, the codes cast with the scale read with descale 1: the call's tensor
+    divided by the scale, cast with scale 1 (the quotient rounded twice, float64 then fp32,
+    instead of once: different only where the float64 quotient is an fp32 tie; vLLM's Q,
+    multiplied by ``fl32(1 / scale)``, can differ by an fp32 ulp before its cast)), descales
+    of the wrong kv head (kv head j reads j + 1's: the scales indexed by kv head, all
+    together and each alone; FA3's (B, Hkv) q descale is, FlashInfer's per-query-head q scale
+    is not), casts that do not saturate (every satfinite cast, of q/k/v and of P, overflowing
+    to NaN or inf instead), l summed from the rounded P where the spec sums the unrounded p
+    (and vice versa), FA3's offset left out (``p_offset`` 0), FlashInfer's multiplier left
+    out (``p_multiplier`` 1). Mutations that leave the spec as it is are left out.
 
     Parameters
     ----------
     spec : QuantSpec
+    call : AttentionCall, optional
+        The call as the kernel receives it (needed for a ``"cast"`` tensor's missing descale).
 
     Returns
     -------
@@ -85,17 +125,24 @@ def mutations(spec: QuantSpec) -> list[Mutation]:
     out: list[Mutation] = []
     for t in ("q", "k", "v"):
         tq: TensorQuant = getattr(spec, t)
-        if tq.scale is not None and not np.all(tq.scale == 1.0):
-            what = ("ignores its scale (1 at the cast and after)" if tq.source == "cast"
-                    else "leaves its descale out (1)")
-            out.append(Mutation(f"missing_{t}_descale", f"the kernel {what} for {t}",
+        if tq.scale is None or np.all(tq.scale == 1.0):
+            continue
+        if tq.source == "codes":
+            out.append(Mutation(f"missing_{t}_descale",
+                                f"the kernel leaves {t}'s descale out (1)",
                                 spec.replace(**{t: _with(tq, scale=np.ones_like(tq.scale))})))
+        elif call is not None:
+            m = _missing_cast_descale(spec, call, t)
+            if m is not None:
+                out.append(m)
     rolled: dict[str, TensorQuant] = {}
     for t in ("q", "k", "v"):
         tq = getattr(spec, t)
         axis = _HEAD_AXIS.get(tq.granularity)
         if tq.scale is None or axis is None:
             continue
+        if t == "q" and tq.granularity != "batch_kv_head":
+            continue  # q's per-query-head scale is not read through the kv head
         r = np.roll(tq.scale, -1, axis=axis)  # head j reads head j + 1's (mod H)
         if not np.array_equal(r, tq.scale):
             rolled[t] = _with(tq, scale=r)
@@ -209,9 +256,9 @@ def diagnose(result: QuantResult, candidate: dict[str, Any], *,
         return []
     names = list(cands)
     found: list[str] = []
-    for m in mutations(result.spec):
+    for m in mutations(result.spec, result.call):
         try:
-            alt = quantized(result.call, m.spec, backend=backend)
+            alt = quantized(m.call or result.call, m.spec, backend=backend)
         except RefAttnError:  # the gate refuses the mutated spec for this call
             continue
         if _same_intervals(alt, result, names):

@@ -14,12 +14,14 @@ from refattn.quant.formats import quantize
 
 
 def test_contains_ends_nan_and_infinities():
-    lo = np.array([0.0, 0.0, 0.0, 0.0, np.nan, -np.inf, 1.0, -np.inf, 0.0])
-    hi = np.array([1.0, 1.0, 1.0, 1.0, np.nan, -np.inf, 2.0, np.inf, 1.0])
-    x = np.array([0.0, 1.0, -0.25, 1.5, np.nan, -np.inf, np.nan, 5.0, np.inf])
+    lo = np.array([0.0, 0.0, 0.0, 0.0, np.nan, -np.inf, 1.0, -np.inf, 0.0, -np.inf, 0.0])
+    hi = np.array([1.0, 1.0, 1.0, 1.0, np.nan, -np.inf, 2.0, np.inf, 1.0, np.inf, np.inf])
+    x = np.array([0.0, 1.0, -0.25, 1.5, np.nan, -np.inf, np.nan, 5.0, np.inf, np.nan, np.nan])
     inside, dist = contains(lo, hi, x)
-    assert inside.tolist() == [True, True, False, False, True, True, False, True, False]
-    assert dist.tolist() == [0.0, 0.0, 0.25, 0.5, 0.0, 0.0, np.inf, 0.0, np.inf]
+    # NaN: inside a NaN interval or the unbounded "no claim" [-inf, inf], nowhere else
+    assert inside.tolist() == [True, True, False, False, True, True, False, True, False, True,
+                               False]
+    assert dist.tolist() == [0.0, 0.0, 0.25, 0.5, 0.0, 0.0, np.inf, 0.0, np.inf, 0.0, np.inf]
     # a finite value where the emulation is NaN is outside (the pipeline says NaN there)
     inside, dist = contains(np.array([np.nan]), np.array([np.nan]), np.array([1.0]))
     assert inside.tolist() == [False] and dist.tolist() == [np.inf]
