@@ -299,14 +299,9 @@ DIAGNOSIS = {"no_q_descale": "missing_q_descale", "no_k_descale": "missing_k_des
 
 #: diagnoses that fail today, and why (reported to the lead; strict: they flip when fixed)
 _NOT_DIAGNOSED = {
-    ("fi-sm90-descales", "wrong_kv_head"): "diagnosis rolls q's per-query-head scale with "
-    "k's and v's; FlashInfer's kv_head_idx off by one moves k_scale and v_scale only",
-    ("vllm-saturating", "no_saturate"): "NaN codes make the kernel's output NaN; the "
-    "mutated emulation gives [-inf, inf] and check treats NaN as outside every interval",
-    ("vllm-random", "no_q_descale"): "for a 'cast' tensor diagnosis drops the scale at the "
-    "cast too; the kernel's bug is the descale not passed to FA3 (codes cast with it)",
-    ("vllm-random", "no_k_descale"): "as no_q_descale: the cache write keeps k_scale",
-    ("vllm-random", "no_v_descale"): "as no_q_descale: the cache write keeps v_scale",
+    ("vllm-saturating", "no_saturate"): "NaN codes make l NaN; FA3's finalize then returns "
+    "lse = -inf, the mutated emulation's lse is [nan, nan] (its output [-inf, inf] holds the "
+    "NaN output)",
 }
 
 
