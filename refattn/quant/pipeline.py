@@ -32,11 +32,11 @@ from typing import Any
 
 import numpy as np
 
+import refattn.quant.bounds as bd
 from refattn.call import AttentionCall
 from refattn.engine import forward
 from refattn.engine.trace import Trace
 from refattn.errors import RefAttnError
-from refattn.quant import bounds as bd
 from refattn.quant.bounds import Interval, point
 from refattn.quant.formats import format_max
 from refattn.quant.spec import QuantSpec, TensorQuant, check_quant
