@@ -231,8 +231,10 @@ def mul(a: Interval, b: Interval) -> Interval:
     (-3.0, 6.0)
     """
     los, his = [], []
-    for x in (a.lo, a.hi):
-        for y in (b.lo, b.hi):
+    a_ends = (a.lo,) if np.array_equal(a.lo, a.hi) else (a.lo, a.hi)  # a point: one corner
+    b_ends = (b.lo,) if np.array_equal(b.lo, b.hi) else (b.lo, b.hi)
+    for x in a_ends:
+        for y in b_ends:
             lo, hi = _prod_bounds(x, y)
             los.append(lo)
             his.append(hi)
