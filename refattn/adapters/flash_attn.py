@@ -49,13 +49,18 @@ from typing import Any, Literal
 
 import numpy as np
 
+from refattn._checks import as_array
 from refattn.adapters import semantic_limits
 from refattn.bundle.spec import CaseSpec
 from refattn.bundle.tolerances import precision_name, resolve_dtype
+from refattn.call.gate import AttentionCall
+from refattn.call.paged import PagedKV, paged_call
 from refattn.call.placement import operand_multipliers
+from refattn.engine import forward
 from refattn.errors import RefAttnError
 
-__all__ = ["FUNCTIONS", "FlashCall", "flash_call", "ineligible"]
+__all__ = ["FUNCTIONS", "KVCACHE_UNSUPPORTED", "FlashCall", "KVCacheCall",
+           "flash_attn_with_kvcache", "flash_call", "ineligible", "kvcache_call"]
 
 Function = Literal["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 #: the three entry points, by lowering name
@@ -422,3 +427,267 @@ def flash_call(spec: CaseSpec, variant: str = "flash_attn", *, dtype: Any = "flo
     return FlashCall(function, args, kwargs, seqs, np.ascontiguousarray(g_o),
                      np.ascontiguousarray(spec.query_valid_full()), precision,
                      spec.score_shape, float(mult.query), float(mult.key))
+
+
+# -- the interface as a reference: flash_attn_with_kvcache's arguments -> refattn's paged call --
+
+#: flash_attn_with_kvcache arguments the float64 reference refuses, and what to do instead
+KVCACHE_UNSUPPORTED = {
+    "k": "appending keys (k=, v=) writes k_cache/v_cache in place, and refattn never changes "
+         "its inputs; write the new tokens into the cache and count them in cache_seqlens",
+    "v": "appending values (k=, v=) writes v_cache in place, and refattn never changes its "
+         "inputs; write the new tokens into the cache and count them in cache_seqlens",
+    "rotary_cos": "rotary embeddings apply only to appended keys (k=); rotate q and the cache "
+                  "before the call",
+    "rotary_sin": "rotary embeddings apply only to appended keys (k=); rotate q and the cache "
+                  "before the call",
+    "cache_batch_idx": "cache_batch_idx is not supported; pass a block_table (FlashAttention "
+                       "refuses cache_batch_idx with a paged cache too)",
+    "cache_leftpad": "cache_leftpad is not supported (FlashAttention refuses it with a paged "
+                     "cache too)",
+}
+
+_FA_LAYOUT = {"q": "(batch_size, seqlen, nheads, headdim)",
+              "k_cache": "(num_blocks, page_block_size, nheads_k, headdim)",
+              "v_cache": "(num_blocks, page_block_size, nheads_k, headdim)"}
+
+
+def _fa_float64(name: str, x: Any) -> np.ndarray:
+    arr = as_array(name, x)
+    if arr.dtype != np.float64:
+        raise RefAttnError(f"{name}: expected dtype float64 (the reference computes in float64 "
+                           f"and never casts; FlashAttention's kernels take float16/bfloat16), "
+                           f"got {arr.dtype}")
+    if arr.ndim != 4:
+        raise RefAttnError(f"{name}: expected shape {_FA_LAYOUT[name]}, got {list(arr.shape)}")
+    return arr
+
+
+def _fa_int32(name: str, x: Any, ndim: int, B: int, letters: str) -> np.ndarray:
+    """An int32 array of ``ndim`` axes whose first is the batch, widened to int64."""
+    arr = as_array(name, x)
+    if arr.dtype != np.int32:
+        raise RefAttnError(f"{name}: expected dtype int32 (flash_attn_with_kvcache's {name} is "
+                           f"torch.int32), got {arr.dtype}")
+    if arr.ndim != ndim or arr.shape[0] != B:
+        raise RefAttnError(f"{name}: expected shape [batch_size={B}{letters}], got "
+                           f"{list(arr.shape)}")
+    return arr.astype(np.int64)
+
+
+@dataclass(frozen=True, eq=False)
+class KVCacheCall:
+    """``flash_attn_with_kvcache``'s arguments as refattn's canonical paged call.
+
+    Attributes
+    ----------
+    call : AttentionCall
+        q ``(B, Hq, Q, D)``; keys and values the cache gathered through the block table,
+        ``(B, Hkv, K, D)`` with ``K = max_num_blocks_per_seq * page_block_size`` (key t of
+        sequence b is its token t); visibility the cache-layout relation (query i of
+        sequence b at position ``cache_seqlens[b] - Q + i``, keys ``t < cache_seqlens[b]``);
+        ALiBi as a bias, softcap and scale as given.
+    paged : PagedKV
+        The cache as given, with the gather and its inverse.
+    row_has_key : (B, Q) bool ndarray
+        Whether query i of sequence b sees at least one key; FlashAttention writes a zero
+        output row and lse +inf for one that does not (refattn zeroes it through
+        ``query_valid``).
+    """
+
+    call: AttentionCall
+    paged: PagedKV
+    row_has_key: np.ndarray
+
+    def outputs(self, trace: Any) -> tuple[np.ndarray, np.ndarray]:
+        """``(out, softmax_lse)`` in FlashAttention's layouts from a forward of :attr:`call`:
+        out ``(B, Q, Hq, Dv)``, softmax_lse ``(B, Hq, Q)`` (+inf on a row without a key)."""
+        out = np.ascontiguousarray(trace.output.transpose(0, 2, 1, 3))  # (B, Q, Hq, Dv)
+        lse = np.where(self.row_has_key[:, None, :], trace.lse, np.inf)  # (B, Hq, Q)
+        return out, lse
+
+
+def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None,
+                 block_table: Any = None, softmax_scale: float | None = None,
+                 causal: bool = False, window_size: tuple[int, int] = (-1, -1),
+                 softcap: float = 0.0, alibi_slopes: Any = None) -> KVCacheCall:
+    """The canonical paged call (:func:`refattn.call.paged.paged_call`) of one
+    ``flash_attn_with_kvcache`` call, with FlashAttention's semantics.
+
+    Parameters
+    ----------
+    q : (B, Q, Hq, D) float64 ndarray
+        The Q newest tokens of each sequence (FlashAttention's ``(batch_size, seqlen,
+        nheads, headdim)``).
+    k_cache, v_cache : (num_blocks, page_block_size, Hkv, D) float64 ndarray
+        With ``block_table``; without it ``(batch_size_cache, seqlen_cache, Hkv, D)``, read
+        as one page per sequence (sequence b reads row b). Any page size: FlashAttention 2's
+        kernels need a multiple of 256, FlashAttention 3's do not.
+    cache_seqlens : int or (B,) int32 ndarray, optional
+        Tokens in each sequence's cache, ``1 <= cache_seqlens[b] <= max_num_blocks_per_seq *
+        page_block_size``; default: the whole table.
+    block_table : (B, max_num_blocks_per_seq) int32 ndarray, optional
+        Block p of sequence b is page ``block_table[b, p]``; entries past a sequence's last
+        block are not read (-1 padding is fine).
+    softmax_scale : float, optional
+        Default ``1 / sqrt(D)``.
+    causal : bool
+        Keys up to the query's position (bottom-right aligned); right window bound 0.
+    window_size : (int, int)
+        ``(left, right)``: keys in ``[pos - left, pos + right]``; negative means unbounded.
+    softcap : float
+        ``> 0``: scores become ``softcap * tanh(score / softcap)`` (0: off).
+    alibi_slopes : (Hq,) or (B, Hq) float32 or float64 ndarray, optional
+        Adds ``-slope * |pos - j|`` to the score of key j.
+
+    Returns
+    -------
+    KVCacheCall
+
+    Raises
+    ------
+    RefAttnError
+        On a dtype other than float64 (q, caches) or int32 (block_table, cache_seqlens), a
+        shape that does not match FlashAttention's layout, a block-table entry outside
+        ``[0, num_blocks)`` among the blocks a sequence reads (naming ``block_table[b, p]``),
+        ``cache_seqlens[b]`` beyond the table (or below 1), or two blocks reading one page.
+
+    Examples
+    --------
+    >>> rng = np.random.default_rng(0)
+    >>> pages = rng.standard_normal((3, 2, 1, 4))             # 3 pages of 2 slots, Hkv=1, D=4
+    >>> kv = kvcache_call(rng.standard_normal((1, 1, 2, 4)), pages, pages, causal=True,
+    ...                   block_table=np.array([[2, 0]], np.int32),
+    ...                   cache_seqlens=np.array([3], np.int32))
+    >>> kv.call.axes["K"], kv.call.relation.q_pos.tolist(), kv.row_has_key.tolist()
+    (4, [[2]], [[True]])
+    """
+    qa = _fa_float64("q", q)
+    kc, vc = _fa_float64("k_cache", k_cache), _fa_float64("v_cache", v_cache)
+    B, Q, Hq, D = qa.shape
+    nb, ps, Hkv, Dk = kc.shape
+    if Dk != D:
+        raise RefAttnError(f"k_cache: headdim {Dk} must equal q's headdim {D}")
+    if vc.shape[:3] != kc.shape[:3]:
+        raise RefAttnError(f"v_cache: shape {list(vc.shape)} must match k_cache "
+                           f"{list(kc.shape)} on (num_blocks, page_block_size, nheads_k)")
+    if Hkv == 0 or Hq % Hkv:
+        raise RefAttnError(f"q: nheads={Hq} must be a multiple of k_cache's nheads_k={Hkv} "
+                           "(FlashAttention's GQA: query head h reads kv head h // (Hq // Hkv))")
+    if block_table is None:
+        if nb < B:
+            raise RefAttnError(f"k_cache: batch_size_cache={nb} holds fewer caches than q's "
+                               f"batch_size={B} (without a block_table sequence b reads row b)")
+        table = np.arange(B, dtype=np.int64)[:, None]  # one page per sequence
+    else:
+        table = _fa_int32("block_table", block_table, 2, B, ", max_num_blocks_per_seq")
+        if table.shape[1] == 0:
+            raise RefAttnError("block_table: expected at least one block per sequence, got "
+                               f"shape {list(table.shape)}")
+    capacity = table.shape[1] * ps
+    if cache_seqlens is None:
+        lens = np.full(B, capacity, dtype=np.int64)
+    elif isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
+        lens = np.full(B, int(cache_seqlens), dtype=np.int64)
+    else:
+        lens = _fa_int32("cache_seqlens", cache_seqlens, 1, B, "")
+    for b, n in enumerate(lens.tolist()):
+        if n > capacity:
+            raise RefAttnError(
+                f"cache_seqlens: entry b={b} is {n}, beyond the block table: at most "
+                f"max_num_blocks_per_seq * page_block_size = {table.shape[1]} * {ps} = "
+                f"{capacity} tokens")
+        if n < 1:
+            raise RefAttnError(f"cache_seqlens: entry b={b} is {n}, expected at least 1 (an "
+                               "empty cache has no key to attend to)")
+    reads = np.arange(table.shape[1])[None, :] < -(-lens // ps)[:, None]  # (B, max_blocks)
+    for b, p in zip(*np.nonzero(reads & ((table < 0) | (table >= nb))), strict=True):
+        raise RefAttnError(
+            f"block_table: entry (b={b}, p={p}) is {int(table[b, p])}, expected a block in "
+            f"[0, num_blocks={nb}) of k_cache (sequence b reads its first "
+            f"ceil(cache_seqlens[b] / page_block_size) = {-(-int(lens[b]) // ps)} blocks)")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise RefAttnError(f"causal: expected True or False, got {causal!r}")
+    if len(window_size) != 2 or not all(isinstance(w, (int, np.integer))
+                                        and not isinstance(w, bool) for w in window_size):
+        raise RefAttnError(f"window_size: expected (left, right) ints (-1: unbounded), "
+                           f"got {window_size!r}")
+    left = None if window_size[0] < 0 else int(window_size[0])
+    right = 0 if causal else (None if window_size[1] < 0 else int(window_size[1]))
+    # query i of sequence b sits at position cache_seqlens[b] - Q + i (bottom-right aligned)
+    pos = lens[:, None] - Q + np.arange(Q)[None, :]  # (B, Q)
+    lo = np.zeros_like(pos) if left is None else np.maximum(pos - left, 0)
+    hi = lens[:, None] - 1 if right is None else np.minimum(pos + right, lens[:, None] - 1)
+    row_has_key = lo <= hi  # (B, Q): the documented window, intersected with the cache
+    kwargs: dict[str, Any] = {}
+    if not row_has_key.all():  # FlashAttention: "the output will be zero"
+        kwargs = {"query_valid": row_has_key[:, None, :, None],
+                  "all_masked_rows": "sanitize_then_zero_invalid_query"}
+    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating)) \
+            or np.isnan(softcap):
+        raise RefAttnError(f"softcap: expected a number (<= 0: off), got {softcap!r}")
+    if alibi_slopes is not None:
+        slopes = as_array("alibi_slopes", alibi_slopes)
+        if slopes.dtype not in (np.float32, np.float64):
+            raise RefAttnError(f"alibi_slopes: expected dtype float32 (FlashAttention's) or "
+                               f"float64, got {slopes.dtype}")
+        if slopes.shape not in ((Hq,), (B, Hq)):
+            raise RefAttnError(f"alibi_slopes: expected shape [nheads={Hq}] or "
+                               f"[batch_size={B}, nheads={Hq}], got {list(slopes.shape)}")
+        slopes = np.broadcast_to(slopes.astype(np.float64), (B, Hq))  # exact widening
+        dist = np.abs(pos[:, :, None] - np.arange(capacity)[None, None, :])  # (B, Q, K)
+        kwargs["bias"] = -slopes[:, :, None, None] * dist[:, None]  # (B, Hq, Q, K)
+    window: tuple[int | None, int | None] | None
+    if causal:  # the causal relation bounds the right side
+        window = None if left is None else (left, None)
+    else:
+        window = None if left is None and right is None else (left, right)
+    pc = paged_call(np.ascontiguousarray(qa.transpose(0, 2, 1, 3)), kc, vc, table, lens, ps,
+                    causal=bool(causal), window=window, scale=softmax_scale,
+                    softcap=float(softcap) if softcap > 0 else None, **kwargs)
+    return KVCacheCall(pc.call, pc.paged, row_has_key)
+
+
+def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None,
+                            rotary_cos: Any = None, rotary_sin: Any = None,
+                            cache_seqlens: Any = None, cache_batch_idx: Any = None,
+                            cache_leftpad: Any = None, block_table: Any = None,
+                            softmax_scale: float | None = None, causal: bool = False,
+                            window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
+                            rotary_interleaved: bool = True, alibi_slopes: Any = None,
+                            num_splits: int = 0, return_softmax_lse: bool = False) -> Any:
+    """FlashAttention's ``flash_attn_with_kvcache``, computed by refattn in float64.
+
+    The signature of ``flash_attn/flash_attn_interface.py`` (Dao-AILab/flash-attention), so
+    that a test can call it where it calls the kernel; the arguments are lowered by
+    :func:`kvcache_call` and run by the reference forward. ``num_splits`` and
+    ``rotary_interleaved`` change nothing here; the arguments of
+    :data:`KVCACHE_UNSUPPORTED` are refused.
+
+    Returns
+    -------
+    out : (B, Q, Hq, Dv) float64 ndarray
+    softmax_lse : (B, Hq, Q) float64 ndarray
+        Only with ``return_softmax_lse=True``: the logsumexp of each row's scores (+inf on a
+        row without a key).
+
+    Examples
+    --------
+    >>> pages = np.arange(24.0).reshape(3, 2, 1, 4) / 24
+    >>> out, lse = flash_attn_with_kvcache(np.ones((1, 1, 1, 4)), pages, pages,
+    ...                                    cache_seqlens=np.array([1], np.int32),
+    ...                                    block_table=np.array([[2, 0]], np.int32),
+    ...                                    return_softmax_lse=True)
+    >>> out[0, 0, 0].tolist() == pages[2, 0, 0].tolist(), lse.shape  # one key: its value
+    (True, (1, 1, 1))
+    """
+    for name, value in (("k", k), ("v", v), ("rotary_cos", rotary_cos),
+                        ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
+                        ("cache_leftpad", cache_leftpad)):
+        if value is not None:
+            raise RefAttnError(f"{name}: {KVCACHE_UNSUPPORTED[name]}")
+    kv = kvcache_call(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+                      block_table=block_table, softmax_scale=softmax_scale, causal=causal,
+                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+    out, lse = kv.outputs(forward(kv.call))
+    return (out, lse) if return_softmax_lse else out

@@ -262,7 +262,9 @@ class PagedCall:
 
 
 def paged_call(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: Any,
-               page_size: int, *, causal: bool = True, **call_kwargs: Any) -> PagedCall:
+               page_size: int, *, causal: bool = True,
+               window: tuple[int | None, int | None] | None = None,
+               **call_kwargs: Any) -> PagedCall:
     """The canonical call of a decode step over a paged KV cache.
 
     Parameters
@@ -278,6 +280,11 @@ def paged_call(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: An
     causal : bool
         True (default): query i of sequence b reads keys at positions up to
         ``seqlens[b] - Q + i`` (cache-offset causal); False: every valid key.
+    window : (left, right), optional
+        A sliding window around each query's position: at most ``left`` keys before it and
+        ``right`` after it (None: unbounded on that side; the excludes-query convention of
+        :func:`refattn.masks.relation`, FlashAttention's ``window_size`` with None for -1).
+        With ``causal`` the keys after the query are excluded anyway.
     **call_kwargs
         Any other :class:`~refattn.AttentionCall` keyword (bias, sink, softcap, head_map,
         scale, dropout, ...).
@@ -318,7 +325,8 @@ def paged_call(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: An
     Q = q_arr.shape[2]
     q_pos = paged.seqlens[:, None] - Q + np.arange(Q)[None, :]  # (B, Q) cache offsets
     k_pos = np.broadcast_to(np.arange(paged.K), (paged.B, paged.K))  # (B, K)
-    rel = relation(q_pos, k_pos, paged.key_valid(), causal=bool(causal), layout="cache",
-                   alignment="explicit_positions" if causal else None)
+    positional = bool(causal) or window is not None
+    rel = relation(q_pos, k_pos, paged.key_valid(), causal=bool(causal), window=window,
+                   layout="cache", alignment="explicit_positions" if positional else None)
     call = AttentionCall(q_arr, paged.keys(), paged.values(), visible=rel, **call_kwargs)
     return PagedCall(call, paged)
