@@ -44,8 +44,10 @@ def _tiles(K, tile, descending):
 
 
 def _fa3_row(q, k, v, vis, *, c, vd, dperm, lperm, aperm, tile, fused, offset=8.0,
-             l_rounded=False):
-    """One query row of FA3's FP8 forward (hopper/softmax.h) in float32, given orders."""
+             l_rounded=False, multiplier=None):
+    """One query row of FA3's FP8 forward (hopper/softmax.h) in float32, given orders; with
+    ``multiplier`` FlashInfer SM90's (attention_updater.cuh: no offset, P = cast(p * 448),
+    O = acc fl(fl(v_scale / 448) / l))."""
     K = k.shape[0]
     S = np.full(K, -np.inf, dtype=np.float32)
     for j in range(K):
@@ -69,7 +71,7 @@ def _fa3_row(q, k, v, vis, *, c, vd, dperm, lperm, aperm, tile, fused, offset=8.
                 continue
             arg = f32(np.float64(S[j]) * np.float64(c) - ms) if fused else f32(f32(S[j] * c) - ms)
             p[j] = _exp2(arg)
-            P[j] = _e4m3(p[j])
+            P[j] = _e4m3(p[j] if multiplier is None else f32(p[j] * f32(multiplier)))
         rs = f32(rs * alpha)
         for j in (j for j in lperm if j in t):
             rs = f32(rs + (f32(P[j]) if l_rounded else p[j]))
@@ -77,7 +79,10 @@ def _fa3_row(q, k, v, vis, *, c, vd, dperm, lperm, aperm, tile, fused, offset=8.
         for j in (j for j in aperm if j in t):
             acc = (acc + (f32(P[j]) * v[j]).astype(np.float32)).astype(np.float32)
         m = m_new
-    scale = f32(f32(f32(1) / rs) * f32(vd))
+    if multiplier is None:
+        scale = f32(f32(f32(1) / rs) * f32(vd))
+    else:
+        scale = f32(f32(f32(vd) / f32(multiplier)) / rs)
     out = [_bf16(f32(a * scale)) for a in acc]
     lse = f32(f32(m * f32(c * f32(LN2))) + f32(np.log(np.float64(f32(rs / f32(2**offset))))))
     return S, m, P, rs, np.array(out), float(lse)
@@ -138,6 +143,63 @@ def test_fa3_a_planted_bug_in_the_simulation_falls_outside(bug):
         outside += int(not (np.all(em["output"][at].contains(out))
                             and em["row_sum"][at].contains(rs)))
     assert outside > 0
+
+
+@pytest.mark.parametrize("tile", [None, 2])
+def test_flashinfer_sm90_every_order_inside(tile):
+    q, k, v, (qd, kd, vd), call = _fa3_case(True)
+    spec = preset("flashinfer_sm90_fp8", q_scale=np.array([qd]), k_scale=np.array([kd]),
+                  v_scale=np.array([vd]), kv_tile=tile, mma_bits=24)
+    em = quantized(call, spec).emulated
+    c = f32(f32(f32(f32(qd) * f32(kd)) * f32(0.5)) * f32(LOG2E))  # variants.cuh order
+    vis = call.visible_full()[0, 0]
+    for i in range(q.shape[2]):
+        for dperm, lperm, aperm in itertools.product(PERMS, PERMS[::2], PERMS[::2]):
+            S, m, P, rs, out, _ = _fa3_row(
+                q[0, 0, i], k[0, 0], v[0, 0], vis[i], c=c, vd=vd, dperm=dperm, lperm=lperm,
+                aperm=aperm, tile=tile or 3, fused=True, offset=0.0, multiplier=448.0)
+            at = (0, 0, i)
+            assert np.all(em["scores"][at].contains(S)) and em["row_max"][at].contains(m)
+            assert np.all(em["probs_q"][at].contains(P)), (i, P)
+            assert em["row_sum"][at].contains(rs), (i, rs)
+            assert np.all(em["output"][at].contains(out)), (i, aperm, out)
+    assert "lse" not in em  # FlashInfer's lse is base 2: not emulated
+
+
+def test_flashinfer_fp8_kv_every_order_inside():
+    """FA2 prefill with an FP8 KV cache (prefill.cuh): K, V upcast exactly, P rounded to fp16,
+    l from the rounded P, O = fp16(acc rcp(l)), then v_scale applied to the fp16 output."""
+    rng = np.random.default_rng(8)
+    Q, K, D = 2, 3, 3
+    q = quantize(rng.standard_normal((1, 1, Q, D)), "fp16", "nearest_even")
+    k, v = (quantize(rng.standard_normal((1, 1, K, D)) * 2, "e4m3fn", "nearest_even_satfinite")
+            for _ in range(2))
+    k_scale, v_scale, scale = 0.75, 0.375, 0.5
+    em = quantized(AttentionCall(q, k, v, scale=scale),
+                   preset("flashinfer_fp8_kv", k_scale=k_scale, v_scale=v_scale,
+                          mma_bits=24)).emulated
+    c = f32(f32(scale * k_scale) * f32(LOG2E))  # sm_scale *= k_scale on the host
+    for i in range(Q):
+        for dperm, lperm, aperm in itertools.product(PERMS, PERMS, PERMS):
+            S = np.zeros(K, np.float32)
+            for j in range(K):
+                for d in dperm:
+                    S[j] = f32(S[j] + f32(q[0, 0, i, d] * k[0, 0, j, d]))
+            m = S.max()
+            P = [f16(_exp2(f32(f32(S[j] * c) - f32(m * c)))) for j in range(K)]
+            rs = f32(0)
+            for j in lperm:
+                rs = f32(rs + f32(P[j]))
+            acc = np.zeros(D, np.float32)
+            for j in aperm:
+                acc = (acc + (f32(P[j]) * v[0, 0, j]).astype(np.float32)).astype(np.float32)
+            o16 = (acc * f32(f32(1) / rs)).astype(np.float32).astype(np.float16)
+            out = (o16.astype(np.float32) * f32(v_scale)).astype(np.float16).astype(float)
+            at = (0, 0, i)
+            assert np.all(em["scores"][at].contains(S))
+            assert np.all(em["probs_q"][at].contains(np.array(P, dtype=float)))
+            assert em["row_sum"][at].contains(rs), (i, rs)
+            assert np.all(em["output"][at].contains(out)), (i, out)
 
 
 def _sage_row_quant(x, scale_mul, block):
