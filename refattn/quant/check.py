@@ -234,7 +234,8 @@ def bf16_path(result: QuantResult) -> np.ndarray:
 
     hm = np.asarray(call.head_map)
     q, k, v = bf16(call.q), bf16(call.k)[:, hm], bf16(call.v)[:, hm]  # (B, Hq, K, D)
-    k = bf16(k * float(call.scale))  # reorder_ops: the scale on k
+    alpha = call.scale if call.scale is not None else call.q.shape[3] ** -0.5  # set by the gate
+    k = bf16(k * float(alpha))  # reorder_ops: the scale on k
     s = bf16(np.einsum("bhqd,bhkd->bhqk", q, k))  # (B, Hq, Q, K)
     s = np.where(call.visible_full(), s, -np.inf)
     m = np.max(s, axis=-1, keepdims=True)

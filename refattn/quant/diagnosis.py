@@ -52,9 +52,10 @@ class Mutation(NamedTuple):
 
 
 def _with(tq: TensorQuant, **changes: Any) -> TensorQuant:
-    values = {"format": tq.format, "scale": tq.scale, "granularity": tq.granularity,
-              "rounding": tq.rounding, "source": tq.source, "block": tq.block,
-              "input_format": tq.input_format}
+    values: dict[str, Any] = {
+        "format": tq.format, "scale": tq.scale, "granularity": tq.granularity,
+        "rounding": tq.rounding, "source": tq.source, "block": tq.block,
+        "input_format": tq.input_format}
     values.update(changes)
     return TensorQuant(**values)
 

@@ -426,7 +426,7 @@ def encode(values: object, fmt: str) -> np.ndarray:
     # a subnormal's exponent field is 0 and its mantissa the whole significand
     field[finite] = np.where(normal, ((e + info.bias) << mbits) + sig - (1 << mbits), sig)
     field[np.isinf(a)] = (2**info.exponent_bits - 1) << mbits
-    field[np.isnan(a)] = info.nan_code
+    field[np.isnan(a)] = info.nan_code if info.nan_code is not None else 0  # int8: no NaN here
     return (sign | field).astype(info.code_dtype)
 
 
