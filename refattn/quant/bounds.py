@@ -18,6 +18,7 @@ bit-exact definitions to :mod:`refattn.quant.formats`.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 
@@ -131,8 +132,8 @@ class Interval:
             inside = (self.lo <= x) & (x <= self.hi)
         return inside | (np.isnan(x) & np.isnan(self.lo) & np.isnan(self.hi))
 
-    def __getitem__(self, idx: object) -> Interval:
-        return Interval(self.lo[idx], self.hi[idx])  # type: ignore[index]
+    def __getitem__(self, idx: Any) -> Interval:
+        return Interval(self.lo[idx], self.hi[idx])
 
 
 def point(x: np.ndarray | float) -> Interval:

@@ -224,6 +224,13 @@ def dequantized_call(call: AttentionCall, spec: QuantSpec) -> AttentionCall:
                          scale=call.scale, all_masked_rows=call.all_masked_rows)
 
 
+def _softmax_scale(call: AttentionCall) -> float:
+    """The call's scale (the gate always resolves it)."""
+    if call.scale is None:  # pragma: no cover - the gate sets the default
+        raise RefAttnError("scale: unresolved")
+    return float(call.scale)
+
+
 def _kv_to_query_heads(x: np.ndarray, call: AttentionCall) -> np.ndarray:
     """A k/v-shaped array (axis 1 of size Hkv, or 1 when broadcast) seen by the query heads."""
     return x if x.shape[1] == 1 else x[:, call.head_map]
@@ -303,7 +310,7 @@ def _operands(call: AttentionCall, spec: QuantSpec) -> dict[str, tuple[Interval,
         if name == "k" and spec.k_smoothing:
             xi = _smooth(xi, fmt)
         if name == "q" and spec.q_prescale:
-            sq = bd.cast(point(call.scale * spec.log2e), "fp32")  # fl32(sm_scale * log2e)
+            sq = bd.cast(point(_softmax_scale(call) * spec.log2e), "fp32")  # fl32(scale log2e)
             xi = bd.cast(bd.mul(xi, sq), "fp32")
         out[name] = _dynamic_int8(xi, tq, name)
     return out
@@ -344,7 +351,7 @@ def _exponent_multiplier(call: AttentionCall, spec: QuantSpec,
     B, Hq = call.q.shape[:2]
     if spec.q_prescale:
         return point(np.ones((B, Hq, 1, 1)))
-    c64 = np.full((B, Hq, 1, 1), call.scale * spec.log2e)
+    c64 = np.full((B, Hq, 1, 1), _softmax_scale(call) * spec.log2e)
     if spec.s_descale == "exponent":
         qs = ops["q"][1].lo
         ks = _kv_to_query_heads(ops["k"][1].lo, call)

@@ -30,11 +30,20 @@ HALF_MMA_BITS = 22  # fp16/bf16 MMA into fp32: undocumented order/truncation, wi
 SAGE_LOG2E = 1.44269504  # SageAttention's literal (per_block_int8: sm_scale * 1.44269504)
 
 
-def _descale(name: str, x: object, head_gran: str) -> tuple[np.ndarray | float, str]:
+def _arr(x: object) -> np.ndarray:
+    """A scale as given (an array) or a number as a 0-d float64 array (TensorQuant checks)."""
+    if isinstance(x, np.ndarray):
+        return x
+    if isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool):
+        return np.array(float(x))
+    return x  # type: ignore[return-value]  # TensorQuant refuses it by name
+
+
+def _descale(name: str, x: object, head_gran: str) -> tuple[np.ndarray, str]:
     """A descale and its granularity from its shape: a number is per tensor, an array of
     ndim 2 ``(B, Hkv)`` (FA3) or ndim 1 ``(H,)`` (FlashInfer), as ``head_gran`` says."""
     if x is None:
-        return 1.0, "tensor"
+        return np.array(1.0), "tensor"
     if isinstance(x, np.ndarray) and x.ndim > 0:
         want = 2 if head_gran == "batch_kv_head" else 1
         if x.ndim != want:
@@ -42,9 +51,7 @@ def _descale(name: str, x: object, head_gran: str) -> tuple[np.ndarray | float, 
                                f"({'(B, Hkv)' if want == 2 else '(H,)'}), got shape "
                                f"{list(x.shape)}")
         return x, head_gran
-    if isinstance(x, np.ndarray):
-        return x, "tensor"
-    return x, "tensor"  # type: ignore[return-value]  # TensorQuant checks the type
+    return _arr(x), "tensor"
 
 
 def _choice(name: str, x: str, allowed: tuple[str, ...]) -> str:
@@ -80,11 +87,10 @@ def fa3_fp8(*, q_descale: Any = None, k_descale: Any = None, v_descale: Any = No
     >>> spec.q.granularity, spec.k.granularity, spec.p_offset, spec.kv_order
     ('batch_kv_head', 'tensor', 8.0, 'descending')
     """
-    tensors = {}
-    for name, x in (("q", q_descale), ("k", k_descale), ("v", v_descale)):
-        scale, gran = _descale(f"{name}_descale", x, "batch_kv_head")
-        tensors[name] = TensorQuant("e4m3fn", scale, gran, SAT, "codes")
-    return QuantSpec(**tensors, s_accumulation="fp32", p_format="e4m3fn", p_rounding=SAT,
+    q, k, v = (TensorQuant("e4m3fn", *_descale(f"{name}_descale", x, "batch_kv_head"), SAT,
+                           "codes")
+               for name, x in (("q", q_descale), ("k", k_descale), ("v", v_descale)))
+    return QuantSpec(q, k, v, s_accumulation="fp32", p_format="e4m3fn", p_rounding=SAT,
                      p_handling="offset", p_offset=8.0, l_from="unrounded",
                      pv_accumulation="fp32", output_format="bf16", output_post_scale="in_kernel",
                      exp2_ulp=2.0, name="fa3_fp8", s_descale="exponent", kv_tile=kv_tile,
@@ -116,11 +122,9 @@ def flashinfer_sm90_fp8(*, q_scale: Any = None, k_scale: Any = None, v_scale: An
     ('multiplier', 448.0, 'head')
     """
     fmt = _choice("kv_format", kv_format, ("e4m3fn", "e5m2"))
-    tensors = {}
-    for name, x in (("q", q_scale), ("k", k_scale), ("v", v_scale)):
-        scale, gran = _descale(f"{name}_scale", x, "head")
-        tensors[name] = TensorQuant(fmt, scale, gran, SAT, "codes")
-    return QuantSpec(**tensors, s_accumulation="fp32", p_format=fmt, p_rounding=SAT,
+    q, k, v = (TensorQuant(fmt, *_descale(f"{name}_scale", x, "head"), SAT, "codes")
+               for name, x in (("q", q_scale), ("k", k_scale), ("v", v_scale)))
+    return QuantSpec(q, k, v, s_accumulation="fp32", p_format=fmt, p_rounding=SAT,
                      p_handling="multiplier", p_multiplier=format_max(fmt),
                      l_from="unrounded", pv_accumulation="fp32", output_format="bf16",
                      output_post_scale="in_kernel", exp2_ulp=2.0, name="flashinfer_sm90_fp8",
@@ -153,9 +157,9 @@ def flashinfer_fp8_kv(*, k_scale: float = 1.0, v_scale: float = 1.0, q_dtype: st
     """
     dtype = _choice("q_dtype", q_dtype, ("fp16", "bf16"))
     fmt = _choice("kv_format", kv_format, ("e4m3fn", "e5m2"))
-    return QuantSpec(q=TensorQuant(dtype, 1.0, "tensor", "nearest_even", "codes"),
-                     k=TensorQuant(fmt, k_scale, "tensor", SAT, "codes"),
-                     v=TensorQuant(fmt, v_scale, "tensor", SAT, "codes"),
+    return QuantSpec(q=TensorQuant(dtype, _arr(1.0), "tensor", "nearest_even", "codes"),
+                     k=TensorQuant(fmt, _arr(k_scale), "tensor", SAT, "codes"),
+                     v=TensorQuant(fmt, _arr(v_scale), "tensor", SAT, "codes"),
                      s_accumulation="fp32", p_format=dtype, p_rounding="nearest_even",
                      p_handling="offset", p_offset=0.0, l_from="rounded",
                      pv_accumulation="fp32", output_format=dtype,
@@ -189,9 +193,10 @@ def vllm_fp8_kv(*, q_scale: float = 1.0, k_scale: float = 1.0, v_scale: float = 
     ('cast', 'bf16', 0.5)
     """
     fmt = _choice("dtype", dtype, ("bf16", "fp16"))
-    tensors = {name: TensorQuant("e4m3fn", s, "tensor", SAT, "cast", input_format=fmt)
-               for name, s in (("q", q_scale), ("k", k_scale), ("v", v_scale))}
-    return fa3_fp8(kv_tile=kv_tile, mma_bits=mma_bits).replace(**tensors, name="vllm_fp8_kv")
+    q, k, v = (TensorQuant("e4m3fn", _arr(s), "tensor", SAT, "cast", input_format=fmt)
+               for s in (q_scale, k_scale, v_scale))
+    return fa3_fp8(kv_tile=kv_tile, mma_bits=mma_bits).replace(q=q, k=k, v=v,
+                                                                name="vllm_fp8_kv")
 
 
 def sageattention_int8(*, dtype: str = "fp16", kv_tile: int | None = 64,
@@ -226,7 +231,7 @@ def sageattention_int8(*, dtype: str = "fp16", kv_tile: int | None = 64,
                     input_format=fmt)
     k = TensorQuant("int8", None, "token_block", "half_away_from_zero", "cast", block=64,
                     input_format=fmt)
-    v = TensorQuant("fp16", 1.0, "tensor", "nearest_even", "cast", input_format=fmt)
+    v = TensorQuant("fp16", _arr(1.0), "tensor", "nearest_even", "cast", input_format=fmt)
     return QuantSpec(q=q, k=k, v=v, s_accumulation="int32", p_format="fp16",
                      p_rounding="nearest_even", p_handling="offset", p_offset=0.0,
                      l_from="unrounded", pv_accumulation="fp16_per_tile", output_format=fmt,

@@ -560,9 +560,10 @@ def _check_quant(call: AttentionCall, spec: QuantSpec) -> None:
         if value is not None:
             raise RefAttnError(f"{feature}: the kernel defines no {feature} (not emulated for "
                                "a quantised call)")
-    if not isinstance(call.score, Dot):
+    score = call.score
+    if not isinstance(score, Dot):
         raise RefAttnError(f"score: the kernel computes dot-product scores, got "
-                           f"{call.score.name!r}")
+                           f"{getattr(score, 'name', score)!r}")
     if call.scale_placement != "post":
         raise RefAttnError(f"scale_placement: the kernel applies the scale after the product, "
                            f"got {call.scale_placement!r}")
@@ -570,9 +571,10 @@ def _check_quant(call: AttentionCall, spec: QuantSpec) -> None:
         raise RefAttnError("q/k: unequal feature widths are not a quantised kernel's call")
     Hq, Hkv = call.q.shape[1], call.k.shape[1]
     grouped = np.arange(Hq) // (Hq // Hkv) if Hq % Hkv == 0 else None
-    if grouped is None or not np.array_equal(call.head_map, grouped):
+    head_map = np.asarray(call.head_map)
+    if grouped is None or not np.array_equal(head_map, grouped):
         raise RefAttnError(f"head_map: the kernel groups query heads (h // (Hq // Hkv)), got "
-                           f"{call.head_map.tolist()}")
+                           f"{head_map.tolist()}")
     if Hq != Hkv and not spec.gqa:
         raise RefAttnError(f"head_map: the kernel needs Hq == Hkv, got Hq={Hq}, Hkv={Hkv}")
     if call.visible_array() is not None:
