@@ -68,8 +68,9 @@ class Supports:
         The precisions to run: ``float64``, ``float32``, ``float16``, ``bfloat16``; every case
         is run once per dtype.
     quantized : bool or tuple of str
-        ``False`` (default): the function is not a quantised kernel; quantised cases (issue
-        28: FP8/INT8 inputs with a :class:`~refattn.quant.spec.QuantSpec`) are skipped.
+        ``False`` (default): the function is a float kernel; a quantised case (issue 28: FP8/
+        INT8 inputs with a :class:`~refattn.quant.spec.QuantSpec`) runs as a float case, its
+        dequantised inputs (``case.q/k/v``) against its real result, like any other case.
         ``True``, or preset names from :data:`refattn.quant.PRESETS` (``"fa3_fp8"``, ...):
         the function is a quantised kernel; only the quantised cases run (of those presets;
         ``True``: every preset and custom specs), every other case is skipped. Its inputs are
@@ -225,11 +226,10 @@ def quant_preset(spec: CaseSpec) -> str | None:
 def _quant_reason(spec: CaseSpec, supports: Supports) -> str | None:
     name = quant_preset(spec)
     wanted = supports.quantized
+    if not wanted:  # a float kernel runs every case, a quantised one on its real result
+        return None
     if name is None:
-        return None if not wanted else (
-            "a float case (Supports.quantized selects the quantised cases only)")
-    if not wanted:
-        return f"a quantised kernel: the case is quantised by {name!r} (Supports.quantized)"
+        return "a float case (Supports.quantized selects the quantised cases only)"
     if wanted is not True and name not in wanted:
         return (f"the quantised pipeline {name!r}, not one of {list(wanted)} "
                 "(Supports.quantized)")

@@ -1,8 +1,9 @@
 """``Supports(quantized=...)``: which golden cases a quantised kernel is given.
 
 A quantised case is a case whose spec carries a quantisation record (``spec.quant``, the
-manifest's ``{"spec": QuantSpec.to_manifest()}``); the declaration selects those cases, of the
-named presets, and skips every other case with the reason.
+manifest's ``{"spec": QuantSpec.to_manifest()}``); ``quantized=True`` or preset names select
+those cases, of the named presets, and skip every other case with the reason; the default runs
+them as float cases (their dequantised inputs against their real result).
 """
 
 from __future__ import annotations
@@ -43,11 +44,14 @@ def test_the_preset_name_is_read_from_the_record(plain):
     assert quant_preset(_Quantised(plain, {"spec": {"schema": "x"}})) == "custom"
 
 
-def test_a_float_kernel_skips_quantised_cases(plain):
+def test_a_float_kernel_runs_quantised_cases_on_their_real_result(plain):
+    """The default declaration: a quantised case is a float case too (its dequantised inputs
+    against its real result), judged by the other declarations as usual."""
     causal = Supports(masks="causal", causal_alignment="lower_right")
     assert ineligibility(plain, causal) is None
-    assert ineligibility(_quantised(plain, "fa3_fp8"), causal) == (
-        "needs a quantised kernel: the case is quantised by 'fa3_fp8' (Supports.quantized)")
+    assert ineligibility(_quantised(plain, "fa3_fp8"), causal) is None
+    upper = Supports(masks="causal", causal_alignment="upper_left")
+    assert ineligibility(_quantised(plain, "fa3_fp8"), upper) == ineligibility(plain, upper)
 
 
 def test_a_quantised_kernel_runs_its_presets_only(plain):
