@@ -83,7 +83,8 @@ def gamma(k: float, u: float) -> float:
 class Interval:
     """Element-wise enclosure ``lo <= x <= hi`` (float64 arrays of one shape).
 
-    NaN in both ends means the value is NaN; an infinite end is an unbounded side.
+    NaN in both ends means the value is NaN; an infinite end is an unbounded side, and
+    ``[-inf, inf]`` means nothing is known (NaN included).
 
     Examples
     --------
@@ -126,11 +127,19 @@ class Interval:
         return np.where(np.isnan(m) & ~np.isnan(self.lo), np.inf, r)
 
     def contains(self, x: np.ndarray) -> np.ndarray:
-        """Element-wise ``lo <= x <= hi`` (NaN is contained where the value is NaN)."""
+        """Element-wise ``lo <= x <= hi``; NaN is contained where the value is NaN and where
+        the interval is the whole line ``[-inf, inf]`` (nothing is known there).
+
+        Examples
+        --------
+        >>> Interval(np.array([-np.inf, 0.0]), np.array([np.inf, 1.0])).contains(np.nan).tolist()
+        [True, False]
+        """
         x = np.asarray(x, dtype=np.float64)
         with np.errstate(invalid="ignore"):
             inside = (self.lo <= x) & (x <= self.hi)
-        return inside | (np.isnan(x) & np.isnan(self.lo) & np.isnan(self.hi))
+        unknown = (self.lo == -np.inf) & (self.hi == np.inf)
+        return inside | (np.isnan(x) & ((np.isnan(self.lo) & np.isnan(self.hi)) | unknown))
 
     def __getitem__(self, idx: Any) -> Interval:
         return Interval(self.lo[idx], self.hi[idx])

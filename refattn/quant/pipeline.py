@@ -533,7 +533,16 @@ def emulate(call: AttentionCall, spec: QuantSpec) -> dict[str, Interval]:
            "probs_q": Interval(P_lo, P_hi), "row_sum": row_sum}
     if spec.returns_lse:
         out["lse"] = _lse(m_final, c, row_sum, off)
-    return out
+    # a NaN that arose in the emulation (a cast to NaN, inf - inf) says nothing about what the
+    # kernel returns (fmaxf ignores NaN, finalize guards l != l): unknown, [-inf, inf]
+    return {name: _nan_unknown(iv) for name, iv in out.items()}
+
+
+def _nan_unknown(iv: Interval) -> Interval:
+    nan = np.isnan(iv.lo) | np.isnan(iv.hi)
+    if not nan.any():
+        return iv
+    return Interval(np.where(nan, -np.inf, iv.lo), np.where(nan, np.inf, iv.hi))
 
 
 def _lse(m: Interval, c: Interval, row_sum: Interval, off: float) -> Interval:
