@@ -32,9 +32,12 @@ from refattn.errors import RefAttnError
 from refattn.quant.formats import quantize, round_down, round_up
 
 if TYPE_CHECKING:
+    from refattn.quant.bounds import Interval
     from refattn.quant.pipeline import QuantResult
+    from refattn.quant.spec import QuantSpec
 
-__all__ = ["QuantReport", "TensorReport", "bf16_path", "check_candidate", "contains"]
+__all__ = ["QuantReport", "TensorReport", "bf16_path", "check_candidate", "contains",
+           "widened"]
 
 #: the tensors of the real Trace a candidate's tensor of the same name is compared with
 REAL_NAMES = ("output", "lse")
@@ -65,6 +68,11 @@ class TensorReport:
     max_radius : float
         The largest radius (half width) of the widened intervals: the tolerance in the
         tensor's own units.
+    off_grid : int or None
+        Output and lse: how many finite elements are not values of the format the kernel
+        returns the tensor in (bf16, fp16, fp32): a candidate that is not what the kernel
+        returned (a float32 reference, a value rescaled after the kernel). Reported, not a
+        failure by itself.
     max_error, sqnr_db : float or None
         Against the real result (output and lse only): ``max |candidate - real|`` (inf for
         a NaN or infinity the real result does not have) and
@@ -89,6 +97,7 @@ class TensorReport:
     worst_hi: float
     worst_distance: float
     max_radius: float
+    off_grid: int | None = None
     max_error: float | None = None
     max_error_index: tuple[int, ...] | None = None
     sqnr_db: float | None = None
@@ -104,6 +113,8 @@ class TensorReport:
                 f"{self.worst_value!r} in [{self.worst_lo!r}, {self.worst_hi!r}]")
         if not self.passed:
             text += f", {self.worst_distance:.3g} outside"
+        if self.off_grid:
+            text += f"; {self.off_grid} value(s) not on the returned format's grid"
         if self.max_error is not None:
             text += (f"; vs real: max error {self.max_error:.3g} (the pipeline's own "
                      f"{self.emulated_max_error:.3g}), SQNR {self.sqnr_db:.1f} dB")
@@ -257,14 +268,31 @@ def _candidate(name: str, x: object, shape: tuple[int, ...]) -> np.ndarray:
     return arr
 
 
-def _interval(result: QuantResult, name: str) -> tuple[np.ndarray, np.ndarray]:
-    iv = result.emulated[name]
+def _returned_format(spec: QuantSpec, name: str) -> str | None:
+    """The format the kernel returns tensor ``name`` in (output and lse only)."""
+    return {"output": spec.output_format, "lse": LSE_FORMAT}.get(name)
+
+
+def widened(emulated: dict[str, Interval], spec: QuantSpec,
+            name: str) -> tuple[np.ndarray, np.ndarray]:
+    """The interval a candidate's tensor ``name`` must lie in: the emulated one, its ends
+    rounded outward onto the returned format's grid for output and lse (the one widening).
+
+    Returns
+    -------
+    lo, hi : (...) float64 ndarray
+    """
+    iv = emulated[name]
     lo = np.asarray(iv.lo, dtype=np.float64)
     hi = np.asarray(iv.hi, dtype=np.float64)
-    fmt = {"output": result.spec.output_format, "lse": LSE_FORMAT}.get(name)
+    fmt = _returned_format(spec, name)
     if fmt is not None:  # the one widening: outward onto the returned format's grid
         lo, hi = round_down(lo, fmt), round_up(hi, fmt)
     return lo, hi
+
+
+def _interval(result: QuantResult, name: str) -> tuple[np.ndarray, np.ndarray]:
+    return widened(result.emulated, result.spec, name)
 
 
 def check_candidate(result: QuantResult, candidate: dict[str, Any]) -> QuantReport:
@@ -351,6 +379,12 @@ def _tensor_report(result: QuantResult, name: str, c: np.ndarray, lo: np.ndarray
         "worst_distance": wd,
         "max_radius": float(finite_rad.max()) if finite_rad.size else 0.0,
     }
+    fmt = _returned_format(result.spec, name)
+    if fmt is not None:
+        fin = np.isfinite(c)
+        with np.errstate(over="ignore"):
+            on = quantize(np.where(fin, c, 0.0), fmt, "nearest_even") == np.where(fin, c, 0.0)
+        report["off_grid"] = int(np.count_nonzero(~on))
     if name in REAL_NAMES:
         real = np.asarray(getattr(result.real, name), dtype=np.float64)
         report["max_error"], report["max_error_index"] = _max_error(c, real)

@@ -21,8 +21,8 @@ import numpy as np
 
 from refattn.call import AttentionCall
 from refattn.errors import RefAttnError
-from refattn.quant.check import _candidate, _interval, contains
-from refattn.quant.spec import QuantSpec, TensorQuant
+from refattn.quant.check import _candidate, contains, widened
+from refattn.quant.spec import QuantSpec, TensorQuant, check_quant
 
 if TYPE_CHECKING:
     from refattn.quant.pipeline import QuantResult
@@ -186,26 +186,19 @@ def mutations(spec: QuantSpec, call: AttentionCall | None = None) -> list[Mutati
     return out
 
 
-def _same_intervals(a: QuantResult, b: QuantResult, names: list[str]) -> bool:
-    for n in names:
-        la, ha = _interval(a, n)
-        lb, hb = _interval(b, n)
-        if not (np.array_equal(la, lb, equal_nan=True) and np.array_equal(ha, hb, equal_nan=True)):
-            return False
-    return True
+Bounds = dict[str, tuple[np.ndarray, np.ndarray]]
 
 
-def _inside(result: QuantResult, cands: dict[str, np.ndarray]) -> tuple[bool, int]:
-    outside = 0
-    for n, c in cands.items():
-        lo, hi = _interval(result, n)
-        ins, _ = contains(lo, hi, c)
-        outside += int(np.count_nonzero(~ins))
-    return outside == 0, outside
+def _same_intervals(a: Bounds, b: Bounds) -> bool:
+    return all(np.array_equal(a[n][0], b[n][0], equal_nan=True)
+               and np.array_equal(a[n][1], b[n][1], equal_nan=True) for n in a)
 
 
-def diagnose(result: QuantResult, candidate: dict[str, Any], *,
-             backend: str = "numpy") -> list[str]:
+def _inside(bounds: Bounds, cands: dict[str, np.ndarray]) -> bool:
+    return all(contains(*bounds[n], c)[0].all() for n, c in cands.items())
+
+
+def diagnose(result: QuantResult, candidate: dict[str, Any]) -> list[str]:
     """The planted bugs whose emulation contains a candidate that the spec's does not.
 
     Parameters
@@ -214,8 +207,6 @@ def diagnose(result: QuantResult, candidate: dict[str, Any], *,
         The unmutated emulation (from :func:`refattn.quant.pipeline.quantized`).
     candidate : dict of str to float64 ndarray
         As for :func:`refattn.quant.check.check_candidate`.
-    backend : str
-        The engine backend of the re-emulations' real results.
 
     Returns
     -------
@@ -242,7 +233,7 @@ def diagnose(result: QuantResult, candidate: dict[str, Any], *,
     >>> [line.split(":")[0] for line in diagnose(result, {"output": buggy.emulated["output"].mid})]
     ['missing_v_descale']
     """
-    from refattn.quant.pipeline import quantized
+    from refattn.quant.pipeline import emulate
 
     if not isinstance(candidate, dict) or not candidate:
         raise RefAttnError("candidate: expected a non-empty dict of tensor name to float64 "
@@ -253,19 +244,21 @@ def diagnose(result: QuantResult, candidate: dict[str, Any], *,
             raise RefAttnError(f"candidate: {name!r} is not a tensor the pipeline emulates "
                                f"({', '.join(sorted(result.emulated))})")
         cands[name] = _candidate(name, x, np.shape(result.emulated[name].lo))
-    if _inside(result, cands)[0]:
+    base = {n: widened(result.emulated, result.spec, n) for n in cands}
+    if _inside(base, cands):
         return []
-    names = list(cands)
     found: list[str] = []
     for m in mutations(result.spec, result.call):
+        call = m.call or result.call
         try:
-            alt = quantized(m.call or result.call, m.spec, backend=backend)
+            check_quant(call, m.spec)  # the gate, as quantized() runs it
         except RefAttnError:  # the gate refuses the mutated spec for this call
             continue
-        if _same_intervals(alt, result, names):
+        em = emulate(call, m.spec)  # the intervals only: no real result per mutation
+        alt = {n: widened(em, m.spec, n) for n in cands}
+        if _same_intervals(alt, base):
             continue
-        ok, _ = _inside(alt, cands)
-        if ok:
+        if _inside(alt, cands):
             found.append(f"{m.name}: {m.description}; the candidate lies inside this "
                          f"emulation and outside {result.spec.name}'s")
     return found

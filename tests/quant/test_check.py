@@ -68,6 +68,7 @@ def test_a_correct_candidate_passes_with_its_figures():
     assert report.spec_name == "fa3_fp8"
     out = report.tensors["output"]
     assert out.passed and out.outside == 0 and out.shape == (B, HQ, Q, D)
+    assert out.off_grid == 0 and report.tensors["lse"].off_grid == 0  # bf16 and fp32 values
     real = np.asarray(result.real.output)
     # max error by a plain loop; SQNR from norms (20 log10 |r| / |c - r|)
     errs = [abs(float(c) - float(r)) for c, r in zip(sim.output.ravel(), real.ravel(),
@@ -87,10 +88,17 @@ def test_a_correct_candidate_passes_with_its_figures():
     assert text.startswith("fa3_fp8: PASS") and "output: inside" in text and "SQNR" in text
 
 
-def test_the_midpoint_passes():
+def test_the_midpoint_passes_and_off_grid_values_are_counted():
     result, _ = fa3(1, causal=True)
     mid = result.emulated["output"].mid
-    assert check_candidate(result, {"output": quantize(mid, "bf16", "nearest_even")}).passed
+    report = check_candidate(result, {"output": quantize(mid, "bf16", "nearest_even")})
+    assert report.passed and report.tensors["output"].off_grid == 0
+    ml_dtypes = pytest.importorskip("ml_dtypes")
+    off = int(np.count_nonzero(mid.astype(ml_dtypes.bfloat16).astype(np.float64) != mid))
+    assert off > 0  # the midpoint of two bf16 values is mostly not one
+    report = check_candidate(result, {"output": mid})
+    assert report.passed and report.tensors["output"].off_grid == off
+    assert f"{off} value(s) not on the returned format's grid" in report.summary()
 
 
 def test_the_online_softmax_over_kv_tiles_passes_and_a_bug_is_named():
