@@ -257,7 +257,7 @@ def _smooth(k: Interval, fmt: str) -> Interval:
     L = k.shape[2]
     total = np.sum(k.lo, axis=2, keepdims=True)  # fp16/bf16 values: exact in float64 here
     mag = np.sum(np.maximum(np.abs(k.lo), np.abs(k.hi)), axis=2, keepdims=True)
-    g = bd.gamma(L - 1 + 1, U32)  # L - 1 additions and the division
+    g = bd.gamma(L + 1, U32)  # L - 1 additions, the division (or 1/L and a product)
     exact_sum = bd.widen(point(total), 0.0, bd.gamma(L + 2, 2.0**-53) * mag)
     mean = bd.div(exact_sum, point(float(L)))
     mean = bd.cast(bd.widen(mean, 0.0, g * mag / L + 2.0**-149), "fp32")
