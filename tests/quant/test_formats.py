@@ -211,7 +211,7 @@ def test_every_midpoint_and_its_float64_neighbours(fmt, rounding):
     assert same(quantize(a, fmt, rounding), a)
 
 
-@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2", "bf16"])
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2", "bf16", "fp16"])
 def test_every_midpoint_is_float32_exact_and_its_float32_neighbours(fmt):
     a, b, mid, tie = boundaries(fmt)
     m32 = mid.astype(np.float32)
@@ -304,6 +304,24 @@ def test_e4m3fn_overflow_thresholds():
                     sign * np.array(want_nan, dtype=float))
     with pytest.raises(RefAttnError, match="'nearest_even' is not defined for format 'e4m3fn'"):
         quantize(x, "e4m3fn", "nearest_even")
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2", "fp16", "bf16"])
+def test_overflow_thresholds_float32_neighbours(fmt):
+    """The tie between max and the next binade's first value (the NaN code of e4m3fn) is
+    float32-exact; its float32 neighbours round to max and past it."""
+    mx = format_max(fmt)
+    threshold = mx + (mx - finite_values(fmt)[-2]) / 2
+    t32 = np.float32(threshold)
+    assert float(t32) == threshold
+    below = float(np.nextafter(t32, np.float32(0)))
+    above = float(np.nextafter(t32, np.float32(np.inf)))
+    over = np.nan if fmt == "e4m3fn" else np.inf
+    x = np.array([below, threshold, above])
+    for sign in (1.0, -1.0):
+        assert same(quantize(sign * x, fmt, "nearest_even_nan"), sign * np.array([mx, mx, over])
+                    if fmt == "e4m3fn" else sign * np.array([mx, over, over]))
+        assert same(quantize(sign * x, fmt, "nearest_even_satfinite"), sign * np.full(3, mx))
 
 
 @pytest.mark.parametrize("fmt", ["e5m2", "fp16", "bf16", "fp32"])
