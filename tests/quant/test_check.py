@@ -269,3 +269,27 @@ def test_no_diagnosis_for_a_passing_or_unexplained_candidate():
     wrong = quantize(2.0 * np.asarray(result.real.output), "bf16", "nearest_even")
     assert not check_candidate(result, {"output": wrong}).passed
     assert diagnose(result, {"output": wrong}) == []
+
+
+def test_wrong_kv_head_means_head_j_reads_j_plus_one():
+    """With three kv heads the direction of the mix-up matters: sims.py's kernel reads kv head
+    (j + 1) mod Hkv's descales, and only that mutation (not j - 1's) may contain it."""
+    rng = np.random.default_rng(9)
+    Hkv = 3
+    q = sims.fp8_values(rng, (1, 2 * Hkv, 4, D))
+    k = sims.fp8_values(rng, (1, Hkv, 6, D))
+    v = sims.fp8_values(rng, (1, Hkv, 6, D))
+    d = [np.array([[0.25, 1.0, 4.0]]), np.array([[2.0, 0.5, 1.0]]), np.array([[4.0, 0.5, 1.0]])]
+    call = refattn.AttentionCall(q, k, v, scale=D ** -0.5)
+    result = quantized(call, preset("fa3_fp8", q_descale=d[0], k_descale=d[1],
+                                    v_descale=d[2], mma_bits=24))
+    bad = sims.fa3_fp8(q, k, v, scale=D ** -0.5, q_descale=d[0], k_descale=d[1],
+                       v_descale=d[2], bug="wrong_kv_head")
+    assert [x.split(":")[0] for x in diagnose(result, {"output": bad.output})] == [
+        "wrong_kv_head_descales"]
+    # the other direction (kv head j reads j - 1's) is a different candidate: not named
+    rolled = [np.roll(x, 1, axis=1) for x in d]
+    other = sims.fa3_fp8(q, k, v, scale=D ** -0.5, q_descale=rolled[0], k_descale=rolled[1],
+                         v_descale=rolled[2])
+    assert not check_candidate(result, {"output": other.output}).passed
+    assert diagnose(result, {"output": other.output}) == []
