@@ -230,7 +230,7 @@ def _quant_reason(spec: CaseSpec, supports: Supports) -> str | None:
         return None
     if name is None:
         return "a float case (Supports.quantized selects the quantised cases only)"
-    if wanted is not True and name not in wanted:
+    if isinstance(wanted, tuple) and name not in wanted:
         return (f"the quantised pipeline {name!r}, not one of {list(wanted)} "
                 "(Supports.quantized)")
     return None
