@@ -108,6 +108,9 @@ def flashinfer_sm90(seed: int, *, fmt: str = "e4m3fn", causal: bool = False,
     if kind == "descales":
         qs, ks, vs = np.array([0.25, 4.0, 0.5, 2.0]), np.array([0.25, 4.0]), np.array([4.0,
                                                                                          0.25])
+    elif kind in ("s_overflow", "s_underflow"):  # q_scale k_scale = 2^120 or 2^-140
+        e = 60.0 if kind == "s_overflow" else -70.0
+        qs, ks = np.full(Hq, 2.0 ** e), np.full(Hkv, 2.0 ** e)
     spec = preset("flashinfer_sm90_fp8", q_scale=qs, k_scale=ks, v_scale=vs, kv_format=fmt,
                   kv_tile=kv_tile)
 
@@ -144,6 +147,9 @@ def vllm(seed: int, *, causal: bool = False, kind: str = "random") -> Scenario:
     k = sims.grid_values(rng, (B, Hkv, K, D), "bf16", spread=2.0)
     v = sims.grid_values(rng, (B, Hkv, K, D), "bf16")
     qs, ks, vs = _f32(0.01), _f32(0.01), _f32(0.005)
+    if kind == "all_large":  # |x| ~ 100 against 448 x 0.05 = 22.4: most codes saturate
+        q, k, v = (sims.grid_values(rng, x.shape, "bf16", spread=100.0) for x in (q, k, v))
+        qs = ks = vs = _f32(0.05)
     if kind == "saturating":  # values past 448 x scale: the cache write saturates them
         k[..., 0] = sims.cast(k[..., 0] * 1.2 + np.sign(k[..., 0]) * 448 * ks * 1.5, "bf16",
                               saturate=False)
@@ -157,7 +163,10 @@ def vllm(seed: int, *, causal: bool = False, kind: str = "random") -> Scenario:
                     _call(q, k, v, D ** -0.5, causal), spec, simulate)
 
 
-def sage(seed: int, *, dtype: str = "fp16", causal: bool = False, Q: int = 8) -> Scenario:
+def sage(seed: int, *, dtype: str = "fp16", causal: bool = False, Q: int = 8,
+         v_overflow: bool = False) -> Scenario:
+    """``v_overflow``: a bf16 value of V above fp16's maximum (the kernel's V.to(fp16) gives
+    inf)."""
     rng = np.random.default_rng(seed)
     B, Hq, Hkv, D = 1, 2, 1, 16
     K = 80  # two 64-key tiles
@@ -166,12 +175,15 @@ def sage(seed: int, *, dtype: str = "fp16", causal: bool = False, Q: int = 8) ->
     k = sims.cast(sims.grid_values(rng, (B, Hkv, K, D), dtype) + 1.0, dtype,
                   saturate=False).astype(np.float64)  # a mean for the smoothing
     v = sims.grid_values(rng, (B, Hkv, K, D), dtype)
+    if v_overflow:
+        v[0, 0, 3, 0] = 70144.0  # a bf16 value past 65504
     spec = preset("sageattention_int8", dtype=dtype)
 
     def simulate(bug=None):
         return sims.sageattention_int8(q, k, v, scale=D ** -0.5, dtype=dtype, causal=causal,
                                        bug=bug)
-    return Scenario(f"sageattention_int8-{dtype}{'-causal' if causal else ''}",
+    return Scenario(f"sageattention_int8-{dtype}{'-causal' if causal else ''}"
+                    f"{'-v-overflow' if v_overflow else ''}",
                     _call(q, k, v, D ** -0.5, causal, "upper_left"), spec, simulate)
 
 
@@ -191,15 +203,19 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "fi-sm90-e5m2-near-max": lambda: flashinfer_sm90(14, fmt="e5m2", kind="near_max"),
     "fi-sm90-descales": lambda: flashinfer_sm90(15, kind="descales"),
     "fi-sm90-online": lambda: flashinfer_sm90(16, kv_tile=8),
+    "fi-sm90-s-overflow": lambda: flashinfer_sm90(17, kind="s_overflow"),
+    "fi-sm90-s-underflow": lambda: flashinfer_sm90(18, kind="s_underflow", causal=True),
     "fi-fp8kv-fp16": lambda: flashinfer_fp8_kv(21),
     "fi-fp8kv-bf16-causal": lambda: flashinfer_fp8_kv(22, dtype="bf16", causal=True),
     "fi-fp8kv-near-max": lambda: flashinfer_fp8_kv(23, kind="near_max"),
     "vllm-random": lambda: vllm(31),
     "vllm-causal": lambda: vllm(32, causal=True),
     "vllm-saturating": lambda: vllm(33, kind="saturating"),
+    "vllm-all-large": lambda: vllm(34, kind="all_large"),
     "sage-fp16": lambda: sage(41),
     "sage-bf16-causal": lambda: sage(42, dtype="bf16", causal=True),
     "sage-two-q-blocks": lambda: sage(43, Q=136),
+    "sage-bf16-v-overflow": lambda: sage(44, dtype="bf16", v_overflow=True),
 }
 
 _RESULTS: dict[str, tuple[Scenario, Any]] = {}
