@@ -78,8 +78,12 @@ def fa3_fp8(*, q_descale: Any = None, k_descale: Any = None, v_descale: Any = No
     Widened: the FP8 WGMMA accumulator (undocumented) is modelled as ``mma_bits`` = 13
     significand bits with truncation; ``ex2.approx.ftz`` as 2 ulp with flush to zero;
     fast-math ``1/l`` and the two products as 4 ulp. ``kv_tile=None`` uses the final row max
-    for every p (exact when all keys fit one kBlockN block, 128-192 for FP8); pass the kernel's
-    kBlockN (``tile_size_fwd_sm90``) to emulate its online softmax (blocks from the last).
+    for every p, which is the kernel's arithmetic only when all keys fit one kBlockN block;
+    pass the kernel's kBlockN to emulate its online softmax (blocks visited from the last).
+    ``hopper/tile_size.h`` ``tile_size_fwd_sm90`` (commit 07602adc) gives FP8 kBlockN = 160
+    (head dim <= 64; 128 with one MMA warpgroup), 128 (<= 96), 224 (<= 128; 160 with paged KV
+    without TMA, 96 with one MMA warpgroup), 160 (<= 192), 128 (<= 256; 64 local): the issue's
+    single-max formula holds for K <= 96 whatever the configuration.
 
     Examples
     --------
