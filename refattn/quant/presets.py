@@ -83,7 +83,8 @@ def fa3_fp8(*, q_descale: Any = None, k_descale: Any = None, v_descale: Any = No
     ``hopper/tile_size.h`` ``tile_size_fwd_sm90`` (commit 07602adc) gives FP8 kBlockN = 160
     (head dim <= 64; 128 with one MMA warpgroup), 128 (<= 96), 224 (<= 128; 160 with paged KV
     without TMA, 96 with one MMA warpgroup), 160 (<= 192), 128 (<= 256; 64 local): the issue's
-    single-max formula holds for K <= 96 whatever the configuration.
+    single-max formula holds for K <= 96 in every configuration without a local window
+    (which the preset refuses).
 
     Examples
     --------
