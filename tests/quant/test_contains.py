@@ -329,3 +329,79 @@ def test_a_planted_bug_is_diagnosed(key, bug):
     lines = diagnosis.diagnose(result, _candidate(result, sc.simulate(bug=bug)))
     named = [line.split(":")[0] for line in lines]
     assert DIAGNOSIS[bug] in named, (sc.name, bug, named)
+
+
+def _random_configuration(name: str, seed: int) -> Scenario:
+    """A call of random shape (GQA or not, causal or not, 1-8 queries, up to 40 keys, D in
+    8/16/64, soft or peaked scores, the online softmax or not) at ``mma_bits=24``: the
+    presets' intervals with an fp32 accumulator, a few output ulps wide, so a pipeline that
+    drops a rounding shows."""
+    rng = np.random.default_rng(seed)
+    B, Hkv = 1, int(rng.integers(1, 3))
+    Hq, Q = Hkv * int(rng.integers(1, 3)), int(rng.integers(1, 9))
+    K, D = int(rng.integers(Q, 40)), int(rng.choice([8, 16, 64]))
+    causal, spread = bool(rng.integers(0, 2)), float(rng.choice([0.5, 1.0, 3.0, 10.0]))
+    tile = None if rng.integers(0, 2) else int(rng.choice([4, 8, 16]))
+    scale = D ** -0.5
+    kv = (B, Hkv, K, D)
+    match name:
+        case "fa3_fp8":
+            q = sims.fp8_values(rng, (B, Hq, Q, D), spread=spread)
+            k, v = sims.fp8_values(rng, kv, spread=spread), sims.fp8_values(rng, kv)
+            d = [sims.f32_scales(rng, (B, Hkv)) for _ in range(3)]
+            spec = preset(name, q_descale=d[0], k_descale=d[1], v_descale=d[2],
+                          kv_tile=tile, mma_bits=24)
+
+            def simulate(bug=None):
+                return sims.fa3_fp8(q, k, v, scale=scale, q_descale=d[0], k_descale=d[1],
+                                    v_descale=d[2], causal=causal, block_n=tile, bug=bug)
+        case "flashinfer_sm90_fp8":
+            fmt = str(rng.choice(["e4m3fn", "e5m2"]))
+            q = sims.fp8_values(rng, (B, Hq, Q, D), fmt, spread=spread)
+            k, v = sims.fp8_values(rng, kv, fmt, spread=spread), sims.fp8_values(rng, kv, fmt)
+            qs, ks, vs = (sims.f32_scales(rng, (h,)) for h in (Hq, Hkv, Hkv))
+            spec = preset(name, q_scale=qs, k_scale=ks, v_scale=vs, kv_format=fmt,
+                          kv_tile=tile, mma_bits=24)
+
+            def simulate(bug=None):
+                return sims.flashinfer_sm90_fp8(q, k, v, scale=scale, q_scale=qs[None],
+                                                k_scale=ks[None], v_scale=vs[None], fmt=fmt,
+                                                causal=causal, block_n=tile, bug=bug)
+        case "vllm_fp8_kv":
+            q = sims.grid_values(rng, (B, Hq, Q, D), "bf16", spread=spread)
+            k = sims.grid_values(rng, kv, "bf16", spread=spread)
+            v = sims.grid_values(rng, kv, "bf16", spread=spread)
+            s3 = [_f32(x) for x in rng.uniform(0.005, 0.05, 3)]
+            spec = preset(name, q_scale=s3[0], k_scale=s3[1], v_scale=s3[2], kv_tile=tile,
+                          mma_bits=24)
+
+            def simulate(bug=None):
+                return sims.vllm_fp8_kv(q, k, v, scale=scale, q_scale=s3[0], k_scale=s3[1],
+                                        v_scale=s3[2], causal=causal, block_n=tile, bug=bug)
+        case _:  # flashinfer_fp8_kv: one K block (FA2's online rescale is not simulated)
+            dtype = str(rng.choice(["fp16", "bf16"]))
+            q = sims.grid_values(rng, (B, Hq, Q, D), dtype, spread=spread)
+            k, v = sims.fp8_values(rng, kv, spread=spread), sims.fp8_values(rng, kv)
+            ks, vs = (_f32(x) for x in rng.uniform(0.1, 3.0, 2))
+            spec = preset(name, k_scale=ks, v_scale=vs, q_dtype=dtype, mma_bits=24)
+
+            def simulate(bug=None):
+                return sims.flashinfer_fp8_kv(q, k, v, scale=scale, k_scale=ks, v_scale=vs,
+                                              dtype=dtype, causal=causal, bug=bug)
+    return Scenario(f"{name}-seed{seed}", _call(q, k, v, scale, causal), spec, simulate)
+
+
+@pytest.mark.parametrize("name", ["fa3_fp8", "flashinfer_sm90_fp8", "vllm_fp8_kv",
+                                  "flashinfer_fp8_kv"])
+@pytest.mark.parametrize("seed", range(6))
+def test_tight_intervals_contain_random_configurations(name, seed):
+    sc = _random_configuration(name, 100 * seed + 7)
+    result = pipeline.quantized(sc.call, sc.spec)
+    sim = sc.simulate()
+    report = check.check_candidate(result, _candidate(result, sim))
+    assert report.passed, f"{sc.name}: {report}"
+    for tensor in ("scores", "row_max", "probs_q", "row_sum"):
+        iv, x = result.emulated[tensor], getattr(sim, tensor)
+        with np.errstate(invalid="ignore"):
+            inside = ((iv.lo <= x) & (x <= iv.hi)) | (np.isinf(x) & (iv.lo == x) & (iv.hi == x))
+        assert inside.all(), (sc.name, tensor, np.argwhere(~inside)[:3].tolist())
