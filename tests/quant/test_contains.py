@@ -218,15 +218,19 @@ SCENARIOS: dict[str, Callable[[], Scenario]] = {
     "sage-bf16-v-overflow": lambda: sage(44, dtype="bf16", v_overflow=True),
 }
 
-_RESULTS: dict[str, tuple[Scenario, Any]] = {}
+@pytest.fixture(scope="module")
+def emulated() -> Any:
+    """``emulated(key)``: the scenario and its QuantResult, computed once in this module (the
+    cache goes with the fixture: no state outlives the module's tests)."""
+    cache: dict[str, tuple[Scenario, Any]] = {}
 
-
-def emulated(key: str) -> tuple[Scenario, Any]:
-    """The scenario and its QuantResult, computed once per test session."""
-    if key not in _RESULTS:
-        sc = SCENARIOS[key]()
-        _RESULTS[key] = (sc, pipeline.quantized(sc.call, sc.spec))
-    return _RESULTS[key]
+    def get(key: str) -> tuple[Scenario, Any]:
+        if key not in cache:
+            sc = SCENARIOS[key]()
+            cache[key] = (sc, pipeline.quantized(sc.call, sc.spec))
+        return cache[key]
+    yield get
+    cache.clear()
 
 
 def _candidate(result: Any, sim: sims.SimResult) -> dict[str, np.ndarray]:
@@ -241,7 +245,7 @@ def _describe(report: Any) -> str:
 
 
 @pytest.mark.parametrize("key", list(SCENARIOS))
-def test_the_emulated_interval_contains_the_simulation(key):
+def test_the_emulated_interval_contains_the_simulation(key, emulated):
     sc, result = emulated(key)
     sim = sc.simulate()
     report = check.check_candidate(result, _candidate(result, sim))
@@ -249,7 +253,7 @@ def test_the_emulated_interval_contains_the_simulation(key):
 
 
 @pytest.mark.parametrize("key", list(SCENARIOS))
-def test_the_intermediates_contain_the_simulation(key):
+def test_the_intermediates_contain_the_simulation(key, emulated):
     """Raw S, the final row max, P as cast and l: inside their intervals as emulated."""
     sc, result = emulated(key)
     sim = sc.simulate()
@@ -279,14 +283,14 @@ PLANTED = [
 
 
 @pytest.mark.parametrize(("key", "bug"), PLANTED)
-def test_a_planted_bug_falls_outside(key, bug):
+def test_a_planted_bug_falls_outside(key, bug, emulated):
     sc, result = emulated(key)
     bad = sc.simulate(bug=bug)
     report = check.check_candidate(result, _candidate(result, bad))
     assert not report.passed, f"{sc.name} with {bug}: {_describe(report)}"
 
 
-def test_the_output_alone_exposes_l_after_rounding():
+def test_the_output_alone_exposes_l_after_rounding(emulated):
     """FlashInfer's SM90 kernel returns no LSE in the preset: the output must show it; FA3's
     biased-p call shows it in the output too, not only in the LSE."""
     for key in ("fa3-biased-p", "fi-sm90-e4m3"):
@@ -295,7 +299,7 @@ def test_the_output_alone_exposes_l_after_rounding():
         assert not check.check_candidate(result, {"output": bad.output}).passed, sc.name
 
 
-def test_sage_l_after_rounding_is_below_its_own_rounding():
+def test_sage_l_after_rounding_is_below_its_own_rounding(emulated):
     """Not a detectable bug for SageAttention: P is fp16 (relative 2^-11), so summing l from
     the rounded P moves O by at most about one fp16 ulp, inside what the kernel's own
     roundings allow (the interval contains it; diagnose cannot name it)."""
@@ -321,7 +325,7 @@ _NOT_DIAGNOSED: dict[tuple[str, str], str] = {}  # vllm no_saturate: diagnosed s
 @pytest.mark.parametrize(("key", "bug"), [
     pytest.param(k, b, marks=pytest.mark.xfail(strict=True, reason=_NOT_DIAGNOSED[k, b]))
     if (k, b) in _NOT_DIAGNOSED else (k, b) for k, b in PLANTED])
-def test_a_planted_bug_is_diagnosed(key, bug):
+def test_a_planted_bug_is_diagnosed(key, bug, emulated):
     """diagnose re-emulates the mutated specs: the simulated bug's own mutation must be among
     the ones it names (a missing q or k descale may name both: one factor of c in FA3)."""
     diagnosis = pytest.importorskip("refattn.quant.diagnosis")
