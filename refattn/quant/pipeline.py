@@ -330,16 +330,18 @@ def _scores(call: AttentionCall, spec: QuantSpec,
             u = 2.0 ** (1 - spec.mma_bits)
             s = bd.cast(bd.signed_dot(qc, kc_eff, "bhqd,bhkd->bhqk", n=Dk, u_acc=u,
                                       tiny=FP32_MIN_NORMAL), "fp32")
-        case "int32":
-            s_int = bd.signed_dot(qc, kc_eff, "bhqd,bhkd->bhqk", n=Dk, u_acc=0.0)
-            s_f = bd.cast(s_int, "fp32")  # int32 -> float
-            ks_eff = Interval(_kv_to_query_heads(ks.lo, call),
-                              _kv_to_query_heads(ks.hi, call))  # (B, Hq, K, 1)
-            qks = bd.cast(bd.mul(qs, Interval(np.swapaxes(ks_eff.lo, 2, 3),
-                                              np.swapaxes(ks_eff.hi, 2, 3))), "fp32")
-            s = bd.cast(bd.mul(s_f, qks), "fp32")
+        case "int32":  # exact in int32, then converted to float
+            s = bd.cast(bd.signed_dot(qc, kc_eff, "bhqd,bhkd->bhqk", n=Dk, u_acc=0.0), "fp32")
         case _:  # "exact"
             s = bd.signed_dot(qc, kc_eff, "bhqd,bhkd->bhqk", n=Dk, u_acc=0.0)
+    if spec.s_descale == "after_dot":  # S = fl32(S fl32(q_scale k_scale)) (SageAttention)
+        ks_eff = Interval(_kv_to_query_heads(ks.lo, call),
+                          _kv_to_query_heads(ks.hi, call))  # (B, Hq, K, 1) or broadcast
+        qks = bd.cast(bd.mul(qs, Interval(np.swapaxes(ks_eff.lo, 2, 3),
+                                          np.swapaxes(ks_eff.hi, 2, 3))), "fp32")
+        s = bd.mul(s, qks)
+        if spec.s_accumulation != "exact":
+            s = bd.cast(s, "fp32")
     vis = call.visible_full()
     return Interval(np.where(vis, s.lo, -np.inf), np.where(vis, s.hi, -np.inf))
 

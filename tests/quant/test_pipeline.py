@@ -183,3 +183,23 @@ def test_gamma_is_an_upper_bound():
         u = 2.0**-24
         ku = Fraction(k) * Fraction(u)
         assert Fraction(bd.gamma(k, u)) >= ku / (1 - ku)
+
+
+def test_descales_after_the_dot_scale_the_scores():
+    """A custom spec that multiplies S by q_scale k_scale after the dot (as SageAttention does
+    with its int8 scales) holds the exact scaled dot; the exponent multiplier is then the bare
+    scale log2e, and the emulated P equals the FA3-style spec's where no rounding differs."""
+    q, k, v = _qkv()
+    qd, kd = _descales(3), _descales(4)
+    folded = preset("fa3_fp8", q_descale=qd, k_descale=kd)
+    after = folded.replace(s_descale="after_dot", s_accumulation="exact", name="custom")
+    call = AttentionCall(q, k, v)
+    em = quantized(call, after).emulated
+    for b, h, i, j in itertools.product(range(B), range(Hq), range(Q), range(K)):
+        exact = _exact_dot(q[b, h, i], k[b, h // 2, j])
+        exact *= Fraction(float(np.float32(qd[b, h // 2] * kd[b, h // 2])))
+        assert Fraction(em["scores"].lo[b, h, i, j]) <= exact
+        assert exact <= Fraction(em["scores"].hi[b, h, i, j])
+    probs = quantized(call, folded).real.probs
+    r = probs / probs.max(-1, keepdims=True)  # exp(s - m): P / 256 up to e4m3's rounding
+    assert np.all(np.abs(em["probs_q"].mid / 256 - r) <= 2.0**-4 * r + 2.0**-9)
