@@ -221,7 +221,10 @@ def sageattention_int8(*, dtype: str = "fp16", kv_tile: int | None = 64,
 
     Widened: the quantisation's fp32 division within 2 ulps (Triton's lowering is open); the
     fp16-accumulating MMA modelled as ``mma_bits`` = 11 with truncation; ``tl.math.exp2`` as
-    2 ulp with flush to zero. Causal is top-left aligned in SageAttention: emulated only for
+    2 ulp with flush to zero. Assumed: the fp16 MMA keeps subnormal products and sums (gradual
+    underflow, as Fasi, Higham, Mikaitis and Pranesh, "Numerical behavior of NVIDIA tensor
+    cores", PeerJ CS 2021, measured on V100, T4 and A100; not measured on Ada or Hopper).
+    Causal is top-left aligned in SageAttention: emulated only for
     Q == K (where it equals the lower-right mask). A block of zeros (scale 0, 0/0 in the kernel)
     is refused.
 
