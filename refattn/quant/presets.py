@@ -25,7 +25,7 @@ PRESETS = ("fa3_fp8", "flashinfer_sm90_fp8", "flashinfer_fp8_kv", "vllm_fp8_kv",
            "sageattention_int8")
 
 SAT = "nearest_even_satfinite"
-FP8_MMA_BITS = 13  # FP8 WGMMA accumulation: undocumented; DeepSeek-V3 measured ~14 bits, widened
+FP8_MMA_BITS = 13  # FP8 MMA accumulation: undocumented; measured 14 significand bits, widened
 HALF_MMA_BITS = 22  # fp16/bf16 MMA into fp32: undocumented order/truncation, widened from 24
 SAGE_LOG2E = 1.44269504  # SageAttention's literal (per_block_int8: sm_scale * 1.44269504)
 
@@ -76,7 +76,9 @@ def fa3_fp8(*, q_descale: Any = None, k_descale: Any = None, v_descale: Any = No
     (``cvt.rn.satfinite`` to e4m3). See docs/quant-sources.md, "FlashAttention-3 FP8 forward".
 
     Widened: the FP8 WGMMA accumulator (undocumented) is modelled as ``mma_bits`` = 13
-    significand bits with truncation; ``ex2.approx.ftz`` as 2 ulp with flush to zero;
+    significand bits with truncation, one bit below what was measured (SageAttention2, Zhang
+    et al. 2024: 13 mantissa bits, "FP22", on Ada and Hopper; DeepSeek-V3 technical report
+    section 3.3.2: "around 14 bits" on H800); ``ex2.approx.ftz`` as 2 ulp with flush to zero;
     fast-math ``1/l`` and the two products as 4 ulp. ``kv_tile=None`` uses the final row max
     for every p, which is the kernel's arithmetic only when all keys fit one kBlockN block;
     pass the kernel's kBlockN to emulate its online softmax (blocks visited from the last).
