@@ -1,21 +1,23 @@
 """Fused forward+backward in query blocks: output and gradients with no trace and no recompute.
 
-Owns :func:`fused_value_and_grad`, the kernel of the numba backend's ``value_and_grad``. Each
-task owns one (batch, kv head, chunk of query blocks); for every query head of that kv head and
-every query block of ``BQ`` rows it holds the block's whole score row range (``BQ x K``) in a
-per-thread buffer, so the softmax is exact per row (no online rescaling) and the backward runs
-at once from the same probabilities: six BLAS products per block (``S = Q K^T``,
-``O = P~ Z V``, ``dV += (P~ Z)^T dO``, ``dP = dO V^T``, ``dQ = dS K``, ``dK += dS^T Q``), the
-12 counted units of forward+backward and no recomputation of ``Q K^T``. ``BQ = Q`` is the
-whole-head form; a smaller ``BQ`` bounds the buffers for long keys. Key chunks of ``KC`` columns
-that a block's rows cannot see are skipped (their products and row work), and runs of visible
-chunks are one product each. The row work (softcap, bias, visibility, the sink, max, exp, sums,
-the dropout multiplier, ``D``, ``dS``) is fused per row, in three passes over a row's visible
-chunks (max; exp and sum; dot and dS) with vector reductions: ``P = E / ell`` with
-``E = exp(s - m)`` is never formed -- the products take ``E`` and the ``1 / ell`` of a row goes
-into ``O``, the rows of ``dO`` that ``dV`` reads, and ``dS = E (G_P - D) / ell``. Each task
-writes only its own rows of dq and its own chunk's partial dk/dv, so results are bit-identical
-run to run for a given thread count. BLAS must be pinned to one thread around the kernel.
+Owns :func:`fused_value_and_grad`, the kernel of the numba backend's ``value_and_grad``. Each task
+owns one (batch, kv head, chunk of query blocks); for every query head of that kv head and every
+query block of ``BQ`` rows it holds the block's whole score row range (``BQ x K``) in a per-thread
+buffer, so the softmax is exact per row (no online rescaling) and the backward runs at once from
+the same probabilities: six BLAS products per block (``S = Q K^T``, ``O = P~ Z V``,
+``dV += (P~ Z)^T dO``, ``dP = dO V^T``, ``dQ = dS K``, ``dK += dS^T Q``), the 12 counted units of
+forward+backward and no recomputation of ``Q K^T``. ``BQ = Q`` is the whole-head form; a smaller
+``BQ`` bounds the buffers for long keys. The four products whose output is thin (``O``, ``dV``,
+``dQ``, ``dK``: ``D`` columns) can be issued in tiles (``split``) that OpenBLAS runs on its
+unpacked small-matrix kernels instead of packing the score block. Key chunks of ``KC`` columns that
+a block's rows cannot see are skipped (their products and row work), and runs of visible chunks are
+one product each. The row work (softcap, bias, visibility, the sink, max, exp, sums, the dropout
+multiplier, ``D``, ``dS``) is fused per row, in three passes over a row's visible chunks (max; exp
+and sum; dot and dS) with vector reductions: ``P = E / ell`` with ``E = exp(s - m)`` is never
+formed -- the products take ``E`` and the ``1 / ell`` of a row goes into ``O``, the rows of ``dO``
+that ``dV`` reads, and ``dS = E (G_P - D) / ell``. Each task writes only its own rows of dq and its
+own chunk's partial dk/dv, so results are bit-identical run to run for a given thread count. BLAS
+must be pinned to one thread around the kernel.
 """
 
 from __future__ import annotations
@@ -27,7 +29,7 @@ import numpy as np
 from numba import prange
 
 from refattn.engine.numba._jit import kernel
-from refattn.engine.numba.blas import gemm
+from refattn.engine.numba.blas import gemm, gemm_split
 from refattn.engine.numba.math import exp_shift, row_dot, row_sum, softcap_row
 from refattn.engine.numba.math import row_max as max_of_row
 from refattn.engine.numba.operands import DROP_NONE, address, at, multiplier_row
@@ -67,7 +69,7 @@ def _grad_scores(e, g, n, d, inv):
 
 @kernel(parallel=True)
 def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, drop, zdense,
-                         softcap, sink, query_valid, sanitized, g_o, BQ, KC, C, fptr, nt,
+                         softcap, sink, query_valid, sanitized, g_o, BQ, KC, C, fptr, split, nt,
                          s_ws, w_ws, t_ws, z_ws, u_ws, out, lse, row_max, dq, dk, dv, rowdot, dvec,
                          gbias, gbias_mode, tiles):
     """Forward and backward of a dot-score call, query block by query block.
@@ -94,6 +96,10 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
         Chunks of query blocks per (b, kv head) (tasks = B * Hkv * C).
     fptr : int
         Address of a Fortran-ABI dgemm.
+    split : (8,) int64
+        Tiles of the four thin products (O, dV, dQ, dK), as (rows of C, inner) pairs for
+        :func:`~refattn.engine.numba.blas.gemm_split`; tiles at least as large as the product
+        issue it whole (:func:`~refattn.engine.numba.fused_host.split_tiles`).
     nt : int
         numba's thread count (one workspace per thread).
     s_ws, w_ws : (>= nt, >= BQ * K) float64
@@ -210,9 +216,9 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                 # O = (E Z V) / ell over the visible runs (a block with none keeps zeros)
                 for u in range(nruns):
                     ja, jb = runs[u, 0], runs[u, 1]
-                    gemm(fptr, False, False, bq, Dv, jb - ja, 1.0, pz.ctypes.data + 8 * ja, K,
-                         address(v, b, g, ja), Dv, 1.0 if u > 0 else 0.0,
-                         address(out, b, h, i0), Dv)
+                    gemm_split(fptr, False, False, bq, Dv, jb - ja, 1.0, pz.ctypes.data + 8 * ja,
+                               K, address(v, b, g, ja), Dv, 1.0 if u > 0 else 0.0,
+                               address(out, b, h, i0), Dv, split[0], split[1])
                 for r in range(bq):
                     i = i0 + r
                     if empty or not query_valid[b, i]:
@@ -225,8 +231,9 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                 # dV += (E Z)^T (dO / ell); dP = dO V^T (into w, after pz is read)
                 for u in range(nruns):
                     ja, jb = runs[u, 0], runs[u, 1]
-                    gemm(fptr, True, False, jb - ja, Dv, bq, 1.0, pz.ctypes.data + 8 * ja, K,
-                         g_scaled.ctypes.data, Dv, 1.0, address(dv[c], b, g, ja), Dv)
+                    gemm_split(fptr, True, False, jb - ja, Dv, bq, 1.0, pz.ctypes.data + 8 * ja, K,
+                               g_scaled.ctypes.data, Dv, 1.0, address(dv[c], b, g, ja), Dv,
+                               split[2], split[3])
                     gemm(fptr, False, True, bq, jb - ja, Dv, 1.0, address(g_o, b, h, i0), Dv,
                          address(v, b, g, ja), Dv, 0.0, w.ctypes.data + 8 * ja, K)
                 # the backward row pass: G_P = dP Z, row_dot, dS = P (G_P - D) (x cap slope)
@@ -268,11 +275,12 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                 # dQ = fq dS K; dK += fk dS^T Q over the visible runs
                 for u in range(nruns):
                     ja, jb = runs[u, 0], runs[u, 1]
-                    gemm(fptr, False, False, bq, Dk, jb - ja, fq, s.ctypes.data + 8 * ja, K,
-                         address(k, b, g, ja), Dk, 1.0 if u > 0 else 0.0,
-                         address(dq, b, h, i0), Dk)
-                    gemm(fptr, True, False, jb - ja, Dk, bq, fk, s.ctypes.data + 8 * ja, K,
-                         address(q, b, h, i0), Dk, 1.0, address(dk[c], b, g, ja), Dk)
+                    gemm_split(fptr, False, False, bq, Dk, jb - ja, fq, s.ctypes.data + 8 * ja, K,
+                               address(k, b, g, ja), Dk, 1.0 if u > 0 else 0.0,
+                               address(dq, b, h, i0), Dk, split[4], split[5])
+                    gemm_split(fptr, True, False, jb - ja, Dk, bq, fk, s.ctypes.data + 8 * ja, K,
+                               address(q, b, h, i0), Dk, 1.0, address(dk[c], b, g, ja), Dk,
+                               split[6], split[7])
                 if empty:
                     for r in range(bq):
                         for d in range(Dk):

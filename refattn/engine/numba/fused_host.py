@@ -40,7 +40,8 @@ from refattn.engine.reduce import reduce_to_shape
 from refattn.engine.trace import Gradients
 from refattn.errors import RefAttnError
 
-__all__ = ["Layout", "block_rows", "fused", "running", "task_layout", "value_and_grad"]
+__all__ = ["Layout", "block_rows", "fused", "running", "split_tiles", "task_layout",
+           "value_and_grad"]
 
 #: key chunk: the granularity at which invisible key ranges are skipped
 KEY_CHUNK = 256
@@ -48,6 +49,16 @@ KEY_CHUNK = 256
 #: that stay in the caches beat whole heads (measured: 8 MiB gave 0.64-0.75 of DGEMM on an AMD
 #: EPYC against 0.53-0.65 for whole heads); the calibration picks it per machine
 BUFFER_BYTES = 8 << 20
+
+
+#: OpenBLAS runs a product with ``m n k <= SMALL_GEMM`` on its unpacked small-matrix kernels
+#: (``gemm_split``); for the thin products of the fused kernel that measured 0.8-0.99 of square
+#: DGEMM against 0.63-0.76 packed (AMD EPYC, SkylakeX kernel, one thread; issue 27)
+SMALL_GEMM = 100**3
+#: rows of C per tile of ``O`` and ``dQ`` (the inner axis, keys, takes what the bound leaves)
+#: and inner rows per tile of ``dV`` and ``dK`` (their C rows, keys, take the rest)
+NN_ROWS, TN_INNER = 64, 32
+_WHOLE = np.iinfo(np.int32).max  # a tile no product reaches: issued whole
 
 
 class Layout(NamedTuple):
@@ -117,6 +128,35 @@ def task_layout(call: AttentionCall, provider: Provider, budget: int) -> Layout:
         BQ = min(BQ, max(32, -(-math.ceil(a["Q"] / want) // 32) * 32))
         nqb = -(-a["Q"] // BQ)
     return Layout(BQ, min(nqb, want), threads, 1)
+
+
+def split_tiles(provider: Provider, lay: Layout, Dk: int, Dv: int) -> np.ndarray:
+    """Tiles of the fused kernel's thin products ``O``, ``dV``, ``dQ``, ``dK``: (8,) int64.
+
+    Pairs of (rows of C, inner rows) for :func:`~refattn.engine.numba.blas.gemm_split`. With
+    OpenBLAS on one thread per task (the ``heads`` layout) each tile stays within
+    :data:`SMALL_GEMM`, so OpenBLAS runs it unpacked: ``O`` and ``dQ`` in :data:`NN_ROWS` query
+    rows by as many keys as fit; ``dV`` and ``dK`` in :data:`TN_INNER` query rows (their inner
+    axis) by as many keys as fit. Otherwise (another library, or the library's own threads,
+    which its small-matrix path would not use) every product is issued whole.
+
+    Examples
+    --------
+    >>> from refattn.engine.numba.providers import available_providers
+    >>> openblas = available_providers()[0]
+    >>> split_tiles(openblas, Layout(128, 1, 2, 1), 64, 64).tolist()
+    [64, 240, 488, 32, 64, 240, 488, 32]
+    >>> int(split_tiles(openblas.with_layout("blas"), Layout(128, 1, 1, 2), 64, 64).min())
+    2147483647
+    """
+    if provider.name != "openblas" or lay.blas_threads != 1:
+        return np.full(8, _WHOLE, dtype=np.int64)
+
+    def fit(other: int, d: int) -> int:  # the other side of a tile within the bound, >= 8
+        return max(8, SMALL_GEMM // (other * d) // 8 * 8)
+
+    return np.array([NN_ROWS, fit(NN_ROWS, Dv), fit(TN_INNER, Dv), TN_INNER,
+                     NN_ROWS, fit(NN_ROWS, Dk), fit(TN_INNER, Dk), TN_INNER], dtype=np.int64)
 
 
 @contextlib.contextmanager
@@ -215,8 +255,8 @@ def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np
             call.bias is not None, strided(call.bias, full, np.float64), drop, zop,
             float(call.softcap or 0.0), sink, ro(call.query_valid_full()[:, 0, :, 0]),
             ro(np.ascontiguousarray(sanitized)), ro(g_o), lay.block_q, KEY_CHUNK, C,
-            provider.address, lay.threads, *_scratch(lay, K, Dv, call.softcap is not None,
-                                                     drop[0] != 0),
+            provider.address, split_tiles(provider, lay, Dk, Dv), lay.threads,
+            *_scratch(lay, K, Dv, call.softcap is not None, drop[0] != 0),
             out, lse, row_max, dq, dk, dv, rowdot, dvec, gbias, mode, tiles)
     grad_bias = None
     if call.bias is not None:
@@ -229,6 +269,7 @@ def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np
         "lse": lse, "grad_bias": grad_bias, "sanitized": sanitized,
         "info": {"block_q": lay.block_q, "chunks": C, "threads": lay.threads,
                  "blas_threads": lay.blas_threads, **provider.record(),
+                 "split_tiles": split_tiles(provider, lay, Dk, Dv).tolist(),
                  "key_chunks_computed": done, "key_chunks_skipped": skipped},
     }
 
