@@ -42,11 +42,12 @@ from timing import interleaved  # noqa: E402
 
 from refattn import AttentionCall  # noqa: E402
 from refattn._progress import progress  # noqa: E402
-from refattn.engine.numba.blas import gemm  # noqa: E402
+from refattn.engine.numba.blas import gemm, gemm_split  # noqa: E402
 from refattn.engine.numba.calibration import current_provider  # noqa: E402
 from refattn.engine.numba.fused_host import (  # noqa: E402
     KEY_CHUNK,
     running,
+    split_tiles,
     task_layout,
     value_and_grad,
 )
@@ -59,9 +60,10 @@ PRODUCTS = ("S=QK^T", "O=PV", "dV+=P^TdO", "dP=dOV^T", "dQ=dSK", "dK+=dS^TQ")
 
 
 @njit(cache=True, parallel=True)
-def _gemms(q, k, v, g_o, head_map, BQ, KC, C, causal, which, fptr, s_ws, w_ws, out, dq, dk,
-           dv):
-    """The fused kernel's products (bit p of ``which`` enables ``PRODUCTS[p]``), no row work."""
+def _gemms(q, k, v, g_o, head_map, BQ, KC, C, causal, which, fptr, split, s_ws, w_ws, out, dq,
+           dk, dv):
+    """The fused kernel's products (bit p of ``which`` enables ``PRODUCTS[p]``), no row work;
+    O, dV, dQ and dK in the kernel's tiles (``split``)."""
     B, Hq, Q, Dk = q.shape
     Hkv, K = k.shape[1], k.shape[2]
     Dv = v.shape[3]
@@ -84,20 +86,24 @@ def _gemms(q, k, v, g_o, head_map, BQ, KC, C, causal, which, fptr, s_ws, w_ws, o
                     gemm(fptr, False, True, bq, kn, Dk, 1.0, address(q, b, h, i0), Dk,
                          address(k, b, g, 0), Dk, 0.0, s.ctypes.data, K)
                 if which & 2:
-                    gemm(fptr, False, False, bq, Dv, kn, 1.0, s.ctypes.data, K,
-                         address(v, b, g, 0), Dv, 0.0, address(out, b, h, i0), Dv)
+                    gemm_split(fptr, False, False, bq, Dv, kn, 1.0, s.ctypes.data, K,
+                               address(v, b, g, 0), Dv, 0.0, address(out, b, h, i0), Dv,
+                               split[0], split[1])
                 if which & 4:
-                    gemm(fptr, True, False, kn, Dv, bq, 1.0, s.ctypes.data, K,
-                         address(g_o, b, h, i0), Dv, 1.0, address(dv, c, b, g), Dv)
+                    gemm_split(fptr, True, False, kn, Dv, bq, 1.0, s.ctypes.data, K,
+                               address(g_o, b, h, i0), Dv, 1.0, address(dv, c, b, g), Dv,
+                               split[2], split[3])
                 if which & 8:
                     gemm(fptr, False, True, bq, kn, Dv, 1.0, address(g_o, b, h, i0), Dv,
                          address(v, b, g, 0), Dv, 0.0, w.ctypes.data, K)
                 if which & 16:
-                    gemm(fptr, False, False, bq, Dk, kn, 1.0, s.ctypes.data, K,
-                         address(k, b, g, 0), Dk, 0.0, address(dq, b, h, i0), Dk)
+                    gemm_split(fptr, False, False, bq, Dk, kn, 1.0, s.ctypes.data, K,
+                               address(k, b, g, 0), Dk, 0.0, address(dq, b, h, i0), Dk,
+                               split[4], split[5])
                 if which & 32:
-                    gemm(fptr, True, False, kn, Dk, bq, 1.0, s.ctypes.data, K,
-                         address(q, b, h, i0), Dk, 1.0, address(dk, c, b, g), Dk)
+                    gemm_split(fptr, True, False, kn, Dk, bq, 1.0, s.ctypes.data, K,
+                               address(q, b, h, i0), Dk, 1.0, address(dk, c, b, g), Dk,
+                               split[6], split[7])
 
 
 @njit(cache=True, parallel=True)
@@ -154,12 +160,13 @@ def breakdown(shape: tuple[int, ...], *, causal: bool = False, rounds: int = 5,
     dk, dv = np.zeros((C, B, Hkv, K, D)), np.zeros((C, B, Hkv, K, D))
     q, k, v = call.q, call.k, call.v
     s_ws, w_ws = np.ones((nt, lay.block_q, K)), np.ones((nt, lay.block_q, K))  # held, as fused's
+    split = split_tiles(provider, lay, D, D)  # the kernel's tiles of O, dV, dQ, dK
 
     def products(which: int):
         def run() -> None:
             with running(lay, provider):
                 _gemms(q, k, v, g_o, call.head_map, lay.block_q, KEY_CHUNK, C, causal, which,
-                       provider.address, s_ws, w_ws, out, dq, dk, dv)
+                       provider.address, split, s_ws, w_ws, out, dq, dk, dv)
         return run
 
     def copy() -> None:
@@ -177,7 +184,7 @@ def breakdown(shape: tuple[int, ...], *, causal: bool = False, rounds: int = 5,
     row = med["fused"][0] - med["gemms"][0]
     return {
         "shape": list(shape), "causal": causal, "provider": provider.record(),
-        "layout": lay._asdict(),
+        "layout": lay._asdict(), "split_tiles": split.tolist(),
         "seconds": {name: {"median": m, "min": n} for name, (m, n) in med.items()},
         "gemm_gflops": {p: flops / (med[p][0] - med["launch"][0]) / 1e9 for p in PRODUCTS},
         "gemms_gflops": 6 * flops / med["gemms"][0] / 1e9,
@@ -197,7 +204,8 @@ def format_breakdown(r: dict[str, Any]) -> list[str]:
         f"({100 * r['row_pass_share']:.0f}%, {r['row_pass_ns_per_element']:.2f} ns/element "
         f"per thread; {r['row_pass_over_copy']:.2f}x a copy of its bytes, "
         f"copy {s['copy']['median']:.4f} s)  [block {lay['block_q']} rows, "
-        f"{lay['chunks']} chunks, {lay['threads']} numba x {lay['blas_threads']} BLAS threads]",
+        f"{lay['chunks']} chunks, {lay['threads']} numba x {lay['blas_threads']} BLAS threads; "
+        f"O/dV/dQ/dK tiles {r['split_tiles']}]",
         "  per GEMM alone (GF/s): " + ", ".join(
             f"{p} {g:.1f}" for p, g in r["gemm_gflops"].items()),
     ]
