@@ -62,6 +62,7 @@ class _Shim(types.ModuleType):
     """A moved module: attributes resolve, in order, from the modules that own them now."""
 
     __path__: list[str]  # a package, so that old submodule paths import too
+    __all__: list[str]
     _targets: tuple[str, ...]
 
     def __getattr__(self, name: str) -> Any:

@@ -1,7 +1,10 @@
 """FlashAttention lowering: one golden case as the exact arguments of FlashAttention's interface.
 
 Owns :class:`FlashCall`, :func:`flash_call` (``case.to_flash_attn()``,
-``case.to_flash_attn_varlen()``, ``case.to_flash_attn_kvcache()``) and :func:`ineligible`.
+``case.to_flash_attn_varlen()``, ``case.to_flash_attn_kvcache()``) and :func:`ineligible`
+(a golden case -> FlashAttention's arguments), and the other direction for the paged KV
+cache: :func:`kvcache_call` and :func:`flash_attn_with_kvcache` (FlashAttention's arguments ->
+refattn's paged call, :func:`refattn.call.paged.paged_call`, run by the reference forward).
 The interface is the one ``flash_attn/flash_attn_interface.py`` of Dao-AILab/flash-attention
 (FlashAttention 2) documents, which Triton and CUDA kernels that follow FlashAttention's API
 take as-is:
@@ -40,6 +43,17 @@ exactly FlashAttention's ALiBi, and a visibility that is exactly the support the
 generate: one window band per sequence, the same for every head; :func:`ineligible` names
 what fails. Arrays are NumPy, in the run's dtype (the real kernels take float16 / bfloat16
 CUDA tensors: :meth:`FlashCall.torch_arguments`). Nothing here imports torch or flash_attn.
+
+The paged interface, as read in the sources (Dao-AILab/flash-attention):
+``flash_attn/flash_attn_interface.py`` ``flash_attn_with_kvcache`` (the signature; k_cache
+``(num_blocks, page_block_size, nheads_k, headdim)`` "if there's a block_table"; block_table
+``(batch_size, max_num_blocks_per_seq)`` int32; an int ``cache_seqlens`` filled into a
+tensor); ``csrc/flash_attn/flash_api.cpp`` ``mha_fwd_kvcache`` (block_table and seqlens_k
+must be int32, ``seqlen_k = max_num_blocks_per_seq * page_block_size`` when no seqlens are
+given, page_block_size divisible by 256 in FlashAttention 2's kernels, ``cache_batch_idx``
+and ``leftpad_k`` refused with a paged cache, causal sets the right window bound to 0) and
+``set_params_fprop`` (a negative window bound is unbounded); ``flash_attn/src/softmax.h``
+``normalize_softmax_lse`` (lse ``INFINITY`` for a row whose sum is 0: no visible key).
 """
 
 from __future__ import annotations
@@ -382,7 +396,7 @@ def flash_call(spec: CaseSpec, variant: str = "flash_attn", *, dtype: Any = "flo
     precision = precision_name(resolve_dtype(dtype))
     np_dtype = resolve_dtype(precision)
     t = spec.tensors
-    mult = operand_multipliers(spec.scale, spec.scale_placement)  # type: ignore[arg-type]
+    mult = operand_multipliers(spec.scale, spec.scale_placement)
 
     def btnh(x: Any, m: float = 1.0) -> np.ndarray:  # (B, H, T, D) -> (B, T, H, D)
         x = np.asarray(x, np.float64)

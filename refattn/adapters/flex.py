@@ -285,7 +285,7 @@ def flex_call(spec: CaseSpec, *, dtype: Any = "float64", device: Any = "cpu",
               "bfloat16": torch.bfloat16}[precision]
     t = spec.tensors
     B, Hq, Q, K = spec.score_shape
-    mult = operand_multipliers(spec.scale, spec.scale_placement)  # type: ignore[arg-type]
+    mult = operand_multipliers(spec.scale, spec.scale_placement)
     head_map = np.asarray(t["head_map"], dtype=np.int64)
     Hkv = int(t["k"].shape[1])
     expand = spec.head_map_mode == "explicit" and not np.array_equal(

@@ -303,7 +303,8 @@ def jax_call(spec: CaseSpec, *, dtype: Any = "float64",
     k_np, v_np = t["k"], t["v"]
     if args.expand_kv:  # explicit head map: K/V per query head
         k_np, v_np = k_np[:, head_map], v_np[:, head_map]
-    primals = (arr(t["q"], args.query_multiplier), arr(k_np, args.key_multiplier), arr(v_np))
+    primals: tuple[np.ndarray, ...] = (arr(t["q"], args.query_multiplier),
+                                       arr(k_np, args.key_multiplier), arr(v_np))
     if "bias" in t:
         primals += (np.ascontiguousarray(np.asarray(t["bias"]).astype(np_dtype)),)
     mask = np.ascontiguousarray(spec.visible_full(sanitized=True)) if args.mask else None
@@ -319,7 +320,9 @@ def _x64(enabled: bool) -> Any:
     if not enabled:
         return contextlib.nullcontext()
     try:
-        from jax.experimental import enable_x64
+        from jax.experimental import (  # type: ignore[attr-defined, unused-ignore]
+            enable_x64,  # gone from newer jax (the ImportError below)
+        )
     except ImportError:  # newer jax: global switch
         _jax().config.update("jax_enable_x64", True)
         return contextlib.nullcontext()

@@ -200,7 +200,8 @@ def lowering(spec: CaseSpec, *, opset: int = 23, qk_mode: int | None = None,
     upper_left = np.array_equal(vis, np.broadcast_to(np.tri(Q, K, dtype=bool), vis.shape))
     lower_right = K > Q and np.array_equal(
         vis, np.broadcast_to(np.tri(Q, K, K - Q, dtype=bool), vis.shape))
-    mask, is_causal, past, nonpad = "none", False, 0, None
+    mask: Literal["none", "bool", "float"] = "none"
+    is_causal, past, nonpad = False, 0, None
     if has_bias:
         mask = "float"
     elif vis.all():

@@ -175,6 +175,7 @@ def sdpa_arguments(spec: CaseSpec, *, gqa: Literal["native", "expand"] = "native
     if causal == "auto" and not has_bias and not all_visible and _is_upper_left_triangle(spec):
         relation = spec.call_manifest["visibility"].get("alignment")
         is_causal = a["Q"] == a["K"] or relation == "upper_left"
+    mask: Literal["none", "bool", "additive"]
     if has_bias:
         mask = "additive"
     elif is_causal or all_visible:
@@ -662,7 +663,7 @@ def _run_mha(spec: CaseSpec, precision: str, *, need_weights: bool) -> AdapterRe
         selected = "mha_explicit_softmax"
     grads = _backward(tc, out)
     tensors = {"output": out, **grads}
-    if need_weights:
+    if need_weights and weights is not None:  # torch returns them when asked
         tensors["probs"] = weights.detach()  # per head, pre-dropout (dropout is off)
     manifest = _manifest(
         spec, precision=precision, entrypoint="torch.nn.functional.multi_head_attention_forward",

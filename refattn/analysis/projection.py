@@ -194,7 +194,7 @@ def project_attention(
     Hkv = Hq if num_kv_heads is None else int(num_kv_heads)
     if Hq < 1 or Hkv < 1:
         raise RefAttnError(f"num_heads/num_kv_heads: expected >= 1, got {Hq}, {Hkv}")
-    weights = {}
+    weights: dict[str, Any] = {}  # w_q, w_k, w_v arrays; b_q, b_k, b_v arrays or None
     src_name = "x" if memory is None else "memory"
     for name, w, stream, s_name, heads, b_name, b in (
         ("w_q", w_q, x, "x", Hq, "b_q", b_q),

@@ -142,7 +142,7 @@ def scale_gate(
             "inverted multiplier changes the model"
         )
     worst = tuple(int(i) for i in np.unravel_index(int(np.argmax(err)), err.shape))
-    checks = ("compatibility_family_dot", "multiplicative_inverse_temperature",
+    checks: tuple[str, ...] = ("compatibility_family_dot", "multiplicative_inverse_temperature",
               "effective_multiplier_equals_configured", "applied_exactly_once")
     if width is not None:
         checks += ("scale_width_equals_dk",)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal, get_args
+from typing import Any, Literal, cast, get_args
 
 import numpy as np
 
@@ -85,19 +85,20 @@ def gradient_check(call: Any, grad_output: np.ndarray, grads: Mapping[str, np.nd
     [('q', True), ('k', True), ('v', True), ('bias', True)]
     """
     rng = np.random.default_rng(seed)
-    base = forward(call)
-    base_scores = base.scores
+    base = forward(call)  # the numpy reference: every tensor materialised
+    base_scores = cast(np.ndarray, base.scores)
     # rounding in L is relative to the magnitudes it cancels, not to |L|:
     # |fl(L) - L| <~ eps * sum |G_O| (|P~| |V|) (the two coincide only without cancellation)
     v_eff = gather_heads(np.asarray(call.v), call.head_map)
-    loss_scale = float(np.sum(np.abs(grad_output) * (np.abs(base.consumed) @ np.abs(v_eff))))
+    consumed = cast(np.ndarray, base.consumed)
+    loss_scale = float(np.sum(np.abs(grad_output) * (np.abs(consumed) @ np.abs(v_eff))))
     family = getattr(call, "score", None)
     inputs = [(name, getattr(call, name, None), f"grad_{name}") for name in _DIFFERENTIABLE]
     if family is not None:
         inputs += [(f"score_{n}", a, f"grad_score_{n}") for n, a in family.parameters().items()]
 
     def perturbed(name: str, x: np.ndarray) -> Any:
-        if name.startswith("score_"):
+        if name.startswith("score_") and family is not None:  # score_* come from a family
             return dataclasses.replace(call, score=family.with_arrays(**{name[6:]: x}))
         return dataclasses.replace(call, **{name: x})
 
@@ -116,7 +117,7 @@ def gradient_check(call: Any, grad_output: np.ndarray, grads: Mapping[str, np.nd
         # step: move the finite scores by about 1e-3, from their local sensitivity (a tiny
         # probe step stays inside any clamp region, e.g. the cosine score's zero-norm floor)
         t0 = 1e-8 * max(1.0, float(np.max(np.abs(x0))))
-        probe = forward(perturbed(name, x0 + t0 * u)).scores
+        probe = cast(np.ndarray, forward(perturbed(name, x0 + t0 * u)).scores)
         fin = np.isfinite(probe) & np.isfinite(base_scores)
         move = float(np.max(np.abs(probe - base_scores)[fin])) / t0 if fin.any() else 0.0
         h = 1e-3 / move if move > 1e-6 else 1e-3 * max(1.0, float(np.max(np.abs(x0))))

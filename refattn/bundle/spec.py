@@ -21,6 +21,7 @@ from refattn.bundle.read import LoadedCase, load
 from refattn.call import AttentionCall, scores
 from refattn.call.gate import AllMaskedRows, ReturnedWeights
 from refattn.call.paged import PagedKV
+from refattn.call.placement import ScalePlacement
 from refattn.dropout import from_manifest
 from refattn.errors import RefAttnError
 from refattn.masks import relation_from_manifest
@@ -164,7 +165,7 @@ class CaseSpec:
                 raise RefAttnError(f"{self.case_id}: unknown dropout mode {mode!r} in manifest")
 
     @property
-    def scale_placement(self) -> str:
+    def scale_placement(self) -> ScalePlacement:
         """The requested placement of alpha: ``post``, ``q``, ``k`` or ``split``."""
         return self.call_manifest["scale"].get("requested_placement", "post")
 

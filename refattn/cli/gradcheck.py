@@ -9,6 +9,7 @@ a check fails. Defers all checking to :mod:`gradcheck`.
 from __future__ import annotations
 
 import argparse
+from typing import Literal
 
 import numpy as np
 
@@ -113,7 +114,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def build_call(
     shape: tuple[int, ...],
     *,
-    causal: str | None = None,
+    causal: Literal["upper_left", "lower_right"] | None = None,
     dropout: float = 0.0,
     seed: int = 0,
     bias: str = "none",

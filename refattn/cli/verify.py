@@ -6,6 +6,7 @@ import argparse
 import json
 import sys
 
+from refattn.bundle.gradients import GradcheckMethod
 from refattn.bundle.recompute import REQUIREMENTS
 from refattn.cli.sweep import add_cluster_arguments
 from refattn.distributed.cluster import connect
@@ -17,7 +18,8 @@ __all__ = ["GRADCHECK_METHODS", "add_parser"]
 #: the spellings of ``--gradcheck-method`` (those of ``refattn gradcheck --method``), and the
 #: verifier's name for each
 GRADCHECK_METHODS = ("auto", "complex_step", "central")
-_VERIFIER_METHOD = {"auto": "auto", "complex_step": "check_vjp", "central": "central_difference"}
+_VERIFIER_METHOD: dict[str, GradcheckMethod] = {"auto": "auto", "complex_step": "check_vjp",
+                                               "central": "central_difference"}
 _OLD_SPELLING = {"check_vjp": "complex_step", "central_difference": "central"}
 
 

@@ -9,10 +9,12 @@ complex input, so a complex-step derivative check gets the exact method); the th
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 
 from refattn.call import AttentionCall
-from refattn.call.placement import OperandMultipliers, operand_multipliers
+from refattn.call.placement import OperandMultipliers, ScalePlacement, operand_multipliers
 from refattn.call.scores import Dot, ScoreFamily
 from refattn.engine.memory import check_memory
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
@@ -36,7 +38,7 @@ def _into(ufunc: np.ufunc, a: np.ndarray, b: np.ndarray | complex) -> np.ndarray
 
 
 def _scaled_operands(
-    q: np.ndarray, k_eff: np.ndarray, scale: float, scale_placement: str
+    q: np.ndarray, k_eff: np.ndarray, scale: float, scale_placement: ScalePlacement
 ) -> tuple[np.ndarray, np.ndarray, OperandMultipliers]:
     """q and k_eff with alpha's operand share applied (unchanged when it is 1).
 
@@ -60,7 +62,7 @@ def forward_arrays(
     bias: np.ndarray | None = None,
     multiplier: np.ndarray | None = None,
     score: ScoreFamily | None = None,
-    scale_placement: str = "post",
+    scale_placement: ScalePlacement = "post",
     softcap: float | None = None,
     sink: np.ndarray | None = None,
 ) -> dict[str, np.ndarray]:
@@ -192,10 +194,10 @@ def backward_arrays(
     query_valid: np.ndarray,
     bias_shape: tuple[int, ...] | None,
     score: ScoreFamily | None = None,
-    scale_placement: str = "post",
+    scale_placement: ScalePlacement = "post",
     softcap: float | None = None,
     sink: np.ndarray | None = None,
-) -> dict[str, np.ndarray]:
+) -> dict[str, Any]:
     """The contract's backward equations over plain arrays (no validation).
 
     Parameters
@@ -250,7 +252,7 @@ def backward_arrays(
     else:
         grad_scores = grad_probs - row_dot[..., None]
     grad_scores = _into(np.multiply, grad_scores, probs)  # P (G_P - D): exactly 0 where P == 0
-    extra = {}
+    extra: dict[str, Any] = {}  # arrays, and grad_score_params: a dict of them
     grad_scaled = grad_scores  # gradient w.r.t. alpha * u
     if softcap is not None:
         t = fwd["scores"] / softcap  # tanh(alpha u / c), (B, Hq, Q, K)
@@ -315,7 +317,7 @@ def forward(call: AttentionCall, *, max_bytes: int | None = None, **options: obj
             "always materialises every tensor; use backend='numba' for materialize=False)"
         )
     check_memory(call, "forward", backend="numpy", max_bytes=max_bytes)
-    fwd = forward_arrays(
+    fwd: dict[str, Any] = forward_arrays(
         call.q, call.k, call.v, visible=call.visible_full(), bias=call.bias,
         multiplier=call.multiplier_full(), **_call_arrays(call),
     )
@@ -329,7 +331,7 @@ def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     check_memory(call, "backward", backend="numpy")
     fwd = {name: getattr(trace, name) for name in
            ("probs", "dropout_multiplier", "consumed", "output", "scores", "sink_probs")}
-    grads = backward_arrays(
+    grads: dict[str, Any] = backward_arrays(
         fwd, grad_output, q=call.q, k=call.k, v=call.v,
         bias_shape=None if call.bias is None else call.bias.shape, **_call_arrays(call),
     )

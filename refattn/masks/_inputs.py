@@ -8,7 +8,7 @@ shapes, and every rejection that goes with it. Defers the predicate itself to
 from __future__ import annotations
 
 import numbers
-from typing import Any
+from typing import Any, SupportsInt, TypeGuard
 
 import numpy as np
 
@@ -43,7 +43,7 @@ def frozen(x: np.ndarray) -> np.ndarray:
     return immutable_copy(x)
 
 
-def _is_int_scalar(x: Any) -> bool:
+def _is_int_scalar(x: Any) -> TypeGuard[SupportsInt]:
     return isinstance(x, numbers.Integral) and not isinstance(x, (bool, np.bool_))
 
 
@@ -136,7 +136,7 @@ def _window_side(name: str, x: object) -> WindowBound:
     return frozen(arr)
 
 
-def window_bounds(window: object) -> tuple[WindowBound, WindowBound] | None:
+def window_bounds(window: Any) -> tuple[WindowBound, WindowBound] | None:
     """``window`` as ``(left, right)``: each None, an int >= 0, or an (H,) int64 array."""
     if window is None:
         return None

@@ -67,7 +67,7 @@ def _check_rows(vis: np.ndarray, policy: RowPolicy) -> None:
         return
     if policy != "reject":
         raise RefAttnError(f"all_masked_rows: expected 'reject' or 'allow', got {policy!r}")
-    empty = ~as4(vis).any(axis=-1)  # (B, H, Q)
+    empty = np.asarray(~as4(vis).any(axis=-1))  # (B, H, Q)
     idx = first_index(empty)
     if idx is not None:
         raise RefAttnError(
