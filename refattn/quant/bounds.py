@@ -4,8 +4,9 @@ Owns :class:`Interval` (per-element ``[lo, hi]``, float64) and the operations th
 pipeline needs: sums, products and quotients of intervals with every float64 bound rounded
 outward (an error-free transformation decides when a float64 result is exact, so an exact
 operation stays a point), casts through monotone roundings (``fl(x)`` for ``x`` in ``[lo, hi]``
-lies in ``[fl(lo), fl(hi)]``), exp2 within a stated ulp bound, and the classical any-order bound
-on a sum or dot product accumulated in a precision with unit roundoff ``u``:
+lies in ``[fl(lo), fl(hi)]``), exp2 within a stated ulp bound (its float64 ends from
+:func:`refattn.quant.elementary.exp2`, the same bits on every machine), and the classical
+any-order bound on a sum or dot product accumulated in a precision with unit roundoff ``u``:
 
     |fl(sum x_i) - sum x_i| <= gamma_{n-1}(u) sum |x_i|,  gamma_k(u) = k u / (1 - k u)
 
@@ -17,12 +18,14 @@ bit-exact definitions to :mod:`refattn.quant.formats`.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
 
 from refattn.errors import RefAttnError
+from refattn.quant import elementary
 from refattn.quant.formats import format_info, quantize
 
 __all__ = [
@@ -41,6 +44,7 @@ __all__ = [
 ]
 
 U64 = 2.0**-53
+_EXP2_SLACK = 4 * U64  # >= 2 elementary.EXP2_MAX_REL_ERROR: see exp2
 _SPLIT = 134217729.0  # 2**27 + 1 (Dekker)
 
 
@@ -52,7 +56,7 @@ def unit_roundoff(fmt: str) -> float:
     >>> unit_roundoff("fp32") == 2**-24, unit_roundoff("fp16") == 2**-11
     (True, True)
     """
-    return float(2.0 ** -format_info(fmt).precision)
+    return math.ldexp(1.0, -format_info(fmt).precision)
 
 
 def _up(x: np.ndarray | float) -> np.ndarray:
@@ -328,16 +332,23 @@ def exp2(a: Interval, ulp: float, *, ftz: bool = True) -> Interval:
     """Enclosure of an fp32 ``exp2`` with relative error at most ``ulp * 2**-23``
     (``ex2.approx.f32``), flushing results below 2**-126 to zero when ``ftz``.
 
+    The ends are :func:`refattn.quant.elementary.exp2` of the argument's ends (not numpy's
+    ``np.exp2``, whose last bits depend on the CPU), within ``EXP2_MAX_REL_ERROR = 2 u`` relative
+    and ``2**-1075`` absolute of ``2**x``: the ``4 u`` relative slack added to the kernel's
+    error covers the first (``(1 + 2u)(1 - r - 4u) <= 1 - r`` and
+    ``(1 - 2u)(1 + r + 4u) >= 1 + r`` for ``r <= 1/2``), the outward step of at least
+    ``2**-1074`` the second.
+
     Examples
     --------
     >>> r = exp2(point(8.0), 2.0)
     >>> bool(r.lo[()] < 256.0 < r.hi[()]), bool(exp2(point(-200.0), 2.0).lo[()] == 0.0)
     (True, True)
     """
-    rel = float(_up(ulp * 2.0**-23 + 4 * U64))  # the kernel's error and float64 exp2's own
+    rel = float(_up(ulp * 2.0**-23 + _EXP2_SLACK))  # the kernel's error and float64 exp2's own
     with np.errstate(over="ignore", under="ignore", invalid="ignore"):
-        lo = _down(np.exp2(a.lo) * (1.0 - rel))
-        hi = _up(np.exp2(a.hi) * (1.0 + rel))
+        lo = _down(elementary.exp2(a.lo) * (1.0 - rel))
+        hi = _up(elementary.exp2(a.hi) * (1.0 + rel))
     lo = np.maximum(lo, 0.0)
     if ftz:
         lo = np.where(lo < 2.0**-126, 0.0, lo)

@@ -38,6 +38,7 @@ from refattn.engine import forward
 from refattn.engine.memory import available_bytes
 from refattn.engine.trace import Trace
 from refattn.errors import RefAttnError
+from refattn.quant import elementary
 from refattn.quant.bounds import Interval, point
 from refattn.quant.formats import format_max
 from refattn.quant.spec import QuantSpec, TensorQuant, check_quant
@@ -47,6 +48,7 @@ __all__ = ["QuantResult", "check_emulation_memory", "dequantized_call", "emulate
 
 U32 = 2.0**-24
 FP32_MIN_NORMAL = 2.0**-126
+LN2 = 0.6931471805599453  # fl(ln 2), 0x3FE62E42FEFA39EF: a literal, not a libm call
 
 
 @dataclass(frozen=True, eq=False)
@@ -327,7 +329,7 @@ def _scores(call: AttentionCall, spec: QuantSpec,
     Dk = call.q.shape[3]
     match spec.s_accumulation:
         case "fp32":
-            u = 2.0 ** (1 - spec.mma_bits)
+            u = math.ldexp(1.0, 1 - spec.mma_bits)
             s = bd.cast(bd.signed_dot(qc, kc_eff, "bhqd,bhkd->bhqk", n=Dk, u_acc=u,
                                       tiny=FP32_MIN_NORMAL), "fp32")
         case "int32":  # exact in int32, then converted to float
@@ -476,7 +478,7 @@ def emulate(call: AttentionCall, spec: QuantSpec) -> dict[str, Interval]:
     wt = bd.mul(W, terms)
     wt = Interval(np.maximum(wt.lo, 0.0), wt.hi)
     g64 = bd.gamma(K + 1, 2.0**-53)
-    u_l = U32 if spec.l_from == "unrounded" else max(U32, 2.0 ** (1 - spec.mma_bits))
+    u_l = U32 if spec.l_from == "unrounded" else max(U32, math.ldexp(1.0, 1 - spec.mma_bits))
     gl = bd.gamma((K - 1) * 1.0 + T * U32 / u_l, u_l)
     l_lo = bd._down(wt.lo.sum(-1) * (1 - g64) * (1 - gl))
     l_hi = bd._up(bd._up(wt.hi.sum(-1) * (1 + g64)) * (1 + gl))
@@ -491,11 +493,11 @@ def emulate(call: AttentionCall, spec: QuantSpec) -> dict[str, Interval]:
     overflow = np.zeros(acc.shape, dtype=bool)
     match spec.pv_accumulation:
         case "fp32":
-            u = 2.0 ** (1 - spec.mma_bits)
+            u = math.ldexp(1.0, 1 - spec.mma_bits)
             g_acc = bd.gamma(1.0, (K - 1 + T) * u + T * U32)
             tiny = K * FP32_MIN_NORMAL
         case "fp16_per_tile":
-            u16 = 2.0 ** (1 - spec.mma_bits)
+            u16 = math.ldexp(1.0, 1 - spec.mma_bits)
             n_tile = max(len(t) for t in tiles)
             g_acc = bd.gamma(1.0, n_tile * u16 + 2 * T * U32)
             tiny = K * 2.0**-23
@@ -549,13 +551,19 @@ def _nan_unknown(iv: Interval) -> Interval:
 
 def _lse(m: Interval, c: Interval, row_sum: Interval, off: float) -> Interval:
     """``m c ln2 + ln(l) - off ln2`` in fp32 with a fast log (``__logf``: 2**-21.41 absolute
-    on [0.5, 2], else 3 ulp) and the products' and the sum's roundings."""
+    on [0.5, 2], else 3 ulp) and the products' and the sum's roundings.
+
+    ``ln(l)``'s float64 ends come from :func:`refattn.quant.elementary.log` (the same bits on
+    every machine, not numpy's CPU-dependent ``np.log``), widened by its relative error bound
+    ``r = LOG_MAX_REL_ERROR`` as ``r / (1 - r)`` of the computed value (``|y - L| <= r |L|``
+    gives ``|L| <= |y| / (1 - r)``); ``ln2`` enters as the one-ulp enclosure of ``LN2``."""
     c3 = Interval(c.lo[..., 0], c.hi[..., 0])
-    ln2 = Interval(bd._down(math.log(2.0)), bd._up(math.log(2.0)))
+    ln2 = Interval(bd._down(LN2), bd._up(LN2))
     t1 = bd.mul(bd.mul(m, c3), ln2)
-    with np.errstate(divide="ignore"):
-        t2 = Interval(bd._down(bd._down(np.log(row_sum.lo)) - bd._up(off * math.log(2.0))),
-                      bd._up(bd._up(np.log(row_sum.hi)) - bd._down(off * math.log(2.0))))
+    r = elementary.LOG_MAX_REL_ERROR
+    log_l = bd.widen(Interval(elementary.log(row_sum.lo), elementary.log(row_sum.hi)),
+                     float(bd._up(r / (1.0 - r))))
+    t2 = bd.add(log_l, bd.neg(bd.mul(point(off), ln2)))
     s = bd.add(t1, t2)
     e = 2.0**-21 + 4 * 2.0**-23 * _mag(t2) + 4 * U32 * (_mag(t1) + _mag(s))
     return bd.cast(bd.widen(s, 0.0, e), "fp32")

@@ -302,7 +302,7 @@ class QuantSpec:
     exp2_ulp: float = 2.0
     name: str = "custom"
     s_descale: str = "exponent"
-    log2e: float = math.log2(math.e)
+    log2e: float = 1.4426950408889634  # fl(log2 e): a literal, not a libm call
     kv_tile: int | None = None
     kv_order: str = "ascending"
     mma_bits: int = 24
