@@ -11,6 +11,7 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any, cast
 
 import numpy as np
 
@@ -51,16 +52,22 @@ class Mutation:
     broken: tuple[str, ...]
 
 
-def _grads(trace: Trace, grad_output: np.ndarray, **changes: np.ndarray | None) -> Gradients:
+def _grads(trace: Trace, grad_output: np.ndarray, **changes: Any) -> Gradients:
     return dataclasses.replace(reference_backward(trace, grad_output), **changes)
+
+
+def _reference_grad_scores(ref: Gradients) -> np.ndarray:
+    """G_S of the reference backward (which always returns it)."""
+    return cast(np.ndarray, ref.grad_scores)
 
 
 def _from_scores(trace: Trace, gs: np.ndarray, *, scale: float) -> dict[str, np.ndarray]:
     """grad_q, grad_k from a (possibly wrong) G_S with a (possibly wrong) scale."""
     call = trace.call
-    k_eff = gather_heads(call.k, call.head_map)  # (B, Hq, K, Dk)
+    hm = cast(np.ndarray, call.head_map)  # validated: (Hq,) int64
+    k_eff = gather_heads(call.k, hm)  # (B, Hq, K, Dk)
     grad_q = (gs @ k_eff) * scale  # (B, Hq, Q, Dk)
-    grad_k = sum_heads((gs.swapaxes(-1, -2) @ call.q) * scale, call.head_map, call.k.shape[1])
+    grad_k = sum_heads((gs.swapaxes(-1, -2) @ call.q) * scale, hm, call.k.shape[1])
     return {"grad_q": grad_q, "grad_k": grad_k}
 
 
@@ -74,10 +81,10 @@ def grad_scores_scaled(factor: float = 1.001) -> Mutation:
     """
     def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
         ref = reference_backward(trace, grad_output)
-        gs = ref.grad_scores * factor  # the planted error
+        gs = _reference_grad_scores(ref) * factor  # the planted error
         bias = trace.call.bias
         return _grads(trace, grad_output, grad_scores=gs,
-                      **_from_scores(trace, gs, scale=trace.call.scale),
+                      **_from_scores(trace, gs, scale=cast(float, trace.call.scale)),
                       grad_bias=None if bias is None else reduce_to_shape(gs, bias.shape))
 
     return Mutation("grad_scores_scaled", f"G_S multiplied by {factor} ({factor - 1:.1%} error)",
@@ -94,9 +101,9 @@ def missing_scale(*, twice: bool = False) -> Mutation:
     """
     def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
         ref = reference_backward(trace, grad_output)
-        alpha = trace.call.scale
-        return _grads(trace, grad_output,
-                      **_from_scores(trace, ref.grad_scores, scale=alpha**2 if twice else 1.0))
+        alpha = cast(float, trace.call.scale)  # validated: never None
+        return _grads(trace, grad_output, **_from_scores(trace, _reference_grad_scores(ref),
+                                                          scale=alpha**2 if twice else 1.0))
 
     name = "double_scale" if twice else "missing_scale"
     what = "applied twice" if twice else "omitted"
@@ -115,12 +122,13 @@ def gqa_wrong_head(*, query_head: int = -1, kv_head: int = 0) -> Mutation:
         call = trace.call
         ref = reference_backward(trace, grad_output)
         Hq, Hkv = call.q.shape[1], call.k.shape[1]
-        wrong = call.head_map.copy()
+        wrong = cast(np.ndarray, call.head_map).copy()
         wrong[query_head % Hq] = kv_head  # the planted misrouting
-        gs = ref.grad_scores
+        gs = _reference_grad_scores(ref)
         # (B, Hq, K, Dk) and (B, Hq, K, Dv) per query head, then summed with the wrong map
         grad_k = sum_heads((gs.swapaxes(-1, -2) @ call.q) * call.scale, wrong, Hkv)
-        grad_v = sum_heads(trace.consumed.swapaxes(-1, -2) @ _valid(trace, grad_output),
+        consumed = cast(np.ndarray, trace.consumed)  # the reference trace materialises it
+        grad_v = sum_heads(consumed.swapaxes(-1, -2) @ _valid(trace, grad_output),
                            wrong, Hkv)
         return _grads(trace, grad_output, grad_k=grad_k, grad_v=grad_v)
 
@@ -184,7 +192,8 @@ def bias_unreduced(*, keep_shape: bool = False) -> Mutation:
     """
     def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
         ref = reference_backward(trace, grad_output)
-        gs, shape = ref.grad_scores, trace.call.bias.shape
+        gs = _reference_grad_scores(ref)
+        shape = cast(np.ndarray, trace.call.bias).shape  # the mutation is for calls with a bias
         if not keep_shape:
             return _grads(trace, grad_output, grad_bias=np.array(gs))  # never reduced
         lead = gs.ndim - len(shape)

@@ -14,7 +14,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 from mpmath import iv
@@ -22,6 +22,7 @@ from mpmath import iv
 from refattn._checks import format_index
 from refattn.call import AttentionCall
 from refattn.call.placement import operand_multipliers
+from refattn.call.scores import Additive, Bilinear, Cosine, ScoreFamily
 from refattn.engine.reduce import gather_heads
 
 __all__ = ["Certificate", "PointCheck", "certify"]
@@ -189,9 +190,9 @@ def certify(call: AttentionCall, tensors: Mapping[str, np.ndarray]) -> Certifica
     """
     t = {n: np.asarray(a) for n, a in tensors.items()}
     checks: list[PointCheck] = []
-    hm, Hkv = call.head_map, call.k.shape[1]
-    fam = call.score
-    mult = operand_multipliers(call.scale, call.scale_placement)
+    hm, Hkv = cast(np.ndarray, call.head_map), call.k.shape[1]  # fields validation sets
+    fam = cast(ScoreFamily, call.score)
+    mult = operand_multipliers(cast(float, call.scale), call.scale_placement)
     k_eff, v_eff = gather_heads(call.k, hm), gather_heads(call.v, hm)
     q_s = call.q if mult.query == 1.0 else _rn(_ints(call.q) * _ints(mult.query), 2)
     k_s = k_eff if mult.key == 1.0 else _rn(_ints(k_eff) * _ints(mult.key), 2)
@@ -206,7 +207,8 @@ def certify(call: AttentionCall, tensors: Mapping[str, np.ndarray]) -> Certifica
         if fam.name == "dot":
             u, factors = qi @ ki.swapaxes(-1, -2), 2
         else:
-            W = _ints(fam.W if fam.W.ndim == 2 else fam.W[None])
+            fW = cast(Bilinear, fam).W
+            W = _ints(fW if fW.ndim == 2 else fW[None])
             u, factors = (qi @ W) @ ki.swapaxes(-1, -2), 3
         checks.append(_compare(first, t[first], _rn(u * post, factors + 1), "bhij"))
     else:
@@ -305,7 +307,7 @@ def _heads_int(x: np.ndarray, hm: np.ndarray, Hkv: int) -> np.ndarray:
 def _backward_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g_o: np.ndarray,
                      v_eff: np.ndarray, q_s: np.ndarray, k_s: np.ndarray, z: np.ndarray,
                      mult: Any, Hkv: int) -> list[PointCheck]:
-    hm, fam = call.head_map, call.score
+    hm, fam = cast(np.ndarray, call.head_map), cast(ScoreFamily, call.score)  # validated
     probs, consumed = t["probs"], t["consumed"]
     gi = _ints(g_o)
     checks = [
@@ -341,13 +343,14 @@ def _backward_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g_o: np.n
         gk = _heads_int(Gi.swapaxes(-1, -2) @ _ints(q_s), hm, Hkv)
         checks.append(_compare("grad_k", t["grad_k"], _rn(gk * f_k, 3), "bhjd"))
     elif fam.name == "bilinear":
-        W = _ints(fam.W if fam.W.ndim == 2 else fam.W[None])
+        fW = cast(Bilinear, fam).W
+        W = _ints(fW if fW.ndim == 2 else fW[None])
         checks.append(_compare("grad_q", t["grad_q"], _rn(
             ((Gi @ _ints(k_s)) @ W.swapaxes(-1, -2)) * f_q, 4), "bhid"))
         gk = _heads_int(Gi.swapaxes(-1, -2) @ (_ints(q_s) @ W), hm, Hkv)
         checks.append(_compare("grad_k", t["grad_k"], _rn(gk * f_k, 4), "bhjd"))
         per = _ints(q_s).swapaxes(-1, -2) @ (Gi @ _ints(k_s))
-        gw = _isum(per, (0, 1) if fam.W.ndim == 2 else 0) * _ints(mult.post)
+        gw = _isum(per, (0, 1) if fW.ndim == 2 else 0) * _ints(mult.post)
         checks.append(_compare("grad_score_W", t["grad_score_W"], _rn(gw, 4), None))
     else:
         checks += _composite_family_checks(call, t, g, q_s, k_s, mult.post)
@@ -370,19 +373,21 @@ def _backward_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g_o: np.n
 def _composite_family_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g: np.ndarray,
                              q_s: np.ndarray, k_s: np.ndarray, post: float) -> list[PointCheck]:
     """grad_q, grad_k (and parameters) of the additive and cosine families, in intervals."""
-    fam, hm = call.score, call.head_map
+    fam, hm = cast(ScoreFamily, call.score), cast(np.ndarray, call.head_map)  # validated
     B, _, Q, K = call.score_shape
     heads = [np.flatnonzero(hm == h_kv) for h_kv in range(call.k.shape[1])]
 
     if fam.name == "cosine":
+        cos = cast(Cosine, fam)
+
         def unit_grad(x: np.ndarray, others: np.ndarray, grads: np.ndarray) -> list[Any]:
             """d/dx of sum_j g_j (x . y_j) / (n(x) n(y_j)), one interval per component."""
-            n = _norm(x, fam.eps)
-            clamped = sum(Fraction(float(v)) ** 2 for v in x) < Fraction(fam.eps) ** 2
+            n = _norm(x, cos.eps)
+            clamped = sum(Fraction(float(v)) ** 2 for v in x) < Fraction(cos.eps) ** 2
             x_hat = [iv.mpf(float(v)) / n for v in x]
             g_hat = [iv.mpf(0)] * len(x)
             for y, gj in zip(others, grads, strict=True):
-                ny = _norm(y, fam.eps)
+                ny = _norm(y, cos.eps)
                 for d in range(len(x)):
                     g_hat[d] += iv.mpf(float(gj)) * float(y[d]) / ny
             if clamped:
@@ -403,28 +408,30 @@ def _composite_family_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g
                 _interval_check("grad_k", t["grad_k"], grad_k, None, "bhjd")]
 
     # additive: u = sum_a v_a tanh(pre_a), pre = Wq q_i + Wk k_j + b
+    add = cast(Additive, fam)
+
     def pre(b: int, h: int, i: int, j: int, a: int) -> Any:
-        acc = iv.mpf(float(fam.b[h, a]))
+        acc = iv.mpf(float(add.b[h, a]))
         for d in range(q_s.shape[3]):
-            acc += iv.mpf(float(fam.Wq[h, a, d])) * float(q_s[b, h, i, d])
+            acc += iv.mpf(float(add.Wq[h, a, d])) * float(q_s[b, h, i, d])
         for d in range(k_s.shape[3]):
-            acc += iv.mpf(float(fam.Wk[h, a, d])) * float(k_s[b, h, j, d])
+            acc += iv.mpf(float(add.Wk[h, a, d])) * float(k_s[b, h, j, d])
         return acc
 
     def dpre(b: int, h: int, i: int, j: int, a: int) -> Any:  # G v_a (1 - tanh^2)
         th = _tanh(pre(b, h, i, j, a))
-        return iv.mpf(float(g[b, h, i, j])) * float(fam.v[h, a]) * (1 - th * th)
+        return iv.mpf(float(g[b, h, i, j])) * float(add.v[h, a]) * (1 - th * th)
 
-    Da = fam.b.shape[1]
+    Da = add.b.shape[1]
 
-    def grad_q(i: tuple[int, ...]) -> Any:
+    def grad_q_add(i: tuple[int, ...]) -> Any:
         b, h, qi, d = i
-        return sum((dpre(b, h, qi, j, a) * float(fam.Wq[h, a, d])
+        return sum((dpre(b, h, qi, j, a) * float(add.Wq[h, a, d])
                     for j in range(K) for a in range(Da)), iv.mpf(0)) * post
 
-    def grad_k(i: tuple[int, ...]) -> Any:
+    def grad_k_add(i: tuple[int, ...]) -> Any:
         b, hk, kj, d = i
-        return sum((dpre(b, h, qi, kj, a) * float(fam.Wk[h, a, d]) for h in heads[hk]
+        return sum((dpre(b, h, qi, kj, a) * float(add.Wk[h, a, d]) for h in heads[hk].tolist()
                     for qi in range(Q) for a in range(Da)), iv.mpf(0)) * post
 
     def param(kind: str) -> Callable[[tuple[int, ...]], Any]:
@@ -448,8 +455,8 @@ def _composite_family_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g
 
         return value
 
-    checks = [_interval_check("grad_q", t["grad_q"], grad_q, None, "bhid"),
-              _interval_check("grad_k", t["grad_k"], grad_k, None, "bhjd")]
+    checks = [_interval_check("grad_q", t["grad_q"], grad_q_add, None, "bhid"),
+              _interval_check("grad_k", t["grad_k"], grad_k_add, None, "bhjd")]
     for kind in ("Wq", "Wk", "b", "v"):
         name = f"grad_score_{kind}"
         checks.append(_interval_check(name, t[name], param(kind), None, None))
