@@ -149,8 +149,9 @@ def exp2(x: np.ndarray | float) -> np.ndarray:
         k = np.rint(xc)
         f = xc - k  # exact, |f| <= 1/2
         q = np.full(f.shape, _EXP2_COEFFS[-1])
-        for c in _EXP2_COEFFS[-2:0:-1]:
-            q = c + f * q  # Horner down to q_1: two roundings a step, no FMA (two ufuncs)
+        for c in _EXP2_COEFFS[-2:0:-1]:  # Horner down to q_1: q = c + f q, two roundings
+            np.multiply(q, f, out=q)  # a step, never an FMA (two ufunc calls)
+            np.add(q, c, out=q)
         h, lo = _two_prod(f, q)  # f q_1 = h + lo exactly
         y0 = 1.0 + h
         err = (1.0 - y0) + h  # Fast2Sum (|h| < 1): y0 + err = 1 + h exactly
@@ -235,8 +236,9 @@ def log(x: np.ndarray | float) -> np.ndarray:
         s_lo = (r - s_hi * d_lo) / d_hi  # s - s_hi to relative O(u)
         z = s_hi * s_hi
         w = np.full(z.shape, _LOG_COEFFS[-1])
-        for c in _LOG_COEFFS[-2::-1]:
-            w = c + z * w
+        for c in _LOG_COEFFS[-2::-1]:  # w = c + z w
+            np.multiply(w, z, out=w)
+            np.add(w, c, out=w)
         tail = s_hi * (z * w)  # T(s) = s sum_j L_j z**j
         a = e * _LN2_HI  # exact: e has <= 11 bits, LN2_HI 32
         b = 2.0 * s_hi  # exact
