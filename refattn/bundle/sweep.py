@@ -189,7 +189,7 @@ def _parse_toml(text: str, path: Path) -> Any:
         import tomllib
     except ImportError:  # Python 3.10
         try:
-            import tomli as tomllib  # type: ignore[no-redef]
+            import tomli as tomllib  # type: ignore[no-redef, unused-ignore]  # if typed
         except ImportError:
             raise RefAttnError(f"SPEC {path}: reading TOML needs Python 3.11+ or the tomli "
                                "package (pip install tomli)") from None

@@ -199,7 +199,8 @@ class CosineExact:
         self.q, self.k = _fractions(q_s), _fractions(k_s)
         e2 = Fraction(eps) ** 2
         self.clamped_q, self.clamped_k = clamped_q[..., 0], clamped_k[..., 0]
-        norms = lambda x, cl: np.where(cl, e2, (x * x).sum(axis=-1))  # noqa: E731
+        e2_obj = np.asarray(e2, dtype=object)  # the Fraction, as numpy's where takes it
+        norms = lambda x, cl: np.where(cl, e2_obj, (x * x).sum(axis=-1))  # noqa: E731
         self.n2q, self.n2k = norms(self.q, self.clamped_q), norms(self.k, self.clamped_k)
 
     def _dot(self, b: int, h: int, i: int, j: int) -> Fraction:

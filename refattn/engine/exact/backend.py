@@ -12,9 +12,12 @@ up-front time estimate that refuses a call too large for correctly rounded arith
 
 from __future__ import annotations
 
+from typing import cast
+
 import numpy as np
 
 from refattn.call import AttentionCall
+from refattn.call.scores import Additive, ScoreFamily
 from refattn.engine.exact.program import Stepwise, backward_tensors, forward_tensors
 from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
@@ -44,7 +47,8 @@ def estimate_seconds(call: AttentionCall) -> float:
     """
     a = call.axes
     n = a["B"] * a["Hq"] * a["Q"] * a["K"]
-    width = call.score.b.shape[1] if call.score.name == "additive" else 1
+    fam = cast(ScoreFamily, call.score)  # validated: never None
+    width = cast(Additive, fam).b.shape[1] if fam.name == "additive" else 1
     rows = a["B"] * a["Hq"] * (a["Q"] * (a["Dk"] + a["Dv"]) + a["K"] * (a["Dk"] + a["Dv"]))
     return SECONDS_PER_ELEMENT * (4 * n * width + rows)
 

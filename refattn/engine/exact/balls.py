@@ -82,4 +82,6 @@ def total(x: np.ndarray, axis: int | tuple[int, ...], keepdims: bool = False) ->
         shape = tuple(1 if a in axes else n for a, n in enumerate(x.shape)) if keepdims else \
             tuple(n for a, n in enumerate(x.shape) if a not in axes)
         return np.full(shape, ZERO, dtype=object)
-    return np.add.reduce(x, axis=axes, keepdims=keepdims)
+    if keepdims:
+        return np.add.reduce(x, axis=axes, keepdims=True)
+    return np.add.reduce(x, axis=axes)  # over every axis: one ball, not an array

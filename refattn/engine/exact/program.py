@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from fractions import Fraction
-from typing import Any, Literal
+from typing import Any, Literal, cast
 
 import numpy as np
 from flint import arb, ctx
 
 from refattn.call import AttentionCall
 from refattn.call.placement import operand_multipliers
+from refattn.call.scores import Additive, Bilinear, Cosine, ScoreFamily
 from refattn.engine.exact import balls as B_
 from refattn.engine.exact.algebraic import AdditiveExact, CosineExact
 from refattn.engine.exact.balls import ZERO, balls, matmul, total
@@ -156,9 +157,9 @@ class _Operands:
 
     def __init__(self, call: AttentionCall, rounding: Rounding) -> None:
         self.call = call
-        self.family = call.score
-        hm = call.head_map
-        self.mult = operand_multipliers(call.scale, call.scale_placement)
+        self.family = cast(ScoreFamily, call.score)  # validated: never None
+        hm = cast(np.ndarray, call.head_map)  # validated: (Hq,) int64
+        self.mult = operand_multipliers(cast(float, call.scale), call.scale_placement)
         k_eff = gather_heads(call.k, hm)  # (B, Hq, K, Dk)
         self.v_eff = gather_heads(call.v, hm)  # (B, Hq, K, Dv)
         # the placement's operand share: one rounded product per element, as the contract's
@@ -175,12 +176,13 @@ class _Operands:
         if self.q_s.dtype == object or self.family.name not in ("cosine", "additive"):
             return None
         if "exact" not in self._exact:
-            fam = self.family
-            if fam.name == "cosine":
+            if self.family.name == "cosine":
+                eps = cast(Cosine, self.family).eps
                 self._exact["exact"] = CosineExact(
-                    self.q_s, self.k_s, fam.eps, _norm_below(self.q_s, fam.eps),
-                    _norm_below(self.k_s, fam.eps))
+                    self.q_s, self.k_s, eps, _norm_below(self.q_s, eps),
+                    _norm_below(self.k_s, eps))
             else:
+                fam = cast(Additive, self.family)
                 self._exact["exact"] = AdditiveExact(self.q_s, self.k_s, fam.Wq, fam.Wk, fam.b,
                                                      fam.v)
         return self._exact["exact"]
@@ -200,7 +202,8 @@ class _Operands:
             case "bilinear":
                 u = matmul(matmul(self.q_s, self.metric()), _t(balls(self.k_s)))
             case "additive":
-                u = self.tanh_sum(balls(self.family.v)[None, :, None, None, :], axis=-1)
+                v = cast(Additive, self.family).v
+                u = self.tanh_sum(balls(v)[None, :, None, None, :], axis=-1)
             case "cosine":
                 q_hat, _, _ = self.unit(self.q_s, "q")
                 k_hat, _, _ = self.unit(self.k_s, "k")
@@ -210,13 +213,13 @@ class _Operands:
         return u if self.mult.post == 1.0 else u * arb(self.mult.post)
 
     def metric(self) -> np.ndarray:
-        W = self.family.W  # (Hq, Dq, Dk) or shared (Dq, Dk)
+        W = cast(Bilinear, self.family).W  # (Hq, Dq, Dk) or shared (Dq, Dk)
         return balls(W if W.ndim == 2 else W[None])
 
     def pre(self) -> np.ndarray:
         """Wq q_i + Wk k_j + b of the additive family, (B, Hq, Q, K, Da) (exact sums)."""
         def build() -> np.ndarray:
-            fam = self.family  # Wq, Wk (Hq, Da, D)
+            fam = cast(Additive, self.family)  # Wq, Wk (Hq, Da, D)
             qt = matmul(self.q_s, _t(balls(fam.Wq))[None])  # (B, Hq, Q, Da)
             kt = matmul(self.k_s, _t(balls(fam.Wk))[None])  # (B, Hq, K, Da)
             pre = qt[:, :, :, None, :] + kt[:, :, None, :, :]
@@ -259,13 +262,14 @@ class _Operands:
 
     def unit(self, x: np.ndarray, which: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
         """(x / n, n, clamped) with n = max(|x|, eps) per row, n of shape (..., 1)."""
+        eps = cast(Cosine, self.family).eps
+
         def build() -> tuple[np.ndarray, np.ndarray, np.ndarray]:
             clamped = _norm_below(np.asarray(x, dtype=np.float64) if x.dtype != object
-                                  else np.vectorize(lambda b: float(b.mid()))(x),
-                                  self.family.eps)
+                                  else np.vectorize(lambda b: float(b.mid()))(x), eps)
             xb = balls(x)
-            n = np.where(clamped, arb(self.family.eps), B_.sqrt(total(xb * xb, axis=-1,
-                                                                      keepdims=True)))
+            n = np.where(clamped, _obj(arb(eps)), B_.sqrt(total(xb * xb, axis=-1,
+                                                                 keepdims=True)))
             return xb / n, n, clamped
 
         return self.cached(f"unit_{which}", build)
@@ -320,7 +324,7 @@ def forward_tensors(call: AttentionCall, rounding: Rounding) -> dict[str, Any]:
     def lse_balls() -> np.ndarray:  # log(sum_legal exp(s_j) [+ exp(sink)]), shifted by m
         m = balls(row_max)
         if not isinstance(rounding, Stepwise):
-            e = np.where(vis, B_.exp(balls(legal) - m[..., None]), ZERO)
+            e = np.where(vis, B_.exp(balls(legal) - m[..., None]), _obj(ZERO))
             denom = total(e, axis=-1)
             if sink_row is not None:
                 denom = denom + B_.exp(balls(sink_row) - m)
@@ -334,15 +338,15 @@ def forward_tensors(call: AttentionCall, rounding: Rounding) -> dict[str, Any]:
             ones = ones + (sink_row == row_max)
         # the integer first, exactly; then the terms below 1 (their sum keeps its relative
         # enclosure when the integer is 0: adding -1 and +1 around them would not)
-        e = np.where(vis & ~top, B_.exp(balls(legal) - m[..., None]), ZERO)
+        e = np.where(vis & ~top, B_.exp(balls(legal) - m[..., None]), _obj(ZERO))
         rest = balls(ones.astype(np.float64)) + total(e, axis=-1)
         if sink_row is not None:
-            rest = rest + np.where(sink_row == row_max, ZERO, B_.exp(balls(sink_row) - m))
+            rest = rest + np.where(sink_row == row_max, _obj(ZERO), B_.exp(balls(sink_row) - m))
         return m + B_.log1p(rest)
 
     lse = rounding.point("lse", lse_balls, letters="bhi")
     probs = rounding.point(
-        "probs", lambda: np.where(vis, B_.exp(balls(legal) - balls(lse)[..., None]), ZERO),
+        "probs", lambda: np.where(vis, B_.exp(balls(legal) - balls(lse)[..., None]), _obj(ZERO)),
         letters="bhij")
     if sink_row is not None:
         out["sink_probs"] = rounding.point(
@@ -379,7 +383,7 @@ def backward_tensors(call: AttentionCall, fwd: dict[str, Any], grad_output: np.n
     """
     ops = _Operands(call, rounding)
     Hkv = call.k.shape[1]
-    hm = call.head_map
+    hm = cast(np.ndarray, call.head_map)  # validated: (Hq,) int64
     g_o = np.where(call.query_valid_full(), grad_output, 0.0)  # unused rows consume nothing
     probs, z, consumed = fwd["probs"], fwd["dropout_multiplier"], fwd["consumed"]
     point = rounding.point
@@ -401,12 +405,14 @@ def backward_tensors(call: AttentionCall, fwd: dict[str, Any], grad_output: np.n
     out: dict[str, Any] = {}
     grad_scaled = grad_scores  # d loss / d (post * u)
     if call.softcap is not None:  # G_S (c^2 - s^2) / c^2 = G_S (1 - tanh^2), s the scores
+        cap = call.softcap
+
         def softcap_grad() -> np.ndarray:  # c^2 at the working precision: exact from 106 bits
-            c2 = arb(call.softcap) ** 2
+            c2 = arb(cap) ** 2
             return balls(grad_scores) * (c2 - balls(fwd["scores"]) ** 2) / c2
 
         def softcap_grad_exact(idx: list[int]) -> list[float | None]:  # a rational quotient
-            c2 = Fraction(call.softcap) ** 2
+            c2 = Fraction(cap) ** 2
             g_s, s = np.ravel(grad_scores), np.ravel(fwd["scores"])
             return [rn_fraction(Fraction(g_s[i]) * (c2 - Fraction(s[i]) ** 2) / c2) for i in idx]
 
@@ -420,17 +426,23 @@ def backward_tensors(call: AttentionCall, fwd: dict[str, Any], grad_output: np.n
             letters="h", start=SUM_BITS)
     grad_bias = None
     if call.bias is not None:
-        grad_bias = point("grad_bias", lambda: _reduce_to(balls(grad_scores), call.bias.shape),
+        bias_shape = call.bias.shape
+        grad_bias = point("grad_bias", lambda: _reduce_to(balls(grad_scores), bias_shape),
                           start=SUM_BITS)
     return {**out, "grad_output": grad_output, "grad_v": grad_v, "grad_consumed": grad_consumed,
             "grad_probs": grad_probs, "row_dot": row_dot, "row_dot_output": row_dot_output,
             "grad_scores": grad_scores, "grad_bias": grad_bias}
 
 
+def _obj(x: Any) -> np.ndarray:
+    """A ball (or any object) as the 0-d object array numpy's ``where`` makes of it."""
+    return np.asarray(x, dtype=object)
+
+
 def _family_backward(ops: _Operands, gb: np.ndarray, Hkv: int,
                      point: Callable[..., np.ndarray]) -> dict[str, Any]:
     """grad_q, grad_k and the family's parameter gradients from G = d loss / d (post * u)."""
-    fam, mult, hm = ops.family, ops.mult, ops.call.head_map
+    fam, mult, hm = ops.family, ops.mult, cast(np.ndarray, ops.call.head_map)
     f_q, f_k = arb(mult.query * mult.post), arb(mult.key * mult.post)  # one factor is 1: exact
     post = arb(mult.post)
     q_b, k_b = balls(ops.q_s), balls(ops.k_s)
@@ -448,19 +460,21 @@ def _family_backward(ops: _Operands, gb: np.ndarray, Hkv: int,
             W = ops.metric()
             g_q = lambda: matmul(matmul(gb, k_b), _t(W))  # noqa: E731
             g_k = lambda: _heads(matmul(_t(gb), matmul(q_b, W)), hm, Hkv)  # noqa: E731
-            axes = (0, 1) if fam.W.ndim == 2 else 0  # sum over b (and the heads when shared)
+            axes = (0, 1) if cast(Bilinear, fam).W.ndim == 2 else 0  # over b (and shared heads)
             out["grad_score_params"] = {"W": point(
                 "grad_score_W", lambda: total(matmul(_t(q_b), matmul(gb, k_b)), axis=axes) * post,
                 start=SUM_BITS)}
         case "additive":
+            add = cast(Additive, fam)
+
             def pre_grad() -> np.ndarray:  # G (1 - t^2) v, (B, Hq, Q, K, Da)
                 def build() -> np.ndarray:
-                    return gb[..., None] * ops.pair_slope() * balls(fam.v)[None, :, None, None]
+                    return gb[..., None] * ops.pair_slope() * balls(add.v)[None, :, None, None]
 
                 return ops.cached("pre_grad", build)
 
-            g_q = lambda: matmul(total(pre_grad(), axis=3), balls(fam.Wq)[None])  # noqa: E731
-            g_k = lambda: _heads(matmul(total(pre_grad(), axis=2), balls(fam.Wk)[None]),  # noqa: E731
+            g_q = lambda: matmul(total(pre_grad(), axis=3), balls(add.Wq)[None])  # noqa: E731
+            g_k = lambda: _heads(matmul(total(pre_grad(), axis=2), balls(add.Wk)[None]),  # noqa: E731
                                  hm, Hkv)
             def param(which: Literal["Wq", "Wk", "b", "v"]) -> Exact | None:
                 if not isinstance(fx, AdditiveExact):
