@@ -55,6 +55,9 @@ BUFFER_BYTES = 8 << 20
 #: (``gemm_split``); for the thin products of the fused kernel that measured 0.8-0.99 of square
 #: DGEMM against 0.63-0.76 packed (AMD EPYC, SkylakeX kernel, one thread; issue 27)
 SMALL_GEMM = 100**3
+#: OpenBLAS kernels (threadpoolctl's ``architecture``) with those small-matrix dgemm kernels: the
+#: AVX-512 ones. With the Haswell kernel the tiles measured 4% slower, so they are not used there
+SMALL_GEMM_KERNELS = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
 #: rows of C per tile of ``O`` and ``dQ`` (the inner axis, keys, takes what the bound leaves)
 #: and inner rows per tile of ``dV`` and ``dK`` (their C rows, keys, take the rest)
 NN_ROWS, TN_INNER = 64, 32
@@ -134,22 +137,32 @@ def split_tiles(provider: Provider, lay: Layout, Dk: int, Dv: int) -> np.ndarray
     """Tiles of the fused kernel's thin products ``O``, ``dV``, ``dQ``, ``dK``: (8,) int64.
 
     Pairs of (rows of C, inner rows) for :func:`~refattn.engine.numba.blas.gemm_split`. With
-    OpenBLAS on one thread per task (the ``heads`` layout) each tile stays within
-    :data:`SMALL_GEMM`, so OpenBLAS runs it unpacked: ``O`` and ``dQ`` in :data:`NN_ROWS` query
-    rows by as many keys as fit; ``dV`` and ``dK`` in :data:`TN_INNER` query rows (their inner
-    axis) by as many keys as fit. Otherwise (another library, or the library's own threads,
-    which its small-matrix path would not use) every product is issued whole.
+    OpenBLAS on an AVX-512 kernel (:data:`SMALL_GEMM_KERNELS`, read from the provider's version
+    string, ``"<version> <architecture>"``) and on one thread per task (the ``heads`` layout),
+    each tile stays within :data:`SMALL_GEMM`, so OpenBLAS runs it unpacked: ``O`` and ``dQ``
+    in :data:`NN_ROWS` query rows by as many keys as fit; ``dV`` and ``dK`` in
+    :data:`TN_INNER` query rows (their inner axis) by as many keys as fit. Otherwise (another
+    library or kernel, or the library's own threads, which its small-matrix path would not
+    use) every product is issued whole.
 
     Examples
     --------
-    >>> from refattn.engine.numba.providers import available_providers
-    >>> openblas = available_providers()[0]
-    >>> split_tiles(openblas, Layout(128, 1, 2, 1), 64, 64).tolist()
+    >>> from refattn.engine.numba.providers import Provider
+    >>> skx = Provider("openblas", "0.3.30 SkylakeX")
+    >>> split_tiles(skx, Layout(128, 1, 2, 1), 64, 64).tolist()
     [64, 240, 488, 32, 64, 240, 488, 32]
-    >>> int(split_tiles(openblas.with_layout("blas"), Layout(128, 1, 1, 2), 64, 64).min())
-    2147483647
+    >>> split_tiles(skx, Layout(256, 1, 2, 1), 128, 128).tolist()
+    [64, 120, 240, 32, 64, 120, 240, 32]
+    >>> whole = int(np.iinfo(np.int32).max)
+    >>> int(split_tiles(skx.with_layout("blas"), Layout(128, 1, 1, 2), 64, 64).min()) == whole
+    True
+    >>> int(split_tiles(Provider("openblas", "0.3.30 Haswell"), Layout(128, 1, 2, 1), 64,
+    ...                 64).min()) == whole
+    True
     """
-    if provider.name != "openblas" or lay.blas_threads != 1:
+    kernel = provider.version.split()[-1].lower() if provider.version else ""
+    if (provider.name != "openblas" or kernel not in SMALL_GEMM_KERNELS
+            or lay.blas_threads != 1):
         return np.full(8, _WHOLE, dtype=np.int64)
 
     def fit(other: int, d: int) -> int:  # the other side of a tile within the bound, >= 8
