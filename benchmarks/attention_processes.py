@@ -268,10 +268,17 @@ def write_inputs(case: Case, folder: Path) -> Path:
 
 
 def measure(case: Case, variants: list[str], data: Path, *, threads: int, calls: int,
-            rounds: int, unset_openblas: bool) -> dict[str, Any]:
-    """Per variant: ``rounds`` fresh processes, interleaved; then one in-process cross-check."""
+            rounds: int, unset_openblas: bool, dgemm_n: int = 3072) -> dict[str, Any]:
+    """Per variant: ``rounds`` fresh processes, interleaved; then one in-process cross-check.
+
+    Each round also times square DGEMM in a process of its own, between the variants' processes,
+    so that the case's fraction of DGEMM divides by a rate measured in the same minutes (on a
+    shared machine the rate at the start of a run can be far from the rate an hour later)."""
     per: dict[str, list[dict[str, Any]]] = {v: [] for v in variants}
+    dgemm: list[float] = []
     for _ in range(rounds):
+        dgemm.append(_spawn(["dgemm", threads, dgemm_n],
+                            child_environ(threads, unset_openblas))["gflops"])
         for v in variants:
             env = child_environ(threads, unset_openblas, v)
             per[v].append(_spawn(["one", v.replace("-mkl", ""), list(case), str(data),
@@ -279,7 +286,8 @@ def measure(case: Case, variants: list[str], data: Path, *, threads: int, calls:
     one = [v for v in variants if v != "refattn-mkl"]
     together = _spawn(["inprocess", one, list(case), str(data), threads, calls],
                       child_environ(threads, unset_openblas))
-    result: dict[str, Any] = {"case": list(case), "name": case.name, "variants": {}}
+    result: dict[str, Any] = {"case": list(case), "name": case.name, "variants": {},
+                              "dgemm_gflops": statistics.median(dgemm), "dgemm_rounds": dgemm}
     for v, runs in per.items():
         result["variants"][v] = {
             "median": statistics.median(r["median"] for r in runs),
@@ -290,12 +298,13 @@ def measure(case: Case, variants: list[str], data: Path, *, threads: int, calls:
 
 
 HEADER = ("| case | variant | median s (processes) | min s | GF/s | / DGEMM | x torch (processes) "
-          "| median s (one process) | x torch (one process) |")
+          "| median s (one process) | x torch (one process) | DGEMM GF/s (this case) |")
 
 
 def rows(r: dict[str, Any], dgemm: float) -> list[str]:
-    """The markdown rows of one case."""
+    """The markdown rows of one case (``/ DGEMM`` over the case's own DGEMM where measured)."""
     case = Case(*r["case"])
+    dgemm = r.get("dgemm_gflops", dgemm)
     vs = r["variants"]
     torch_s = vs.get("torch", {}).get("median")
     torch_in = vs.get("torch", {}).get("inprocess_median")
@@ -307,7 +316,7 @@ def rows(r: dict[str, Any], dgemm: float) -> list[str]:
         ratio_in = f"{torch_in / ins:.2f}x" if (torch_in and ins) else "-"
         out.append(f"| {case.name} | {v} | {s['median']:.4f} | {s['min']:.4f} | {rate:.1f} | "
                    f"{rate / dgemm:.2f} | {ratio} | "
-                   f"{'-' if ins is None else f'{ins:.4f}'} | {ratio_in} |")
+                   f"{'-' if ins is None else f'{ins:.4f}'} | {ratio_in} | {dgemm:.1f} |")
     return out
 
 
@@ -327,7 +336,7 @@ def summary(results: list[dict[str, Any]], dgemm: float, install: str, cpu: str)
         for v in (x for x in vs if x != "torch"):
             strict = amd or not install.startswith("default") or v.endswith("mkl")
             speed = vs["torch"]["median"] / vs[v]["median"]
-            frac = case.flops / vs[v]["median"] / 1e9 / dgemm
+            frac = case.flops / vs[v]["median"] / 1e9 / r.get("dgemm_gflops", dgemm)
             need = (1.5 if case.Q >= 1024 else None) if strict else \
                 (1.25 if case.Q >= 1024 else 1.0)
             verdict = ("no target" if need is None else
@@ -527,11 +536,13 @@ def main(argv: list[str] | None = None) -> int:
                   "calls), interleaved; figure = median of the process medians; one process "
                   "with every variant round robin as a cross-check\n")
             print(HEADER)
-            print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |", flush=True)
+            print("| --- | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |",
+                  flush=True)
             for case in cases:
                 data = write_inputs(case, Path(tmp))
                 r = measure(case, variants, data, threads=threads, calls=args.calls,
-                            rounds=args.rounds, unset_openblas=args.unset_openblas_env)
+                            rounds=args.rounds, unset_openblas=args.unset_openblas_env,
+                            dgemm_n=256 if args.dry_run else 3072)
                 out["cases"].append(r)
                 print("\n".join(rows(r, dgemm["gflops"])), flush=True)
             print("\n".join(summary(out["cases"], dgemm["gflops"], env["install"], env["cpu"])))

@@ -42,6 +42,10 @@ def test_dry_run_reports_each_side_from_its_own_processes(bench, tmp_path, monke
         assert len(v["process_medians"]) == 1 and v["median"] == v["process_medians"][0] > 0
         assert float(cells[2]) == pytest.approx(v["median"], abs=1e-4)
         assert v["inprocess_median"] > 0  # the cross-check ran every variant in one process
+        # / DGEMM divides by the DGEMM timed between this case's processes, printed last
+        assert len(case["dgemm_rounds"]) == 1 and cells[9] == f"{case['dgemm_gflops']:.1f}"
+        rate = bench.DRY_CASES[0].flops / v["median"] / 1e9
+        assert cells[5] == f"{rate / case['dgemm_gflops']:.2f}"
         if torch_present:
             torch_v = case["variants"]["torch"]
             assert cells[6] == f"{torch_v['median'] / v['median']:.2f}x"
