@@ -502,7 +502,8 @@ class KVCacheCall:
         sequence b at position ``cache_seqlens[b] - Q + i``, keys ``t < cache_seqlens[b]``);
         ALiBi as a bias, softcap and scale as given.
     paged : PagedKV
-        The cache as given, with the gather and its inverse.
+        The cache as given, with the gather and its inverse; sequences may share pages (a
+        common prefix), as FlashAttention allows.
     row_has_key : (B, Q) bool ndarray
         Whether query i of sequence b sees at least one key; FlashAttention writes a zero
         output row and lse +inf for one that does not (refattn zeroes it through
@@ -564,7 +565,7 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
         On a dtype other than float64 (q, caches) or int32 (block_table, cache_seqlens), a
         shape that does not match FlashAttention's layout, a block-table entry outside
         ``[0, num_blocks)`` among the blocks a sequence reads (naming ``block_table[b, p]``),
-        ``cache_seqlens[b]`` beyond the table (or below 1), or two blocks reading one page.
+        or ``cache_seqlens[b]`` beyond the table (or below 1).
 
     Examples
     --------
@@ -657,7 +658,7 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
     else:
         window = None if left is None and right is None else (left, right)
     pc = paged_call(np.ascontiguousarray(qa.transpose(0, 2, 1, 3)), kc, vc, table, lens, ps,
-                    causal=bool(causal), window=window, scale=softmax_scale,
+                    causal=bool(causal), window=window, shared_pages=True, scale=softmax_scale,
                     softcap=float(softcap) if softcap > 0 else None, **kwargs)
     return KVCacheCall(pc.call, pc.paged, row_has_key)
 

@@ -80,15 +80,19 @@ class PagedKV:
     seqlens : (B,) int64 ndarray
         Tokens in each sequence's cache, ``1 <= seqlens[b] <= max_pages * page_size``.
     page_size : int
+    shared_pages : bool
+        False (default): each page belongs to one block. True: blocks may share a page (prefix
+        caching: sequences that start alike read the same pages); a shared page's gradient is
+        then the sum over the blocks that read it.
 
     Raises
     ------
     RefAttnError
         On non-float64 or non-finite pages, mismatched page shapes, a page size that does
         not match the pages, a sequence length out of range, a block-table entry out of
-        range (naming ``block_table[b, p]`` and its value), or one page read by two blocks
-        ("overlapping pages": their gradients would be summed into one page, which no
-        paged kernel writes), naming both entries.
+        range (naming ``block_table[b, p]`` and its value), or, unless ``shared_pages``, one
+        page read by two blocks ("overlapping pages": their gradients would be summed into
+        one page), naming both entries.
 
     Examples
     --------
@@ -105,6 +109,7 @@ class PagedKV:
     block_table: np.ndarray
     seqlens: np.ndarray
     page_size: int
+    shared_pages: bool = False
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
@@ -134,6 +139,8 @@ class PagedKV:
             if not 1 <= n <= capacity:
                 raise RefAttnError(f"seqlens: entry b={b} is {n}, expected 1 <= seqlens[b] <= "
                                    f"max_pages * page_size = {capacity}")
+        if not isinstance(self.shared_pages, (bool, np.bool_)):
+            raise RefAttnError(f"shared_pages: expected True or False, got {self.shared_pages!r}")
         num_pages = kp.shape[0]
         used = self._used(table, lens, int(ps))
         owner: dict[int, tuple[int, int]] = {}
@@ -142,17 +149,19 @@ class PagedKV:
             if not 0 <= page < num_pages:
                 raise RefAttnError(f"block_table: entry (b={b}, p={p}) is {page}, expected a "
                                    f"page in [0, {num_pages}) (num_pages of k_pages)")
-            if page in owner:
+            if page in owner and not self.shared_pages:
                 b0, p0 = owner[page]
                 raise RefAttnError(
                     f"block_table: overlapping pages: entries (b={b0}, p={p0}) and (b={b}, "
-                    f"p={p}) both read page {page}; each page must belong to one block")
-            owner[page] = (int(b), int(p))
+                    f"p={p}) both read page {page}; each page must belong to one block "
+                    "(shared_pages=True for a shared prefix)")
+            owner.setdefault(page, (int(b), int(p)))
         set_(self, "k_pages", kp)
         set_(self, "v_pages", vp)
         set_(self, "block_table", table)
         set_(self, "seqlens", lens)
         set_(self, "page_size", int(ps))
+        set_(self, "shared_pages", bool(self.shared_pages))
 
     @staticmethod
     def _used(table: np.ndarray, lens: np.ndarray, ps: int) -> np.ndarray:
@@ -208,8 +217,8 @@ class PagedKV:
     def scatter(self, grad: np.ndarray, name: str) -> np.ndarray:
         """Map a canonical (B, Hkv, K, D) gradient back onto pages (the inverse gather).
 
-        Each page slot receives the gradient of the one canonical key that reads it (the
-        table has no overlapping pages, so nothing is summed); unreferenced slots get 0.
+        Each page slot receives the gradient of the one canonical key that reads it, or with
+        ``shared_pages`` the sum over the keys that read it; unreferenced slots get 0.
         """
         g = as_array(name, grad)
         check_float64(name, g)
@@ -221,7 +230,11 @@ class PagedKV:
         page, slot, read = self._slots()
         valid = read & self.key_valid()  # (B, K)
         b_idx, t_idx = np.nonzero(valid)
-        out[page[b_idx, t_idx], slot[b_idx, t_idx]] = g[b_idx, :, t_idx, :]  # (n, Hkv, D)
+        rows = g[b_idx, :, t_idx, :]  # (n, Hkv, D)
+        if self.shared_pages:  # a slot read by several sequences: the sum of their gradients
+            np.add.at(out, (page[b_idx, t_idx], slot[b_idx, t_idx]), rows)
+        else:  # one reader per slot: stored as computed (a -0.0 stays -0.0)
+            out[page[b_idx, t_idx], slot[b_idx, t_idx]] = rows
         return out
 
     def page_gradients(self, grads: Any) -> PageGradients:
@@ -247,10 +260,14 @@ class PagedKV:
 
     def conventions(self) -> dict[str, Any]:
         """What a golden manifest records about the paged layout."""
-        return {"kv_layout": "paged", "page_size": self.page_size, "page_layout": PAGE_LAYOUT,
-                "block_table": "token t of sequence b: page block_table[b, t // page_size], "
-                               "slot t % page_size; entries past a sequence's last page unread",
-                "cache_offset": "query i of sequence b at position seqlens[b] - Q + i"}
+        out: dict[str, Any] = {
+            "kv_layout": "paged", "page_size": self.page_size, "page_layout": PAGE_LAYOUT,
+            "block_table": "token t of sequence b: page block_table[b, t // page_size], "
+                           "slot t % page_size; entries past a sequence's last page unread",
+            "cache_offset": "query i of sequence b at position seqlens[b] - Q + i"}
+        if self.shared_pages:  # recorded only when set: other manifests stay as they were
+            out["shared_pages"] = True
+        return out
 
 
 @dataclass(frozen=True, eq=False)
@@ -264,7 +281,7 @@ class PagedCall:
 def paged_call(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: Any,
                page_size: int, *, causal: bool = True,
                window: tuple[int | None, int | None] | None = None,
-               **call_kwargs: Any) -> PagedCall:
+               shared_pages: bool = False, **call_kwargs: Any) -> PagedCall:
     """The canonical call of a decode step over a paged KV cache.
 
     Parameters
@@ -285,6 +302,8 @@ def paged_call(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: An
         ``right`` after it (None: unbounded on that side; the excludes-query convention of
         :func:`refattn.masks.relation`, FlashAttention's ``window_size`` with None for -1).
         With ``causal`` the keys after the query are excluded anyway.
+    shared_pages : bool
+        Blocks may share pages (see :class:`PagedKV`).
     **call_kwargs
         Any other :class:`~refattn.AttentionCall` keyword (bias, sink, softcap, head_map,
         scale, dropout, ...).
@@ -317,7 +336,7 @@ def paged_call(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: An
                            "seqlens (cache-offset causal); do not pass visible=")
     if not isinstance(causal, (bool, np.bool_)):
         raise RefAttnError(f"causal: expected True or False, got {causal!r}")
-    paged = PagedKV(k_pages, v_pages, block_table, seqlens, page_size)
+    paged = PagedKV(k_pages, v_pages, block_table, seqlens, page_size, shared_pages)
     q_arr = as_array("q", q)
     if q_arr.ndim != 4 or q_arr.shape[0] != paged.B:
         raise RefAttnError(f"q: expected shape [B={paged.B}, Hq, Q, Dk] (B = block_table "
