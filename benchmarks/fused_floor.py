@@ -145,11 +145,13 @@ def visible_elements(shape: tuple[int, ...], causal: bool) -> int:
 
 
 def breakdown(shape: tuple[int, ...], *, causal: bool = False, rounds: int = 5,
-              provider: Any = None) -> dict[str, Any]:
+              provider: Any = None, dgemm: bool = False) -> dict[str, Any]:
     """Time the fused kernel, its six products together and alone, and the row-pass copy.
 
     ``shape`` is (B, Hq, Hkv, Q, K, D). Returns medians and minima (seconds), GFLOP/s of each
     product, the row pass (fused - gemms) in ns per visible element and over the copy time.
+    ``dgemm``: also time square DGEMM (3072^2, scipy's BLAS on its default threads) as one more
+    variant of the same interleaved rounds (``dgemm_gflops``, from its median).
     """
     provider = provider or current_provider()
     call, g_o = _ds_operands(shape, causal)
@@ -176,6 +178,8 @@ def breakdown(shape: tuple[int, ...], *, causal: bool = False, rounds: int = 5,
     fns = {"fused": lambda: value_and_grad(call, g_o, provider=provider), "gemms": products(63),
            "copy": copy, "launch": products(0)}
     fns |= {name: products(1 << p) for p, name in enumerate(PRODUCTS)}
+    if dgemm:
+        fns["dgemm"] = square_dgemm_call()
     t = interleaved(fns, min_rounds=rounds, settle=0.1)
     med = {name: (r["median"], r["min"]) for name, r in t.items()}
     # one product's flops: 2 x visible score elements x D (kn rounds up to KEY_CHUNK: ignored)
@@ -191,6 +195,7 @@ def breakdown(shape: tuple[int, ...], *, causal: bool = False, rounds: int = 5,
         "row_pass_s": row, "row_pass_share": row / med["fused"][0],
         "row_pass_ns_per_element": row / elements * 1e9 * nt,
         "row_pass_over_copy": row / med["copy"][0],
+        "dgemm_gflops": 2 * 3072**3 / med["dgemm"][0] / 1e9 if dgemm else None,
     }
 
 
@@ -223,23 +228,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--causal", action="store_true")
     p.add_argument("--rounds", type=int, default=5)
     p.add_argument("--dgemm", action="store_true",
-                   help="also time square DGEMM on the kernels' BLAS (scipy's) and print each "
-                        "product's fraction of it")
+                   help="also time square DGEMM on the kernels' BLAS (scipy's), in each shape's "
+                        "rounds, and print each product's fraction of it")
     args = p.parse_args(argv)
     cases = ISSUE_SHAPES
     if args.shape:
         cases = [(tuple(int(x) for x in args.shape.split(",")), args.causal)]
     provider = current_provider()
     print(f"provider {provider.key} ({provider.version}); numba threads {numba.get_num_threads()}")
-    square = square_dgemm() if args.dgemm else None
-    if square:
-        print(f"square DGEMM 3072^2 on scipy's BLAS (the kernels' dgemm), default threads, this "
-              f"run: {square:.1f} GF/s")
     for shape, causal in progress(cases, desc="fused floor", unit="shape"):  # terminal only
-        r = breakdown(shape, causal=causal, rounds=args.rounds, provider=provider)
+        r = breakdown(shape, causal=causal, rounds=args.rounds, provider=provider,
+                      dgemm=args.dgemm)
         print(f"{shape}{' causal' if causal else ''}:")
         print("\n".join(format_breakdown(r)), flush=True)
+        square = r["dgemm_gflops"]
         if square:
+            print(f"  square DGEMM 3072^2 on scipy's BLAS (the kernels' dgemm), default threads, "
+                  f"in this shape's rounds: {square:.1f} GF/s (median)")
             fused_rate = (12.0 * visible_elements(shape, causal) * shape[5] / 1e9
                           / r["seconds"]["fused"]["median"])
             print("  per GEMM / square DGEMM: " + ", ".join(
@@ -249,21 +254,13 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def square_dgemm(n: int = 3072, repeats: int = 5) -> float:
-    """GFLOP/s of scipy's ``dgemm`` (the BLAS the kernels call) on n x n operands."""
-    import time
-
+def square_dgemm_call(n: int = 3072) -> Any:
+    """A call of scipy's ``dgemm`` (the BLAS the kernels call) on n x n operands."""
     from scipy.linalg.blas import dgemm
 
     rng = np.random.default_rng(1)
     a, b = (np.asfortranarray(rng.standard_normal((n, n))) for _ in range(2))
-    dgemm(1.0, a, b)
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        dgemm(1.0, a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+    return lambda: dgemm(1.0, a, b)
 
 
 if __name__ == "__main__":
