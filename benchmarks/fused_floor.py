@@ -17,10 +17,13 @@ the same score blocks in the same layout. :func:`breakdown` times, interleaved i
   (one and a half): 2.5 copies of the block, which ``_copy`` performs.
 
 ``row pass = fused - gemms`` (everything that is not a product: softmax, D, dS, tile
-classification). Usage::
+classification). ``--dgemm`` adds square DGEMM to the same rounds (each product's fraction of
+it); ``--whole`` adds the fused kernel with every product issued whole, as before the
+small-matrix tiles of ``O``, ``dV``, ``dQ`` and ``dK`` (issue 27). Usage::
 
     python3 benchmarks/fused_floor.py                  # the issue's shapes
     python3 benchmarks/fused_floor.py --shape 1,16,16,2048,2048,128 --causal
+    python3 benchmarks/fused_floor.py --dgemm --whole --shape 1,8,8,4096,4096,64
 """
 
 from __future__ import annotations
@@ -42,6 +45,7 @@ from timing import interleaved  # noqa: E402
 
 from refattn import AttentionCall  # noqa: E402
 from refattn._progress import progress  # noqa: E402
+from refattn.engine.numba import fused_host  # noqa: E402
 from refattn.engine.numba.blas import gemm, gemm_split  # noqa: E402
 from refattn.engine.numba.calibration import current_provider  # noqa: E402
 from refattn.engine.numba.fused_host import (  # noqa: E402
@@ -145,13 +149,15 @@ def visible_elements(shape: tuple[int, ...], causal: bool) -> int:
 
 
 def breakdown(shape: tuple[int, ...], *, causal: bool = False, rounds: int = 5,
-              provider: Any = None, dgemm: bool = False) -> dict[str, Any]:
+              provider: Any = None, dgemm: bool = False, whole: bool = False) -> dict[str, Any]:
     """Time the fused kernel, its six products together and alone, and the row-pass copy.
 
     ``shape`` is (B, Hq, Hkv, Q, K, D). Returns medians and minima (seconds), GFLOP/s of each
     product, the row pass (fused - gemms) in ns per visible element and over the copy time.
     ``dgemm``: also time square DGEMM (3072^2, scipy's BLAS on its default threads) as one more
-    variant of the same interleaved rounds (``dgemm_gflops``, from its median).
+    variant of the same interleaved rounds (``dgemm_gflops``, from its median). ``whole``:
+    also time the fused kernel with every product issued whole (no small-matrix tiles, as
+    before issue 27) in the same rounds, as ``fused_whole``.
     """
     provider = provider or current_provider()
     call, g_o = _ds_operands(shape, causal)
@@ -180,6 +186,8 @@ def breakdown(shape: tuple[int, ...], *, causal: bool = False, rounds: int = 5,
     fns |= {name: products(1 << p) for p, name in enumerate(PRODUCTS)}
     if dgemm:
         fns["dgemm"] = square_dgemm_call()
+    if whole:
+        fns["fused_whole"] = _whole_products(lambda: value_and_grad(call, g_o, provider=provider))
     t = interleaved(fns, min_rounds=rounds, settle=0.1)
     med = {name: (r["median"], r["min"]) for name, r in t.items()}
     # one product's flops: 2 x visible score elements x D (kn rounds up to KEY_CHUNK: ignored)
@@ -230,6 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--dgemm", action="store_true",
                    help="also time square DGEMM on the kernels' BLAS (scipy's), in each shape's "
                         "rounds, and print each product's fraction of it")
+    p.add_argument("--whole", action="store_true",
+                   help="also time the fused kernel with its products whole (no small-matrix "
+                        "tiles) in the same rounds")
     args = p.parse_args(argv)
     cases = ISSUE_SHAPES
     if args.shape:
@@ -238,9 +249,14 @@ def main(argv: list[str] | None = None) -> int:
     print(f"provider {provider.key} ({provider.version}); numba threads {numba.get_num_threads()}")
     for shape, causal in progress(cases, desc="fused floor", unit="shape"):  # terminal only
         r = breakdown(shape, causal=causal, rounds=args.rounds, provider=provider,
-                      dgemm=args.dgemm)
+                      dgemm=args.dgemm, whole=args.whole)
         print(f"{shape}{' causal' if causal else ''}:")
         print("\n".join(format_breakdown(r)), flush=True)
+        if args.whole:
+            sec = r["seconds"]
+            print(f"  fused with every product whole: {sec['fused_whole']['median']:.4f} s; "
+                  f"with the tiles {sec['fused']['median']:.4f} s "
+                  f"({sec['fused_whole']['median'] / sec['fused']['median']:.3f}x faster)")
         square = r["dgemm_gflops"]
         if square:
             print(f"  square DGEMM 3072^2 on scipy's BLAS (the kernels' dgemm), default threads, "
@@ -252,6 +268,18 @@ def main(argv: list[str] | None = None) -> int:
                 + f"; six together {r['gemms_gflops'] / square:.2f}; fused f+b "
                 f"{fused_rate:.1f} GF/s = {fused_rate / square:.2f}", flush=True)
     return 0
+
+
+def _whole_products(fn: Any) -> Any:
+    """``fn`` run with fused_host's small-matrix tiles off (every product issued whole)."""
+    def run() -> Any:
+        saved = fused_host.SMALL_GEMM_KERNELS
+        fused_host.SMALL_GEMM_KERNELS = frozenset()
+        try:
+            return fn()
+        finally:
+            fused_host.SMALL_GEMM_KERNELS = saved
+    return run
 
 
 def square_dgemm_call(n: int = 3072) -> Any:
