@@ -256,7 +256,7 @@ def main(argv: list[str] | None = None) -> int:
             sec = r["seconds"]
             print(f"  fused with every product whole: {sec['fused_whole']['median']:.4f} s; "
                   f"with the tiles {sec['fused']['median']:.4f} s "
-                  f"({sec['fused_whole']['median'] / sec['fused']['median']:.3f}x faster)")
+                  f"(whole / tiles = {sec['fused_whole']['median'] / sec['fused']['median']:.3f})")
         square = r["dgemm_gflops"]
         if square:
             print(f"  square DGEMM 3072^2 on scipy's BLAS (the kernels' dgemm), default threads, "
