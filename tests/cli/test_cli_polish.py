@@ -128,7 +128,11 @@ def test_gradient_check_methods_have_one_spelling(tmp_path, monkeypatch, capsys)
     vmethod = next(a for a in verify._actions if a.dest == "gradcheck_method")
     assert tuple(method.choices) == tuple(vmethod.choices) == ("auto", "complex_step", "central")
 
-    import refattn.cli.verify as cli_verify
+    # the module object the command line dispatches through (a doctest collected with
+    # --import-mode=importlib may have put a second copy in sys.modules)
+    from refattn.cli.main import COMMANDS
+
+    cli_verify = next(m for m in COMMANDS if m.__name__ == "refattn.cli.verify")
 
     seen = []
 
