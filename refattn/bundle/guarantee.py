@@ -9,8 +9,11 @@ tests/bundle/test_verify_guarantees.py):
 - ``kappa = max(1, max|scores| / 16)``, the conditioning of ``exp(s - lse)`` in the scores
   (one ulp of a score of 1000 moves a probability by 1e-13);
 - forward tensors (:data:`FORWARD_TENSORS`): normwise relative difference at most
-  ``FORWARD_BOUND * kappa``, and every element within ``GRADIENT_BOUND * kappa`` of the
-  tensor's natural magnitude (a single element cannot hide in a large tensor's norm);
+  ``FORWARD_BOUND * kappa`` (for ``lse`` relative to ``max(|lse|, its natural magnitude)``
+  element by element, or ``max(|lse|, 1)`` without one: ``lse = m + log(l)`` with ``l >= 1``
+  rounded, so its error is absolute where the sum cancels to near 0), and every element within
+  ``GRADIENT_BOUND * kappa`` of the tensor's natural magnitude (a single element cannot hide
+  in a large tensor's norm);
 - every other float tensor (gradients): every element within ``GRADIENT_BOUND * kappa`` of its
   natural magnitude, the largest sum of absolute terms behind one element
   (:func:`natural_scales`, dot-family calls), with the structural zeros of the reference kept
@@ -200,7 +203,10 @@ def _tensor_bound(name: str, a: np.ndarray, g: np.ndarray, kap: float, scale: fl
                       f"{mag:.3e})"))
     if forward or scale is None:
         base = factor * (FORWARD_BOUND if forward else GRADIENT_BOUND)
-        norm = float(np.linalg.norm(g[fin]))
+        size = np.abs(g[fin])
+        if name == "lse":  # log of a row sum >= 1: its error is absolute near lse = 0
+            size = np.maximum(size, scale if scale is not None else 1.0)
+        norm = float(np.linalg.norm(size))
         rel = float(np.linalg.norm(d)) / norm if norm else (0.0 if not d.any() else np.inf)
         parts.append((_ratio(rel, base * kap), f"normwise relative difference {rel:.3e} > "
                       f"{base * kap:.3e} = {base:g} x kappa {kap:.3g}"))
