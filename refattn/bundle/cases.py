@@ -16,14 +16,18 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
+from refattn._checks import format_index
+from refattn.bundle.quantized import INPUTS, PREFIX, quant_tensors
 from refattn.call import AttentionCall
 from refattn.engine import backward, forward
 from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
+from refattn.quant.pipeline import dequantized_call, emulate
+from refattn.quant.spec import check_quant
 from refattn.records import float_record
 
 __all__ = ["GENERATORS", "Computed", "GoldenCase", "case_conventions", "case_tensors",
-           "compute", "numpy_environment"]
+           "compute", "emulated_tensors", "numpy_environment"]
 
 #: backends that may generate a golden bundle: ``exact`` (default; correctly rounded, the same
 #: bytes on every machine) and ``numpy`` (IEEE float64 in BLAS order; depends on the machine)
@@ -50,6 +54,11 @@ class GoldenCase:
         The physical inputs the call was built from (:class:`refattn.call.paged.PagedKV`, a
         paged KV cache): they are stored as given beside the canonical tensors, with the
         page gradients ``grad_k_pages`` and ``grad_v_pages``.
+    quant : QuantCase, optional
+        A quantised case (:class:`refattn.bundle.quantized.QuantCase`: the
+        :class:`~refattn.quant.spec.QuantSpec` and the call as the kernel receives it);
+        ``call`` is then its real call (the dequantised inputs), whose canonical tensors are
+        stored as for any case, beside the codes, scales and emulated intervals.
     """
 
     case_id: str
@@ -59,6 +68,7 @@ class GoldenCase:
     flags: tuple[str, ...] = ()
     conventions: Mapping[str, Any] = field(default_factory=dict)
     layout: Any = None
+    quant: Any = None
 
     def __post_init__(self) -> None:
         if not self.case_id or not all(c.isalnum() or c in "_-." for c in self.case_id):
@@ -97,6 +107,49 @@ def compute(case: GoldenCase, backend: str = "exact") -> Computed:
         trace = forward(case.call, backend=backend)
         grads = backward(trace, case.grad_output)
     return Computed(trace, grads)
+
+
+def emulated_tensors(case: GoldenCase) -> dict[str, np.ndarray]:
+    """The ``quant_*`` tensors of a quantised case: its codes, scales and the emulated
+    pipeline's intervals (:mod:`refattn.bundle.quantized`), computed from the kernel's call.
+
+    The case's real call must hold exactly the dequantised kernel inputs
+    (:func:`~refattn.quant.pipeline.dequantized_call`): a case whose q, k or v is not
+    ``codes * scale`` (or the cast input as given) is refused, naming the tensor and the
+    first differing index. The intervals are pure float64 arithmetic on the kernel's inputs,
+    the same on every machine and thread count.
+
+    Parameters
+    ----------
+    case : GoldenCase
+        With ``case.quant`` set.
+
+    Raises
+    ------
+    RefAttnError
+        A case without ``quant``, a spec that does not fit the kernel's call, or real inputs
+        that are not the dequantised kernel inputs.
+    """
+    qc = case.quant
+    if qc is None:
+        raise RefAttnError(f"{case.case_id}: not a quantised case")
+    check_quant(qc.call, qc.spec)
+    real = dequantized_call(qc.call, qc.spec)
+    for name in INPUTS:
+        given = np.ascontiguousarray(getattr(case.call, name))
+        want = np.ascontiguousarray(getattr(real, name))
+        if given.shape != want.shape:
+            raise RefAttnError(f"{case.case_id}: {name}: shape {list(given.shape)}, the kernel "
+                               f"input dequantises to {list(want.shape)}")
+        differs = given.view(np.uint64) != want.view(np.uint64)
+        if differs.any():
+            idx = tuple(int(i) for i in np.argwhere(differs)[0])
+            source = (f"{PREFIX}{name}_codes x {PREFIX}{name}_scale"
+                      if getattr(qc.spec, name).source == "codes" else "the cast input")
+            raise RefAttnError(
+                f"{case.case_id}: {name} at index {format_index(idx)}: {float(given[idx])!r} is "
+                f"not the dequantised kernel input {float(want[idx])!r} ({source})")
+    return quant_tensors(qc, emulate(qc.call, qc.spec))
 
 
 def numpy_environment() -> dict[str, Any]:

@@ -41,14 +41,14 @@ from refattn.errors import RefAttnError
 __all__ = ["LoadedCase", "SafetensorsHeader", "case_size_limit", "check_case_file",
            "decode_safetensors", "layout_inspector", "load", "load_bytes", "parse_header"]
 
-_ITEMSIZE = {"float64": 8, "int64": 8, "bool": 1}
+_ITEMSIZE = {"float64": 8, "int64": 8, "bool": 1, "uint8": 1, "uint16": 2, "uint32": 4}
 #: room for the safetensors header (names, dtypes, offsets, the metadata's hashes)
 _HEADER_SLACK = 2**20
 #: the largest safetensors JSON header read (the safetensors library's own limit)
 MAX_HEADER_BYTES = 100 * 2**20
 #: safetensors dtype codes refattn reads, as little-endian numpy dtypes
 _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4",
-              "I16": "<i2", "I8": "i1", "U8": "u1", "BOOL": "?"}
+              "I16": "<i2", "I8": "i1", "U8": "u1", "U16": "<u2", "U32": "<u4", "BOOL": "?"}
 #: bytes hashed per ``pread`` when a file is checked in pieces
 _HASH_STEP = 1 << 24
 

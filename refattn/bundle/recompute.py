@@ -27,6 +27,7 @@ from refattn.bundle.cases import (
     GoldenCase,
     case_conventions,
     case_tensors,
+    emulated_tensors,
 )
 from refattn.bundle.comparison import compare
 from refattn.bundle.guarantee import (
@@ -36,6 +37,7 @@ from refattn.bundle.guarantee import (
     kappa,
     natural_scales,
 )
+from refattn.bundle.quantized import quant_tensor_names
 from refattn.bundle.report import Guarantee, Problem
 from refattn.bundle.spec import CaseSpec
 from refattn.call import AttentionCall
@@ -273,7 +275,14 @@ def recompute(spec: CaseSpec, backend: str | None = None, *,
                      "were checked against a float64 (numpy) recomputation instead")
         trace, grads = _run(case, "numpy")
     fresh = case_tensors(trace, grads, case.layout)
-    for name in sorted(set(spec.tensors) - set(fresh)):
+    unchecked: set[str] = set()  # quant_* tensors whose recomputation failed (said once)
+    if case.quant is not None:  # the emulated pipeline again, from the stored codes and spec
+        try:
+            fresh.update(emulated_tensors(case))
+        except RefAttnError as exc:
+            problems.append(Problem(cid, None, "recompute", f"quantised pipeline: {exc}"))
+            unchecked = set(quant_tensor_names(spec.tensors))
+    for name in sorted(set(spec.tensors) - set(fresh) - unchecked):
         problems.append(Problem(cid, name, "recompute",
                                 "stored tensor is not produced by the recomputation"))
     for name in sorted(set(fresh) - set(spec.tensors)):
@@ -282,7 +291,16 @@ def recompute(spec: CaseSpec, backend: str | None = None, *,
     common = sorted(n for n in fresh if n in spec.tensors)
     stored = {n: np.asarray(spec.tensors[n]) for n in common}
     diffs = {n: d for n in common if (d := _first_bit_difference(stored[n], fresh[n]))}
-    same_set = set(spec.tensors) == set(fresh)  # else: no guarantee about the case
+    # the emulated pipeline is deterministic whatever generated the case: bit for bit always
+    quant_bad = bool(unchecked)
+    for name in quant_tensor_names(common):
+        stored.pop(name)
+        if name in diffs:
+            quant_bad = True
+            problems.append(Problem(cid, name, "recompute", "the quantised pipeline's tensors "
+                                    f"are recomputed bit for bit; {diffs.pop(name)}"))
+    # else: no guarantee about the case
+    same_set = set(spec.tensors) == set(fresh) and not quant_bad
     identical = not diffs and same_set
     max_err = _max_abs_error(stored, fresh)
     # 2. the guarantee

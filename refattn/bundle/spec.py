@@ -16,7 +16,14 @@ from typing import Any
 
 import numpy as np
 
-from refattn.bundle.cases import GoldenCase, case_conventions, case_tensors, compute
+from refattn.bundle.cases import (
+    GoldenCase,
+    case_conventions,
+    case_tensors,
+    compute,
+    emulated_tensors,
+)
+from refattn.bundle.quantized import QuantCase, kernel_inputs
 from refattn.bundle.read import LoadedCase, load
 from refattn.call import AttentionCall, scores
 from refattn.call.gate import AllMaskedRows, ReturnedWeights
@@ -25,6 +32,7 @@ from refattn.call.placement import ScalePlacement
 from refattn.dropout import from_manifest
 from refattn.errors import RefAttnError
 from refattn.masks import relation_from_manifest
+from refattn.quant.spec import QuantSpec, check_quant
 
 __all__ = ["CaseSpec", "case_spec", "with_strides"]
 
@@ -76,6 +84,8 @@ class CaseSpec:
         Causal alignment, window convention and the other recorded conventions.
     flags : tuple of str
     comment : str
+    quant : dict, optional
+        A quantised case's manifest record (``{"spec": QuantSpec.to_manifest()}``), or None.
     """
 
     case_id: str
@@ -84,6 +94,7 @@ class CaseSpec:
     conventions: Mapping[str, Any] = field(default_factory=dict)
     flags: tuple[str, ...] = ()
     comment: str = ""
+    quant: Mapping[str, Any] | None = None
 
     # -- scalar fields ------------------------------------------------------------------
     @property
@@ -216,15 +227,18 @@ class CaseSpec:
                                f"cannot be rebuilt ({type(exc).__name__}: "
                                f"{str(exc)[:120]})") from None
 
-    def to_call(self) -> AttentionCall:
+    def to_call(self, inputs: Mapping[str, np.ndarray] | None = None) -> AttentionCall:
         """Rebuild the :class:`~refattn.AttentionCall`, including the recorded input strides.
+
+        ``inputs`` replaces the stored q, k or v (a quantised case's kernel inputs, see
+        :meth:`quant_case`); everything else is the stored call's.
 
         Raises
         ------
         RefAttnError
             When the manifest names a feature this reader cannot rebuild.
         """
-        t = self.tensors
+        t = {**self.tensors, **(inputs or {})}
         for name in ("q", "k", "v"):
             if name not in t:
                 raise RefAttnError(f"{self.case_id}: tensor {name!r} is missing")
@@ -264,7 +278,39 @@ class CaseSpec:
             raise RefAttnError(f"{self.case_id}: tensor 'grad_output' is missing")
         conv = dict(self.conventions)
         return GoldenCase(self.case_id, self.to_call(), self.tensors["grad_output"],
-                          self.comment, tuple(self.flags), conv, self.paged())
+                          self.comment, tuple(self.flags), conv, self.paged(),
+                          self.quant_case())
+
+    def quant_spec(self) -> QuantSpec | None:
+        """A quantised case's :class:`~refattn.quant.spec.QuantSpec`, read back from the
+        manifest and checked again (:meth:`QuantSpec.from_manifest`), or None."""
+        if self.quant is None:
+            return None
+        try:
+            return QuantSpec.from_manifest(self.quant.get("spec"))
+        except RefAttnError as exc:
+            raise RefAttnError(f"{self.case_id}: manifest quant: {exc}") from None
+
+    def quant_case(self) -> QuantCase | None:
+        """A quantised case's :class:`~refattn.bundle.quantized.QuantCase` (its spec and the
+        call as the kernel receives it: q, k, v decoded from the stored codes, or the stored
+        inputs where the kernel casts them), or None.
+
+        Raises
+        ------
+        RefAttnError
+            A spec that does not read back, a missing or malformed codes or scale tensor, a
+            stored scale that differs from the spec's, or kernel inputs the spec refuses.
+        """
+        spec = self.quant_spec()
+        if spec is None:
+            return None
+        kernel = self.to_call(kernel_inputs(spec, self.tensors, self.case_id))
+        try:
+            check_quant(kernel, spec)
+        except RefAttnError as exc:
+            raise RefAttnError(f"{self.case_id}: {exc}") from None
+        return QuantCase(spec, kernel)
 
     def paged(self) -> Any:
         """The paged KV cache the case stores as given (conventions ``kv_layout: paged``), or
@@ -300,9 +346,14 @@ def case_spec(source: LoadedCase | GoldenCase | str | os.PathLike) -> CaseSpec:
         source = load(Path(source))
     if isinstance(source, GoldenCase):
         trace, grads = compute(source)
-        return CaseSpec(source.case_id, case_tensors(trace, grads, source.layout),
-                        trace.manifest(),
-                        case_conventions(source), tuple(sorted(source.flags)), source.comment)
+        tensors = case_tensors(trace, grads, source.layout)
+        quant = None
+        if source.quant is not None:
+            tensors.update(emulated_tensors(source))
+            quant = source.quant.manifest()
+        return CaseSpec(source.case_id, tensors, trace.manifest(),
+                        case_conventions(source), tuple(sorted(source.flags)), source.comment,
+                        quant)
     if isinstance(source, LoadedCase):
         entry = source.manifest_entry
         if entry is None:
@@ -312,7 +363,7 @@ def case_spec(source: LoadedCase | GoldenCase | str | os.PathLike) -> CaseSpec:
             )
         return CaseSpec(source.case_id, source.tensors, entry["call"],
                         entry.get("conventions", {}), tuple(entry.get("flags", ())),
-                        entry.get("comment", ""))
+                        entry.get("comment", ""), entry.get("quant"))
     raise RefAttnError(
         f"golden: expected a LoadedCase, GoldenCase or case file path, got {type(source).__name__}"
     )

@@ -42,6 +42,7 @@ import numpy as np
 
 from refattn.bundle.cases import GoldenCase
 from refattn.bundle.fsio import read_regular
+from refattn.bundle.quantized import quant_case
 from refattn.call import AttentionCall
 from refattn.call.bias import alibi, alibi_slopes
 from refattn.call.scores import Additive, Bilinear, Cosine
@@ -50,6 +51,8 @@ from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS, SECONDS_PER_ELEMEN
 from refattn.engine.memory import available_bytes
 from refattn.errors import RefAttnError
 from refattn.masks import causal, relation, segments_from_cu_seqlens
+from refattn.quant.formats import format_max, quantize
+from refattn.quant.presets import PRESETS, preset
 
 __all__ = ["DESCRIPTION_VERSION", "MAX_CASES", "MAX_CASE_SECONDS", "MAX_SPEC_DEPTH",
            "MAX_SPEC_VALUES", "CaseBudget", "Sweep", "SweepCase", "build_case", "case_budget",
@@ -408,7 +411,7 @@ def normalize(fields: Mapping[str, Any]) -> dict[str, Any]:
     if "shape" not in merged:
         raise RefAttnError("shape: required (give it in the grid, the case or [defaults])")
     scale = merged["scale"]
-    return {
+    out = {
         "v": DESCRIPTION_VERSION,
         "shape": _shape(merged["shape"]),
         "score": _score(merged["score"]),
@@ -419,6 +422,34 @@ def normalize(fields: Mapping[str, Any]) -> dict[str, Any]:
         "seed": int(merged["seed"]),
         "generator": str(merged["generator"]),
     }
+    quant = _quant(merged)
+    if quant is not None:  # absent when not quantised: the ids of earlier sweeps stay the same
+        out["quant"] = quant
+    return out
+
+
+def _quant(merged: Mapping[str, Any]) -> dict[str, Any] | None:
+    """The normalised ``quant`` record of a case (None: not quantised)."""
+    name = str(merged.get("quant", "none"))
+    if name == "none":
+        for key in ("quant_scale", "quant_values"):
+            if key in merged:
+                raise RefAttnError(f"{key}: applies to a quantised case only (give quant = "
+                                   f"one of {', '.join(PRESETS)})")
+        return None
+    if name not in PRESETS:
+        raise RefAttnError(f"quant: unknown preset {name!r}; expected none or one of "
+                           f"{', '.join(PRESETS)}")
+    scale = _finite("quant_scale", merged.get("quant_scale", 1.0))
+    if not scale > 0:
+        raise RefAttnError(f"quant_scale: expected a positive number, got {scale!r}")
+    if name == "sageattention_int8":  # it computes its q/k scales (amax / 127 per token block)
+        scale = 1.0  # and casts v with scale 1: a grid's scales collapse to one case (dedup)
+    values = str(merged.get("quant_values", "random"))
+    if values not in _QUANT_VALUES:
+        raise RefAttnError(f"quant_values: expected one of {', '.join(_QUANT_VALUES)}, got "
+                           f"{values!r}")
+    return {"preset": name, "scale": scale, "values": values}
 
 
 def _digest(description: Mapping[str, Any]) -> str:
@@ -446,6 +477,8 @@ def case_id(description: Mapping[str, Any]) -> str:
         parts.append("drop")
     if description["generator"] != "exact":
         parts.append(description["generator"])
+    if description.get("quant") is not None:
+        parts.append(description["quant"]["preset"])
     return "-".join(parts) + "-" + _digest(description)[:12]
 
 
@@ -694,12 +727,62 @@ def build_case(description: Mapping[str, Any], cid: str | None = None) -> Golden
         flags.append("MQA" if Hkv == 1 else "GQA")
     if Q != K:
         flags.append("CrossAttention")
-    call = AttentionCall(q, k, v, **kw)
+    quant = None
+    if description.get("quant") is not None:
+        q, k, v, spec = _quant_inputs(description["quant"], q, k, v)
+        call, quant = quant_case(q, k, v, spec, **kw)
+        flags.append("Quantized")
+    else:
+        call = AttentionCall(q, k, v, **kw)
     comment = (f"sweep case: {family} score, mask {_canonical(description['mask'])}, "
                f"(B,Hq,Hkv,Q,K,Dk,Dv)=({B},{Hq},{Hkv},{Q},{K},{Dk},{Dv}), bias "
                f"{description['bias']}, dropout {_canonical(drop)}, data seed "
                f"{description['seed']}, generator {description['generator']}")
-    return GoldenCase(cid, call, g_o, comment, tuple(sorted(flags)))
+    if quant is not None:
+        comment += f", quantised {_canonical(description['quant'])}"
+    return GoldenCase(cid, call, g_o, comment, tuple(sorted(flags)), quant=quant)
+
+
+#: how a sweep draws quantised inputs (``quant_values``)
+_QUANT_VALUES = ("random", "near_limit")
+_EIGHT_BIT = ("e4m3fn", "e5m2", "int8")
+
+
+def _quant_inputs(record: Mapping[str, Any], *draws: np.ndarray
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray, Any]:
+    """The kernel's q, k, v from the case's normal draws, and the preset's spec.
+
+    An 8-bit input (e4m3fn, e5m2, int8): the draws times 16 (``random``), or magnitudes
+    between 0.75 and 1.25 times the format's largest value (``near_limit``); a ``"codes"``
+    input is then rounded onto the format's grid (saturating), a ``"cast"`` one (the kernel
+    quantises ``x / scale``) multiplied by its scale and rounded onto its input format's grid,
+    so that ``near_limit`` saturates in the kernel's own cast. A 16-bit input is the draws on
+    its grid. Every scale of the spec is ``record["scale"]``, per tensor.
+    """
+    name, scale, values = record["preset"], float(record["scale"]), record["values"]
+    options = {"fa3_fp8": ("q_descale", "k_descale", "v_descale"),
+               "flashinfer_sm90_fp8": ("q_scale", "k_scale", "v_scale"),
+               "flashinfer_fp8_kv": ("k_scale", "v_scale"),
+               "vllm_fp8_kv": ("q_scale", "k_scale", "v_scale"),
+               "sageattention_int8": ()}[name]
+    spec = preset(name, **dict.fromkeys(options, scale))
+    out = []
+    for tq, x in zip((spec.q, spec.k, spec.v), draws, strict=True):
+        fmt = tq.format if tq.source == "codes" else tq.input_format
+        top = format_max(tq.format)
+        if tq.format in _EIGHT_BIT:
+            if values == "near_limit":  # |x| in [0.75, 1.25) x the largest value, signs kept
+                x = np.sign(x) * top * (0.75 + 0.5 * np.abs(np.tanh(x)))
+            else:
+                x = x * 16.0
+            if tq.source == "cast" and tq.scale is not None:
+                x = x * scale
+        if fmt is None:
+            out.append(x)
+            continue
+        rounding = "half_away_from_zero" if fmt == "int8" else "nearest_even_satfinite"
+        out.append(quantize(x, fmt, rounding))
+    return out[0], out[1], out[2], spec
 
 
 class CaseBudget(NamedTuple):

@@ -37,6 +37,7 @@ from refattn.bundle.cases import (
     case_conventions,
     case_tensors,
     compute,
+    emulated_tensors,
     numpy_environment,
 )
 from refattn.bundle.format import (
@@ -89,6 +90,8 @@ def encode_case(case: GoldenCase, backend: str = "exact") -> tuple[bytes, dict[s
     """
     trace, grads = compute(case, backend)
     tensors = case_tensors(trace, grads, case.layout)
+    if case.quant is not None:  # the codes, scales and emulated intervals beside the real result
+        tensors.update(emulated_tensors(case))
     records = {
         name: {"sha256": tensor_sha256(t), "dtype": str(t.dtype), "shape": list(t.shape)}
         for name, t in sorted(tensors.items())
@@ -109,6 +112,8 @@ def encode_case(case: GoldenCase, backend: str = "exact") -> tuple[bytes, dict[s
         "tensors": records,
         "reference_error": reference_error(case.call, tensors),
     }
+    if case.quant is not None:
+        entry["quant"] = case.quant.manifest()
     return data, entry
 
 

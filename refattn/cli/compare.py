@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 from pathlib import Path
+from typing import Any
+
+import numpy as np
 
 from refattn.bundle.candidates import read_candidate
 from refattn.bundle.comparison import compare
@@ -75,10 +79,62 @@ def run(args: argparse.Namespace) -> int:
     mpath = golden.parent.parent / "manifest.json"
     if mpath.is_file():  # the bundle's schema version must be one this refattn reads
         manifest = check_schema(read_manifest(mpath))
-    report = compare(read_candidate(args.candidate), load(golden, manifest=manifest),
+    loaded = load(golden, manifest=manifest)
+    if loaded.manifest_entry is not None and loaded.manifest_entry.get("quant") is not None:
+        return _compare_quantized(args, loaded)
+    report = compare(read_candidate(args.candidate), loaded,
                      dtype=args.dtype, tolerances=tol, check=args.check)
     if args.json:
         print(json.dumps(report.to_dict(), indent=1))
     else:
         print(report.format(legend=not args.no_legend))
+    return 0 if report.passed else 1
+
+
+def _plain_json(x: Any) -> Any:
+    """JSON-able: tuples as lists, non-finite floats as the strings nan, inf, -inf."""
+    if isinstance(x, dict):
+        return {str(k): _plain_json(v) for k, v in x.items()}
+    if isinstance(x, (list, tuple)):
+        return [_plain_json(v) for v in x]
+    if isinstance(x, (float, np.floating)):
+        x = float(x)
+        return x if math.isfinite(x) else str(x)
+    if isinstance(x, np.integer):
+        return int(x)
+    return x
+
+
+def _compare_quantized(args: argparse.Namespace, loaded: Any) -> int:
+    """A quantised golden case: the candidate's tensors (output, lse, or an emulated
+    intermediate; converted exactly to float64) must lie in the emulated pipeline's intervals
+    (:func:`refattn.quant.check.check_candidate`), recomputed from the case's codes and spec
+    (verify checks them against the stored ones bit for bit)."""
+    from dataclasses import asdict
+
+    from refattn.bundle.spec import case_spec
+    from refattn.quant.check import check_candidate
+    from refattn.quant.pipeline import quantized
+
+    for option in ("dtype", "atol", "rtol", "k_forward", "k_gradient", "floor_factor"):
+        if getattr(args, option) is not None:
+            raise RefAttnError(f"--{option.replace('_', '-')}: does not apply to a quantised "
+                               "case (its tolerance is the emulated pipeline's interval)")
+    qc = case_spec(loaded).quant_case()
+    if qc is None:  # the entry has a quant record, so quant_case() built one or raised
+        raise RefAttnError(f"{loaded.case_id}: not a quantised case")
+    candidate = {}
+    for name, x in read_candidate(args.candidate).items():
+        if x.dtype.kind != "f" and str(x.dtype) != "bfloat16":
+            raise RefAttnError(f"{args.candidate}: tensor {name!r}: expected a float tensor, "
+                               f"got {x.dtype}")
+        candidate[name] = np.asarray(x, dtype=np.float64)  # exact: every float is a float64
+    report = check_candidate(quantized(qc.call, qc.spec), candidate)
+    if args.json:
+        doc = {"case": loaded.case_id, "passed": report.passed, "spec": report.spec_name,
+               "widening": report.widening,
+               "tensors": {n: asdict(t) for n, t in report.tensors.items()}}
+        print(json.dumps(_plain_json(doc), indent=1, allow_nan=False))
+    else:
+        print(f"case {loaded.case_id} (quantised): {report.summary()}")
     return 0 if report.passed else 1

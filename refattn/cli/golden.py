@@ -23,7 +23,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "file and tensor). The exact generator's bytes are the same on every machine. The "
         "bundle is written as one transaction: Ctrl-C or an error leaves DIR as it was.",
         epilog="examples:\n"
-        "  refattn golden --out goldens                      # the 69 conformance cases\n"
+        "  refattn golden --out goldens                      # the 79 conformance cases\n"
         "  refattn golden --suite contract --out contract    # the contract's fixtures only\n"
         "  refattn golden --out goldens --backend numpy      # machine-dependent float64",
     )

@@ -17,7 +17,7 @@ Examples
 >>> from refattn.testing.supports import ineligibility
 >>> specs = load_cases()
 >>> sum(ineligibility(s, Supports()) is None for s in specs), len(specs)
-(53, 69)
+(63, 79)
 """
 
 from __future__ import annotations

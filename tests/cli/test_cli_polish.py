@@ -93,7 +93,7 @@ def test_ctrl_c_prints_one_line_exits_130_and_leaves_no_directory(tmp_path):
             assert time.monotonic() < deadline, "refattn golden never created --out"
             time.sleep(0.05)
         time.sleep(0.5)
-        assert proc.poll() is None, "finished before the interrupt (69 cases x 0.25 s)"
+        assert proc.poll() is None, "finished before the interrupt (79 cases x 0.25 s)"
         proc.send_signal(signal.SIGINT)
         stdout, stderr = proc.communicate(timeout=120)
     finally:

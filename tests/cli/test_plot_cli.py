@@ -96,7 +96,7 @@ def test_plot_errors_are_one_line(tmp_path, capsys, monkeypatch):
     assert main(["plot", str(GOLDEN), "--candidate", str(tmp_path / "x.safetensors")]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 3 and all(line.startswith("refattn plot: error: ") for line in err)
-    assert "holds 69 cases; name one with --case" in err[2]
+    assert "holds 79 cases; name one with --case" in err[2]
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # as if it were not installed
     monkeypatch.setitem(sys.modules, "matplotlib.figure", None)
     assert main(["plot", str(GOLDEN), "--case", "causal_square", "--out", str(tmp_path)]) == 2

@@ -94,7 +94,7 @@ def test_the_plain_argument_takes_the_whole_conformance_suite(pytester):
             assert refattn_case.dtype == "float64"
     """)
     result = pytester.runpytest()
-    result.assert_outcomes(passed=53, skipped=16)  # 16 of 69 need more than SDPA offers
+    result.assert_outcomes(passed=63, skipped=16)  # 16 of 79 need more than SDPA offers
 
 
 def test_a_missing_argument_is_a_usage_error(pytester):

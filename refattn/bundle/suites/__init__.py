@@ -1,7 +1,7 @@
 """Named golden suites: functions returning lists of :class:`~refattn.bundle.GoldenCase`.
 
 Owns the registry of suite names; each suite module owns its case definitions (``contract``:
-the contract's published fixtures; ``conformance``: the 69 named cases of ``data/golden``).
+the contract's published fixtures; ``conformance``: the 79 named cases of ``data/golden``).
 Suites build calls and GoldenCases; they must not import the readers, verify or compare.
 """
 

@@ -31,6 +31,7 @@ from typing import Any
 import numpy as np
 
 from refattn.bundle.cases import GoldenCase
+from refattn.bundle.quantized import quant_case
 from refattn.bundle.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call, loop7_call
 from refattn.call import AttentionCall
 from refattn.call.bias import alibi, alibi_slopes
@@ -39,6 +40,8 @@ from refattn.call.scores import Additive, Bilinear, Cosine
 from refattn.dropout import Philox
 from refattn.errors import RefAttnError
 from refattn.masks import causal, from_positions, relation, segments_from_cu_seqlens
+from refattn.quant.formats import quantize
+from refattn.quant.presets import preset
 
 __all__ = ["CASES", "cases"]
 
@@ -54,23 +57,31 @@ def _case(case_id: str, comment: str, *flags: str, conventions: dict[str, Any] |
           ) -> Callable[[Callable[[np.random.Generator], dict[str, Any]]],
                         Callable[[np.random.Generator], dict[str, Any]]]:
     """Register a builder ``f(rng) -> dict(q, k, v, [grad_output], **call keywords)``, or
-    ``dict(paged=PagedCall, [grad_output])`` for a case stored with its paged inputs."""
+    ``dict(paged=PagedCall, [grad_output])`` for a case stored with its paged inputs, or
+    ``dict(q, k, v, quant=QuantSpec, **call keywords)`` for a quantised case (q, k, v as the
+    kernel receives them; the case's call holds the dequantised inputs)."""
 
     def register(build: Callable[[np.random.Generator], dict[str, Any]]) -> Any:
         def make() -> GoldenCase:
             rng = _rng(case_id)
             kw = build(rng)
             g_o = kw.pop("grad_output", None)
+            quant = None
             paged = kw.pop("paged", None)  # a PagedCall: the call and its paged inputs
             if paged is not None:
                 call, layout = paged.call, paged.paged
                 conv = {**(conventions or {}), **layout.conventions()}
             else:
                 q, k, v = kw.pop("q"), kw.pop("k"), kw.pop("v")
-                call, layout, conv = AttentionCall(q, k, v, **kw), None, conventions or {}
+                spec = kw.pop("quant", None)  # a QuantSpec: q, k, v as the kernel reads them
+                layout, conv = None, conventions or {}
+                if spec is None:
+                    call = AttentionCall(q, k, v, **kw)
+                else:
+                    call, quant = quant_case(q, k, v, spec, **kw)
             if g_o is None:
                 g_o = rng.standard_normal((*call.q.shape[:3], call.v.shape[3]))  # (B,Hq,Q,Dv)
-            return GoldenCase(case_id, call, g_o, comment, tuple(flags), conv, layout)
+            return GoldenCase(case_id, call, g_o, comment, tuple(flags), conv, layout, quant)
 
         if case_id in CASES:
             raise RefAttnError(f"case_id: duplicate conformance case {case_id!r}")
@@ -637,6 +648,129 @@ def _(rng):
     bias = alibi(slopes, np.arange(3) + 3, np.arange(6))  # (B, Hq, Q, K)
     return {**_qkv(rng, 2, 2, 2, 3, 6, 4), "bias": bias,
             "visible": causal(3, 6, alignment="lower_right")}
+
+
+# -- quantised kernels (issue 28): codes, scales, the real result and the emulated intervals --
+def _grid(rng: np.random.Generator, shape: tuple[int, ...], fmt: str, amp: float = 1.0
+          ) -> np.ndarray:
+    """Normal draws times ``amp`` rounded onto ``fmt``'s grid (saturating): a kernel's codes
+    or its 16-bit inputs, as float64."""
+    rounding = "nearest_even_satfinite" if fmt in ("e4m3fn", "e5m2") else "nearest_even"
+    return quantize(rng.standard_normal(shape) * amp, fmt, rounding)
+
+
+def _f32(rng: np.random.Generator, shape: tuple[int, ...], lo: float, hi: float) -> np.ndarray:
+    """Scales drawn from [lo, hi) and rounded to float32 (the kernels keep them in float32)."""
+    return quantize(rng.uniform(lo, hi, shape), "fp32", "nearest_even")
+
+
+def _lr(Q: int, K: int) -> Any:
+    return causal(Q, K, alignment="lower_right")  # the quantised kernels' causal mask
+
+
+@_case("quant_fa3_fp8", "FA3 FP8 forward: e4m3fn codes, float32 descales per (batch, kv "
+       "head), P offset +8, e4m3 satfinite P, bf16 output; real result and emulated intervals",
+       "Quantized", "QuantFA3FP8")
+def _(rng):
+    spec = preset("fa3_fp8", q_descale=_f32(rng, (2, 2), 0.01, 0.1),
+                  k_descale=_f32(rng, (2, 2), 0.01, 0.1), v_descale=_f32(rng, (2, 2), 0.01, 0.1))
+    return {"q": _grid(rng, (2, 2, 5, 8), "e4m3fn", 16.0),
+            "k": _grid(rng, (2, 2, 5, 8), "e4m3fn", 16.0),
+            "v": _grid(rng, (2, 2, 5, 8), "e4m3fn", 16.0), "quant": spec}
+
+
+@_case("quant_fa3_fp8_gqa_causal", "FA3 FP8 with GQA (Hq=4, Hkv=2: query heads use their kv "
+       "head's descale) and a lower-right causal mask over a 7-key history", "Quantized",
+       "QuantFA3FP8", "GQA", "LowerRightCausal", "CrossAttention", conventions=LR)
+def _(rng):
+    spec = preset("fa3_fp8", q_descale=_f32(rng, (1, 2), 0.02, 0.2),
+                  k_descale=_f32(rng, (1, 2), 0.02, 0.2), v_descale=_f32(rng, (1, 2), 0.02, 0.2))
+    return {"q": _grid(rng, (1, 4, 3, 8), "e4m3fn", 8.0),
+            "k": _grid(rng, (1, 2, 7, 8), "e4m3fn", 8.0),
+            "v": _grid(rng, (1, 2, 7, 8), "e4m3fn", 8.0), "visible": _lr(3, 7), "quant": spec}
+
+
+@_case("quant_fa3_fp8_format_limits", "FA3 FP8 with codes at e4m3fn's limits: +-448, +-416, "
+       "the subnormals +-2**-9 and 2**-7, zeros; q and k descales 2**-6, v's 1", "Quantized",
+       "QuantFA3FP8", "FormatLimits")
+def _(rng):
+    values = np.array([448.0, -448.0, 416.0, -416.0, 2.0**-9, -(2.0**-9), 2.0**-7, 0.0, 1.0])
+
+    def draw(shape: tuple[int, ...]) -> np.ndarray:
+        return values[rng.integers(0, len(values), shape)]
+
+    d = np.full((1, 2), 2.0**-6)
+    return {"q": draw((1, 2, 4, 4)), "k": draw((1, 2, 5, 4)), "v": draw((1, 2, 5, 4)),
+            "quant": preset("fa3_fp8", q_descale=d, k_descale=d)}
+
+
+@_case("quant_fa3_fp8_tiny_descales", "FA3 FP8 with q and k descales 2**-70: real scores below "
+       "float32's range; q_descale * k_descale = 2**-140, a float32 subnormal, in the exponent",
+       "Quantized", "QuantFA3FP8", "ScalesPastFloat32")
+def _(rng):
+    tiny = np.full((1, 2), 2.0**-70)
+    spec = preset("fa3_fp8", q_descale=tiny, k_descale=tiny, v_descale=np.full((1, 2), 0.5))
+    return {"q": _grid(rng, (1, 2, 4, 8), "e4m3fn", 64.0),
+            "k": _grid(rng, (1, 2, 4, 8), "e4m3fn", 64.0),
+            "v": _grid(rng, (1, 2, 4, 8), "e4m3fn", 4.0), "quant": spec}
+
+
+@_case("quant_flashinfer_sm90_fp8_gqa", "FlashInfer SM90 FP8: scales per head without a batch "
+       "axis (q (Hq,), k and v (Hkv,)), P = satfinite(p * 448), GQA Hq=4, Hkv=2", "Quantized",
+       "QuantFlashInferSM90FP8", "GQA")
+def _(rng):
+    spec = preset("flashinfer_sm90_fp8", q_scale=_f32(rng, (4,), 0.01, 0.1),
+                  k_scale=_f32(rng, (2,), 0.01, 0.1), v_scale=_f32(rng, (2,), 0.01, 0.1))
+    return {"q": _grid(rng, (1, 4, 5, 8), "e4m3fn", 16.0),
+            "k": _grid(rng, (1, 2, 5, 8), "e4m3fn", 16.0),
+            "v": _grid(rng, (1, 2, 5, 8), "e4m3fn", 16.0), "quant": spec}
+
+
+@_case("quant_flashinfer_sm90_e5m2_causal", "FlashInfer SM90 with e5m2 codes (P = satfinite(p "
+       "* 57344)), causal", "Quantized", "QuantFlashInferSM90FP8", "CausalSquare",
+       "LowerRightCausal", conventions=LR)
+def _(rng):
+    spec = preset("flashinfer_sm90_fp8", kv_format="e5m2", q_scale=0.125, k_scale=0.25,
+                  v_scale=0.5)
+    return {"q": _grid(rng, (1, 2, 5, 4), "e5m2", 4.0), "k": _grid(rng, (1, 2, 5, 4), "e5m2", 4.0),
+            "v": _grid(rng, (1, 2, 5, 4), "e5m2", 4.0), "visible": _lr(5, 5), "quant": spec}
+
+
+@_case("quant_flashinfer_fp8_kv_causal", "FlashInfer FA2, FP8 KV cache: fp16 q, e4m3fn K and V "
+       "codes, l summed from the fp16-rounded P, v_scale after the kernel; lower-right causal",
+       "Quantized", "QuantFlashInferFP8KV", "LowerRightCausal", "CrossAttention", conventions=LR)
+def _(rng):
+    spec = preset("flashinfer_fp8_kv", k_scale=0.0625, v_scale=0.03125)
+    return {"q": _grid(rng, (1, 2, 3, 8), "fp16"), "k": _grid(rng, (1, 2, 6, 8), "e4m3fn", 16.0),
+            "v": _grid(rng, (1, 2, 6, 8), "e4m3fn", 16.0), "visible": _lr(3, 6), "quant": spec}
+
+
+@_case("quant_vllm_fp8_kv_saturating", "vLLM's FP8 KV cache read by FA3: bf16 q, k, v cast by "
+       "the kernel (x / scale, satfinite), some beyond 448 * scale (saturated); GQA, "
+       "lower-right causal", "Quantized", "QuantVLLMFP8KV", "GQA", "LowerRightCausal",
+       "CrossAttention", "FormatLimits", conventions=LR)
+def _(rng):
+    spec = preset("vllm_fp8_kv", q_scale=0.0078125, k_scale=0.015625, v_scale=0.0078125)
+    return {"q": _grid(rng, (1, 4, 4, 8), "bf16", 2.0), "k": _grid(rng, (1, 2, 6, 8), "bf16", 4.0),
+            "v": _grid(rng, (1, 2, 6, 8), "bf16", 2.0), "visible": _lr(4, 6), "quant": spec}
+
+
+@_case("quant_sageattention_int8_causal", "SageAttention (Triton): K smoothed, Q pre-scaled, INT8 "
+       "per Q/K token block (half away from zero), fp16 P, fp16 PV per tile; MQA, causal",
+       "Quantized", "QuantSageAttentionINT8", "MQA", "GQA", "CausalSquare", "LowerRightCausal",
+       conventions=LR)
+def _(rng):
+    return {"q": _grid(rng, (1, 2, 6, 8), "fp16"), "k": _grid(rng, (1, 1, 6, 8), "fp16"),
+            "v": _grid(rng, (1, 1, 6, 8), "fp16"), "visible": _lr(6, 6),
+            "quant": preset("sageattention_int8")}
+
+
+@_case("quant_sageattention_int8_blocks", "SageAttention with 70 keys: two K blocks of 64 and "
+       "6 tokens, each its own INT8 scale, and two kv tiles of the online softmax", "Quantized",
+       "QuantSageAttentionINT8", "CrossAttention")
+def _(rng):
+    return {"q": _grid(rng, (1, 1, 3, 8), "fp16"), "k": _grid(rng, (1, 1, 70, 8), "fp16"),
+            "v": _grid(rng, (1, 1, 70, 8), "fp16"), "quant": preset("sageattention_int8")}
 
 
 # -- the contract's own fixtures ---------------------------------------------------------------
