@@ -137,8 +137,8 @@ def _reseal(bundle: Path, case: str, change) -> None:
     manifest = json.loads((bundle / "manifest.json").read_text())
     entry = manifest["cases"][case]
     entry["sha256"] = hashlib.sha256(new).hexdigest()
-    for n, t in tensors.items():
-        entry["tensors"][n]["sha256"] = tensor_sha256(t)
+    entry["tensors"] = {n: {"sha256": tensor_sha256(t), "dtype": str(t.dtype),
+                            "shape": list(t.shape)} for n, t in tensors.items()}
     (bundle / "manifest.json").write_text(json.dumps(manifest))
 
 
@@ -178,7 +178,6 @@ def test_a_one_ulp_edit_of_a_quantised_tensor_fails_naming_tensor_and_index(
 def test_a_missing_code_tensor_or_a_spec_that_does_not_read_back_fails(bundle):
     _reseal(bundle, FA3, lambda t: t.pop("quant_q_codes"))
     manifest = json.loads((bundle / "manifest.json").read_text())
-    manifest["cases"][FA3]["tensors"].pop("quant_q_codes")
     manifest["cases"][VLLM]["quant"]["spec"]["p_offset"] = "0x1.0p+7"  # 128: outside [0, 64]
     (bundle / "manifest.json").write_text(json.dumps(manifest))
     report = verify(bundle, gradcheck=False)
@@ -210,3 +209,35 @@ def test_compare_judges_a_candidate_by_the_emulated_interval(pristine, tmp_path,
     assert doc["passed"] is False and doc["tensors"]["output"]["outside"] > 0
     assert main(["compare", golden, str(good), "--atol", "1"]) == 2
     assert "does not apply to a quantised case" in capsys.readouterr().err
+
+
+# -- a file's own claims never lower the checks ------------------------------------------------
+
+def test_dropping_the_quant_record_leaves_the_quant_tensors_unexplained(bundle):
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["cases"][FA3].pop("quant")
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    report = verify(bundle, gradcheck=False)
+    bad = {p.tensor for p in report.all_problems if p.case_id == FA3}
+    assert {"quant_output_mid", "quant_q_codes"} <= bad
+
+
+def test_a_quant_record_on_a_float_case_or_codes_of_another_dtype_fail_by_name(bundle):
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["cases"][VLLM]["quant"] = manifest["cases"][FA3]["quant"]  # codes it lacks
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    _reseal(bundle, SAGE, lambda t: t.update(quant_v_scale=np.ones(1)))  # () -> (1,)
+    report = verify(bundle, gradcheck=False)
+    reasons = {p.case_id: p.reason for p in report.all_problems}
+    assert "quant_q_scale" in reasons[VLLM] or "quant_q_codes" in reasons[VLLM]
+    assert "'quant_v_scale': expected float64 [], got float64 [1]" in reasons[SAGE]
+    assert not report.passed
+
+
+def test_a_nan_code_is_refused_by_the_gate_naming_tensor_and_index(bundle):
+    def nan_code(t):
+        t["quant_k_codes"][0, 1, 2, 3] = 0x7F  # e4m3fn's NaN
+    _reseal(bundle, FA3, nan_code)
+    report = verify(bundle, gradcheck=False)
+    text = " ".join(p.reason for p in report.all_problems if p.case_id == FA3)
+    assert "k:" in text and "(0, 1, 2, 3)" in text and "nan" in text.lower(), text
