@@ -34,7 +34,6 @@ INT_PARAMS: tuple[str, ...] = (
     "DROP_MODE",
     "PHILOX_KEY0", "PHILOX_KEY1", "PHILOX_OFFSET", "PHILOX_THRESHOLD",
     "GBIAS_MODE",
-    "DQ_MODE",
     "BIAS_S0", "BIAS_S1", "BIAS_S2", "BIAS_S3",
     "Z_S0", "Z_S1", "Z_S2", "Z_S3",
     "VIS_S0", "VIS_S1", "VIS_S2", "VIS_S3",

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from gpu_backend.abi import INT_PARAMS, POINTERS, REAL_PARAMS
-from gpu_backend.source import INSTANCES
+from gpu_backend.source import A_GLOBAL_ABOVE, INSTANCES
 from refattn.call import AttentionCall
 from refattn.call.gate import check_head_map
 from refattn.call.placement import operand_multipliers
@@ -66,19 +66,25 @@ def shared_bytes(kernel: str, D: int) -> int:
     forward: Q (BQ x D) and two buffers of K and V (BK x D); dq: Q and G_O (BQ x D each) and
     two buffers of K and V; dkdv: K and V (BKV x D each), two buffers of Q and G_O (BQ2 x D)
     and the dV accumulators (BKV x D); doubles, unpadded (the tiles are swizzled,
-    kernels/tile.cuh).
+    kernels/tile.cuh). Above D = 128 the Q, G_O (forward, dq) and K, V (dkdv) tiles are not
+    in shared memory (the warps read their own rows from global memory) and dkdv keeps its dK
+    accumulators there instead (BKV x D).
 
     Examples
     --------
     >>> shared_bytes("forward", 64), shared_bytes("dq", 128), shared_bytes("dkdv", 128)
     (98304, 131072, 163840)
+    >>> shared_bytes("forward", 256), shared_bytes("dq", 256), shared_bytes("dkdv", 256)
+    (65536, 65536, 196608)
     """
     if kernel not in INSTANCES or D not in INSTANCES[kernel]:
         raise RefAttnError(f"shared_bytes: no instance of {kernel!r} at D={D}")
     MR, tile = INSTANCES[kernel][D]
     rows = 8 * MR * _WARPS  # BQ or BKV
-    n = {"forward": rows * D + 4 * tile * D, "dq": 2 * rows * D + 4 * tile * D,
-         "dkdv": 3 * rows * D + 4 * tile * D}[kernel]  # dkdv: + the dV accumulators
+    own = 0 if D > A_GLOBAL_ABOVE else 1  # the A tiles: in shared memory up to D = 128
+    n = {"forward": own * rows * D + 4 * tile * D, "dq": own * 2 * rows * D + 4 * tile * D,
+         # dkdv: K and V, the dV accumulators; above D = 128 the dK accumulators instead of K, V
+         "dkdv": (3 if own else 2) * rows * D + 4 * tile * D}[kernel]
     return 8 * n
 
 

@@ -17,7 +17,11 @@ the paths through the body's branches, the one doing the most DMMA work and, amo
 issuing the fewest instructions (the feature branches a plain call skips: bias, masks on
 partial tiles, dropout, softcap); a loop nested inside is weighted by its trip count where
 :func:`trip_count` recognises a constant counted loop, and counted once otherwise
-(``inner_trips`` says which). ``CALL.REL.NOINC`` sites are counted over the whole body.
+(``inner_trips`` says which). ``CALL.REL.NOINC`` sites are counted over the whole body: calls
+of a subroutine (the slow path of a double division, of a math function), not the
+``@P CALL.REL.NOINC <after the next>; BRA <x>`` pair with which sm_80 code leaves a loop
+through a reconvergence point (a call to the instruction after its own unconditional branch:
+control flow, no subroutine).
 """
 
 from __future__ import annotations
@@ -38,7 +42,8 @@ from pathlib import Path
 from refattn.errors import RefAttnError
 
 __all__ = ["MAIN_LOOP_SHARE", "Instruction", "KernelCounts", "LoopCounts", "disassemble",
-           "dmma_fma", "kernel_counts", "parse", "tool_path", "trip_count"]
+           "dmma_fma", "kernel_counts", "parse", "subroutine_calls", "tool_path",
+           "trip_count"]
 
 #: share of a kernel's hot multiply-adds a loop must hold to be its main loop
 MAIN_LOOP_SHARE = 0.8
@@ -323,6 +328,35 @@ def _plain_path(instrs: list[Instruction], start: int, end: int,
     return path
 
 
+def subroutine_calls(instrs: list[Instruction], start: int, end: int) -> int:
+    """``CALL.REL.NOINC`` sites in [start, end] that call a subroutine: not sm_80's
+    call-to-the-instruction-after-the-next-unconditional-``BRA`` (a loop exit's reconvergence
+    point, see the module docstring).
+
+    >>> text = '''Function : k
+    ...   /*0000*/   @P6 CALL.REL.NOINC 0x20 ;
+    ...   /*0010*/   BRA 0x40 ;
+    ...   /*0020*/   NOP ;
+    ...   /*0030*/   CALL.REL.NOINC 0x50 ;
+    ...   /*0040*/   EXIT ;
+    ...   /*0050*/   RET.REL.NODEC R4 0x0 ;'''
+    >>> subroutine_calls(parse(text)["k"], 0, 0x50)
+    1
+    """
+    n = 0
+    for k, i in enumerate(instrs):
+        if not (start <= i.address <= end and i.opcode.startswith("CALL.REL.NOINC")):
+            continue
+        after = instrs[k + 1] if k + 1 < len(instrs) else None
+        target = _BRANCH_TARGET.search(i.operands)
+        if (after is not None and after.base == "BRA" and not after.predicate
+                and target is not None
+                and int(target.group(1), 16) == 2 * after.address - i.address):
+            continue  # reconvergence idiom
+        n += 1
+    return n
+
+
 def _range_counts(instrs: list[Instruction], start: int, end: int,
                   loops: list[tuple[int, int]], *, expand: bool = False,
                   hot: str = "dmma_fma", heavy: bool = False) -> LoopCounts:
@@ -340,8 +374,7 @@ def _range_counts(instrs: list[Instruction], start: int, end: int,
                     w *= t
             weight[i.address] = w
     path = _plain_path(instrs, start, end, weight, hot, heavy) if expand else set(weight)
-    calls = sum(1 for i in instrs if start <= i.address <= end
-                and i.opcode.startswith("CALL.REL.NOINC"))
+    calls = subroutine_calls(instrs, start, end)
     body = [(i, weight[i.address]) for i in instrs
             if i.address in path and i.base != "NOP"]
     dmma: Counter[str] = Counter()

@@ -11,18 +11,23 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-__all__ = ["INSTANCES", "KERNELS", "KERNEL_DIR", "source_hash", "translation_unit"]
+__all__ = ["A_GLOBAL_ABOVE", "INSTANCES", "KERNELS", "KERNEL_DIR", "source_hash",
+           "translation_unit"]
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 MAIN = "attention.cu"
 #: the tensor-core kernels' instances, as attention.cu's entry points instantiate them:
 #: kind -> head width D -> (MR, tile). A block is 4 warps of 8 MR rows: BQ = 32 MR query rows
 #: (forward, dq: the tile is BK keys) or BKV = 32 MR keys (dkdv: the tile is BQ2 queries).
+#: Above D = 128 (:data:`A_GLOBAL_ABOVE`) the warps read their own rows (the A operand: Q, G_O;
+#: K, V in dkdv) from global memory instead of a shared tile.
 INSTANCES: dict[str, dict[int, tuple[int, int]]] = {
-    "forward": {32: (2, 32), 64: (2, 32), 128: (1, 32)},
-    "dq": {32: (2, 16), 64: (1, 16), 128: (1, 16)},
-    "dkdv": {32: (1, 32), 64: (1, 32), 128: (1, 16)},
+    "forward": {32: (2, 32), 64: (2, 32), 128: (1, 32), 256: (1, 8)},
+    "dq": {32: (2, 16), 64: (2, 16), 128: (1, 16), 256: (1, 8)},
+    "dkdv": {32: (1, 16), 64: (1, 32), 128: (1, 16), 256: (1, 8)},
 }
+#: attention.cu's REFATTN_A_GLOBAL: head widths above this read the A rows from global memory
+A_GLOBAL_ABOVE = 128
 #: every extern "C" kernel of attention.cu
 KERNELS: tuple[str, ...] = (
     *(f"attention_{kind}_d{D}" for kind, dims in INSTANCES.items() for D in dims),

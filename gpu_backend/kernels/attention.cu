@@ -15,6 +15,7 @@
 #include "common.cuh"
 #include "philox.cuh"
 #include "tile.cuh"
+#include "tile_loop.cuh"
 #include "visibility.cuh"
 
 struct RefattnCall {
@@ -27,6 +28,7 @@ struct RefattnCall {
     unsigned int key0, key1, offset;
     unsigned long long threshold;
     double post, softcap, keep;
+    double inv_softcap;  // 1 / softcap, computed once: the loops divide by refattn_div
 };
 
 __device__ __forceinline__ RefattnCall refattn_call(const unsigned long long* x,
@@ -61,6 +63,7 @@ __device__ __forceinline__ RefattnCall refattn_call(const unsigned long long* x,
     c.post = rp[R_POST];
     c.softcap = rp[R_SOFTCAP];
     c.keep = rp[R_KEEP];
+    c.inv_softcap = c.has_softcap ? 1.0 / c.softcap : 1.0;
     return c;
 }
 
@@ -70,7 +73,7 @@ __device__ __forceinline__ double refattn_score(const RefattnCall& c, double dot
                                                 double* capped_input) {
     double s = c.post == 1.0 ? dot : c.post * dot;  // alpha applied once, after the product
     *capped_input = s;
-    if (c.has_softcap) s = c.softcap * tanh(s / c.softcap);
+    if (c.has_softcap) s = c.softcap * tanh(refattn_div(s, c.softcap, c.inv_softcap));
     return s;
 }
 
@@ -96,7 +99,7 @@ __device__ __forceinline__ double refattn_multiplier(const RefattnCall& c, const
 // d scores / d softcap_input = 1 - tanh^2, from the capped score s
 __device__ __forceinline__ double refattn_cap_slope(const RefattnCall& c, double s) {
     if (!c.has_softcap) return 1.0;
-    double t = s / c.softcap;
+    const double t = refattn_div(s, c.softcap, c.inv_softcap);
     return 1.0 - t * t;
 }
 
@@ -113,171 +116,8 @@ __device__ __forceinline__ double refattn_cap_slope(const RefattnCall& c, double
 //                                    ("col" reads of V / K). No shared-memory round trip.
 // Element (nt, mr, s) of a lane's tile accumulator is acc[nt * 2 MR + 2 mr + s]: row
 // g + 8 mr (+ the warp's first row), column 8 nt + 2 t + s. Row statistics (max, sum) are
-// per lane and reduced over the 4 lanes of a quad (same g) with two shfl_xor steps.
-//
-// K / V (forward, dq) and Q / G_O (dk/dv) tiles are double-buffered: tile n + 1's cp.async
-// copies are issued before tile n is computed. Tiles are classified before they are loaded:
-// SKIP (no visible element: not loaded, not computed), FULL (every element of an in-range row
-// visible: no per-element masking) or PARTIAL (masked by the lane's visibility bits).
-enum RefattnTileClass { REFATTN_SKIP = 0, REFATTN_FULL = 1, REFATTN_PARTIAL = 2 };
-
-constexpr int REFATTN_WARPS = 4;
-constexpr int REFATTN_THREADS = 32 * REFATTN_WARPS;
-
-// this lane's visibility bits of one tile: bit (nt MR + mr) 2 + s for the element in row
-// row + 8 mr, column col + 8 nt + s (rows are queries, or keys when ROWS_ARE_KEYS; col includes
-// the lane's 2 t). A column out of range is invisible; a row out of range is "don't care" (it
-// counts neither for *any nor against *all). With evaluate false every in-range edge is visible
-// and nothing is loaded.
-template <int MR, int NT, bool ROWS_ARE_KEYS>
-__device__ __forceinline__ unsigned refattn_tile_bits(const RefattnVisibility& vis,
-                                                      const long long* ip, bool evaluate,
-                                                      long long b, long long h, int row, int col,
-                                                      int Q, int K, int* any, int* all) {
-    const int rows = ROWS_ARE_KEYS ? K : Q, cols = ROWS_ARE_KEYS ? Q : K;
-    unsigned bits = 0;
-    int a = 0, l = 1;
-    REFATTN_NO_UNROLL  // one copy of the (large) visibility code
-    for (int mr = 0; mr < MR; ++mr) {
-        const int r = row + 8 * mr;
-        const bool row_in = r < rows;
-        REFATTN_NO_UNROLL
-        for (int nt = 0; nt < NT; ++nt) {
-            REFATTN_NO_UNROLL
-            for (int s = 0; s < 2; ++s) {
-                const int cc = col + 8 * nt + s;
-                bool v = cc < cols;
-                if (v && evaluate) {
-                    v = row_in && refattn_visible(vis, ip, b, h, ROWS_ARE_KEYS ? cc : r,
-                                                  ROWS_ARE_KEYS ? r : cc);
-                }
-                if (row_in) {
-                    a |= v ? 1 : 0;
-                    l &= v ? 1 : 0;
-                }
-                bits |= (v ? 1u : 0u) << ((nt * MR + mr) * 2 + s);
-            }
-        }
-    }
-    *any = a;
-    *all = l;
-    return bits;
-}
-
-// -- a relation's tile bounded from its coordinates ---------------------------------------------
-// For a tile of queries [qa, qa + qn) and keys [ka, ka + kn) (both clipped to Q, K), the block
-// reduces each leaf's coordinates over the tile (position and segment ranges of its queries and
-// keys, whether all / any of its keys are valid: one load per query and per key instead of one
-// predicate per element) and bounds the leaf's predicate: REFATTN_SKIP (no edge), REFATTN_FULL
-// (every edge) or REFATTN_PARTIAL (either may hold). The postfix program combines the leaves in
-// three-valued logic. Every thread of the block calls it (two barriers per leaf).
-constexpr int REFATTN_REDUCED = 10;  // pmin pmax qsmin qsmax rmin rmax ksmin ksmax kv_all kv_any
-
-__device__ __forceinline__ int refattn_imin(int a, int b) { return a < b ? a : b; }
-__device__ __forceinline__ long long refattn_llmin(long long a, long long b) { return a < b ? a : b; }
-__device__ __forceinline__ long long refattn_llmax(long long a, long long b) { return a > b ? a : b; }
-
-__device__ __forceinline__ int refattn_leaf_bound(const RefattnVisibility& v, long long l,
-                                                  long long rb, long long rh, int qa, int qn,
-                                                  int ka, int kn, int tid) {
-    __shared__ long long red[REFATTN_WARPS][REFATTN_REDUCED];
-    const long long big = 0x7fffffffffffffffLL, small = -big - 1;
-    const long long qrow = (l * v.rel_b + rb) * v.Q, krow = (l * v.rel_b + rb) * v.K;
-    const bool segments = v.leaf[2 * l] != 0;
-    long long x[REFATTN_REDUCED] = {big, small, big, small, big, small, big, small, 1, 0};
-    if (tid < qn) {
-        const long long p = v.q_pos[qrow + qa + tid];
-        x[0] = x[1] = p;
-        if (segments) x[2] = x[3] = v.q_seg[qrow + qa + tid];
-    }
-    if (tid < kn) {
-        const long long r = v.k_pos[krow + ka + tid];
-        x[4] = x[5] = r;
-        if (segments) x[6] = x[7] = v.k_seg[krow + ka + tid];
-        x[8] = x[9] = v.key_valid[krow + ka + tid] != 0 ? 1 : 0;
-    }
-    REFATTN_UNROLL
-    for (int step = 1; step < 32; step <<= 1) {
-        REFATTN_UNROLL
-        for (int e = 0; e < REFATTN_REDUCED; ++e) {
-            const long long o = __shfl_xor_sync(0xffffffffu, x[e], step);
-            x[e] = e % 2 == 0 ? refattn_llmin(x[e], o) : refattn_llmax(x[e], o);
-        }
-    }
-    if ((tid & 31) == 0)
-        for (int e = 0; e < REFATTN_REDUCED; ++e) red[tid >> 5][e] = x[e];
-    __syncthreads();
-    for (int w = 0; w < REFATTN_WARPS; ++w)
-        for (int e = 0; e < REFATTN_REDUCED; ++e)
-            x[e] = e % 2 == 0 ? refattn_llmin(x[e], red[w][e])
-                              : refattn_llmax(x[e], red[w][e]);
-    __syncthreads();  // red free for the next leaf
-    const long long pmin = x[0], pmax = x[1], rmin = x[4], rmax = x[5];
-    bool all = x[8] != 0, none = x[9] == 0;  // key validity
-    if (segments) {
-        all = all && x[2] == x[3] && x[6] == x[7] && x[2] == x[6];
-        none = none || x[3] < x[6] || x[7] < x[2];  // disjoint segment ranges
-    }
-    const long long topology = v.leaf[2 * l + 1];
-    if (topology == 1) {  // r <= p
-        all = all && rmax <= pmin;
-        none = none || rmin > pmax;
-    } else if (topology == 2) {  // (p < P and r < P) or (p >= P and r <= p)
-        const long long P = v.prefix[(l * v.rel_b + rb) * v.rel_h + rh];
-        all = all && (rmax < P || (pmin >= P && rmax <= pmin));
-        none = none || (rmin >= P && (pmax < P || rmin > pmax));
-    }
-    const long long left = v.left[l * v.rel_h + rh], right = v.right[l * v.rel_h + rh];
-    if (left >= 0) {  // p - r <= left
-        all = all && pmax - rmin <= left;
-        none = none || pmin - rmax > left;
-    }
-    if (right >= 0) {  // r - p <= right
-        all = all && rmax - pmin <= right;
-        none = none || rmin - pmax > right;
-    }
-    return none ? REFATTN_SKIP : all ? REFATTN_FULL : REFATTN_PARTIAL;
-}
-
-// the class of the relation over a tile (queries [qa, qa + qn), keys [ka, ka + kn), clipped)
-__device__ __forceinline__ int refattn_tile_relation(const RefattnVisibility& v, long long b,
-                                                     long long h, int qa, int qn, int ka, int kn,
-                                                     int tid) {
-    const long long rb = v.rel_b == 1 ? 0 : b, rh = v.rel_h == 1 ? 0 : h;
-    unsigned long long stack = 0;  // 2 bits per entry: SKIP 0, FULL 1, PARTIAL 2
-    for (long long t = 0; t < v.program_len; ++t) {
-        const long long op = v.program[t];
-        if (op >= 0) {
-            stack = (stack << 2) |
-                    static_cast<unsigned long long>(refattn_leaf_bound(v, op, rb, rh, qa, qn, ka,
-                                                                       kn, tid));
-        } else {
-            const unsigned long long a = stack & 3ULL, c = (stack >> 2) & 3ULL;
-            unsigned long long r;
-            if (op == -1)  // AND
-                r = (a == REFATTN_SKIP || c == REFATTN_SKIP) ? REFATTN_SKIP
-                    : (a == REFATTN_FULL && c == REFATTN_FULL) ? REFATTN_FULL : REFATTN_PARTIAL;
-            else  // OR
-                r = (a == REFATTN_FULL || c == REFATTN_FULL) ? REFATTN_FULL
-                    : (a == REFATTN_SKIP && c == REFATTN_SKIP) ? REFATTN_SKIP : REFATTN_PARTIAL;
-            stack = ((stack >> 4) << 2) | r;
-        }
-    }
-    int cls = static_cast<int>(stack & 3ULL);
-    if (cls == REFATTN_SKIP && v.has_sanitized && ka == 0) cls = REFATTN_PARTIAL;  // key 0
-    return cls;
-}
-
-// the class of a tile from every lane's any / all (a block-wide vote when visibility is
-// evaluated; otherwise only a column tail makes a tile PARTIAL)
-__device__ __forceinline__ int refattn_tile_class(bool evaluate, int any, int all,
-                                                  bool column_tail) {
-    if (!evaluate) return column_tail ? REFATTN_PARTIAL : REFATTN_FULL;
-    const int some = __syncthreads_or(any);
-    const int every = __syncthreads_and(all);
-    return !some ? REFATTN_SKIP : every ? REFATTN_FULL : REFATTN_PARTIAL;
-}
-
+// per lane and reduced over the 4 lanes of a quad (same g) with two shfl_xor steps. Tiles are
+// classified and double-buffered by tile_loop.cuh (refattn_classify, refattn_tile_loop).
 // the keep bits (word >= threshold) of one Philox draw: the 4 words of counter
 // (j >> 2, i, b Hq + h, offset), i.e. keys 4 (j >> 2) .. + 3 of query i (philox.cuh)
 __device__ __forceinline__ unsigned refattn_keep4(const RefattnCall& c, long long bh, int i,
@@ -323,51 +163,118 @@ __device__ __forceinline__ unsigned refattn_keep_bits_rows(const RefattnCall& c,
 // Philox keep bits of a key-row tile (dk/dv): element (nt, mr, s) is key row + 8 mr (row =
 // j0 + wr + g), query i0 + 8 nt + 2 t + s. The 4 lanes u = g & 3 of equal g >> 2 and t hold the
 // 4 keys of one group: they split the 2 NT MR draws (lane u the draws d with d % 4 == u) and
-// gather each draw's bit u with four shuffles.
+// gather each draw's bit u with four shuffles. With 2 draws (NT = MR = 1) lanes u = 2, 3 repeat
+// draw 0, whose result they do not use.
 template <int MR, int NT>
 __device__ __forceinline__ unsigned refattn_keep_bits_keys(const RefattnCall& c, long long bh,
                                                            int row, int i0, int lane) {
     constexpr int ND = 2 * NT * MR;  // draws: (nt, s, mr)
-    static_assert(ND % 4 == 0, "draws are split over 4 lanes");
     const int t = lane & 3, u = (lane >> 2) & 3;
     const int jgroup = (row - u) >> 2;  // the group of key row (mr = 0)
     unsigned bits = 0;
     REFATTN_UNROLL
     for (int d4 = 0; d4 < ND; d4 += 4) {
-        const int mine = d4 + u, mr_m = mine % MR, s_m = (mine / MR) % 2, nt_m = mine / (2 * MR);
+        const int mine = d4 + u < ND ? d4 + u : d4;
+        const int mr_m = mine % MR, s_m = (mine / MR) % 2, nt_m = mine / (2 * MR);
         const unsigned k4 = refattn_keep4(c, bh, i0 + 8 * nt_m + 2 * t + s_m, jgroup + 2 * mr_m);
         REFATTN_UNROLL
         for (int v = 0; v < 4; ++v) {
             const unsigned draw = __shfl_sync(0xffffffffu, k4, (lane & ~12) | (v << 2));
             const int d = d4 + v, mr = d % MR, s = (d / MR) % 2, nt = d / (2 * MR);
+            if (d >= ND) break;
             bits |= ((draw >> u) & 1u) << ((nt * MR + mr) * 2 + s);
         }
     }
     return bits;
 }
 
-// the dropout multiplier of element bit `bit` of a tile: Philox keep bits, a dense Z, or 1
-__device__ __forceinline__ double refattn_tile_multiplier(const RefattnCall& c,
-                                                          const long long* ip, unsigned keep,
-                                                          int bit, long long b, long long h,
-                                                          int i, int j) {
+// a strided operand (bias, Z: broadcast to (B, Hq, Q, K)) along one row of a tile: (b, h) and
+// the lane's row fixed (a query i, or a key j when ROWS_ARE_KEYS), element `col` (the key j, or
+// the query i) at p[col * step]. Made once per row and tile, so an element costs one multiply-add
+// of its column instead of strided_at's four 64-bit products. The column strides are 0, 1 or K
+// (C-contiguous operands of at most (B, Hq, Q, K) elements), within int.
+struct RefattnLine {
+    const double* p;
+    int step;
+    __device__ __forceinline__ double at(int col) const {
+        return p[static_cast<long long>(col) * step];
+    }
+};
+
+template <bool ROWS_ARE_KEYS>
+__device__ __forceinline__ RefattnLine refattn_line(const double* x, const long long* ip, int s0,
+                                                    long long b, long long h, int row) {
+    const int rs = ROWS_ARE_KEYS ? 3 : 2, cs = ROWS_ARE_KEYS ? 2 : 3;
+    return {x + (b * ip[s0] + h * ip[s0 + 1] + row * ip[s0 + rs]),
+            static_cast<int>(ip[s0 + cs])};
+}
+
+// the dropout multiplier of element bit `bit` of a tile: Philox keep bits, a dense Z (its line
+// z, column col), or 1
+__device__ __forceinline__ double refattn_tile_multiplier(const RefattnCall& c, unsigned keep,
+                                                          int bit, const RefattnLine& z,
+                                                          int col) {
     if (c.drop_mode == 2) return (keep >> bit) & 1u ? c.keep : 0.0;
-    if (c.drop_mode == 1) return strided_at(c.z, ip, P_Z_S0, b, h, i, j);
+    if (c.drop_mode == 1) return z.at(col);
     return 1.0;
 }
 
-// C (8 MR x 8 NT per lane-set) += A . B^T over k = 0 .. D - 1: A rows ar + g + 8 mr of tile sa,
-// B rows 8 nt + g of tile sb ("row" reads of both)
-template <int D, int MR, int NT, typename S1, typename S2>
-__device__ __forceinline__ void refattn_mma_abt(double* acc, S1 sa, int ar, S2 sb, int g,
-                                                int t) {
-    for (int k0 = 0; k0 < D; k0 += 4) {
-        double a[MR];
+// The A operand of the first products (S = Q K^T, dP = G_O V^T; K Q^T, V G_O^T in dk/dv): the
+// warp's own rows, element (mr, k) of the lane = row `row` + 8 mr, column k of the matrix. Up to
+// D = 128 from the block's swizzled shared tile (`first` = the warp's first row in it); at wider
+// heads (A_GLOBAL, where the tiles would not fit in shared memory) straight from the row-major
+// matrix in global memory, a row at or past `rows` clamped to the last one (such a row of A
+// feeds only its own row of the product, which the kernels never use).
+template <int D>
+constexpr bool REFATTN_A_GLOBAL = D > 128;
+
+//
+// a_at(mr, sw, k) returns that element for column k, given sw = the swizzled index of (row g,
+// column k) in an 8-row block of a tile (refattn_mma_abt). The swizzle of (r, c) only moves bits
+// 2-3 of c by f(r & 7) (tile.cuh), so refattn_swz<D>(r, c) = refattn_swz<D>(r & 7, c & 15) +
+// (r & ~7) D + (c & ~15): a lane computes the swizzled indices of its few (r & 7, c & 15) once
+// and every other shared read of the products is that index plus a constant.
+template <int D, typename S1>
+__device__ __forceinline__ auto refattn_rows_a(S1 tile, int first, const double* matrix,
+                                               int row, int rows) {
+    if constexpr (REFATTN_A_GLOBAL<D>) {
+        return [=](int mr, int, int k) {
+            const int r = row + 8 * mr < rows ? row + 8 * mr : rows - 1;
+            return matrix[static_cast<long long>(r) * D + k];
+        };
+    } else {  // first: the warp's first row of the tile, a multiple of 8
+        return [=](int mr, int sw, int) { return tile[(first + 8 * mr) * D + sw]; };
+    }
+}
+
+// C (8 MR x 8 NT per lane-set) += A . B^T over k = 0 .. D - 1 (k ascending): A element (mr, k)
+// from a_at (refattn_rows_a), B rows 8 nt + g of tile sb ("row" reads)
+template <int D, int MR, int NT, typename A, typename S2>
+__device__ __forceinline__ void refattn_mma_abt(double* acc, A a_at, S2 sb, int g, int t) {
+    int lo[4];  // the swizzled index of (row g, column 4 n + t)
+    REFATTN_UNROLL
+    for (int n = 0; n < 4; ++n) lo[n] = refattn_swz<D>(g, 4 * n + t);
+    for (int k16 = 0; k16 < D; k16 += 16) {
         REFATTN_UNROLL
-        for (int mr = 0; mr < MR; ++mr) a[mr] = sa[refattn_swz<D>(ar + g + 8 * mr, k0 + t)];
+        for (int n = 0; n < 4; ++n) {
+            double a[MR];
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MR; ++mr) a[mr] = a_at(mr, lo[n] + k16, k16 + 4 * n + t);
+            REFATTN_UNROLL
+            for (int nt = 0; nt < NT; ++nt)
+                refattn_mma_rows<MR>(acc + nt * 2 * MR, a, sb[8 * nt * D + lo[n] + k16]);
+        }
+    }
+}
+
+// the swizzled indices of a lane's "col" reads (row 2 t + s, column 8 q + g), s, q in {0, 1}:
+// element (8 nt + 2 t + s, 16 p + 8 q + g) of a tile is at 8 nt D + 16 p + lo[2 s + q]
+template <int D>
+__device__ __forceinline__ void refattn_col_offsets(int* lo, int g, int t) {
+    REFATTN_UNROLL
+    for (int s = 0; s < 2; ++s) {
         REFATTN_UNROLL
-        for (int nt = 0; nt < NT; ++nt)
-            refattn_mma_rows<MR>(acc + nt * 2 * MR, a, sb[refattn_swz<D>(8 * nt + g, k0 + t)]);
+        for (int q = 0; q < 2; ++q) lo[2 * s + q] = refattn_swz<D>(2 * t + s, 8 * q + g);
     }
 }
 
@@ -376,6 +283,8 @@ __device__ __forceinline__ void refattn_mma_abt(double* acc, S1 sa, int ar, S2 s
 template <int D, int MR, int NT, typename S2>
 __device__ __forceinline__ void refattn_mma_pb(double* out, const double* p, S2 sb, int g,
                                                int t) {
+    int lo[4];
+    refattn_col_offsets<D>(lo, g, t);
     REFATTN_UNROLL
     for (int nt = 0; nt < NT; ++nt) {
         REFATTN_UNROLL
@@ -384,9 +293,9 @@ __device__ __forceinline__ void refattn_mma_pb(double* out, const double* p, S2 
             REFATTN_UNROLL
             for (int mr = 0; mr < MR; ++mr) a[mr] = p[nt * 2 * MR + 2 * mr + s];
             REFATTN_UNROLL
-            for (int dt = 0; dt < D / 8; ++dt)
+            for (int dt = 0; dt < D / 8; ++dt)  // B (8 nt + 2 t + s, 8 dt + g)
                 refattn_mma_rows<MR>(out + dt * 2 * MR, a,
-                                     sb[refattn_swz<D>(8 * nt + 2 * t + s, 8 * dt + g)]);
+                                     sb[8 * nt * D + 16 * (dt >> 1) + lo[2 * s + (dt & 1)]]);
         }
     }
 }
@@ -398,6 +307,8 @@ template <int D, int MR, int NT, typename S1, typename S2>
 __device__ __forceinline__ void refattn_mma_pb_shared(S1 acc, const double* p, S2 sb, int lane,
                                                       int g, int t) {
     constexpr int W = 2 * MR;
+    int lo[4];
+    refattn_col_offsets<D>(lo, g, t);
     REFATTN_NO_UNROLL
     for (int dt = 0; dt < D / 8; ++dt) {
         double c[W];
@@ -410,7 +321,7 @@ __device__ __forceinline__ void refattn_mma_pb_shared(S1 acc, const double* p, S
                 double a[MR];
                 REFATTN_UNROLL
                 for (int mr = 0; mr < MR; ++mr) a[mr] = p[nt * 2 * MR + 2 * mr + s];
-                refattn_mma_rows<MR>(c, a, sb[refattn_swz<D>(8 * nt + 2 * t + s, 8 * dt + g)]);
+                refattn_mma_rows<MR>(c, a, sb[8 * nt * D + 16 * (dt >> 1) + lo[2 * s + (dt & 1)]]);
             }
         }
         REFATTN_UNROLL
@@ -440,21 +351,15 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     const int i0 = static_cast<int>(blockIdx.x) * BQ, row = i0 + wr + g;
     const double* kmat = c.k + (b * c.Hkv + hk) * c.K * D;
     const double* vmat = c.v + (b * c.Hkv + hk) * c.K * D;
-    auto sQ = smem;               // BQ x D
-    auto sK = sQ + BQ * D;        // 2 x BK x D
-    auto sV = sK + 2 * BK * D;    // 2 x BK x D
+    constexpr bool AG = REFATTN_A_GLOBAL<D>;  // Q rows read from global memory
+    auto sQ = smem;                     // BQ x D (none when AG)
+    auto sK = sQ + (AG ? 0 : BQ * D);   // 2 x BK x D
+    auto sV = sK + 2 * BK * D;          // 2 x BK x D
+    const auto q_rows = refattn_rows_a<D>(sQ, wr, c.q + bh * c.Q * D, row, Q);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
     auto classify = [&](int kb, unsigned* bits) {
-        int any, all, cls = REFATTN_PARTIAL;
-        if (vis.mode == 2) {  // bounded from the relation's coordinates; SKIP and FULL final
-            cls = refattn_tile_relation(vis, b, h, i0, refattn_imin(BQ, Q - i0), kb * BK,
-                                        refattn_imin(BK, K - kb * BK), tid);
-            if (cls == REFATTN_FULL && kb * BK + BK > K) cls = REFATTN_PARTIAL;  // key tail
-            if (cls != REFATTN_PARTIAL) return cls;
-        }
-        *bits = refattn_tile_bits<MR, NT, false>(vis, ip, evaluate, b, h, row, kb * BK + 2 * t,
-                                                 Q, K, &any, &all);
-        return refattn_tile_class(evaluate, any, all, kb * BK + BK > K);
+        return refattn_classify<MR, NT, false>(vis, ip, evaluate, b, h, i0, kb * BK, row, t, Q,
+                                               K, tid, bits);
     };
     auto load = [&](int kb) {
         const int buf = kb & 1;
@@ -462,7 +367,7 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
         refattn_load_tile_async<BK, D, REFATTN_THREADS>(sV + buf * BK * D, vmat, kb * BK, K, tid);
     };
 
-    refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sQ, c.q + bh * c.Q * D, i0, Q, tid);
+    if (!AG) refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sQ, c.q + bh * c.Q * D, i0, Q, tid);
     double o[DT * W];
     REFATTN_UNROLL
     for (int e = 0; e < DT * W; ++e) o[e] = 0.0;
@@ -476,119 +381,99 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     const double none = refattn_neg_inf();
     long long done = 0, skipped = 0;
     const int nkb = (K + BK - 1) / BK;
-    unsigned bits;
-    int cls = classify(0, &bits);
-    if (cls != REFATTN_SKIP) load(0);
-    refattn_cp_async_commit();
-    for (int kb = 0; kb < nkb; ++kb) {
+    // tile kb (and Q, copied before the loop) landed; cls FULL or PARTIAL
+    auto compute = [&](int kb, int cls, unsigned bits) {
         const int j0 = kb * BK, buf = kb & 1;
-        unsigned bits_next = 0;
-        int cls_next = REFATTN_SKIP;
-        if (kb + 1 < nkb) {
-            cls_next = classify(kb + 1, &bits_next);
-            if (cls_next != REFATTN_SKIP) load(kb + 1);
-        }
-        refattn_cp_async_commit();
-        refattn_cp_async_wait<1>();  // tile kb (and Q) landed
-        __syncthreads();
-        if (cls == REFATTN_SKIP) {
-            ++skipped;
-        } else {
-            ++done;
-            double s[NT * W];
+        double s[NT * W];
+        REFATTN_UNROLL
+        for (int e = 0; e < NT * W; ++e) s[e] = 0.0;
+        refattn_mma_abt<D, MR, NT>(s, q_rows, sK + buf * BK * D, g, t);  // S = Q K^T
+        const unsigned keep = c.drop_mode == 2
+                                  ? refattn_keep_bits_rows<MR, NT>(c, bh, row, j0, t)
+                                  : 0u;
+        REFATTN_UNROLL
+        for (int mr = 0; mr < MR; ++mr) {
+            const int i = row + 8 * mr;
+            const RefattnLine bias_i = refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, i);
+            const RefattnLine z_i = refattn_line<false>(c.z, ip, P_Z_S0, b, h, i);
+            double tile_max = none;
             REFATTN_UNROLL
-            for (int e = 0; e < NT * W; ++e) s[e] = 0.0;
-            refattn_mma_abt<D, MR, NT>(s, sQ, wr, sK + buf * BK * D, g, t);  // S = Q K^T
-            const unsigned keep = c.drop_mode == 2
-                                      ? refattn_keep_bits_rows<MR, NT>(c, bh, row, j0, t)
-                                      : 0u;
-            REFATTN_UNROLL
-            for (int mr = 0; mr < MR; ++mr) {
-                const int i = row + 8 * mr;
-                double tile_max = none;
+            for (int nt = 0; nt < NT; ++nt) {
                 REFATTN_UNROLL
-                for (int nt = 0; nt < NT; ++nt) {
-                    REFATTN_UNROLL
-                    for (int sb = 0; sb < 2; ++sb) {
-                        const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
-                        double capped;
-                        double v = refattn_score(c, s[e], &capped);
-                        if (c.has_bias && i < Q && j < K) v = refattn_biased(c, ip, v, b, h, i, j);
-                        const int bit = (nt * MR + mr) * 2 + sb;
-                        if (cls == REFATTN_PARTIAL && !((bits >> bit) & 1u)) v = none;
-                        s[e] = v;  // visibility after the bias
-                        tile_max = fmax(tile_max, v);
-                    }
-                }
-                tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-                tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-                const double m_new = fmax(m[mr], tile_max);
-                const double corr = m_new == none ? 1.0 : (m[mr] == none ? 0.0 : exp(m[mr] - m_new));
-                double part = 0.0;
-                REFATTN_UNROLL
-                for (int nt = 0; nt < NT; ++nt) {
-                    REFATTN_UNROLL
-                    for (int sb = 0; sb < 2; ++sb) {
-                        const int e = nt * W + 2 * mr + sb;
-                        double p = s[e] == none ? 0.0 : exp(s[e] - m_new);
-                        part += p;
-                        if (p != 0.0 && c.drop_mode != 0)
-                            p *= refattn_tile_multiplier(c, ip, keep, (nt * MR + mr) * 2 + sb, b,
-                                                         h, i, j0 + 8 * nt + 2 * t + sb);
-                        s[e] = p;  // P~ Z
-                    }
-                }
-                part += __shfl_xor_sync(0xffffffffu, part, 1);
-                part += __shfl_xor_sync(0xffffffffu, part, 2);
-                l[mr] = l[mr] * corr + part;
-                m[mr] = m_new;
-                REFATTN_UNROLL
-                for (int dt = 0; dt < DT; ++dt) {
-                    o[dt * W + 2 * mr] *= corr;
-                    o[dt * W + 2 * mr + 1] *= corr;
+                for (int sb = 0; sb < 2; ++sb) {
+                    const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
+                    double capped;
+                    double v = refattn_score(c, s[e], &capped);
+                    if (c.has_bias && i < Q && j < K) v += bias_i.at(j);
+                    const int bit = (nt * MR + mr) * 2 + sb;
+                    if (cls == REFATTN_PARTIAL && !((bits >> bit) & 1u)) v = none;
+                    s[e] = v;  // visibility after the bias
+                    tile_max = fmax(tile_max, v);
                 }
             }
-            refattn_mma_pb<D, MR, NT>(o, s, sV + buf * BK * D, g, t);  // O += P~ Z V
+            tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+            tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+            const double m_new = fmax(m[mr], tile_max);
+            const double corr = m_new == none ? 1.0 : (m[mr] == none ? 0.0 : exp(m[mr] - m_new));
+            double part = 0.0;
+            REFATTN_UNROLL
+            for (int nt = 0; nt < NT; ++nt) {
+                REFATTN_UNROLL
+                for (int sb = 0; sb < 2; ++sb) {
+                    const int e = nt * W + 2 * mr + sb;
+                    double p = s[e] == none ? 0.0 : exp(s[e] - m_new);
+                    part += p;
+                    if (p != 0.0 && c.drop_mode != 0)
+                        p *= refattn_tile_multiplier(c, keep, (nt * MR + mr) * 2 + sb, z_i,
+                                                     j0 + 8 * nt + 2 * t + sb);
+                    s[e] = p;  // P~ Z
+                }
+            }
+            part += __shfl_xor_sync(0xffffffffu, part, 1);
+            part += __shfl_xor_sync(0xffffffffu, part, 2);
+            l[mr] = l[mr] * corr + part;
+            m[mr] = m_new;
+            REFATTN_UNROLL
+            for (int dt = 0; dt < DT; ++dt) {
+                o[dt * W + 2 * mr] *= corr;
+                o[dt * W + 2 * mr + 1] *= corr;
+            }
         }
-        __syncthreads();  // buffer kb free for tile kb + 2
-        cls = cls_next;
-        bits = bits_next;
-    }
+        refattn_mma_pb<D, MR, NT>(o, s, sV + buf * BK * D, g, t);  // O += P~ Z V
+    };
+    refattn_tile_loop(nkb, classify, load, compute, &done, &skipped);
     REFATTN_UNROLL
     for (int mr = 0; mr < MR; ++mr) {
         const int i = row + 8 * mr;
         if (i >= Q) continue;
         const bool used = c.query_valid[b * c.Q + i] != 0;
+        const double inv_l = 1.0 / l[mr];  // O / l as refattn_div: one division per row
         double* orow = out + (bh * c.Q + i) * D;
         REFATTN_UNROLL
         for (int dt = 0; dt < DT; ++dt) {
-            orow[8 * dt + 2 * t] = used ? o[dt * W + 2 * mr] / l[mr] : 0.0;
-            orow[8 * dt + 2 * t + 1] = used ? o[dt * W + 2 * mr + 1] / l[mr] : 0.0;
+            orow[8 * dt + 2 * t] = used ? refattn_div(o[dt * W + 2 * mr], l[mr], inv_l) : 0.0;
+            orow[8 * dt + 2 * t + 1] =
+                used ? refattn_div(o[dt * W + 2 * mr + 1], l[mr], inv_l) : 0.0;
         }
         if (t == 0) {
             lse[bh * c.Q + i] = m[mr] + log(l[mr]);
             row_max[bh * c.Q + i] = m[mr];
         }
     }
-    if (tid == 0) {
-        const long long block = bh * gridDim.x + blockIdx.x;
-        tiles[2 * block] = done;
-        tiles[2 * block + 1] = skipped;
-    }
+    refattn_count_tiles(tiles, bh * gridDim.x + blockIdx.x, done, skipped);
 }
 
-// -- dq, and the check contraction row_dot = sum_j P G_P ----------------------------------------
-// grid (ceil(Q / BQ), B * Hq), 128 threads. Mode 0 (P_DQ_MODE): dq (B,Hq,Q,D) = fq sum_j dS k,
-// dS = P (G_P - D) times the softcap slope, the bias gradient of modes 1 (per element) and 3
-// (summed over keys), and row_dot as a by-product. Mode 1: row_dot (B,Hq,Q) = sum_j P G_P only
-// (a trace's D, needed before any dS). Products per tile: S = Q K^T, dP = G_O V^T, dQ += dS K.
+// -- dq, and the contraction row_dot = sum_j P G_P -----------------------------------------------
+// grid (ceil(Q / BQ), B * Hq), 128 threads: dq (B,Hq,Q,D) = fq sum_j dS k, dS = P (G_P - D)
+// times the softcap slope, the bias gradient of modes 1 (per element) and 3 (summed over keys),
+// and row_dot (B,Hq,Q) = sum_j P G_P as a by-product (the sink's gradient). Products per tile:
+// S = Q K^T, dP = G_O V^T, dQ += dS K.
 template <int D, int MR, int BK>
 __device__ void refattn_dq(const unsigned long long* x, const long long* ip, const double* rp) {
     constexpr int BQ = 8 * MR * REFATTN_WARPS, NT = BK / 8, DT = D / 8, W = 2 * MR;
     REFATTN_DYNAMIC_SHARED(double, smem);
     const RefattnCall c = refattn_call(x, ip, rp);
     const RefattnVisibility vis = refattn_visibility(x, ip);
-    const bool check_mode = ip[P_DQ_MODE] == 1;
     const long long gbias_mode = ip[P_GBIAS_MODE];
     double* dq = reinterpret_cast<double*>(x[X_DQ]);
     double* gbias = reinterpret_cast<double*>(x[X_GBIAS]);
@@ -601,22 +486,17 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     const int i0 = static_cast<int>(blockIdx.x) * BQ, row = i0 + wr + g;
     const double* kmat = c.k + (b * c.Hkv + hk) * c.K * D;
     const double* vmat = c.v + (b * c.Hkv + hk) * c.K * D;
-    auto sQ = smem;               // BQ x D
-    auto sG = sQ + BQ * D;        // BQ x D: G_O
-    auto sK = sG + BQ * D;        // 2 x BK x D
-    auto sV = sK + 2 * BK * D;    // 2 x BK x D
+    constexpr bool AG = REFATTN_A_GLOBAL<D>;  // Q and G_O rows read from global memory
+    auto sQ = smem;                     // BQ x D (none when AG)
+    auto sG = sQ + (AG ? 0 : BQ * D);   // BQ x D: G_O (none when AG)
+    auto sK = sG + (AG ? 0 : BQ * D);   // 2 x BK x D
+    auto sV = sK + 2 * BK * D;          // 2 x BK x D
+    const auto q_rows = refattn_rows_a<D>(sQ, wr, c.q + bh * c.Q * D, row, Q);
+    const auto g_rows = refattn_rows_a<D>(sG, wr, c.g_o + bh * c.Q * D, row, Q);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
     auto classify = [&](int kb, unsigned* bits) {
-        int any, all, cls = REFATTN_PARTIAL;
-        if (vis.mode == 2) {  // bounded from the relation's coordinates; SKIP and FULL final
-            cls = refattn_tile_relation(vis, b, h, i0, refattn_imin(BQ, Q - i0), kb * BK,
-                                        refattn_imin(BK, K - kb * BK), tid);
-            if (cls == REFATTN_FULL && kb * BK + BK > K) cls = REFATTN_PARTIAL;  // key tail
-            if (cls != REFATTN_PARTIAL) return cls;
-        }
-        *bits = refattn_tile_bits<MR, NT, false>(vis, ip, evaluate, b, h, row, kb * BK + 2 * t,
-                                                 Q, K, &any, &all);
-        return refattn_tile_class(evaluate, any, all, kb * BK + BK > K);
+        return refattn_classify<MR, NT, false>(vis, ip, evaluate, b, h, i0, kb * BK, row, t, Q,
+                                               K, tid, bits);
     };
     auto load = [&](int kb) {
         const int buf = kb & 1;
@@ -624,8 +504,10 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
         refattn_load_tile_async<BK, D, REFATTN_THREADS>(sV + buf * BK * D, vmat, kb * BK, K, tid);
     };
 
-    refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sQ, c.q + bh * c.Q * D, i0, Q, tid);
-    refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sG, c.g_o + bh * c.Q * D, i0, Q, tid);
+    if (!AG) {
+        refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sQ, c.q + bh * c.Q * D, i0, Q, tid);
+        refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sG, c.g_o + bh * c.Q * D, i0, Q, tid);
+    }
     double dqa[DT * W];
     REFATTN_UNROLL
     for (int e = 0; e < DT * W; ++e) dqa[e] = 0.0;
@@ -634,76 +516,56 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     for (int mr = 0; mr < MR; ++mr) {
         const int i = row + 8 * mr;
         lse_i[mr] = i < Q ? c.lse[bh * c.Q + i] : 0.0;
-        d_i[mr] = (i < Q && !check_mode) ? c.dvec[bh * c.Q + i] : 0.0;
+        d_i[mr] = i < Q ? c.dvec[bh * c.Q + i] : 0.0;
         acc_pg[mr] = 0.0;  // row_dot = sum_j P G_P
         acc_gb[mr] = 0.0;  // the bias gradient summed over keys (bias mode 3)
     }
     long long done = 0, skipped = 0;
     const int nkb = (K + BK - 1) / BK;
-    unsigned bits;
-    int cls = classify(0, &bits);
-    if (cls != REFATTN_SKIP) load(0);
-    refattn_cp_async_commit();
-    for (int kb = 0; kb < nkb; ++kb) {
+    auto compute = [&](int kb, int cls, unsigned bits) {  // tile kb (and Q, G_O) landed
         const int j0 = kb * BK, buf = kb & 1;
-        unsigned bits_next = 0;
-        int cls_next = REFATTN_SKIP;
-        if (kb + 1 < nkb) {
-            cls_next = classify(kb + 1, &bits_next);
-            if (cls_next != REFATTN_SKIP) load(kb + 1);
-        }
-        refattn_cp_async_commit();
-        refattn_cp_async_wait<1>();
-        __syncthreads();
-        if (cls == REFATTN_SKIP) {
-            ++skipped;
-        } else {
-            ++done;
-            double s[NT * W], dp[NT * W];
+        double s[NT * W], dp[NT * W];
+        REFATTN_UNROLL
+        for (int e = 0; e < NT * W; ++e) s[e] = dp[e] = 0.0;
+        refattn_mma_abt<D, MR, NT>(s, q_rows, sK + buf * BK * D, g, t);   // S = Q K^T
+        refattn_mma_abt<D, MR, NT>(dp, g_rows, sV + buf * BK * D, g, t);  // dP = G_O V^T
+        const unsigned keep = c.drop_mode == 2
+                                  ? refattn_keep_bits_rows<MR, NT>(c, bh, row, j0, t)
+                                  : 0u;
+        REFATTN_UNROLL
+        for (int mr = 0; mr < MR; ++mr) {
+            const int i = row + 8 * mr;
+            const RefattnLine bias_i = refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, i);
+            const RefattnLine z_i = refattn_line<false>(c.z, ip, P_Z_S0, b, h, i);
+            double* gbias_i = gbias + (bh * c.Q + i) * c.K;  // per element (bias mode 1)
             REFATTN_UNROLL
-            for (int e = 0; e < NT * W; ++e) s[e] = dp[e] = 0.0;
-            refattn_mma_abt<D, MR, NT>(s, sQ, wr, sK + buf * BK * D, g, t);   // S = Q K^T
-            refattn_mma_abt<D, MR, NT>(dp, sG, wr, sV + buf * BK * D, g, t);  // dP = G_O V^T
-            const unsigned keep = c.drop_mode == 2
-                                      ? refattn_keep_bits_rows<MR, NT>(c, bh, row, j0, t)
-                                      : 0u;
-            REFATTN_UNROLL
-            for (int mr = 0; mr < MR; ++mr) {
-                const int i = row + 8 * mr;
+            for (int nt = 0; nt < NT; ++nt) {
                 REFATTN_UNROLL
-                for (int nt = 0; nt < NT; ++nt) {
-                    REFATTN_UNROLL
-                    for (int sb = 0; sb < 2; ++sb) {
-                        const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
-                        const int bit = (nt * MR + mr) * 2 + sb;
-                        double ds = 0.0;
-                        const bool seen = i < Q && j < K &&
-                                          (cls == REFATTN_FULL || ((bits >> bit) & 1u));
-                        if (seen) {
-                            double capped;
-                            const double sc = refattn_score(c, s[e], &capped);
-                            const double p = exp(refattn_biased(c, ip, sc, b, h, i, j) - lse_i[mr]);
-                            double gp = dp[e];  // G_Pdrop = G_O . v_j, then G_P = G_Pdrop Z
-                            if (c.drop_mode != 0)
-                                gp *= refattn_tile_multiplier(c, ip, keep, bit, b, h, i, j);
-                            acc_pg[mr] += p * gp;
-                            if (!check_mode) {
-                                const double g_s = p * (gp - d_i[mr]);  // grad_scores
-                                if (gbias_mode == 1) gbias[(bh * c.Q + i) * c.K + j] = g_s;
-                                if (gbias_mode == 3) acc_gb[mr] += g_s;
-                                ds = g_s * refattn_cap_slope(c, sc);
-                            }
-                        }  // (the host zero-fills a per-element bias gradient)
-                        s[e] = ds;
-                    }
+                for (int sb = 0; sb < 2; ++sb) {
+                    const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
+                    const int bit = (nt * MR + mr) * 2 + sb;
+                    double ds = 0.0;
+                    const bool seen = i < Q && j < K &&
+                                      (cls == REFATTN_FULL || ((bits >> bit) & 1u));
+                    if (seen) {
+                        double capped;
+                        const double sc = refattn_score(c, s[e], &capped);
+                        const double p = exp((c.has_bias ? sc + bias_i.at(j) : sc) - lse_i[mr]);
+                        double gp = dp[e];  // G_Pdrop = G_O . v_j, then G_P = G_Pdrop Z
+                        if (c.drop_mode != 0) gp *= refattn_tile_multiplier(c, keep, bit, z_i, j);
+                        acc_pg[mr] += p * gp;
+                        const double g_s = p * (gp - d_i[mr]);  // grad_scores
+                        if (gbias_mode == 1) gbias_i[j] = g_s;
+                        if (gbias_mode == 3) acc_gb[mr] += g_s;
+                        ds = g_s * refattn_cap_slope(c, sc);
+                    }  // (the host zero-fills a per-element bias gradient)
+                    s[e] = ds;
                 }
             }
-            if (!check_mode) refattn_mma_pb<D, MR, NT>(dqa, s, sK + buf * BK * D, g, t);
         }
-        __syncthreads();
-        cls = cls_next;
-        bits = bits_next;
-    }
+        refattn_mma_pb<D, MR, NT>(dqa, s, sK + buf * BK * D, g, t);  // dQ += dS K
+    };
+    refattn_tile_loop(nkb, classify, load, compute, &done, &skipped);
     REFATTN_UNROLL
     for (int mr = 0; mr < MR; ++mr) {
         acc_pg[mr] += __shfl_xor_sync(0xffffffffu, acc_pg[mr], 1);
@@ -713,21 +575,15 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
         const int i = row + 8 * mr;
         if (i >= Q) continue;
         if (t == 0) row_dot[bh * c.Q + i] = acc_pg[mr];
-        if (!check_mode) {
-            double* drow = dq + (bh * c.Q + i) * D;
-            REFATTN_UNROLL
-            for (int dt = 0; dt < DT; ++dt) {
-                drow[8 * dt + 2 * t] = rp[R_FQ] * dqa[dt * W + 2 * mr];
-                drow[8 * dt + 2 * t + 1] = rp[R_FQ] * dqa[dt * W + 2 * mr + 1];
-            }
-            if (gbias_mode == 3 && t == 0) gbias[bh * c.Q + i] = acc_gb[mr];
+        double* drow = dq + (bh * c.Q + i) * D;
+        REFATTN_UNROLL
+        for (int dt = 0; dt < DT; ++dt) {
+            drow[8 * dt + 2 * t] = rp[R_FQ] * dqa[dt * W + 2 * mr];
+            drow[8 * dt + 2 * t + 1] = rp[R_FQ] * dqa[dt * W + 2 * mr + 1];
         }
+        if (gbias_mode == 3 && t == 0) gbias[bh * c.Q + i] = acc_gb[mr];
     }
-    if (tid == 0) {
-        const long long block = bh * gridDim.x + blockIdx.x;
-        tiles[2 * block] = done;
-        tiles[2 * block + 1] = skipped;
-    }
+    refattn_count_tiles(tiles, bh * gridDim.x + blockIdx.x, done, skipped);
 }
 
 // -- dk, dv: one block per BKV keys of one kv head, looping over its query heads in order -------
@@ -752,20 +608,30 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     const long long bg = blockIdx.y, b = bg / c.Hkv, hg = bg % c.Hkv;
     const int Q = static_cast<int>(c.Q), K = static_cast<int>(c.K);
     const int j0 = static_cast<int>(blockIdx.x) * BKV, row = j0 + wr + g;
-    auto sK = smem;               // BKV x D
-    auto sV = sK + BKV * D;       // BKV x D
-    auto sQ = sV + BKV * D;       // 2 x BQ2 x D
+    constexpr bool AG = REFATTN_A_GLOBAL<D>;  // K and V rows read from global memory
+    auto sK = smem;                     // BKV x D (none when AG)
+    auto sV = sK + (AG ? 0 : BKV * D);  // BKV x D (none when AG)
+    auto sQ = sV + (AG ? 0 : BKV * D);  // 2 x BQ2 x D
     auto sG = sQ + 2 * BQ2 * D;   // 2 x BQ2 x D: G_O
     auto sDV = sG + 2 * BQ2 * D + (tid >> 5) * 8 * MR * D;  // the warp's dV accumulator
+    // above D = 128 dK (64 doubles a lane) is kept in shared memory too (BKV x D after dV)
+    constexpr bool DK_SHARED = D > 128;
+    auto sDK = sDV + BKV * D;  // the warp's dK accumulator (DK_SHARED)
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
 
-    refattn_load_tile_async<BKV, D, REFATTN_THREADS>(sK, c.k + bg * c.K * D, j0, K, tid);
-    refattn_load_tile_async<BKV, D, REFATTN_THREADS>(sV, c.v + bg * c.K * D, j0, K, tid);
-    double dka[DT * W];
+    const auto k_rows = refattn_rows_a<D>(sK, wr, c.k + bg * c.K * D, row, K);
+    const auto v_rows = refattn_rows_a<D>(sV, wr, c.v + bg * c.K * D, row, K);
+    if (!AG) {
+        refattn_load_tile_async<BKV, D, REFATTN_THREADS>(sK, c.k + bg * c.K * D, j0, K, tid);
+        refattn_load_tile_async<BKV, D, REFATTN_THREADS>(sV, c.v + bg * c.K * D, j0, K, tid);
+    }
+    double dka[DK_SHARED ? 1 : DT * W];
     REFATTN_UNROLL
-    for (int e = 0; e < DT * W; ++e) dka[e] = 0.0;
-    for (int e = 0; e < DT * W; ++e)  // the lane's own entries of the warp's region
+    for (int e = 0; e < (DK_SHARED ? 1 : DT * W); ++e) dka[e] = 0.0;
+    for (int e = 0; e < DT * W; ++e) {  // the lane's own entries of the warp's regions
         sDV[((e / W) * 32 + lane) * W + e % W] = 0.0;
+        if (DK_SHARED) sDK[((e / W) * 32 + lane) * W + e % W] = 0.0;
+    }
     long long done = 0, skipped = 0;
     const int nqb = (Q + BQ2 - 1) / BQ2;
     for (long long h = 0; h < c.Hq; ++h) {  // the query heads of kv head hg, in order
@@ -774,16 +640,8 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
         const double* qmat = c.q + bh * c.Q * D;
         const double* gmat = c.g_o + bh * c.Q * D;
         auto classify = [&](int qb, unsigned* bits) {
-            int any, all, cls = REFATTN_PARTIAL;
-            if (vis.mode == 2) {  // bounded from the relation's coordinates
-                cls = refattn_tile_relation(vis, b, h, qb * BQ2, refattn_imin(BQ2, Q - qb * BQ2), j0,
-                                            refattn_imin(BKV, K - j0), tid);
-                if (cls == REFATTN_FULL && qb * BQ2 + BQ2 > Q) cls = REFATTN_PARTIAL;
-                if (cls != REFATTN_PARTIAL) return cls;
-            }
-            *bits = refattn_tile_bits<MR, NT, true>(vis, ip, evaluate, b, h, row,
-                                                    qb * BQ2 + 2 * t, Q, K, &any, &all);
-            return refattn_tile_class(evaluate, any, all, qb * BQ2 + BQ2 > Q);
+            return refattn_classify<MR, NT, true>(vis, ip, evaluate, b, h, j0, qb * BQ2, row, t,
+                                                  Q, K, tid, bits);
         };
         auto load = [&](int qb) {
             const int buf = qb & 1;
@@ -795,79 +653,63 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
         double gb[MR];  // bias gradient of (b, h, j) summed over queries (mode 2)
         REFATTN_UNROLL
         for (int mr = 0; mr < MR; ++mr) gb[mr] = 0.0;
-        unsigned bits;
-        int cls = classify(0, &bits);
-        if (cls != REFATTN_SKIP) load(0);
-        refattn_cp_async_commit();
-        for (int qb = 0; qb < nqb; ++qb) {
+        auto compute = [&](int qb, int cls, unsigned bits) {  // tile qb (and K, V) landed
             const int i0 = qb * BQ2, buf = qb & 1;
-            unsigned bits_next = 0;
-            int cls_next = REFATTN_SKIP;
-            if (qb + 1 < nqb) {
-                cls_next = classify(qb + 1, &bits_next);
-                if (cls_next != REFATTN_SKIP) load(qb + 1);
+            double st[NT * W], dpt[NT * W];
+            REFATTN_UNROLL
+            for (int e = 0; e < NT * W; ++e) st[e] = dpt[e] = 0.0;
+            refattn_mma_abt<D, MR, NT>(st, k_rows, sQ + buf * BQ2 * D, g, t);   // K Q^T
+            refattn_mma_abt<D, MR, NT>(dpt, v_rows, sG + buf * BQ2 * D, g, t);  // V G_O^T
+            const unsigned keep = c.drop_mode == 2
+                                      ? refattn_keep_bits_keys<MR, NT>(c, bh, row, i0, lane)
+                                      : 0u;
+            double lse_i[2 * NT], d_i[2 * NT];
+            REFATTN_UNROLL
+            for (int e = 0; e < 2 * NT; ++e) {
+                const int i = i0 + 8 * (e >> 1) + 2 * t + (e & 1);
+                lse_i[e] = i < Q ? c.lse[bh * c.Q + i] : 0.0;
+                d_i[e] = i < Q ? c.dvec[bh * c.Q + i] : 0.0;
             }
-            refattn_cp_async_commit();
-            refattn_cp_async_wait<1>();
-            __syncthreads();
-            if (cls == REFATTN_SKIP) {
-                ++skipped;
-            } else {
-                ++done;
-                double st[NT * W], dpt[NT * W];
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MR; ++mr) {
+                const int j = row + 8 * mr;
+                const RefattnLine bias_j = refattn_line<true>(c.bias, ip, P_BIAS_S0, b, h, j);
+                const RefattnLine z_j = refattn_line<true>(c.z, ip, P_Z_S0, b, h, j);
                 REFATTN_UNROLL
-                for (int e = 0; e < NT * W; ++e) st[e] = dpt[e] = 0.0;
-                refattn_mma_abt<D, MR, NT>(st, sK, wr, sQ + buf * BQ2 * D, g, t);   // K Q^T
-                refattn_mma_abt<D, MR, NT>(dpt, sV, wr, sG + buf * BQ2 * D, g, t);  // V G_O^T
-                const unsigned keep = c.drop_mode == 2
-                                          ? refattn_keep_bits_keys<MR, NT>(c, bh, row, i0, lane)
-                                          : 0u;
-                double lse_i[2 * NT], d_i[2 * NT];
-                REFATTN_UNROLL
-                for (int e = 0; e < 2 * NT; ++e) {
-                    const int i = i0 + 8 * (e >> 1) + 2 * t + (e & 1);
-                    lse_i[e] = i < Q ? c.lse[bh * c.Q + i] : 0.0;
-                    d_i[e] = i < Q ? c.dvec[bh * c.Q + i] : 0.0;
-                }
-                REFATTN_UNROLL
-                for (int mr = 0; mr < MR; ++mr) {
-                    const int j = row + 8 * mr;
+                for (int nt = 0; nt < NT; ++nt) {
                     REFATTN_UNROLL
-                    for (int nt = 0; nt < NT; ++nt) {
-                        REFATTN_UNROLL
-                        for (int sb = 0; sb < 2; ++sb) {
-                            const int e = nt * W + 2 * mr + sb, i = i0 + 8 * nt + 2 * t + sb;
-                            const int bit = (nt * MR + mr) * 2 + sb;
-                            double pz = 0.0, ds = 0.0;
-                            const bool seen = i < Q && j < K &&
-                                              (cls == REFATTN_FULL || ((bits >> bit) & 1u));
-                            if (seen) {
-                                double capped;
-                                const double sc = refattn_score(c, st[e], &capped);
-                                const double p = exp(refattn_biased(c, ip, sc, b, h, i, j) -
-                                                     lse_i[2 * nt + sb]);
-                                const double z =
-                                    c.drop_mode != 0
-                                        ? refattn_tile_multiplier(c, ip, keep, bit, b, h, i, j)
-                                        : 1.0;
-                                const double gp = dpt[e] * z;
-                                const double g_s = p * (gp - d_i[2 * nt + sb]);
-                                gb[mr] += g_s;
-                                pz = p * z;
-                                ds = g_s * refattn_cap_slope(c, sc);
-                            }
-                            st[e] = pz;
-                            dpt[e] = ds;
+                    for (int sb = 0; sb < 2; ++sb) {
+                        const int e = nt * W + 2 * mr + sb, i = i0 + 8 * nt + 2 * t + sb;
+                        const int bit = (nt * MR + mr) * 2 + sb;
+                        double pz = 0.0, ds = 0.0;
+                        const bool seen = i < Q && j < K &&
+                                          (cls == REFATTN_FULL || ((bits >> bit) & 1u));
+                        if (seen) {
+                            double capped;
+                            const double sc = refattn_score(c, st[e], &capped);
+                            const double p = exp((c.has_bias ? sc + bias_j.at(i) : sc) -
+                                                 lse_i[2 * nt + sb]);
+                            const double z = c.drop_mode != 0
+                                                 ? refattn_tile_multiplier(c, keep, bit, z_j, i)
+                                                 : 1.0;
+                            const double gp = dpt[e] * z;
+                            const double g_s = p * (gp - d_i[2 * nt + sb]);
+                            gb[mr] += g_s;
+                            pz = p * z;
+                            ds = g_s * refattn_cap_slope(c, sc);
                         }
+                        st[e] = pz;
+                        dpt[e] = ds;
                     }
                 }
-                refattn_mma_pb_shared<D, MR, NT>(sDV, st, sG + buf * BQ2 * D, lane, g, t);  // dV
-                refattn_mma_pb<D, MR, NT>(dka, dpt, sQ + buf * BQ2 * D, g, t);  // dK += dS^T Q
             }
-            __syncthreads();
-            cls = cls_next;
-            bits = bits_next;
-        }
+            refattn_mma_pb_shared<D, MR, NT>(sDV, st, sG + buf * BQ2 * D, lane, g, t);  // dV
+            if constexpr (DK_SHARED)  // dK += dS^T Q
+                refattn_mma_pb_shared<D, MR, NT>(sDK, dpt, sQ + buf * BQ2 * D, lane, g, t);
+            else
+                refattn_mma_pb<D, MR, NT>(dka, dpt, sQ + buf * BQ2 * D, g, t);
+        };
+        refattn_tile_loop(nqb, classify, load, compute, &done, &skipped);
         REFATTN_UNROLL
         for (int mr = 0; mr < MR; ++mr) {
             gb[mr] += __shfl_xor_sync(0xffffffffu, gb[mr], 1);
@@ -885,17 +727,15 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
         double* vrow = dv + (bg * c.K + j) * D;
         REFATTN_UNROLL
         for (int dt = 0; dt < DT; ++dt) {
-            krow[8 * dt + 2 * t] = rp[R_FK] * dka[dt * W + 2 * mr];
-            krow[8 * dt + 2 * t + 1] = rp[R_FK] * dka[dt * W + 2 * mr + 1];
+            const int e = (dt * 32 + lane) * W + 2 * mr;  // (DK_SHARED)
+            krow[8 * dt + 2 * t] = rp[R_FK] * (DK_SHARED ? sDK[e] : dka[dt * W + 2 * mr]);
+            krow[8 * dt + 2 * t + 1] =
+                rp[R_FK] * (DK_SHARED ? sDK[e + 1] : dka[dt * W + 2 * mr + 1]);
             vrow[8 * dt + 2 * t] = sDV[(dt * 32 + lane) * W + 2 * mr];
             vrow[8 * dt + 2 * t + 1] = sDV[(dt * 32 + lane) * W + 2 * mr + 1];
         }
     }
-    if (tid == 0) {
-        const long long block = bg * gridDim.x + blockIdx.x;
-        tiles[2 * block] = done;
-        tiles[2 * block + 1] = skipped;
-    }
+    refattn_count_tiles(tiles, bg * gridDim.x + blockIdx.x, done, skipped);
 }
 
 // -- row contraction D = sum_d G_O O, one thread per row ------------------------------------------
@@ -985,12 +825,15 @@ __device__ void refattn_trace_backward(const unsigned long long* x, const long l
 extern "C" __global__ void attention_forward_d32(REFATTN_ARGS) { refattn_forward<32, 2, 32>(x, ip, rp); }
 extern "C" __global__ void attention_forward_d64(REFATTN_ARGS) { refattn_forward<64, 2, 32>(x, ip, rp); }
 extern "C" __global__ void attention_forward_d128(REFATTN_ARGS) { refattn_forward<128, 1, 32>(x, ip, rp); }
+extern "C" __global__ void attention_forward_d256(REFATTN_ARGS) { refattn_forward<256, 1, 8>(x, ip, rp); }
 extern "C" __global__ void attention_dq_d32(REFATTN_ARGS) { refattn_dq<32, 2, 16>(x, ip, rp); }
-extern "C" __global__ void attention_dq_d64(REFATTN_ARGS) { refattn_dq<64, 1, 16>(x, ip, rp); }
+extern "C" __global__ void attention_dq_d64(REFATTN_ARGS) { refattn_dq<64, 2, 16>(x, ip, rp); }
 extern "C" __global__ void attention_dq_d128(REFATTN_ARGS) { refattn_dq<128, 1, 16>(x, ip, rp); }
-extern "C" __global__ void attention_dkdv_d32(REFATTN_ARGS) { refattn_dkdv<32, 1, 32>(x, ip, rp); }
+extern "C" __global__ void attention_dq_d256(REFATTN_ARGS) { refattn_dq<256, 1, 8>(x, ip, rp); }
+extern "C" __global__ void attention_dkdv_d32(REFATTN_ARGS) { refattn_dkdv<32, 1, 16>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d64(REFATTN_ARGS) { refattn_dkdv<64, 1, 32>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d128(REFATTN_ARGS) { refattn_dkdv<128, 1, 16>(x, ip, rp); }
+extern "C" __global__ void attention_dkdv_d256(REFATTN_ARGS) { refattn_dkdv<256, 1, 8>(x, ip, rp); }
 extern "C" __global__ void attention_row_dot_output(REFATTN_ARGS) {
     refattn_row_dot_output(x, ip, rp);
 }
@@ -1004,12 +847,15 @@ extern "C" __global__ void attention_trace_backward(REFATTN_ARGS) {
 REFATTN_EXPORT(attention_forward_d32)
 REFATTN_EXPORT(attention_forward_d64)
 REFATTN_EXPORT(attention_forward_d128)
+REFATTN_EXPORT(attention_forward_d256)
 REFATTN_EXPORT(attention_dq_d32)
 REFATTN_EXPORT(attention_dq_d64)
 REFATTN_EXPORT(attention_dq_d128)
+REFATTN_EXPORT(attention_dq_d256)
 REFATTN_EXPORT(attention_dkdv_d32)
 REFATTN_EXPORT(attention_dkdv_d64)
 REFATTN_EXPORT(attention_dkdv_d128)
+REFATTN_EXPORT(attention_dkdv_d256)
 REFATTN_EXPORT(attention_row_dot_output)
 REFATTN_EXPORT(attention_trace_forward)
 REFATTN_EXPORT(attention_trace_backward)

@@ -22,6 +22,18 @@ __device__ __forceinline__ double refattn_neg_inf() {
     return __longlong_as_double(static_cast<long long>(0xfff0000000000000ULL));
 }
 
+// a / b given rb = 1 / b (one IEEE division, hoisted out of the loops by the caller): q = a rb,
+// then one correction with the residual a - q b (exact by fma), q + (a - q b) rb, which is the
+// correctly rounded a / b (Markstein's theorem: rb within half an ulp of 1 / b, q within an ulp
+// of a / b) unless an intermediate underflows; unlike `/` it has no slow-path subroutine call
+// (CALL.REL.NOINC) in the loop. A zero, infinite or NaN q is returned as it is (the signed zero
+// of a / b, the overflow of a / b).
+__device__ __forceinline__ double refattn_div(double a, double b, double rb) {
+    const double q = a * rb;
+    const double e = fma(fma(-q, b, a), rb, q);
+    return q != 0.0 && fabs(q) <= 1.7976931348623157e308 ? e : q;
+}
+
 // -- pointer slots (the first kernel argument: an array of device addresses) ---------------------
 enum RefattnPtr {
     X_Q, X_K, X_V, X_HEAD_MAP,                       // (B,Hq,Q,Dk) (B,Hkv,K,Dk) (B,Hkv,K,Dv) (Hq)
@@ -51,7 +63,6 @@ enum RefattnInt {
     P_PHILOX_KEY0, P_PHILOX_KEY1, P_PHILOX_OFFSET, P_PHILOX_THRESHOLD,
     P_GBIAS_MODE,        // 0 none, 1 per element (B,Hq,Q,K), 2 summed over q (B,Hq,K),
                          // 3 summed over k (B,Hq,Q)
-    P_DQ_MODE,           // 0 grad_q, 1 row_dot = sum_j P G_P (the check contraction)
     P_BIAS_S0, P_BIAS_S1, P_BIAS_S2, P_BIAS_S3,   // element strides, 0 on broadcast axes
     P_Z_S0, P_Z_S1, P_Z_S2, P_Z_S3,
     P_VIS_S0, P_VIS_S1, P_VIS_S2, P_VIS_S3,

@@ -32,24 +32,33 @@ def test_the_instance_table_matches_the_entry_points():
 
 
 @pytest.mark.parametrize(("Dk", "Dv", "D"), [(1, 1, 32), (32, 32, 32), (33, 8, 64),
-                                             (8, 100, 128), (128, 128, 128)])
+                                             (8, 100, 128), (128, 128, 128), (129, 8, 256),
+                                             (200, 256, 256)])
 def test_widths_pad_up_to_the_next_instance(Dk, Dv, D):
     assert launch.plan("forward", Dk, Dv, H100_SHARED).D == D
 
 
-def test_every_instance_fits_an_a100():
+def test_every_instance_fits_an_h100_and_all_but_dkdv_at_256_an_a100():
     for kind, dims in INSTANCES.items():
         for D in dims:
-            assert launch.shared_bytes(kind, D) <= A100_SHARED, (kind, D)
+            assert launch.shared_bytes(kind, D) <= H100_SHARED, (kind, D)
+            fits = launch.shared_bytes(kind, D) <= A100_SHARED
+            assert fits == ((kind, D) != ("dkdv", 256)), (kind, D)
+    # the dk/dv kernel at D = 256 keeps dK and dV (2 x 32 x 256 doubles) and two buffers of Q
+    # and G_O (4 x 8 x 256): 196608 bytes, refused on an A100 before any launch
+    with pytest.raises(refattn.RefAttnError, match=r"dkdv kernel at head width D=256 "
+                                                   r"\(Dk=200, Dv=256\) needs 196608 bytes.*"
+                                                   r"allows 166912"):
+        launch.plan("dkdv", 200, 256, A100_SHARED, "an A100")
 
 
 def test_a_width_without_an_instance_is_refused():
     with pytest.raises(refattn.RefAttnError, match=r"Dk=300, Dv=8 have no forward kernel "
-                                                   r"instance.*\[32, 64, 128\]"):
+                                                   r"instance.*\[32, 64, 128, 256\]"):
         launch.plan("forward", 300, 8, H100_SHARED)
-    with pytest.raises(refattn.RefAttnError, match=r"Dk=8, Dv=129 have no backward kernel "
+    with pytest.raises(refattn.RefAttnError, match=r"Dk=8, Dv=257 have no backward kernel "
                                                    r"instance"):
-        launch.plan("dkdv", 8, 129, H100_SHARED)
+        launch.plan("dkdv", 8, 257, H100_SHARED)
 
 
 SMALL_SHARED = 101376  # sharedMemPerBlockOptin of an RTX 4090 / sm_89 (99 KiB)

@@ -287,8 +287,8 @@ def _forward(directory: Path, seeds=(0,)):
 
 
 def test_a_missing_cp_async_wait_is_caught(tmp_path):
-    d = _mutated(tmp_path, "attention.cu",
-                 "        refattn_cp_async_wait<1>();  // tile kb (and Q) landed\n", "")
+    d = _mutated(tmp_path, "tile_loop.cuh",
+                 "        refattn_cp_async_wait<1>();  // tile `step` landed\n", "")
     out = _forward(d)[0]
     assert np.isnan(out).any()  # the tiles were read before their copies landed
 
@@ -305,8 +305,8 @@ def test_a_lane_skipping_mma_sync_is_caught(tmp_path):
 def test_a_wrong_fragment_index_is_caught(tmp_path):
     # B of P V read with the k permutation of the other half-step (2 t + 1 - s for 2 t + s)
     d = _mutated(tmp_path, "attention.cu",
-                 "sb[refattn_swz<D>(8 * nt + 2 * t + s, 8 * dt + g)]",
-                 "sb[refattn_swz<D>(8 * nt + 2 * t + 1 - s, 8 * dt + g)]")
+                 "lo[2 * s + q] = refattn_swz<D>(2 * t + s, 8 * q + g);",
+                 "lo[2 * s + q] = refattn_swz<D>(2 * t + 1 - s, 8 * q + g);")
     out = _forward(d)[0]
     ref = refattn.forward(_call()).output
     assert np.isfinite(out).all()

@@ -7,7 +7,6 @@ from __future__ import annotations
 import re
 import shutil
 import subprocess
-import time
 
 import numpy as np
 import pytest
@@ -119,9 +118,7 @@ def test_dropout_keep_mask_in_host_cpp_is_bit_identical_to_refattn(tmp_path, p, 
 def test_every_kernel_compiles_without_spills_or_warnings(arch):
     if toolchain() is None:
         pytest.skip("neither nvcc nor NVRTC (nvidia-cuda-nvrtc) is installed here")
-    start = time.perf_counter()
     report = compile_report(arch)
-    assert time.perf_counter() - start < 60
     assert set(report.kernels) == set(KERNELS)
     assert report.warnings == ()
     assert report.spills == 0, {k.kernel: (k.spill_stores, k.spill_loads)
@@ -129,3 +126,70 @@ def test_every_kernel_compiles_without_spills_or_warnings(arch):
     for k in report.kernels.values():
         assert 0 < k.registers <= 255, k
         print(f"{arch} {k.kernel}: {k.registers} registers, {k.stack_bytes} B stack")
+
+
+DIV_PROGRAM = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#define __device__
+#define __forceinline__ inline
+#define REFATTN_EMULATOR  // common.cuh's CUDA macros are not needed here
+static double __longlong_as_double(long long x) { double d; std::memcpy(&d, &x, 8); return d; }
+using std::fabs;
+using std::fma;
+#include "common.cuh"
+int main() {
+    unsigned long long a, b;
+    while (std::scanf("%llx %llx", &a, &b) == 2) {
+        double x, y;
+        std::memcpy(&x, &a, 8);
+        std::memcpy(&y, &b, 8);
+        const double q = refattn_div(x, y, 1.0 / y);
+        unsigned long long out;
+        std::memcpy(&out, &q, 8);
+        std::printf("%llx\n", out);
+    }
+    return 0;
+}
+"""
+
+
+def test_the_division_without_a_slow_path_is_the_correctly_rounded_quotient(tmp_path):
+    """common.cuh's refattn_div(a, b, 1 / b) (the loops' division: softcap, O / l) returns
+    the bits of IEEE a / b (NumPy's division) on random operands over a wide exponent range,
+    on significands near all ones and on quotients near 1 (where a / (1 / b) alone is off by
+    an ulp), and keeps a / b's signed zero, overflow and NaN."""
+    if not shutil.which("g++"):
+        pytest.skip("no g++ to build the host check")
+    (tmp_path / "div.cpp").write_text(DIV_PROGRAM)
+    exe = tmp_path / "div"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-Wall", "-Werror",
+                    f"-I{KERNEL_DIR}", str(tmp_path / "div.cpp"), "-o", str(exe)], check=True)
+    rng = np.random.default_rng(24)
+    n = 20000
+    sig = rng.integers(0, 2**52, (4, n), dtype=np.uint64)
+    sig[1] |= np.uint64(2**52 - 1) ^ (sig[1] & np.uint64(0xFF))  # near all ones
+    sig[3] = sig[2] ^ (sig[3] & np.uint64(0xFFF))  # b's significand close to a's
+    exp_a = rng.integers(1023 - 300, 1023 + 300, n).astype(np.uint64)
+    exp_b = rng.integers(1023 - 300, 1023 + 300, n).astype(np.uint64)
+    a = ((exp_a << np.uint64(52)) | sig[0]).view(np.float64)
+    b = ((exp_b << np.uint64(52)) | sig[1]).view(np.float64)
+    a2 = ((exp_a << np.uint64(52)) | sig[2]).view(np.float64)
+    b2 = ((exp_a << np.uint64(52)) | sig[3]).view(np.float64)  # quotients near 1
+    special_a = np.array([0.0, -0.0, 1e308, -1e308, np.inf, np.nan, 3.0, 1.0])
+    special_b = np.array([3.0, 3.0, 1e-10, 1e-10, 2.0, 2.0, np.inf, 3.0])
+    x = np.concatenate([a * np.sign(rng.standard_normal(n)), a2, special_a])
+    y = np.concatenate([b, b2, special_b])
+    text = "\n".join(f"{u:x} {v:x}" for u, v in zip(x.view(np.uint64), y.view(np.uint64),
+                                                              strict=True))
+    out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True)
+    got = np.array([int(w, 16) for w in out.stdout.split()], dtype=np.uint64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        want = x / y
+    assert np.isnan(got.view(np.float64)).tolist() == np.isnan(want).tolist()
+    ok = ~np.isnan(want)
+    np.testing.assert_array_equal(got[ok], want[ok].view(np.uint64))
+    # a / (1 / b) alone differs from a / b on some of these operands: the correction matters
+    with np.errstate(over="ignore", invalid="ignore"):
+        assert np.count_nonzero((x * (1.0 / y))[ok] != want[ok]) > 100
