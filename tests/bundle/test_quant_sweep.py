@@ -88,3 +88,14 @@ def test_the_example_spec_in_this_file_is_valid(tmp_path):
     sweep = load_sweep(tmp_path / "s.toml", validate=False)
     assert len(sweep.cases) == 36 and sweep.name == "quant"
 
+
+
+def test_a_quantised_case_s_budget_counts_the_emulation():
+    from refattn.bundle.sweep import case_budget
+
+    shape = [1, 2, 1, 256, 256, 64, 64]
+    plain = case_budget(normalize({"shape": shape}))
+    quant = case_budget(normalize({"shape": shape, "quant": "fa3_fp8"}))
+    n = 2 * 256 * 256  # score elements
+    assert quant.seconds - plain.seconds == pytest.approx(1.2e-5 * n)
+    assert quant.bytes - plain.bytes == 512 * n
