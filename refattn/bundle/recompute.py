@@ -170,6 +170,8 @@ def check_recorded(spec: CaseSpec, call: AttentionCall) -> list[Problem]:
             claim, holds = FLAG_CHECKS[flag]
             if not holds(call):
                 bad(f"flag {flag!r} claims {claim}, which the rebuilt call does not have")
+    if "Quantized" in spec.flags and spec.quant is None:
+        bad("flag 'Quantized' claims a quantised case, whose manifest entry has no quant record")
     return problems
 
 

@@ -241,3 +241,12 @@ def test_a_nan_code_is_refused_by_the_gate_naming_tensor_and_index(bundle):
     report = verify(bundle, gradcheck=False)
     text = " ".join(p.reason for p in report.all_problems if p.case_id == FA3)
     assert "k:" in text and "(0, 1, 2, 3)" in text and "nan" in text.lower(), text
+
+
+def test_the_quantized_flag_needs_a_quant_record(bundle):
+    manifest = json.loads((bundle / "manifest.json").read_text())
+    manifest["cases"][SAGE].pop("quant")
+    (bundle / "manifest.json").write_text(json.dumps(manifest))
+    report = verify(bundle, gradcheck=False)
+    assert any(p.case_id == SAGE and p.stage == "manifest" and "flag 'Quantized'" in p.reason
+               for p in report.all_problems)
