@@ -250,3 +250,10 @@ def test_the_quantized_flag_needs_a_quant_record(bundle):
     report = verify(bundle, gradcheck=False)
     assert any(p.case_id == SAGE and p.stage == "manifest" and "flag 'Quantized'" in p.reason
                for p in report.all_problems)
+
+
+def test_a_numpy_generated_quantised_bundle_verifies_on_the_machine_that_wrote_it(tmp_path):
+    out = tmp_path / "n"
+    write_bundle(out, [CASES[FA3]()], suite="conformance", backend="numpy")
+    report = verify(out, gradcheck=False)
+    assert report.passed, report.format()
