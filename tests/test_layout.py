@@ -123,10 +123,15 @@ def test_every_package_init_says_what_it_owns():
 
 def test_no_benchmark_script_shadows_an_importable_module():
     # benchmarks/ is sys.path[0] when a script runs, and processes it spawns inherit the path:
-    # a script named like a package (dask's "distributed" once) replaces it in every worker
+    # a script named like a package (dask's "distributed" once) replaces it in every worker.
+    # Asked in a fresh interpreter: this session's sys.modules may hold a loaded benchmark.
     bench = Path(__file__).resolve().parents[1] / "benchmarks"
-    assert str(bench) not in sys.path
-    for script in sorted(bench.glob("*.py")):
-        name = script.stem
-        assert name not in sys.stdlib_module_names, script
-        assert importlib.util.find_spec(name) is None, (script, importlib.util.find_spec(name))
+    names = sorted(script.stem for script in bench.glob("*.py"))
+    probe = ("import importlib.util, json, sys; names = json.loads(sys.argv[1]); "
+             "print(json.dumps({n: n in sys.stdlib_module_names or "
+             "importlib.util.find_spec(n) is not None for n in names}))")
+    out = subprocess.run([sys.executable, "-c", probe, json.dumps(names)], cwd=bench.parent,
+                         capture_output=True, text=True, check=True, timeout=120)
+    found = json.loads(out.stdout)
+    assert len(found) == len(names) > 0
+    assert not any(found.values()), {n for n, hit in found.items() if hit}
