@@ -45,7 +45,6 @@ __all__ = [
 
 U64 = 2.0**-53
 _EXP2_SLACK = 4 * U64  # >= 2 elementary.EXP2_MAX_REL_ERROR: see exp2
-_SPLIT = 134217729.0  # 2**27 + 1 (Dekker)
 
 
 def unit_roundoff(fmt: str) -> float:
@@ -169,17 +168,10 @@ def _two_sum(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _two_prod(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """``a * b = p + e`` exactly (Dekker), valid away from overflow and deep underflow."""
-    p = a * b
+    """``a * b = p + e`` exactly (:func:`refattn.quant.elementary.two_prod`), quietly: valid
+    away from overflow and deep underflow, where the caller does not rely on ``e``."""
     with np.errstate(invalid="ignore", over="ignore"):
-        ca = _SPLIT * a
-        ah = ca - (ca - a)
-        al = a - ah
-        cb = _SPLIT * b
-        bh = cb - (cb - b)
-        bl = b - bh
-        e = ((ah * bh - p) + ah * bl + al * bh) + al * bl
-    return p, e
+        return elementary.two_prod(a, b)
 
 
 def _directed(s: np.ndarray, err: np.ndarray, small: np.ndarray) -> tuple[np.ndarray, np.ndarray]:

@@ -73,7 +73,7 @@ _SQRT_HALF = 0.7071067811865476  # fl(sqrt(1/2)), 0x3FE6A09E667F3BCD: the reduct
 _SPLIT = 134217729.0  # 2**27 + 1 (Dekker)
 
 
-def _two_prod(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def two_prod(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     """``a b = p + e`` exactly (Dekker; no overflow, and every partial product above 2**-969)."""
     p = a * b
     ca = _SPLIT * a
@@ -152,7 +152,7 @@ def exp2(x: np.ndarray | float) -> np.ndarray:
         for c in _EXP2_COEFFS[-2:0:-1]:  # Horner down to q_1: q = c + f q, two roundings
             np.multiply(q, f, out=q)  # a step, never an FMA (two ufunc calls)
             np.add(q, c, out=q)
-        h, lo = _two_prod(f, q)  # f q_1 = h + lo exactly
+        h, lo = two_prod(f, q)  # f q_1 = h + lo exactly
         y0 = 1.0 + h
         err = (1.0 - y0) + h  # Fast2Sum (|h| < 1): y0 + err = 1 + h exactly
         q = y0 + (err + lo)  # p(f), one rounding of the nearly exact 1 + f q_1
@@ -231,7 +231,7 @@ def log(x: np.ndarray | float) -> np.ndarray:
         d_hi = 2.0 + f
         d_lo = (2.0 - d_hi) + f  # Fast2Sum: d_hi + d_lo = 2 + f exactly
         s_hi = f / d_hi
-        p_hi, p_lo = _two_prod(s_hi, d_hi)
+        p_hi, p_lo = two_prod(s_hi, d_hi)
         r = (f - p_hi) - p_lo  # exact: f - s_hi d_hi
         s_lo = (r - s_hi * d_lo) / d_hi  # s - s_hi to relative O(u)
         z = s_hi * s_hi
