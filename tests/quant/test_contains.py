@@ -22,11 +22,9 @@ import pytest
 
 import refattn
 from refattn.masks import causal as causal_mask
-from refattn.quant import pipeline, preset
+from refattn.quant import check, pipeline, preset
 
 from . import sims
-
-check = pytest.importorskip("refattn.quant.check")
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,6 @@ from pathlib import Path
 import pytest
 
 torch = pytest.importorskip("torch")
-pytest.importorskip("refattn.quant.diagnosis")
 
 pytest_plugins = ["pytester"]
 
