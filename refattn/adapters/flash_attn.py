@@ -41,8 +41,11 @@ A case is expressible when its scores are dot products, it has no dropout multip
 (FlashAttention draws its own), no sink logit, Dk == Dv, grouped heads, a bias only if it is
 exactly FlashAttention's ALiBi, and a visibility that is exactly the support the arguments
 generate: one window band per sequence, the same for every head; :func:`ineligible` names
-what fails. Arrays are NumPy, in the run's dtype (the real kernels take float16 / bfloat16
-CUDA tensors: :meth:`FlashCall.torch_arguments`). Nothing here imports torch or flash_attn.
+what fails. A paged case (``kv_layout: paged``) lowers to ``flash_attn_with_kvcache`` with
+its pages and block table as stored (:func:`page_size_note` names the page sizes
+FlashAttention 2's CUDA kernel refuses). Arrays are NumPy, in the run's dtype (the real
+kernels take float16 / bfloat16 CUDA tensors: :meth:`FlashCall.torch_arguments`). Nothing
+here imports torch or flash_attn.
 
 The paged interface, as read in the sources (Dao-AILab/flash-attention):
 ``flash_attn/flash_attn_interface.py`` ``flash_attn_with_kvcache`` (the signature; k_cache
@@ -74,7 +77,8 @@ from refattn.engine import forward
 from refattn.errors import RefAttnError
 
 __all__ = ["FUNCTIONS", "KVCACHE_UNSUPPORTED", "FlashCall", "KVCacheCall",
-           "flash_attn_with_kvcache", "flash_call", "ineligible", "kvcache_call"]
+           "flash_attn_with_kvcache", "flash_call", "ineligible", "kvcache_call",
+           "page_size_note"]
 
 Function = Literal["flash_attn_func", "flash_attn_varlen_func", "flash_attn_with_kvcache"]
 #: the three entry points, by lowering name
@@ -90,6 +94,9 @@ def _sequences(spec: CaseSpec, variant: str) -> list[Sequence]:
     B, _, Q, K = spec.score_shape
     if variant == "flash_attn":
         return [(b, 0, Q, 0, K) for b in range(B)]
+    if variant == "flash_attn_kvcache" and _paged(spec):  # queries at the end of the cache
+        lens = np.asarray(spec.tensors["seqlens"]).astype(np.int64)
+        return [(b, 0, Q, 0, int(lens[b])) for b in range(B)]
     vis = spec.visible_full()[:, 0]  # (B, Q, K); head independence is checked later
     segments = None
     relation = spec.relation()
@@ -131,6 +138,36 @@ def _geometry(spec: CaseSpec, seqs: list[Sequence], window: tuple[int, int]
         support[b, q0:q1, k0:k1] = ((left < 0) | (d >= -left)) & ((right < 0) | (d <= right))
         dist[b, q0:q1, k0:k1] = np.abs(d)
     return support, dist
+
+
+def _paged(spec: CaseSpec) -> bool:
+    """Whether the case stores a paged KV cache as given (k_pages, v_pages, block_table,
+    seqlens: :class:`refattn.call.paged.PagedKV`'s convention, FlashAttention's paged
+    layout)."""
+    return spec.conventions.get("kv_layout") == "paged"
+
+
+def page_size_note(page_size: int) -> str | None:
+    """What a FlashAttention kernel may refuse about ``page_size``, or None.
+
+    The interface (``flash_attn_with_kvcache``'s docstring) accepts any ``page_block_size``;
+    FlashAttention 2's CUDA kernel checks ``page_block_size % 256 == 0`` ("Paged KV cache
+    block size must be divisible by 256", ``csrc/flash_attn/flash_api.cpp``), while
+    FlashAttention 3's kernels and Triton kernels of the same interface take smaller pages.
+    The lowering therefore keeps the case's pages and says so here.
+
+    Examples
+    --------
+    >>> page_size_note(256) is None
+    True
+    >>> page_size_note(4)[:40]
+    'page_block_size=4: FlashAttention 2 CUDA'
+    """
+    if page_size % 256 == 0:
+        return None
+    return (f"page_block_size={page_size}: FlashAttention 2 CUDA kernel refuses it (its "
+            "flash_api.cpp requires a multiple of 256); the interface, FlashAttention 3 and "
+            "Triton kernels of the same interface accept it")
 
 
 def _window(spec: CaseSpec, seqs: list[Sequence]) -> tuple[int, int] | None:
@@ -205,10 +242,6 @@ def _plan(spec: CaseSpec, variant: str) -> _Plan | str:
     if spec.head_map_mode == "explicit" and not np.array_equal(
             np.asarray(spec.tensors["head_map"]), np.arange(a["Hq"]) // (a["Hq"] // a["Hkv"])):
         return "explicit head map (FlashAttention's query head h reads kv head h // (Hq // Hkv))"
-    if variant == "flash_attn_kvcache" and spec.conventions.get("kv_layout") == "paged":
-        return ("paged KV cache of page size "
-                f"{spec.conventions.get('page_size')} (flash_attn_with_kvcache documents "
-                "page_block_size as a multiple of 256)")
     seqs = _sequences(spec, variant)
     window = _window(spec, seqs) if seqs else None
     if window is None:
@@ -255,13 +288,17 @@ class FlashCall:
         ``flash_attn_varlen_func``: q ``(total_q, Hq, D)``, k, v ``(total_k, Hkv, D)``,
         ``cu_seqlens_q``, ``cu_seqlens_k`` ``(n_seq + 1,)`` int32, ``max_seqlen_q``,
         ``max_seqlen_k`` (int). ``flash_attn_with_kvcache``: q ``(B, Q, Hq, D)``, k_cache,
-        v_cache ``(B, K, Hkv, D)``. Floats in the run's dtype, rounded once from float64.
+        v_cache ``(B, K, Hkv, D)``, or for a paged case its pages as stored,
+        ``(num_blocks, page_block_size, Hkv, D)``. Floats in the run's dtype, rounded once
+        from float64.
     kwargs : dict
         ``softmax_scale`` (None where the case leaves the scale to the kernel), ``causal``,
         ``window_size``, ``softcap`` (0.0: off), ``alibi_slopes`` (None, ``(Hq,)`` or
         ``(B, Hq)`` float32); ``dropout_p=0.0``, ``deterministic=False`` and
         ``return_attn_probs=True`` (func, varlen: returns the lse), or ``cache_seqlens``
-        ``(B,)`` int32 and ``return_softmax_lse=True`` (kvcache).
+        ``(B,)`` int32, ``return_softmax_lse=True`` and, for a paged case, ``block_table``
+        ``(B, max_num_blocks_per_seq)`` int32 as stored (entries past a sequence's last
+        block unread) (kvcache).
     sequences : list of (b, q0, q1, k0, k1)
         Each packed sequence (one per batch row for func and kvcache) as query and key row
         ranges of the case.
@@ -270,6 +307,9 @@ class FlashCall:
         refattn leaves unused, whose output it zeroes).
     query_valid : (B, 1, Q, 1) bool ndarray
     dtype : str
+    notes : tuple of str
+        What a particular kernel of the interface may refuse although the interface
+        expresses the case (:func:`page_size_note`).
     """
 
     function: Function
@@ -282,6 +322,7 @@ class FlashCall:
     shape: tuple[int, ...]
     query_multiplier: float = 1.0
     key_multiplier: float = 1.0
+    notes: tuple[str, ...] = ()
 
     @property
     def packed(self) -> bool:
@@ -417,6 +458,7 @@ def flash_call(spec: CaseSpec, variant: str = "flash_attn", *, dtype: Any = "flo
     }
     seqs = plan.sequences
     function = FUNCTIONS[variant]
+    notes: tuple[str, ...] = ()
     if variant == "flash_attn":
         args: tuple[Any, ...] = (q, k, v)
         kwargs = {"dropout_p": 0.0, **common, "deterministic": False,
@@ -438,9 +480,23 @@ def flash_call(spec: CaseSpec, variant: str = "flash_attn", *, dtype: Any = "flo
         args = (q, k, v)
         kwargs = {"cache_seqlens": np.array([s[4] for s in seqs], np.int32), **common,
                   "return_softmax_lse": True}
+        if _paged(spec):  # the pages and block table as stored: FlashAttention's layout
+            def pages(x: Any, m: float = 1.0) -> np.ndarray:
+                x = np.asarray(x, np.float64)
+                return np.ascontiguousarray(x if m == 1.0 else x * m).astype(np_dtype)
+
+            table = np.asarray(t["block_table"])
+            if table.size and (table.min() < np.iinfo(np.int32).min
+                               or table.max() > np.iinfo(np.int32).max):
+                raise RefAttnError(f"{spec.case_id}: block_table: entries beyond int32 "
+                                   "(FlashAttention's block_table is torch.int32)")
+            args = (q, pages(t["k_pages"], mult.key), pages(t["v_pages"]))
+            kwargs = {**kwargs, "block_table": table.astype(np.int32)}
+            note = page_size_note(int(args[1].shape[1]))
+            notes = () if note is None else (note,)
     return FlashCall(function, args, kwargs, seqs, np.ascontiguousarray(g_o),
                      np.ascontiguousarray(spec.query_valid_full()), precision,
-                     spec.score_shape, float(mult.query), float(mult.key))
+                     spec.score_shape, float(mult.query), float(mult.key), notes)
 
 
 # -- the interface as a reference: flash_attn_with_kvcache's arguments -> refattn's paged call --

@@ -313,7 +313,7 @@ class Case:
 
     def to_flash_attn_kvcache(self, *, dtype: Any = None) -> Any:
         """:meth:`to_flash_attn` for ``flash_attn_with_kvcache`` (forward only): the keys as
-        a cache with ``cache_seqlens``."""
+        a cache with ``cache_seqlens``; a paged case's pages with its ``block_table``."""
         return flash_adapter.flash_call(self.spec, "flash_attn_kvcache",
                                         dtype=dtype or self.dtype)
 

@@ -1,15 +1,17 @@
 """FlashAttention's documented interface, written from its docstrings in NumPy float64,
 independently of refattn (Dao-AILab/flash-attention, flash_attn/flash_attn_interface.py,
 FlashAttention 2): ``flash_attn_func``, ``flash_attn_varlen_func`` and
-``flash_attn_with_kvcache`` with their signatures, the (batch, seqlen, nheads, headdim)
-layout, GQA "head 0, 1, 2 of Q will attention to head 0 of K, V", the causal mask "aligned to
-the bottom right corner", ``window_size`` keeping keys in "[i + seqlen_k - seqlen_q -
-window_size[0], i + seqlen_k - seqlen_q + window_size[1]] inclusive", ALiBi "(-alibi_slope *
-|i + seqlen_k - seqlen_q - j|)", softcap on the scaled score (``softcap * tanh(score /
-softcap)``, the kernel's order: scale, softcap, ALiBi, mask), "If the row of the mask is all
-zero, the output will be zero", ``softmax_lse`` the logsumexp of each row (+inf for an empty
-row, as the kernel writes it). ``dout=`` (not part of the interface) returns the gradients
-of ``sum(dout * out)`` with respect to q, k, v as well, by the textbook backward.
+``flash_attn_with_kvcache`` with their signatures, the (batch, seqlen, nheads, headdim) layout
+(a paged cache: k_cache ``(num_blocks, page_block_size, nheads_k, headdim)`` read through
+``block_table`` ``(batch_size, max_num_blocks_per_seq)`` int32, the sequence's blocks end to
+end), GQA "head 0, 1, 2 of Q will attention to head 0 of K, V", the causal mask "aligned to the
+bottom right corner", ``window_size`` keeping keys in "[i + seqlen_k - seqlen_q -
+window_size[0], i + seqlen_k - seqlen_q + window_size[1]] inclusive", ALiBi "(-alibi_slope * |i
++ seqlen_k - seqlen_q - j|)", softcap on the scaled score (``softcap * tanh(score / softcap)``,
+the kernel's order: scale, softcap, ALiBi, mask), "If the row of the mask is all zero, the
+output will be zero", ``softmax_lse`` the logsumexp of each row (+inf for an empty row, as the
+kernel writes it). ``dout=`` (not part of the interface) returns the gradients of ``sum(dout *
+out)`` with respect to q, k, v as well, by the textbook backward.
 """
 
 from __future__ import annotations
@@ -115,15 +117,31 @@ def flash_attn_with_kvcache(q, k_cache, v_cache, k=None, v=None, rotary_cos=None
                             causal=False, window_size=(-1, -1), softcap=0.0,
                             rotary_interleaved=True, alibi_slopes=None, num_splits=0,
                             return_softmax_lse=False):
-    assert k is None and v is None and rotary_cos is None and block_table is None
+    assert k is None and v is None and rotary_cos is None
     assert cache_leftpad is None
     q = np.asarray(q, np.float64)
     kc, vc = np.asarray(k_cache, np.float64), np.asarray(v_cache, np.float64)
     B = q.shape[0]
-    lens = (np.full(B, kc.shape[1]) if cache_seqlens is None else
+    if block_table is None:  # k_cache (batch_size_cache, seqlen_cache, nheads_k, headdim)
+        idx = np.arange(B) if cache_batch_idx is None else np.asarray(cache_batch_idx)
+        capacity = kc.shape[1]
+
+        def cache(x, b, n):
+            return x[idx[b], :n]
+    else:  # k_cache (num_blocks, page_block_size, nheads_k, headdim), "if there's a block_table"
+        assert cache_batch_idx is None
+        table = np.asarray(block_table)
+        assert table.dtype == np.int32 and table.shape[0] == B
+        page = kc.shape[1]
+        capacity = table.shape[1] * page
+
+        def cache(x, b, n):  # the sequence's blocks, laid end to end, cut at its length
+            blocks = table[b, :(n + page - 1) // page]
+            assert ((blocks >= 0) & (blocks < x.shape[0])).all()
+            return np.concatenate([x[blk] for blk in blocks])[:n]
+    lens = (np.full(B, capacity) if cache_seqlens is None else
             np.broadcast_to(np.asarray(cache_seqlens), (B,)))
-    idx = np.arange(B) if cache_batch_idx is None else np.asarray(cache_batch_idx)
-    res = [_one(q[b], kc[idx[b], :lens[b]], vc[idx[b], :lens[b]], _scale(softmax_scale, q),
+    res = [_one(q[b], cache(kc, b, lens[b]), cache(vc, b, lens[b]), _scale(softmax_scale, q),
                 causal, window_size, softcap, _slopes(alibi_slopes, b), None)
            for b in range(B)]
     out = np.stack([r[0] for r in res])
