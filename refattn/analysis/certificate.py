@@ -7,6 +7,14 @@ binary64 is an integer multiple of 2**-1074; CPython's integer true division rou
 and transcendental points (exp, log, tanh, sqrt) in mpmath's interval arithmetic at a working
 precision raised until the interval is narrow enough. A stored element passes when it is the
 round-to-nearest-even value of its defining real value. ``refattn verify --exact`` runs it.
+
+Hostile magnitudes stay cheap: an interval bound far outside binary64's range (``exp(s - lse)``
+of logits near 1e38 is about ``2**-1e39``) is clamped to ``+-2**-1100`` or ``+-2**1025`` before
+it becomes a :class:`~fractions.Fraction`, which leaves every comparison with a rounding
+boundary unchanged (no boundary lies strictly inside those clamps) and decides underflow to
+``+0.0`` and overflow to ``inf`` from the crude bound. Each element's precision loop is capped
+(``_MAX_BITS``) and timed: past ``budget_s`` seconds it ends in a :class:`RefAttnError` naming
+the tensor, the element and the budget, never in a pass.
 """
 
 from __future__ import annotations
@@ -14,6 +22,8 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from fractions import Fraction
+from functools import partial
+from time import monotonic
 from typing import Any, cast
 
 import numpy as np
@@ -24,12 +34,16 @@ from refattn.call import AttentionCall
 from refattn.call.placement import operand_multipliers
 from refattn.call.scores import Additive, Bilinear, Cosine, ScoreFamily
 from refattn.engine.reduce import gather_heads
+from refattn.errors import RefAttnError
 
-__all__ = ["Certificate", "PointCheck", "certify"]
+__all__ = ["DEFAULT_BUDGET_S", "Certificate", "PointCheck", "certify"]
 
 _SCALE_BITS = 1074  # every finite binary64 is an integer multiple of 2**-1074
 _START_BITS = 192  # three times binary64's 64-bit working margin
 _MAX_BITS = 1 << 13
+_TINY_EXP = -1100  # below every rounding boundary's magnitude (the least is 2**-1075)
+_HUGE_EXP = 1025  # above every finite one's (the greatest is 2**1024 - 2**970)
+DEFAULT_BUDGET_S = 60.0  # per transcendental element; a valid element takes milliseconds
 
 
 @dataclass(frozen=True)
@@ -85,28 +99,76 @@ def _isum(x: np.ndarray, axis: Any) -> np.ndarray:
 
 
 # -- interval arithmetic -----------------------------------------------------------------------
-def _fraction(mpf_tuple: tuple) -> Fraction:
-    sign, man, exp, _ = mpf_tuple
-    value = Fraction(int(man)) * (Fraction(2) ** int(exp))
+def _fraction(mpf_tuple: tuple) -> Fraction | None:
+    """An interval bound as a Fraction, its magnitude clamped to [2**-1100, 2**1025].
+
+    The clamp keeps the cost independent of the bound's exponent (``2**-1e39`` would be an
+    integer of 1e39 bits) and changes no comparison with a rounding boundary: every boundary
+    is 0-free and lies in ``[2**-1075, 2**1024 - 2**970]`` in magnitude. Infinities clamp to
+    ``+-2**1025``; NaN gives None (undecidable).
+    """
+    sign, man, exp, bc = mpf_tuple
+    if not man:
+        if not bc:  # zero; mpmath's specials have man == 0 and bc != 0
+            return Fraction(0)
+        if bc == -1:  # nan
+            return None
+        value = Fraction(2) ** _HUGE_EXP  # +-inf
+    else:
+        top = int(exp) + int(bc)  # 2**(top-1) <= |value| < 2**top
+        if top > _HUGE_EXP:
+            value = Fraction(2) ** _HUGE_EXP
+        elif top <= _TINY_EXP:
+            value = Fraction(2) ** _TINY_EXP
+        else:
+            value = Fraction(int(man)) * (Fraction(2) ** int(exp))
     return -value if sign else value
 
 
-def _bounds(x: Any) -> tuple[Fraction, Fraction]:
-    lo, hi = x._mpi_
-    return _fraction(lo), _fraction(hi)
+def _bounds(x: Any) -> tuple[Fraction, Fraction] | None:
+    lo, hi = (_fraction(b) for b in x._mpi_)
+    return None if lo is None or hi is None else (lo, hi)
+
+
+_OVERFLOW = (Fraction(2) ** 1024 + Fraction(2) ** 1024 - Fraction(2) ** 971) / 2  # to inf (tie too)
+
+
+def _show(bound: Fraction) -> str:
+    """A (clamped) bound for a message: a binary64 near it, or which side of the range it is."""
+    if abs(bound) >= Fraction(2) ** _HUGE_EXP:
+        return f"{'-' if bound < 0 else ''}2**1025 or beyond"
+    if bound and abs(bound) <= Fraction(2) ** _TINY_EXP:
+        return f"{'-' if bound < 0 else ''}2**-1100 or below"
+    try:
+        return f"{float(bound):.17g}"
+    except OverflowError:  # at or past the overflow midpoint
+        return f"{'-' if bound < 0 else ''}2**1024 - 2**970 or beyond"
 
 
 def _neighbours(x: float) -> tuple[Fraction, Fraction]:
-    """The rounding interval of binary64 ``x``: midpoints to its two neighbours."""
-    below, above = np.nextafter(x, -np.inf), np.nextafter(x, np.inf)
+    """The rounding interval of binary64 ``x``: midpoints to its two neighbours.
+
+    ``+-inf`` is the rounding of everything from the overflow midpoint on (a tie rounds to
+    infinity: the greatest finite binary64 has an odd significand); its outer end is a value
+    past every clamped bound.
+    """
+    if np.isinf(x):
+        far = Fraction(2) ** (_HUGE_EXP + 1)
+        return (_OVERFLOW, far) if x > 0 else (-far, -_OVERFLOW)
+    with np.errstate(over="ignore"):  # max's neighbour is inf: the overflow midpoint below
+        below, above = np.nextafter(x, -np.inf), np.nextafter(x, np.inf)
     fx = Fraction(x)
-    return (fx + Fraction(float(below))) / 2, (fx + Fraction(float(above))) / 2
+    a = (fx + Fraction(float(below))) / 2 if np.isfinite(below) else -_OVERFLOW
+    b = (fx + Fraction(float(above))) / 2 if np.isfinite(above) else _OVERFLOW
+    return a, b
 
 
 def _rounds_to(x: float, lo: Fraction, hi: Fraction) -> bool | None:
     """True: every value in [lo, hi] rounds to x; False: none does; None: undecided."""
+    if np.isnan(x):
+        return False
     a, b = _neighbours(x)
-    even = (np.float64(x).view(np.int64) & 1) == 0
+    even = bool(np.isinf(x)) or (np.float64(x).view(np.int64) & 1) == 0
     inside_lo = lo > a or (lo == a and even)
     inside_hi = hi < b or (hi == b and even)
     if inside_lo and inside_hi:
@@ -134,33 +196,47 @@ def _compare(name: str, stored: np.ndarray, want: np.ndarray, letters: str | Non
 
 
 def _interval_check(name: str, stored: np.ndarray, value: Callable[[tuple[int, ...]], Any],
-                    where: np.ndarray | None, letters: str | None) -> PointCheck:
-    """Check ``stored[idx] == RN(value(idx))`` with ``value`` evaluated in mpmath intervals."""
+                    where: np.ndarray | None, letters: str | None, budget_s: float
+                    ) -> PointCheck:
+    """Check ``stored[idx] == RN(value(idx))`` with ``value`` evaluated in mpmath intervals.
+
+    Each element's precision loop doubles from ``_START_BITS`` to at most ``_MAX_BITS`` and
+    must end within ``budget_s`` seconds, else :class:`RefAttnError`.
+    """
     stored = np.asarray(stored, dtype=np.float64)
     count = 0
     for idx in np.ndindex(*stored.shape):
         if where is not None and not where[idx]:
             continue
         count += 1
-        bits, verdict = _START_BITS, None
+        bits, verdict, bounds = _START_BITS, None, None
+        start = monotonic()
         while verdict is None and bits <= _MAX_BITS:
             saved, iv.prec = iv.prec, bits
             try:
-                lo, hi = _bounds(value(idx))
+                bounds = _bounds(value(idx))
             finally:
                 iv.prec = saved
-            verdict = _rounds_to(float(stored[idx]), lo, hi)
+            if bounds is not None:
+                verdict = _rounds_to(float(stored[idx]), *bounds)
+            if verdict is None and monotonic() - start > budget_s:
+                raise RefAttnError(
+                    f"certificate: {name} element {format_index(idx, letters)} = "
+                    f"{float(stored[idx])!r} was not decided within the time budget of "
+                    f"{budget_s:g} s (at {bits} bits); it is not certified")
             bits *= 2
         if verdict is not True:
             what = "is not" if verdict is False else "could not be confirmed as"
+            shown = "NaN" if bounds is None else (
+                f"[{_show(bounds[0])}, {_show(bounds[1])}]")
             return PointCheck(name, count, (
                 f"element {format_index(idx, letters)} = {float(stored[idx])!r} {what} the "
-                f"correctly rounded value of its definition (interval "
-                f"[{float(lo):.17g}, {float(hi):.17g}])"))
+                f"correctly rounded value of its definition (interval {shown})"))
     return PointCheck(name, count)
 
 
-def certify(call: AttentionCall, tensors: Mapping[str, np.ndarray]) -> Certificate:
+def certify(call: AttentionCall, tensors: Mapping[str, np.ndarray], *,
+            budget_s: float = DEFAULT_BUDGET_S) -> Certificate:
     """Check that every rounding point of ``tensors`` is correctly rounded (independently).
 
     Parameters
@@ -169,11 +245,20 @@ def certify(call: AttentionCall, tensors: Mapping[str, np.ndarray]) -> Certifica
         The call the tensors belong to (its inputs, policies and score family).
     tensors : mapping of str to ndarray
         The stored canonical tensors, forward and backward (``grad_output`` included).
+    budget_s : float
+        The time one transcendental element's precision loop may take. Its cost does not grow
+        with the magnitude of the values (bounds outside binary64's range are decided from
+        clamped bounds), so a valid element takes milliseconds.
 
     Returns
     -------
     Certificate
         One :class:`PointCheck` per rounding point present.
+
+    Raises
+    ------
+    RefAttnError
+        An element not decided within ``budget_s`` (naming the tensor, element and budget).
 
     Examples
     --------
@@ -189,6 +274,7 @@ def certify(call: AttentionCall, tensors: Mapping[str, np.ndarray]) -> Certifica
     False
     """
     t = {n: np.asarray(a) for n, a in tensors.items()}
+    icheck = partial(_interval_check, budget_s=float(budget_s))
     checks: list[PointCheck] = []
     hm, Hkv = cast(np.ndarray, call.head_map), call.k.shape[1]  # fields validation sets
     fam = cast(ScoreFamily, call.score)
@@ -212,12 +298,12 @@ def certify(call: AttentionCall, tensors: Mapping[str, np.ndarray]) -> Certifica
             u, factors = (qi @ W) @ ki.swapaxes(-1, -2), 3
         checks.append(_compare(first, t[first], _rn(u * post, factors + 1), "bhij"))
     else:
-        checks.append(_interval_check(first, t[first], _score_value(fam, q_s, k_s, mult.post),
+        checks.append(icheck(first, t[first], _score_value(fam, q_s, k_s, mult.post),
                                       None, "bhij"))
     if call.softcap is not None:
         c = call.softcap
         s_in = t["softcap_input"]
-        checks.append(_interval_check(
+        checks.append(icheck(
             "scores", t["scores"], lambda i: iv.mpf(c) * _tanh(iv.mpf(float(s_in[i])) / c),
             None, "bhij"))
     if call.bias is not None:
@@ -236,16 +322,16 @@ def certify(call: AttentionCall, tensors: Mapping[str, np.ndarray]) -> Certifica
             total += iv.exp(iv.mpf(float(sink[i[1]])))
         return iv.log(total)
 
-    checks.append(_interval_check("lse", lse, lse_value, None, "bhi"))
+    checks.append(icheck("lse", lse, lse_value, None, "bhi"))
     probs = t["probs"]
-    checks.append(_interval_check(
+    checks.append(icheck(
         "probs", probs, lambda i: iv.exp(iv.mpf(float(s[i])) - iv.mpf(float(lse[i[:3]]))),
         vis, "bhij"))
     if np.any(probs[~vis] != 0.0):
         checks.append(PointCheck("probs", int(probs.size), "nonzero probability off the "
                                  "support"))
     if sink is not None:
-        checks.append(_interval_check(
+        checks.append(icheck(
             "sink_probs", t["sink_probs"],
             lambda i: iv.exp(iv.mpf(float(sink[i[1]])) - iv.mpf(float(lse[i]))), None, "bhi"))
 
@@ -259,7 +345,7 @@ def certify(call: AttentionCall, tensors: Mapping[str, np.ndarray]) -> Certifica
     if "grad_output" not in t:
         return Certificate(tuple(checks))
     g_o = np.where(qv, t["grad_output"], 0.0)
-    checks += _backward_checks(call, t, g_o, v_eff, q_s, k_s, z, mult, Hkv)
+    checks += _backward_checks(call, t, g_o, v_eff, q_s, k_s, z, mult, Hkv, icheck)
     return Certificate(tuple(checks))
 
 
@@ -306,7 +392,8 @@ def _heads_int(x: np.ndarray, hm: np.ndarray, Hkv: int) -> np.ndarray:
 
 def _backward_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g_o: np.ndarray,
                      v_eff: np.ndarray, q_s: np.ndarray, k_s: np.ndarray, z: np.ndarray,
-                     mult: Any, Hkv: int) -> list[PointCheck]:
+                     mult: Any, Hkv: int, icheck: Callable[..., PointCheck]
+                     ) -> list[PointCheck]:
     hm, fam = cast(np.ndarray, call.head_map), cast(ScoreFamily, call.score)  # validated
     probs, consumed = t["probs"], t["consumed"]
     gi = _ints(g_o)
@@ -353,7 +440,7 @@ def _backward_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g_o: np.n
         gw = _isum(per, (0, 1) if fW.ndim == 2 else 0) * _ints(mult.post)
         checks.append(_compare("grad_score_W", t["grad_score_W"], _rn(gw, 4), None))
     else:
-        checks += _composite_family_checks(call, t, g, q_s, k_s, mult.post)
+        checks += _composite_family_checks(call, t, g, q_s, k_s, mult.post, icheck)
     if call.sink is not None:
         gs = -_isum(_ints(t["sink_probs"]) * _ints(D), (0, 2))
         checks.append(_compare("grad_sink", t["grad_sink"], _rn(gs, 2), "h"))
@@ -371,7 +458,8 @@ def _backward_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g_o: np.n
 
 
 def _composite_family_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g: np.ndarray,
-                             q_s: np.ndarray, k_s: np.ndarray, post: float) -> list[PointCheck]:
+                             q_s: np.ndarray, k_s: np.ndarray, post: float,
+                             icheck: Callable[..., PointCheck]) -> list[PointCheck]:
     """grad_q, grad_k (and parameters) of the additive and cosine families, in intervals."""
     fam, hm = cast(ScoreFamily, call.score), cast(np.ndarray, call.head_map)  # validated
     B, _, Q, K = call.score_shape
@@ -404,8 +492,8 @@ def _composite_family_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g
             return sum((unit_grad(k_s[b, h, kj], q_s[b, h], g[b, h, :, kj])[d] * post
                         for h in heads[hk]), iv.mpf(0))
 
-        return [_interval_check("grad_q", t["grad_q"], grad_q, None, "bhid"),
-                _interval_check("grad_k", t["grad_k"], grad_k, None, "bhjd")]
+        return [icheck("grad_q", t["grad_q"], grad_q, None, "bhid"),
+                icheck("grad_k", t["grad_k"], grad_k, None, "bhjd")]
 
     # additive: u = sum_a v_a tanh(pre_a), pre = Wq q_i + Wk k_j + b
     add = cast(Additive, fam)
@@ -455,9 +543,9 @@ def _composite_family_checks(call: AttentionCall, t: Mapping[str, np.ndarray], g
 
         return value
 
-    checks = [_interval_check("grad_q", t["grad_q"], grad_q_add, None, "bhid"),
-              _interval_check("grad_k", t["grad_k"], grad_k_add, None, "bhjd")]
+    checks = [icheck("grad_q", t["grad_q"], grad_q_add, None, "bhid"),
+              icheck("grad_k", t["grad_k"], grad_k_add, None, "bhjd")]
     for kind in ("Wq", "Wk", "b", "v"):
         name = f"grad_score_{kind}"
-        checks.append(_interval_check(name, t[name], param(kind), None, None))
+        checks.append(icheck(name, t[name], param(kind), None, None))
     return checks
