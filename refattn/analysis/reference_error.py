@@ -29,10 +29,18 @@ _NOT_COMPUTED = frozenset({"q", "k", "v", "head_map", "visible", "query_valid", 
                            "sanitized_rows", "masked_scores"})
 
 
+#: the largest value a three-digit record can hold: a relative error beyond binary64's range
+#: (a stored element many orders of magnitude above a real value that underflows) is recorded
+#: as this, so the manifest stays JSON (no inf) and still reads as "enormous"
+LARGEST_RECORDED = 1.79e308
+
+
 def _three_digits(x: arb) -> float:
-    """A non-negative ball as a binary64 with three significant decimal digits (stable text)."""
+    """A non-negative ball as a binary64 with three significant decimal digits (stable text),
+    at most :data:`LARGEST_RECORDED`."""
     value = round_ball(x) if x.rad() == 0 else float(x.mid())
-    return float(f"{value:.2e}") if value is not None else float(x.mid())
+    value = float(f"{value:.2e}") if value is not None else float(x.mid())
+    return min(value, LARGEST_RECORDED)
 
 
 TensorError = dict[str, float | None]
@@ -57,7 +65,8 @@ def reference_error(call: AttentionCall, tensors: Mapping[str, np.ndarray], *,
     dict
         ``{name: {"max_relative": r, "normwise_relative": n}}``, three significant digits;
         ``max_relative`` is taken over the elements whose real value is not zero (None when a
-        stored element is nonzero where the real value is exactly zero).
+        stored element is nonzero where the real value is exactly zero); a relative error beyond
+        binary64's range is recorded as :data:`LARGEST_RECORDED`.
 
     Examples
     --------

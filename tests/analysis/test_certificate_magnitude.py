@@ -110,3 +110,26 @@ def test_an_undecidable_element_fails_or_raises_never_passes():
     with pytest.raises(RefAttnError, match=r"probs element \(i=0\).*time budget of 0 s"):
         _interval_check("probs", np.array([1.0]), lambda i: straddle(), None, "i",
                         budget_s=0.0)
+
+
+def test_a_golden_at_logits_1e300_is_written_with_a_json_manifest(tmp_path):
+    # the reference error of a per-step rounded golden at this magnitude exceeds binary64's
+    # range for some elements (was: ValueError "Out of range float values are not JSON
+    # compliant: inf" from write_bundle); JSON has no inf, so the record holds the largest
+    # three-digit value instead
+    import json
+
+    from refattn.analysis.reference_error import LARGEST_RECORDED
+    from refattn.bundle.cases import GoldenCase
+    from refattn.bundle.write import write_bundle
+
+    call = _call_at(1e300)
+    case = GoldenCase("logits_1e300", call, np.array([1.0, -2.0]).reshape(1, 1, 2, 1), "1e300")
+    out = write_bundle(tmp_path / "b", [case], suite="magnitudes")
+    text = out.read_text()  # write_bundle answers the manifest's path
+    manifest = json.loads(text, parse_constant=lambda c: pytest.fail(f"manifest holds {c}"))
+    (entry,) = manifest["cases"] if isinstance(manifest["cases"], list) else \
+        manifest["cases"].values()
+    values = [v for e in entry["reference_error"].values() for v in e.values() if v is not None]
+    assert values and all(0.0 <= v <= LARGEST_RECORDED for v in values)
+    assert max(values) == LARGEST_RECORDED  # some element's error is past binary64's range
