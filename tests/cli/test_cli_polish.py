@@ -298,3 +298,17 @@ def test_ctrl_c_during_plot_removes_only_what_it_drew(tmp_path, monkeypatch, cap
         assert (out / "mine.png").read_bytes() == b"user's"
     else:
         assert not out.exists()
+
+
+def test_python_m_refattn_is_the_command_line():
+    import subprocess
+    import sys
+
+    import refattn
+
+    done = subprocess.run([sys.executable, "-m", "refattn", "--version"], capture_output=True,
+                          text=True, timeout=300)
+    assert done.returncode == 0 and refattn.__version__ in done.stdout, done
+    bad = subprocess.run([sys.executable, "-m", "refattn", "mask", "--q", "0"],
+                         capture_output=True, text=True, timeout=300)
+    assert bad.returncode == 2 and bad.stderr.count("\n") == 1, bad
