@@ -9,6 +9,8 @@ CLI, which use it.
 """
 
 from refattn.quant.bounds import Interval
+from refattn.quant.check import QuantReport, check_candidate
+from refattn.quant.diagnosis import diagnose
 from refattn.quant.formats import FORMATS, ROUNDINGS
 from refattn.quant.pipeline import QuantResult, dequantized_call, quantized
 from refattn.quant.presets import PRESETS, preset
@@ -19,11 +21,14 @@ __all__ = [
     "PRESETS",
     "ROUNDINGS",
     "Interval",
+    "QuantReport",
     "QuantResult",
     "QuantSpec",
     "TensorQuant",
+    "check_candidate",
     "check_quant",
     "dequantized_call",
+    "diagnose",
     "preset",
     "quantized",
 ]
