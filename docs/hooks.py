@@ -39,6 +39,7 @@ API = {
     "softmax": ("refattn.softmax: the row softmax", "refattn.softmax"),
     "engine": ("refattn.engine: backends and traces", "refattn.engine"),
     "bundle": ("refattn.bundle: golden bundles", "refattn.bundle"),
+    "quant": ("refattn.quant: quantised attention (FP8, INT8)", "refattn.quant"),
     "testing": ("refattn.testing: the pytest plugin", "refattn.testing"),
     "adapters": ("refattn.adapters: PyTorch, JAX, ONNX, NumPy", "refattn.adapters"),
     "distributed": ("refattn.distributed: Dask", "refattn.distributed"),
