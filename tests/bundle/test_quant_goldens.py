@@ -10,12 +10,10 @@ from pathlib import Path
 
 import numpy as np
 import pytest
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 from refattn.bundle import write_bundle
 from refattn.bundle.candidates import write_candidate
-from refattn.bundle.format import META_KEY, tensor_sha256
+from refattn.bundle.format import tensor_sha256
 from refattn.bundle.manifest import check_schema
 from refattn.bundle.read import load
 from refattn.bundle.spec import case_spec
@@ -25,6 +23,7 @@ from refattn.cli import main
 from refattn.errors import RefAttnError
 from refattn.quant.pipeline import emulate
 from refattn.quant.spec import QuantSpec
+from tests.bundle.resealing import reseal_case_file
 
 FA3 = "quant_fa3_fp8_gqa_causal"
 VLLM = "quant_vllm_fp8_kv_saturating"
@@ -124,16 +123,7 @@ def test_every_preset_and_the_issue_s_conditions_are_in_the_suite():
 
 def _reseal(bundle: Path, case: str, change) -> None:
     """Change stored tensors and re-seal every checksum, so only recomputation can tell."""
-    path = bundle / "cases" / f"{case}.safetensors"
-    data = path.read_bytes()
-    tensors = {k: np.array(v) for k, v in st_load(data).items()}
-    change(tensors)
-    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-    meta = json.loads(header["__metadata__"][META_KEY])
-    meta["tensors"] = {n: tensor_sha256(t) for n, t in tensors.items()}
-    new = st_save(tensors, metadata={META_KEY: json.dumps(meta, sort_keys=True,
-                                                          separators=(",", ":"))})
-    path.write_bytes(new)
+    new, tensors = reseal_case_file(bundle, case, change)
     manifest = json.loads((bundle / "manifest.json").read_text())
     entry = manifest["cases"][case]
     entry["sha256"] = hashlib.sha256(new).hexdigest()

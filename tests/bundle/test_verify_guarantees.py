@@ -18,12 +18,11 @@ import numpy as np
 import pytest
 from hypothesis import given, settings
 from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 import refattn
 from refattn.bundle import write_bundle
 from refattn.bundle.cases import case_tensors
-from refattn.bundle.format import META_KEY, tensor_sha256
+from refattn.bundle.format import tensor_sha256
 from refattn.bundle.guarantee import (
     FORWARD_BOUND,
     GRADIENT_BOUND,
@@ -34,6 +33,7 @@ from refattn.bundle.guarantee import (
 from refattn.bundle.suites import build_suite
 from refattn.bundle.verifier import verify
 from refattn.cli import main
+from tests.bundle.resealing import reseal_case_file
 from tests.strategies import engine_calls
 
 LOOP6 = "loop6_two_query_training_trace"
@@ -61,17 +61,13 @@ def _relabel_as_numpy(bundle: Path) -> None:
 def _reseal(bundle: Path, case: str, change) -> dict[str, np.ndarray]:
     """Change stored tensors and re-seal the file's and the manifest's sha256 (checksums
     then pass: only the recomputation can tell). Returns the tensors as stored before."""
-    path = bundle / "cases" / f"{case}.safetensors"
-    data = path.read_bytes()
-    before = {k: np.array(v) for k, v in st_load(data).items()}
-    tensors = {k: v.copy() for k, v in before.items()}
-    change(tensors)
-    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-    meta = json.loads(header["__metadata__"][META_KEY])
-    meta["tensors"] = {n: tensor_sha256(t) for n, t in tensors.items()}
-    new = st_save(tensors, metadata={META_KEY: json.dumps(meta, sort_keys=True,
-                                                          separators=(",", ":"))})
-    path.write_bytes(new)
+    before: dict[str, np.ndarray] = {}
+
+    def keep_and_change(tensors):
+        before.update({k: v.copy() for k, v in tensors.items()})
+        change(tensors)
+
+    new, tensors = reseal_case_file(bundle, case, keep_and_change)
     mpath = bundle / "manifest.json"
     m = json.loads(mpath.read_text())
     entry = m["cases"][case]

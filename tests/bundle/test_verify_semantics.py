@@ -8,19 +8,17 @@ import hashlib
 import json
 from pathlib import Path
 
-import numpy as np
 import pytest
-from safetensors.numpy import load as st_load
-from safetensors.numpy import save as st_save
 
 from refattn.bundle import write_bundle
 from refattn.bundle.candidates import write_candidate
 from refattn.bundle.comparison import compare, required_tensors
-from refattn.bundle.format import META_KEY, tensor_sha256
+from refattn.bundle.format import tensor_sha256
 from refattn.bundle.read import load
 from refattn.bundle.suites import build_suite
 from refattn.bundle.verifier import verify
 from refattn.cli import main
+from tests.bundle.resealing import reseal_case_file
 
 LOOP6 = "loop6_two_query_training_trace"
 LOOP7 = "loop7_cross_attention_padded_source"
@@ -57,16 +55,7 @@ def test_recorded_conventions_and_flags_must_match_the_rebuilt_call(bundle, edit
 
 def _reseal(bundle: Path, case: str, change) -> None:
     """Change a stored tensor and re-seal every checksum, so only recomputation can tell."""
-    path = bundle / "cases" / f"{case}.safetensors"
-    data = path.read_bytes()
-    tensors = {k: np.array(v) for k, v in st_load(data).items()}
-    change(tensors)
-    header = json.loads(data[8 : 8 + int.from_bytes(data[:8], "little")])
-    meta = json.loads(header["__metadata__"][META_KEY])
-    meta["tensors"] = {n: tensor_sha256(t) for n, t in tensors.items()}
-    new = st_save(tensors, metadata={META_KEY: json.dumps(meta, sort_keys=True,
-                                                          separators=(",", ":"))})
-    path.write_bytes(new)
+    new, tensors = reseal_case_file(bundle, case, change)
 
     def fix(entry):
         entry["sha256"] = hashlib.sha256(new).hexdigest()
