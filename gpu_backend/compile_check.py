@@ -200,14 +200,18 @@ def smem_layout(directory: Path = KERNEL_DIR) -> tuple[str, str]:
     """The kernels' shared-memory tile layout (a :func:`~gpu_backend.banks.tile_index` layout
     with ``D`` for the head width) and where that comes from.
 
-    ``"swizzle"`` when attention.cu uses tile.cuh's swizzled tiles (``refattn_swz``,
-    ``refattn_load_tile_async``); else ``"stride=D+n"`` from the first ``constexpr int ...PAD...
-    = n`` (or ``#define ...PAD... n``) of the sources; else ``"stride=D"`` (unpadded).
+    ``"swizzle"`` when a kernel source other than tile.cuh (which defines them) uses its
+    swizzled tiles (``refattn_swz``, ``refattn_load_tile_async``); else ``"stride=D+n"`` from the
+    first ``constexpr int ...PAD... = n`` (or ``#define ...PAD... n``) of the sources; else
+    ``"stride=D"`` (unpadded).
     """
-    main = (Path(directory) / MAIN).read_text()
-    if "refattn_swz" in main or "refattn_load_tile_async" in main:
-        return "swizzle", f"{MAIN} uses tile.cuh's XOR-swizzled tiles"
-    for path in sorted(Path(directory).glob("*.cu*")):
+    sources = sorted(Path(directory).glob("*.cu*"))
+    users = [path.name for path in sources if path.name != "tile.cuh"
+             and any(name in path.read_text()
+                     for name in ("refattn_swz", "refattn_load_tile_async"))]
+    if users:
+        return "swizzle", f"{', '.join(users)} use tile.cuh's XOR-swizzled tiles"
+    for path in sources:
         if m := _PAD.search(path.read_text()):
             return f"stride=D+{m.group(2)}", f"{path.name}: {m.group(1)} = {m.group(2)}"
     return "stride=D", "no swizzle or *PAD* constant in the kernel sources: rows unpadded"

@@ -247,7 +247,7 @@ def test_a_removed_syncthreads_is_caught(tmp_path):
 
 def test_an_out_of_bounds_shared_memory_index_is_caught(tmp_path):
     d = _mutated(tmp_path, "return tile[(first + 8 * mr) * D + sw];",
-                 "return tile[(first + 8 * mr) * D + sw + 16 * 64 * D];")
+                 "return tile[(first + 8 * mr) * D + sw + 16 * 64 * D];", "products.cuh")
     with pytest.raises(refattn.RefAttnError, match=r"shared memory index \d+ out of bounds.*"
                                                    r"block \(\d+, \d+, 0\), thread \(\d+, 0, 0\)"):
         _outputs(d, seeds=(0,))
@@ -255,7 +255,8 @@ def test_an_out_of_bounds_shared_memory_index_is_caught(tmp_path):
 
 def test_a_result_that_depends_on_thread_order_is_caught(tmp_path):
     # lanes t = 0, 1 of a quad write the same output element: the last writer wins
-    d = _mutated(tmp_path, "orow[8 * dt + 2 * t] = used", "orow[8 * dt + 2 * (t & 2)] = used")
+    d = _mutated(tmp_path, "orow[8 * dt + 2 * t] = used", "orow[8 * dt + 2 * (t & 2)] = used",
+                 "forward.cuh")
     outs = _outputs(d, seeds=(0, 1, 2, 3))
     assert len({o.tobytes() for o in outs}) > 1
 

@@ -304,7 +304,7 @@ def test_a_lane_skipping_mma_sync_is_caught(tmp_path):
 
 def test_a_wrong_fragment_index_is_caught(tmp_path):
     # B of P V read with the k permutation of the other half-step (2 t + 1 - s for 2 t + s)
-    d = _mutated(tmp_path, "attention.cu",
+    d = _mutated(tmp_path, "products.cuh",
                  "lo[2 * s + q] = refattn_swz<D>(2 * t + s, 8 * q + g);",
                  "lo[2 * s + q] = refattn_swz<D>(2 * t + 1 - s, 8 * q + g);")
     out = _forward(d)[0]

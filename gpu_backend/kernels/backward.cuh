@@ -1,0 +1,281 @@
+// refattn kernels: the recomputing backward, dq over key tiles and dk/dv over query tiles.
+#pragma once
+#include "call.cuh"
+#include "products.cuh"
+#include "tile_loop.cuh"
+#include "visibility.cuh"
+
+// -- dq, and the contraction row_dot = sum_j P G_P -----------------------------------------------
+// grid (ceil(Q / BQ), B * Hq), 128 threads: dq (B,Hq,Q,D) = fq sum_j dS k, dS = P (G_P - D)
+// times the softcap slope, the bias gradient of modes 1 (per element) and 3 (summed over keys),
+// and row_dot (B,Hq,Q) = sum_j P G_P as a by-product (the sink's gradient). Products per tile:
+// S = Q K^T, dP = G_O V^T, dQ += dS K.
+template <int D, int MR, int BK>
+__device__ void refattn_dq(const unsigned long long* x, const long long* ip, const double* rp) {
+    constexpr int BQ = 8 * MR * REFATTN_WARPS, NT = BK / 8, DT = D / 8, W = 2 * MR;
+    REFATTN_DYNAMIC_SHARED(double, smem);
+    const RefattnCall c = refattn_call(x, ip, rp);
+    const RefattnVisibility vis = refattn_visibility(x, ip);
+    const long long gbias_mode = ip[P_GBIAS_MODE];
+    double* dq = reinterpret_cast<double*>(x[X_DQ]);
+    double* gbias = reinterpret_cast<double*>(x[X_GBIAS]);
+    double* row_dot = reinterpret_cast<double*>(x[X_ROW_DOT]);
+    long long* tiles = reinterpret_cast<long long*>(x[X_TILES]);
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wr = (tid >> 5) * 8 * MR;
+    const long long bh = blockIdx.y, b = bh / c.Hq, h = bh % c.Hq, hk = c.head_map[h];
+    const int Q = static_cast<int>(c.Q), K = static_cast<int>(c.K);
+    const int i0 = static_cast<int>(blockIdx.x) * BQ, row = i0 + wr + g;
+    const double* kmat = c.k + (b * c.Hkv + hk) * c.K * D;
+    const double* vmat = c.v + (b * c.Hkv + hk) * c.K * D;
+    constexpr bool AG = REFATTN_A_GLOBAL<D>;  // Q and G_O rows read from global memory
+    auto sQ = smem;                     // BQ x D (none when AG)
+    auto sG = sQ + (AG ? 0 : BQ * D);   // BQ x D: G_O (none when AG)
+    auto sK = sG + (AG ? 0 : BQ * D);   // 2 x BK x D
+    auto sV = sK + 2 * BK * D;          // 2 x BK x D
+    const auto q_rows = refattn_rows_a<D>(sQ, wr, c.q + bh * c.Q * D, row, Q);
+    const auto g_rows = refattn_rows_a<D>(sG, wr, c.g_o + bh * c.Q * D, row, Q);
+    const bool evaluate = vis.mode != 0 || vis.has_sanitized;
+    auto classify = [&](int kb, unsigned* bits) {
+        return refattn_classify<MR, NT, false>(vis, ip, evaluate, b, h, i0, kb * BK, row, t, Q,
+                                               K, tid, bits);
+    };
+    auto load = [&](int kb) {
+        const int buf = kb & 1;
+        refattn_load_tile_async<BK, D, REFATTN_THREADS>(sK + buf * BK * D, kmat, kb * BK, K, tid);
+        refattn_load_tile_async<BK, D, REFATTN_THREADS>(sV + buf * BK * D, vmat, kb * BK, K, tid);
+    };
+
+    if (!AG) {
+        refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sQ, c.q + bh * c.Q * D, i0, Q, tid);
+        refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sG, c.g_o + bh * c.Q * D, i0, Q, tid);
+    }
+    double dqa[DT * W];
+    REFATTN_UNROLL
+    for (int e = 0; e < DT * W; ++e) dqa[e] = 0.0;
+    double lse_i[MR], d_i[MR], acc_pg[MR], acc_gb[MR];
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MR; ++mr) {
+        const int i = row + 8 * mr;
+        lse_i[mr] = i < Q ? c.lse[bh * c.Q + i] : 0.0;
+        d_i[mr] = i < Q ? c.dvec[bh * c.Q + i] : 0.0;
+        acc_pg[mr] = 0.0;  // row_dot = sum_j P G_P
+        acc_gb[mr] = 0.0;  // the bias gradient summed over keys (bias mode 3)
+    }
+    long long done = 0, skipped = 0;
+    const int nkb = (K + BK - 1) / BK;
+    auto compute = [&](int kb, int cls, unsigned bits) {  // tile kb (and Q, G_O) landed
+        const int j0 = kb * BK, buf = kb & 1;
+        double s[NT * W], dp[NT * W];
+        REFATTN_UNROLL
+        for (int e = 0; e < NT * W; ++e) s[e] = dp[e] = 0.0;
+        refattn_mma_abt<D, MR, NT>(s, q_rows, sK + buf * BK * D, g, t);   // S = Q K^T
+        refattn_mma_abt<D, MR, NT>(dp, g_rows, sV + buf * BK * D, g, t);  // dP = G_O V^T
+        const unsigned keep = c.drop_mode == 2
+                                  ? refattn_keep_bits_rows<MR, NT>(c, bh, row, j0, t)
+                                  : 0u;
+        REFATTN_UNROLL
+        for (int mr = 0; mr < MR; ++mr) {
+            const int i = row + 8 * mr;
+            const RefattnLine bias_i = refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, i);
+            const RefattnLine z_i = refattn_line<false>(c.z, ip, P_Z_S0, b, h, i);
+            double* gbias_i = gbias + (bh * c.Q + i) * c.K;  // per element (bias mode 1)
+            REFATTN_UNROLL
+            for (int nt = 0; nt < NT; ++nt) {
+                REFATTN_UNROLL
+                for (int sb = 0; sb < 2; ++sb) {
+                    const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
+                    const int bit = (nt * MR + mr) * 2 + sb;
+                    double ds = 0.0;
+                    const bool seen = i < Q && j < K &&
+                                      (cls == REFATTN_FULL || ((bits >> bit) & 1u));
+                    if (seen) {
+                        double capped;
+                        const double sc = refattn_score(c, s[e], &capped);
+                        const double p = exp((c.has_bias ? sc + bias_i.at(j) : sc) - lse_i[mr]);
+                        double gp = dp[e];  // G_Pdrop = G_O . v_j, then G_P = G_Pdrop Z
+                        if (c.drop_mode != 0) gp *= refattn_tile_multiplier(c, keep, bit, z_i, j);
+                        acc_pg[mr] += p * gp;
+                        const double g_s = p * (gp - d_i[mr]);  // grad_scores
+                        if (gbias_mode == 1) gbias_i[j] = g_s;
+                        if (gbias_mode == 3) acc_gb[mr] += g_s;
+                        ds = g_s * refattn_cap_slope(c, sc);
+                    }  // (the host zero-fills a per-element bias gradient)
+                    s[e] = ds;
+                }
+            }
+        }
+        refattn_mma_pb<D, MR, NT>(dqa, s, sK + buf * BK * D, g, t);  // dQ += dS K
+    };
+    refattn_tile_loop(nkb, classify, load, compute, &done, &skipped);
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MR; ++mr) {
+        acc_pg[mr] += __shfl_xor_sync(0xffffffffu, acc_pg[mr], 1);
+        acc_pg[mr] += __shfl_xor_sync(0xffffffffu, acc_pg[mr], 2);
+        acc_gb[mr] += __shfl_xor_sync(0xffffffffu, acc_gb[mr], 1);
+        acc_gb[mr] += __shfl_xor_sync(0xffffffffu, acc_gb[mr], 2);
+        const int i = row + 8 * mr;
+        if (i >= Q) continue;
+        if (t == 0) row_dot[bh * c.Q + i] = acc_pg[mr];
+        double* drow = dq + (bh * c.Q + i) * D;
+        REFATTN_UNROLL
+        for (int dt = 0; dt < DT; ++dt) {
+            drow[8 * dt + 2 * t] = rp[R_FQ] * dqa[dt * W + 2 * mr];
+            drow[8 * dt + 2 * t + 1] = rp[R_FQ] * dqa[dt * W + 2 * mr + 1];
+        }
+        if (gbias_mode == 3 && t == 0) gbias[bh * c.Q + i] = acc_gb[mr];
+    }
+    refattn_count_tiles(tiles, bh * gridDim.x + blockIdx.x, done, skipped);
+}
+
+// -- dk, dv: one block per BKV keys of one kv head, looping over its query heads in order -------
+// grid (ceil(K / BKV), B * Hkv), 128 threads; dk (B,Hkv,K,D) = fk sum_{h ~ g} sum_i dS q,
+// dv (B,Hkv,K,D) = sum_{h ~ g} sum_i (P Z) G_O; the bias gradient of mode 2 (summed over
+// queries), per query head. Products per tile: S^T = K Q^T, dP^T = V G_O^T, dV += (P Z)^T G_O,
+// dK += dS^T Q.
+template <int D, int MR, int BQ2>
+__device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
+                             const double* rp) {
+    constexpr int BKV = 8 * MR * REFATTN_WARPS, NT = BQ2 / 8, DT = D / 8, W = 2 * MR;
+    REFATTN_DYNAMIC_SHARED(double, smem);
+    const RefattnCall c = refattn_call(x, ip, rp);
+    const RefattnVisibility vis = refattn_visibility(x, ip);
+    const long long gbias_mode = ip[P_GBIAS_MODE];
+    double* dk = reinterpret_cast<double*>(x[X_DK]);
+    double* dv = reinterpret_cast<double*>(x[X_DV]);
+    double* gbias = reinterpret_cast<double*>(x[X_GBIAS]);
+    long long* tiles = reinterpret_cast<long long*>(x[X_TILES]);
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
+    const int wr = (tid >> 5) * 8 * MR;
+    const long long bg = blockIdx.y, b = bg / c.Hkv, hg = bg % c.Hkv;
+    const int Q = static_cast<int>(c.Q), K = static_cast<int>(c.K);
+    const int j0 = static_cast<int>(blockIdx.x) * BKV, row = j0 + wr + g;
+    constexpr bool AG = REFATTN_A_GLOBAL<D>;  // K and V rows read from global memory
+    auto sK = smem;                     // BKV x D (none when AG)
+    auto sV = sK + (AG ? 0 : BKV * D);  // BKV x D (none when AG)
+    auto sQ = sV + (AG ? 0 : BKV * D);  // 2 x BQ2 x D
+    auto sG = sQ + 2 * BQ2 * D;   // 2 x BQ2 x D: G_O
+    auto sDV = sG + 2 * BQ2 * D + (tid >> 5) * 8 * MR * D;  // the warp's dV accumulator
+    // above D = 128 dK (64 doubles a lane) is kept in shared memory too (BKV x D after dV)
+    constexpr bool DK_SHARED = D > 128;
+    auto sDK = sDV + BKV * D;  // the warp's dK accumulator (DK_SHARED)
+    const bool evaluate = vis.mode != 0 || vis.has_sanitized;
+
+    const auto k_rows = refattn_rows_a<D>(sK, wr, c.k + bg * c.K * D, row, K);
+    const auto v_rows = refattn_rows_a<D>(sV, wr, c.v + bg * c.K * D, row, K);
+    if (!AG) {
+        refattn_load_tile_async<BKV, D, REFATTN_THREADS>(sK, c.k + bg * c.K * D, j0, K, tid);
+        refattn_load_tile_async<BKV, D, REFATTN_THREADS>(sV, c.v + bg * c.K * D, j0, K, tid);
+    }
+    double dka[DK_SHARED ? 1 : DT * W];
+    REFATTN_UNROLL
+    for (int e = 0; e < (DK_SHARED ? 1 : DT * W); ++e) dka[e] = 0.0;
+    for (int e = 0; e < DT * W; ++e) {  // the lane's own entries of the warp's regions
+        sDV[((e / W) * 32 + lane) * W + e % W] = 0.0;
+        if (DK_SHARED) sDK[((e / W) * 32 + lane) * W + e % W] = 0.0;
+    }
+    long long done = 0, skipped = 0;
+    const int nqb = (Q + BQ2 - 1) / BQ2;
+    for (long long h = 0; h < c.Hq; ++h) {  // the query heads of kv head hg, in order
+        if (c.head_map[h] != hg) continue;
+        const long long bh = b * c.Hq + h;
+        const double* qmat = c.q + bh * c.Q * D;
+        const double* gmat = c.g_o + bh * c.Q * D;
+        auto classify = [&](int qb, unsigned* bits) {
+            return refattn_classify<MR, NT, true>(vis, ip, evaluate, b, h, j0, qb * BQ2, row, t,
+                                                  Q, K, tid, bits);
+        };
+        auto load = [&](int qb) {
+            const int buf = qb & 1;
+            refattn_load_tile_async<BQ2, D, REFATTN_THREADS>(sQ + buf * BQ2 * D, qmat, qb * BQ2,
+                                                             Q, tid);
+            refattn_load_tile_async<BQ2, D, REFATTN_THREADS>(sG + buf * BQ2 * D, gmat, qb * BQ2,
+                                                             Q, tid);
+        };
+        double gb[MR];  // bias gradient of (b, h, j) summed over queries (mode 2)
+        REFATTN_UNROLL
+        for (int mr = 0; mr < MR; ++mr) gb[mr] = 0.0;
+        auto compute = [&](int qb, int cls, unsigned bits) {  // tile qb (and K, V) landed
+            const int i0 = qb * BQ2, buf = qb & 1;
+            double st[NT * W], dpt[NT * W];
+            REFATTN_UNROLL
+            for (int e = 0; e < NT * W; ++e) st[e] = dpt[e] = 0.0;
+            refattn_mma_abt<D, MR, NT>(st, k_rows, sQ + buf * BQ2 * D, g, t);   // K Q^T
+            refattn_mma_abt<D, MR, NT>(dpt, v_rows, sG + buf * BQ2 * D, g, t);  // V G_O^T
+            const unsigned keep = c.drop_mode == 2
+                                      ? refattn_keep_bits_keys<MR, NT>(c, bh, row, i0, lane)
+                                      : 0u;
+            double lse_i[2 * NT], d_i[2 * NT];
+            REFATTN_UNROLL
+            for (int e = 0; e < 2 * NT; ++e) {
+                const int i = i0 + 8 * (e >> 1) + 2 * t + (e & 1);
+                lse_i[e] = i < Q ? c.lse[bh * c.Q + i] : 0.0;
+                d_i[e] = i < Q ? c.dvec[bh * c.Q + i] : 0.0;
+            }
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MR; ++mr) {
+                const int j = row + 8 * mr;
+                const RefattnLine bias_j = refattn_line<true>(c.bias, ip, P_BIAS_S0, b, h, j);
+                const RefattnLine z_j = refattn_line<true>(c.z, ip, P_Z_S0, b, h, j);
+                REFATTN_UNROLL
+                for (int nt = 0; nt < NT; ++nt) {
+                    REFATTN_UNROLL
+                    for (int sb = 0; sb < 2; ++sb) {
+                        const int e = nt * W + 2 * mr + sb, i = i0 + 8 * nt + 2 * t + sb;
+                        const int bit = (nt * MR + mr) * 2 + sb;
+                        double pz = 0.0, ds = 0.0;
+                        const bool seen = i < Q && j < K &&
+                                          (cls == REFATTN_FULL || ((bits >> bit) & 1u));
+                        if (seen) {
+                            double capped;
+                            const double sc = refattn_score(c, st[e], &capped);
+                            const double p = exp((c.has_bias ? sc + bias_j.at(i) : sc) -
+                                                 lse_i[2 * nt + sb]);
+                            const double z = c.drop_mode != 0
+                                                 ? refattn_tile_multiplier(c, keep, bit, z_j, i)
+                                                 : 1.0;
+                            const double gp = dpt[e] * z;
+                            const double g_s = p * (gp - d_i[2 * nt + sb]);
+                            gb[mr] += g_s;
+                            pz = p * z;
+                            ds = g_s * refattn_cap_slope(c, sc);
+                        }
+                        st[e] = pz;
+                        dpt[e] = ds;
+                    }
+                }
+            }
+            refattn_mma_pb_shared<D, MR, NT>(sDV, st, sG + buf * BQ2 * D, lane, g, t);  // dV
+            if constexpr (DK_SHARED)  // dK += dS^T Q
+                refattn_mma_pb_shared<D, MR, NT>(sDK, dpt, sQ + buf * BQ2 * D, lane, g, t);
+            else
+                refattn_mma_pb<D, MR, NT>(dka, dpt, sQ + buf * BQ2 * D, g, t);
+        };
+        refattn_tile_loop(nqb, classify, load, compute, &done, &skipped);
+        REFATTN_UNROLL
+        for (int mr = 0; mr < MR; ++mr) {
+            gb[mr] += __shfl_xor_sync(0xffffffffu, gb[mr], 1);
+            gb[mr] += __shfl_xor_sync(0xffffffffu, gb[mr], 2);
+            const int j = row + 8 * mr;
+            if (gbias_mode == 2 && t == 0 && j < K) gbias[bh * c.K + j] = gb[mr];
+        }
+    }
+    refattn_cp_async_wait<0>();  // K and V when every head was skipped
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MR; ++mr) {
+        const int j = row + 8 * mr;
+        if (j >= K) continue;
+        double* krow = dk + (bg * c.K + j) * D;
+        double* vrow = dv + (bg * c.K + j) * D;
+        REFATTN_UNROLL
+        for (int dt = 0; dt < DT; ++dt) {
+            const int e = (dt * 32 + lane) * W + 2 * mr;  // (DK_SHARED)
+            krow[8 * dt + 2 * t] = rp[R_FK] * (DK_SHARED ? sDK[e] : dka[dt * W + 2 * mr]);
+            krow[8 * dt + 2 * t + 1] =
+                rp[R_FK] * (DK_SHARED ? sDK[e + 1] : dka[dt * W + 2 * mr + 1]);
+            vrow[8 * dt + 2 * t] = sDV[(dt * 32 + lane) * W + 2 * mr];
+            vrow[8 * dt + 2 * t + 1] = sDV[(dt * 32 + lane) * W + 2 * mr + 1];
+        }
+    }
+    refattn_count_tiles(tiles, bg * gridDim.x + blockIdx.x, done, skipped);
+}

@@ -1,0 +1,120 @@
+// refattn kernels: the warp-level products of a tile on the fp64 tensor cores (A rows, S = A B^T,
+// O += P B, and the shared-memory accumulating form), from swizzled shared tiles.
+#pragma once
+#include "common.cuh"
+#include "tile.cuh"
+
+// The A operand of the first products (S = Q K^T, dP = G_O V^T; K Q^T, V G_O^T in dk/dv): the
+// warp's own rows, element (mr, k) of the lane = row `row` + 8 mr, column k of the matrix. Up to
+// D = 128 from the block's swizzled shared tile (`first` = the warp's first row in it); at wider
+// heads (A_GLOBAL, where the tiles would not fit in shared memory) straight from the row-major
+// matrix in global memory, a row at or past `rows` clamped to the last one (such a row of A
+// feeds only its own row of the product, which the kernels never use).
+template <int D>
+constexpr bool REFATTN_A_GLOBAL = D > 128;
+
+//
+// a_at(mr, sw, k) returns that element for column k, given sw = the swizzled index of (row g,
+// column k) in an 8-row block of a tile (refattn_mma_abt). The swizzle of (r, c) only moves bits
+// 2-3 of c by f(r & 7) (tile.cuh), so refattn_swz<D>(r, c) = refattn_swz<D>(r & 7, c & 15) +
+// (r & ~7) D + (c & ~15): a lane computes the swizzled indices of its few (r & 7, c & 15) once
+// and every other shared read of the products is that index plus a constant.
+template <int D, typename S1>
+__device__ __forceinline__ auto refattn_rows_a(S1 tile, int first, const double* matrix,
+                                               int row, int rows) {
+    if constexpr (REFATTN_A_GLOBAL<D>) {
+        return [=](int mr, int, int k) {
+            const int r = row + 8 * mr < rows ? row + 8 * mr : rows - 1;
+            return matrix[static_cast<long long>(r) * D + k];
+        };
+    } else {  // first: the warp's first row of the tile, a multiple of 8
+        return [=](int mr, int sw, int) { return tile[(first + 8 * mr) * D + sw]; };
+    }
+}
+
+// C (8 MR x 8 NT per lane-set) += A . B^T over k = 0 .. D - 1 (k ascending): A element (mr, k)
+// from a_at (refattn_rows_a), B rows 8 nt + g of tile sb ("row" reads)
+template <int D, int MR, int NT, typename A, typename S2>
+__device__ __forceinline__ void refattn_mma_abt(double* acc, A a_at, S2 sb, int g, int t) {
+    int lo[4];  // the swizzled index of (row g, column 4 n + t)
+    REFATTN_UNROLL
+    for (int n = 0; n < 4; ++n) lo[n] = refattn_swz<D>(g, 4 * n + t);
+    for (int k16 = 0; k16 < D; k16 += 16) {
+        REFATTN_UNROLL
+        for (int n = 0; n < 4; ++n) {
+            double a[MR];
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MR; ++mr) a[mr] = a_at(mr, lo[n] + k16, k16 + 4 * n + t);
+            REFATTN_UNROLL
+            for (int nt = 0; nt < NT; ++nt)
+                refattn_mma_rows<MR>(acc + nt * 2 * MR, a, sb[8 * nt * D + lo[n] + k16]);
+        }
+    }
+}
+
+// the swizzled indices of a lane's "col" reads (row 2 t + s, column 8 q + g), s, q in {0, 1}:
+// element (8 nt + 2 t + s, 16 p + 8 q + g) of a tile is at 8 nt D + 16 p + lo[2 s + q]
+template <int D>
+__device__ __forceinline__ void refattn_col_offsets(int* lo, int g, int t) {
+    REFATTN_UNROLL
+    for (int s = 0; s < 2; ++s) {
+        REFATTN_UNROLL
+        for (int q = 0; q < 2; ++q) lo[2 * s + q] = refattn_swz<D>(2 * t + s, 8 * q + g);
+    }
+}
+
+// O (8 MR x D per warp) += P . B: P the lane's accumulator tile (NT n-tiles) reused as the A
+// fragment, B rows 8 nt + 2 t + s of tile sb ("col" reads)
+template <int D, int MR, int NT, typename S2>
+__device__ __forceinline__ void refattn_mma_pb(double* out, const double* p, S2 sb, int g,
+                                               int t) {
+    int lo[4];
+    refattn_col_offsets<D>(lo, g, t);
+    REFATTN_UNROLL
+    for (int nt = 0; nt < NT; ++nt) {
+        REFATTN_UNROLL
+        for (int s = 0; s < 2; ++s) {
+            double a[MR];
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MR; ++mr) a[mr] = p[nt * 2 * MR + 2 * mr + s];
+            REFATTN_UNROLL
+            for (int dt = 0; dt < D / 8; ++dt)  // B (8 nt + 2 t + s, 8 dt + g)
+                refattn_mma_rows<MR>(out + dt * 2 * MR, a,
+                                     sb[8 * nt * D + 16 * (dt >> 1) + lo[2 * s + (dt & 1)]]);
+        }
+    }
+}
+
+// the same product into an accumulator kept in shared memory (the warp's own region, in fragment
+// order: value e of lane l of n-tile dt at (dt 32 + l) 2 MR + e, 16-byte accesses), one n-tile
+// of D at a time; for the dk/dv kernel, whose two accumulators would not fit the registers
+template <int D, int MR, int NT, typename S1, typename S2>
+__device__ __forceinline__ void refattn_mma_pb_shared(S1 acc, const double* p, S2 sb, int lane,
+                                                      int g, int t) {
+    constexpr int W = 2 * MR;
+    int lo[4];
+    refattn_col_offsets<D>(lo, g, t);
+    REFATTN_NO_UNROLL
+    for (int dt = 0; dt < D / 8; ++dt) {
+        double c[W];
+        REFATTN_UNROLL
+        for (int e = 0; e < W; ++e) c[e] = acc[(dt * 32 + lane) * W + e];
+        REFATTN_UNROLL
+        for (int nt = 0; nt < NT; ++nt) {
+            REFATTN_UNROLL
+            for (int s = 0; s < 2; ++s) {
+                double a[MR];
+                REFATTN_UNROLL
+                for (int mr = 0; mr < MR; ++mr) a[mr] = p[nt * 2 * MR + 2 * mr + s];
+                refattn_mma_rows<MR>(c, a, sb[8 * nt * D + 16 * (dt >> 1) + lo[2 * s + (dt & 1)]]);
+            }
+        }
+        REFATTN_UNROLL
+        for (int e = 0; e < W; ++e) acc[(dt * 32 + lane) * W + e] = c[e];
+    }
+}
+
+// -- forward: online softmax, FlashAttention-2 style ----------------------------------------------
+// grid (ceil(Q / BQ), B * Hq), 128 threads; q (B,Hq,Q,D), k, v (B,Hkv,K,D) zero-padded by the
+// host to the instance width D; writes output (B,Hq,Q,D), lse and row_max (B,Hq,Q), and per
+// block the number of key tiles computed and skipped.
