@@ -69,9 +69,9 @@ def _grad_scores(e, g, n, d, inv):
 
 @kernel(parallel=True)
 def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, drop, zdense,
-                         softcap, sink, query_valid, sanitized, g_o, BQ, KC, C, fptr, split, nt,
-                         s_ws, w_ws, t_ws, z_ws, u_ws, out, lse, row_max, dq, dk, dv, rowdot, dvec,
-                         gbias, gbias_mode, tiles):
+                         softcap, sink, query_valid, sanitized, g_o, BQ, KC, LD, LP, C, fptr,
+                         split, nt, s_ws, w_ws, p_ws, t_ws, z_ws, u_ws, out, lse, row_max, dq, dk,
+                         dv, rowdot, dvec, gbias, gbias_mode, tiles):
     """Forward and backward of a dot-score call, query block by query block.
 
     Parameters
@@ -92,6 +92,10 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
     g_o : (B, Hq, Q, Dv) float64; G_O with unused rows zeroed
     BQ, KC : int
         Query block rows; key chunk columns (the skipping granularity).
+    LD, LP : int
+        Row strides (elements) of the per-thread score buffers (>= K) and of the dP slab
+        (>= KC) (:func:`~refattn.engine.numba.fused_host.score_stride`: padded so that the
+        rows of a tile do not share cache sets).
     C : int
         Chunks of query blocks per (b, kv head) (tasks = B * Hkv * C).
     fptr : int
@@ -102,9 +106,11 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
         issue it whole (:func:`~refattn.engine.numba.fused_host.split_tiles`).
     nt : int
         numba's thread count (one workspace per thread).
-    s_ws, w_ws : (>= nt, >= BQ * K) float64
-        Scratch: per thread the scores, then P, then dS; P~ Z, then dP (contents ignored).
-    t_ws : (>= nt, >= BQ * K) float64 with a softcap (capped scores), else any
+    s_ws : (>= nt, >= BQ * LD) float64
+        Scratch: per thread the scores, then E = exp(s - m), then dS (contents ignored).
+    w_ws : (>= nt, >= BQ * LD) float64 with dropout (E Z), else any
+    p_ws : (>= nt, >= BQ * LP) float64: one key chunk of dP = dO V^T (then G_P)
+    t_ws : (>= nt, >= BQ * LD) float64 with a softcap (capped scores), else any
     z_ws : (>= nt, >= K) float64 with dropout (one row of multipliers), else any
     u_ws : (>= nt, >= BQ * (Dv + 1)) float64: the block's G_O rows over ell, and 1 / ell
     out : (B, Hq, Q, Dv); lse, row_max, rowdot, dvec : (B, Hq, Q); dq : (B, Hq, Q, Dk)
@@ -127,15 +133,18 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
     cls_ws = np.empty((nt, nkc), dtype=np.int64)
     runs_ws = np.empty((nt, (nkc + 1) // 2, 2), dtype=np.int64)
     mask_ws = np.empty((nt, 1, KC), dtype=np.bool_)
+    acc_ws = np.empty((nt, 2, BQ))  # per row: row_dot and the over-keys bias gradient
     for task in prange(B * Hkv * C):
         c = task % C
         bg = task // C
         b = bg // Hkv
         g = bg - b * Hkv
         tid = numba.get_thread_id()
-        s = s_ws[tid, :BQ * K].reshape((BQ, K))
-        w = w_ws[tid, :BQ * K].reshape((BQ, K))
-        tcap = t_ws[tid, :BQ * K].reshape((BQ, K)) if has_cap else t_ws[tid, :1].reshape((1, 1))
+        s = s_ws[tid, :BQ * LD].reshape((BQ, LD))
+        w = w_ws[tid, :BQ * LD].reshape((BQ, LD)) if dropping else w_ws[tid, :1].reshape((1, 1))
+        p = p_ws[tid, :BQ * LP].reshape((BQ, LP))
+        rd_acc, gb_acc = acc_ws[tid, 0], acc_ws[tid, 1]
+        tcap = t_ws[tid, :BQ * LD].reshape((BQ, LD)) if has_cap else t_ws[tid, :1].reshape((1, 1))
         z = z_ws[tid]
         inv_ell = u_ws[tid, :BQ]
         g_scaled = u_ws[tid, BQ:BQ * (Dv + 1)].reshape((BQ, Dv))
@@ -166,7 +175,7 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                 for u in range(nruns):
                     ja, jb = runs[u, 0], runs[u, 1]
                     gemm(fptr, False, True, bq, jb - ja, Dk, post, address(q, b, h, i0), Dk,
-                         address(k, b, g, ja), Dk, 0.0, s.ctypes.data + 8 * ja, K)
+                         address(k, b, g, ja), Dk, 0.0, s.ctypes.data + 8 * ja, LD)
                 # the forward row pass: softcap, bias, visibility, softmax, dropout
                 for r in range(bq):
                     i = i0 + r
@@ -217,7 +226,7 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                 for u in range(nruns):
                     ja, jb = runs[u, 0], runs[u, 1]
                     gemm_split(fptr, False, False, bq, Dv, jb - ja, 1.0, pz.ctypes.data + 8 * ja,
-                               K, address(v, b, g, ja), Dv, 1.0 if u > 0 else 0.0,
+                               LD, address(v, b, g, ja), Dv, 1.0 if u > 0 else 0.0,
                                address(out, b, h, i0), Dv, split[0], split[1])
                 for r in range(bq):
                     i = i0 + r
@@ -228,35 +237,39 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                         for d in range(Dv):
                             out[b, h, i, d] *= inv_ell[r]
                     dvec[b, h, i] = row_dot(g_o[b, h, i], out[b, h, i], Dv)  # D = G_O . O
-                # dV += (E Z)^T (dO / ell); dP = dO V^T (into w, after pz is read)
+                # dV += (E Z)^T (dO / ell) over the visible runs
                 for u in range(nruns):
                     ja, jb = runs[u, 0], runs[u, 1]
-                    gemm_split(fptr, True, False, jb - ja, Dv, bq, 1.0, pz.ctypes.data + 8 * ja, K,
+                    gemm_split(fptr, True, False, jb - ja, Dv, bq, 1.0, pz.ctypes.data + 8 * ja, LD,
                                g_scaled.ctypes.data, Dv, 1.0, address(dv[c], b, g, ja), Dv,
                                split[2], split[3])
-                    gemm(fptr, False, True, bq, jb - ja, Dv, 1.0, address(g_o, b, h, i0), Dv,
-                         address(v, b, g, ja), Dv, 0.0, w.ctypes.data + 8 * ja, K)
-                # the backward row pass: G_P = dP Z, row_dot, dS = P (G_P - D) (x cap slope)
+                # the backward chunk by chunk: dP = dO V^T of the chunk into a slab that stays
+                # in cache, then its row pass: G_P = dP Z, row_dot, dS = P (G_P - D) (x cap
+                # slope) into s; row sums accumulate chunk by chunk in key order
                 for r in range(bq):
-                    i = i0 + r
-                    d_i = dvec[b, h, i]
-                    inv = inv_ell[r]
-                    rd = 0.0
-                    gb_row = 0.0
-                    for kc in range(nkc):
-                        if cls[kc] == INVISIBLE:
-                            continue
-                        j0 = kc * KC
-                        kw = min(KC, K - j0)
+                    rd_acc[r] = 0.0
+                    gb_acc[r] = 0.0
+                for kc in range(nkc):
+                    if cls[kc] == INVISIBLE:
+                        continue
+                    j0 = kc * KC
+                    kw = min(KC, K - j0)
+                    gemm(fptr, False, True, bq, kw, Dv, 1.0, address(g_o, b, h, i0), Dv,
+                         address(v, b, g, j0), Dv, 0.0, p.ctypes.data, LP)
+                    for r in range(bq):
+                        i = i0 + r
+                        d_i = dvec[b, h, i]
+                        inv = inv_ell[r]
+                        e_row, g_row = s[r, j0:j0 + kw], p[r, :kw]
                         if dropping:
                             multiplier_row(z, drop, zdense, b, h, Hq, i, j0, kw)
                             for j in range(kw):
-                                w[r, j0 + j] *= z[j]
-                        e_row, g_row = s[r, j0:j0 + kw], w[r, j0:j0 + kw]
-                        rd += row_dot(e_row, g_row, kw)
+                                g_row[j] *= z[j]
+                        rd_acc[r] += row_dot(e_row, g_row, kw)
                         if gbias_mode == GBIAS_NONE and not has_cap:
                             _grad_scores(e_row, g_row, kw, d_i, inv)  # dS, in place
                             continue
+                        gb_row = gb_acc[r]  # one running sum per row, in key order
                         for j in range(kw):
                             gs = (e_row[j] * (g_row[j] - d_i)) * inv  # grad_scores
                             if gbias_mode == GBIAS_PER_ELEMENT:
@@ -269,16 +282,18 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                                 t = tcap[r, j0 + j] / softcap
                                 gs *= 1.0 - t * t
                             e_row[j] = gs
-                    rowdot[b, h, i] = rd * inv
+                        gb_acc[r] = gb_row
+                for r in range(bq):
+                    rowdot[b, h, i0 + r] = rd_acc[r] * inv_ell[r]
                     if gbias_mode == GBIAS_OVER_K:
-                        gbias[b, h, i, 0] = gb_row
+                        gbias[b, h, i0 + r, 0] = gb_acc[r]
                 # dQ = fq dS K; dK += fk dS^T Q over the visible runs
                 for u in range(nruns):
                     ja, jb = runs[u, 0], runs[u, 1]
-                    gemm_split(fptr, False, False, bq, Dk, jb - ja, fq, s.ctypes.data + 8 * ja, K,
+                    gemm_split(fptr, False, False, bq, Dk, jb - ja, fq, s.ctypes.data + 8 * ja, LD,
                                address(k, b, g, ja), Dk, 1.0 if u > 0 else 0.0,
                                address(dq, b, h, i0), Dk, split[4], split[5])
-                    gemm_split(fptr, True, False, jb - ja, Dk, bq, fk, s.ctypes.data + 8 * ja, K,
+                    gemm_split(fptr, True, False, jb - ja, Dk, bq, fk, s.ctypes.data + 8 * ja, LD,
                                address(q, b, h, i0), Dk, 1.0, address(dk[c], b, g, ja), Dk,
                                split[6], split[7])
                 if empty:

@@ -40,8 +40,8 @@ from refattn.engine.reduce import reduce_to_shape
 from refattn.engine.trace import Gradients
 from refattn.errors import RefAttnError
 
-__all__ = ["Layout", "block_rows", "fused", "running", "split_tiles", "task_layout",
-           "value_and_grad"]
+__all__ = ["Layout", "block_rows", "fused", "running", "score_stride", "split_tiles",
+           "task_layout", "value_and_grad"]
 
 #: key chunk: the granularity at which invisible key ranges are skipped
 KEY_CHUNK = 256
@@ -62,6 +62,24 @@ SMALL_GEMM_KERNELS = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
 #: and inner rows per tile of ``dV`` and ``dK`` (their C rows, keys, take the rest)
 NN_ROWS, TN_INNER = 64, 32
 _WHOLE = np.iinfo(np.int32).max  # a tile no product reaches: issued whole
+
+
+def score_stride(K: int) -> int:
+    """Row stride, in elements, of the fused kernel's (BQ x K) score buffers: K rounded up to
+    a multiple of 8 (rows start on 64-byte lines) with an odd number of 64-byte lines, so
+    that the rows of a tile fall in different cache sets.
+
+    With the stride K = 2048 or 4096 (16 or 32 KiB) every row of a tile maps to the same L1
+    sets, and the thin products' small-matrix tiles, which read the score block in place
+    (64 rows for ``O``/``dQ``, 32 for ``dV``/``dK``), evict each other.
+
+    Examples
+    --------
+    >>> score_stride(4096), score_stride(2048), score_stride(1000), score_stride(1001)
+    (4104, 2056, 1000, 1016)
+    """
+    ld = -(-K // 8) * 8
+    return ld + 8 if (ld // 8) % 2 == 0 else ld
 
 
 class Layout(NamedTuple):
@@ -187,7 +205,16 @@ def running(lay: Layout, provider: Provider) -> Iterator[None]:
 _SCRATCH = threading.local()
 
 
-def _scratch(lay: Layout, K: int, Dv: int, cap: bool,
+def _aligned(rows: int, cols: int) -> np.ndarray:
+    """An uninitialised (rows, cols) float64 array whose data starts on a 64-byte line (numpy
+    gives 16 bytes): with ``cols`` a multiple of 8 and :func:`score_stride` every score row
+    starts on a line, so no 512-bit load of a product or a row pass straddles two lines."""
+    flat = np.empty(rows * cols + 8)
+    first = (-flat.ctypes.data % 64) // 8
+    return flat[first:first + rows * cols].reshape(rows, cols)
+
+
+def _scratch(lay: Layout, K: int, LD: int, LP: int, Dv: int, cap: bool,
              dropping: bool) -> tuple[np.ndarray, ...]:
     """The kernel's per-thread scratch buffers, kept between calls of this Python thread.
 
@@ -195,18 +222,18 @@ def _scratch(lay: Layout, K: int, Dv: int, cap: bool,
     default 8 MiB a thread, 8% of a (1, 4, 1024, 1024, 64) call); reusing them is free. The
     buffers grow to the largest call seen and are released with the thread.
     """
-    n = lay.block_q * K
-    need = {"s": n, "w": n, "t": n if cap else 1, "z": K if dropping else 1,
-            "u": lay.block_q * (Dv + 1)}
+    n = lay.block_q * LD
+    need = {"s": n, "w": n if dropping else 1, "p": lay.block_q * LP, "t": n if cap else 1,
+            "z": K if dropping else 1, "u": lay.block_q * (Dv + 1)}
     held = getattr(_SCRATCH, "buffers", {})
     for name, size in need.items():
         have = held.get(name)
         if have is None or have.shape[0] < lay.threads or have.shape[1] < size:
             rows = max(lay.threads, 0 if have is None else have.shape[0])
-            cols = max(size, 0 if have is None else have.shape[1])
-            held[name] = np.empty((rows, cols))
+            cols = max(-(-size // 8) * 8, 0 if have is None else have.shape[1])
+            held[name] = _aligned(rows, cols)
     _SCRATCH.buffers = held
-    return held["s"], held["w"], held["t"], held["z"], held["u"]
+    return held["s"], held["w"], held["p"], held["t"], held["z"], held["u"]
 
 
 def _dropout(call: AttentionCall) -> tuple[tuple, Any]:
@@ -262,14 +289,15 @@ def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np
         tile_visibility(full, visible=call.visible)
     sink = ro(call.sink) if call.sink is not None else np.zeros(0)
     sanitized = call.sanitized_rows()  # never with a sink: the sink fills an empty row
+    LD, LP = score_stride(K), score_stride(min(KEY_CHUNK, K))
     with running(lay, provider):
         fused_value_and_grad(
             ro(q_s), ro(k_s), ro(call.v), ro(call.head_map), post, fq, fk, tv,
             call.bias is not None, strided(call.bias, full, np.float64), drop, zop,
             float(call.softcap or 0.0), sink, ro(call.query_valid_full()[:, 0, :, 0]),
-            ro(np.ascontiguousarray(sanitized)), ro(g_o), lay.block_q, KEY_CHUNK, C,
+            ro(np.ascontiguousarray(sanitized)), ro(g_o), lay.block_q, KEY_CHUNK, LD, LP, C,
             provider.address, split_tiles(provider, lay, Dk, Dv), lay.threads,
-            *_scratch(lay, K, Dv, call.softcap is not None, drop[0] != 0),
+            *_scratch(lay, K, LD, LP, Dv, call.softcap is not None, drop[0] != 0),
             out, lse, row_max, dq, dk, dv, rowdot, dvec, gbias, mode, tiles)
     grad_bias = None
     if call.bias is not None:
