@@ -21,7 +21,7 @@ from numba.extending import get_cython_function_address, intrinsic
 
 from refattn.engine.numba._jit import kernel
 
-__all__ = ["dgemm_address", "gemm", "gemm_split", "single_thread_blas"]
+__all__ = ["dgemm_address", "gemm", "gemm_pair", "gemm_split", "single_thread_blas"]
 
 _N = 78  # ord("N")
 _T = 84  # ord("T")
@@ -119,3 +119,31 @@ def gemm_split(fptr, trans_a, trans_b, m, n, k, alpha, a, lda, b, ldb, beta, c, 
             b_off = l0 if trans_b else l0 * ldb
             gemm(fptr, trans_a, trans_b, mi, n, kl, alpha, a + 8 * a_off, lda, b + 8 * b_off,
                  ldb, beta if l0 == 0 else 1.0, c + 8 * i0 * ldc, ldc)
+
+
+@kernel
+def gemm_pair(fptr, m, k, a, lda, alpha1, b1, n1, beta1, c1, alpha2, b2, n2, c2, cm1, ck1, cm2,
+              ck2):
+    """Two products of one row-major ``A`` (m x k, row stride ``lda``), slab by slab of its
+    columns, so that each slab is read by both while it is in cache:
+
+    ``C1 = alpha1 A B1 + beta1 C1`` (``B1`` k x n1, ``C1`` m x n1) as :func:`gemm_split` with
+    tiles ``(cm1, ck1)``, and ``C2 += alpha2 A^T B2`` (``B2`` m x n2, ``C2`` k x n2) as
+    :func:`gemm_split` with tiles ``(cm2, ck2)``; a slab is ``cm2`` columns of ``A`` (one tile
+    row of ``C2``). With ``cm2`` a multiple of ``ck1`` every element of ``C1`` and ``C2`` is
+    summed in the same order as by the two :func:`gemm_split` calls (the fused kernel's
+    ``O`` and ``dV``, ``dQ`` and ``dK``: both read the score block). Row strides of ``B1``,
+    ``C1`` are ``n1``, of ``B2``, ``C2`` ``n2``.
+    """
+    for j0 in range(0, k, cm2):
+        sl = min(cm2, k - j0)
+        for i0 in range(0, m, cm1):
+            mi = min(cm1, m - i0)
+            for l0 in range(j0, j0 + sl, ck1):
+                kl = min(ck1, j0 + sl - l0)
+                gemm(fptr, False, False, mi, n1, kl, alpha1, a + 8 * (i0 * lda + l0), lda,
+                     b1 + 8 * l0 * n1, n1, beta1 if l0 == 0 else 1.0, c1 + 8 * i0 * n1, n1)
+        for l0 in range(0, m, ck2):
+            kl = min(ck2, m - l0)
+            gemm(fptr, True, False, sl, n2, kl, alpha2, a + 8 * (l0 * lda + j0), lda,
+                 b2 + 8 * l0 * n2, n2, 1.0, c2 + 8 * j0 * n2, n2)

@@ -29,7 +29,7 @@ import numpy as np
 from numba import prange
 
 from refattn.engine.numba._jit import kernel
-from refattn.engine.numba.blas import gemm, gemm_split
+from refattn.engine.numba.blas import gemm, gemm_pair
 from refattn.engine.numba.math import exp_shift, row_dot, row_sum, softcap_row
 from refattn.engine.numba.math import row_max as max_of_row
 from refattn.engine.numba.operands import DROP_NONE, address, at, multiplier_row
@@ -222,12 +222,14 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                     for d in range(Dv):
                         g_scaled[r, d] = g_o[b, h, i, d] * inv_ell[r]
                 pz = w if dropping else s  # E Z (E = exp(s - m)): P~ Z = E Z / ell
-                # O = (E Z V) / ell over the visible runs (a block with none keeps zeros)
+                # O = (E Z V) / ell and dV += (E Z)^T (dO / ell) over the visible runs, key
+                # slab by key slab (a block with no run keeps zeros)
                 for u in range(nruns):
                     ja, jb = runs[u, 0], runs[u, 1]
-                    gemm_split(fptr, False, False, bq, Dv, jb - ja, 1.0, pz.ctypes.data + 8 * ja,
-                               LD, address(v, b, g, ja), Dv, 1.0 if u > 0 else 0.0,
-                               address(out, b, h, i0), Dv, split[0], split[1])
+                    gemm_pair(fptr, bq, jb - ja, pz.ctypes.data + 8 * ja, LD,
+                              1.0, address(v, b, g, ja), Dv, 1.0 if u > 0 else 0.0,
+                              address(out, b, h, i0), 1.0, g_scaled.ctypes.data, Dv,
+                              address(dv[c], b, g, ja), split[0], split[1], split[2], split[3])
                 for r in range(bq):
                     i = i0 + r
                     if empty or not query_valid[b, i]:
@@ -237,12 +239,6 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                         for d in range(Dv):
                             out[b, h, i, d] *= inv_ell[r]
                     dvec[b, h, i] = row_dot(g_o[b, h, i], out[b, h, i], Dv)  # D = G_O . O
-                # dV += (E Z)^T (dO / ell) over the visible runs
-                for u in range(nruns):
-                    ja, jb = runs[u, 0], runs[u, 1]
-                    gemm_split(fptr, True, False, jb - ja, Dv, bq, 1.0, pz.ctypes.data + 8 * ja, LD,
-                               g_scaled.ctypes.data, Dv, 1.0, address(dv[c], b, g, ja), Dv,
-                               split[2], split[3])
                 # the backward chunk by chunk: dP = dO V^T of the chunk into a slab that stays
                 # in cache, then its row pass: G_P = dP Z, row_dot, dS = P (G_P - D) (x cap
                 # slope) into s; row sums accumulate chunk by chunk in key order
@@ -287,15 +283,13 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                     rowdot[b, h, i0 + r] = rd_acc[r] * inv_ell[r]
                     if gbias_mode == GBIAS_OVER_K:
                         gbias[b, h, i0 + r, 0] = gb_acc[r]
-                # dQ = fq dS K; dK += fk dS^T Q over the visible runs
+                # dQ = fq dS K; dK += fk dS^T Q over the visible runs, key slab by key slab
                 for u in range(nruns):
                     ja, jb = runs[u, 0], runs[u, 1]
-                    gemm_split(fptr, False, False, bq, Dk, jb - ja, fq, s.ctypes.data + 8 * ja, LD,
-                               address(k, b, g, ja), Dk, 1.0 if u > 0 else 0.0,
-                               address(dq, b, h, i0), Dk, split[4], split[5])
-                    gemm_split(fptr, True, False, jb - ja, Dk, bq, fk, s.ctypes.data + 8 * ja, LD,
-                               address(q, b, h, i0), Dk, 1.0, address(dk[c], b, g, ja), Dk,
-                               split[6], split[7])
+                    gemm_pair(fptr, bq, jb - ja, s.ctypes.data + 8 * ja, LD,
+                              fq, address(k, b, g, ja), Dk, 1.0 if u > 0 else 0.0,
+                              address(dq, b, h, i0), fk, address(q, b, h, i0), Dk,
+                              address(dk[c], b, g, ja), split[4], split[5], split[6], split[7])
                 if empty:
                     for r in range(bq):
                         for d in range(Dk):

@@ -168,7 +168,7 @@ def split_tiles(provider: Provider, lay: Layout, Dk: int, Dv: int) -> np.ndarray
     >>> from refattn.engine.numba.providers import Provider
     >>> skx = Provider("openblas", "0.3.30 SkylakeX")
     >>> split_tiles(skx, Layout(128, 1, 2, 1), 64, 64).tolist()
-    [64, 240, 488, 32, 64, 240, 488, 32]
+    [64, 240, 480, 32, 64, 240, 480, 32]
     >>> split_tiles(skx, Layout(256, 1, 2, 1), 128, 128).tolist()
     [64, 120, 240, 32, 64, 120, 240, 32]
     >>> whole = int(np.iinfo(np.int32).max)
@@ -186,8 +186,10 @@ def split_tiles(provider: Provider, lay: Layout, Dk: int, Dv: int) -> np.ndarray
     def fit(other: int, d: int) -> int:  # the other side of a tile within the bound, >= 8
         return max(8, SMALL_GEMM // (other * d) // 8 * 8)
 
-    return np.array([NN_ROWS, fit(NN_ROWS, Dv), fit(TN_INNER, Dv), TN_INNER,
-                     NN_ROWS, fit(NN_ROWS, Dk), fit(TN_INNER, Dk), TN_INNER], dtype=np.int64)
+    o, dq = fit(NN_ROWS, Dv), fit(NN_ROWS, Dk)  # their key chunks divide dV's, dK's slabs
+    return np.array([NN_ROWS, o, max(o, fit(TN_INNER, Dv) // o * o), TN_INNER,
+                     NN_ROWS, dq, max(dq, fit(TN_INNER, Dk) // dq * dq), TN_INNER],
+                    dtype=np.int64)
 
 
 @contextlib.contextmanager
