@@ -5,6 +5,45 @@
 #include "tile_loop.cuh"
 #include "visibility.cuh"
 
+// -- pieces of both kernels -----------------------------------------------------------------------
+// the sum over the 4 lanes of a quad (t = 0..3: one row's columns), two shfl_xor steps
+__device__ __forceinline__ double refattn_quad_sum(double v) {
+    v += __shfl_xor_sync(0xffffffffu, v, 1);
+    return v + __shfl_xor_sync(0xffffffffu, v, 2);
+}
+
+// one visible element of the recomputing backward (contract: P = exp(biased - lse), G_P =
+// G_Pdrop Z, grad_scores = P (G_P - D), dS = grad_scores times the softcap's slope): dot the
+// Q.K product, gpd = G_Pdrop (G_O . v), bias and z the element's bias line and multiplier
+// (column col), lse and d the query row's log-sum-exp and row contraction D
+struct RefattnGradElement {
+    double p, z, gp, g_s, ds;
+};
+__device__ __forceinline__ RefattnGradElement refattn_grad_element(
+    const RefattnCall& c, double dot, double gpd, const RefattnLine& bias, int col, double lse,
+    double d, unsigned keep, int bit, const RefattnLine& z_line) {
+    RefattnGradElement r;
+    double capped;
+    const double sc = refattn_score(c, dot, &capped);
+    r.p = exp((c.has_bias ? sc + bias.at(col) : sc) - lse);
+    r.z = c.drop_mode != 0 ? refattn_tile_multiplier(c, keep, bit, z_line, col) : 1.0;
+    r.gp = gpd * r.z;
+    r.g_s = r.p * (r.gp - d);
+    r.ds = r.g_s * refattn_cap_slope(c, sc);
+    return r;
+}
+
+// row `row` (D doubles) of an output from the lane's fragments: columns 8 dt + 2 t + s get
+// scale * at(dt, s)
+template <int D, typename At>
+__device__ __forceinline__ void refattn_store_row(double* row, int t, double scale, At at) {
+    REFATTN_UNROLL
+    for (int dt = 0; dt < D / 8; ++dt) {
+        row[8 * dt + 2 * t] = scale * at(dt, 0);
+        row[8 * dt + 2 * t + 1] = scale * at(dt, 1);
+    }
+}
+
 // -- dq, and the contraction row_dot = sum_j P G_P -----------------------------------------------
 // grid (ceil(Q / BQ), B * Hq), 128 threads: dq (B,Hq,Q,D) = fq sum_j dS k, dS = P (G_P - D)
 // times the softcap slope, the bias gradient of modes 1 (per element) and 3 (summed over keys),
@@ -90,16 +129,12 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
                     const bool seen = i < Q && j < K &&
                                       (cls == REFATTN_FULL || ((bits >> bit) & 1u));
                     if (seen) {
-                        double capped;
-                        const double sc = refattn_score(c, s[e], &capped);
-                        const double p = exp((c.has_bias ? sc + bias_i.at(j) : sc) - lse_i[mr]);
-                        double gp = dp[e];  // G_Pdrop = G_O . v_j, then G_P = G_Pdrop Z
-                        if (c.drop_mode != 0) gp *= refattn_tile_multiplier(c, keep, bit, z_i, j);
-                        acc_pg[mr] += p * gp;
-                        const double g_s = p * (gp - d_i[mr]);  // grad_scores
-                        if (gbias_mode == 1) gbias_i[j] = g_s;
-                        if (gbias_mode == 3) acc_gb[mr] += g_s;
-                        ds = g_s * refattn_cap_slope(c, sc);
+                        const RefattnGradElement r = refattn_grad_element(
+                            c, s[e], dp[e], bias_i, j, lse_i[mr], d_i[mr], keep, bit, z_i);
+                        acc_pg[mr] += r.p * r.gp;
+                        if (gbias_mode == 1) gbias_i[j] = r.g_s;
+                        if (gbias_mode == 3) acc_gb[mr] += r.g_s;
+                        ds = r.ds;
                     }  // (the host zero-fills a per-element bias gradient)
                     s[e] = ds;
                 }
@@ -110,20 +145,13 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     refattn_tile_loop(nkb, classify, load, compute, &done, &skipped);
     REFATTN_UNROLL
     for (int mr = 0; mr < MR; ++mr) {
-        acc_pg[mr] += __shfl_xor_sync(0xffffffffu, acc_pg[mr], 1);
-        acc_pg[mr] += __shfl_xor_sync(0xffffffffu, acc_pg[mr], 2);
-        acc_gb[mr] += __shfl_xor_sync(0xffffffffu, acc_gb[mr], 1);
-        acc_gb[mr] += __shfl_xor_sync(0xffffffffu, acc_gb[mr], 2);
+        const double pg = refattn_quad_sum(acc_pg[mr]), gb = refattn_quad_sum(acc_gb[mr]);
         const int i = row + 8 * mr;
         if (i >= Q) continue;
-        if (t == 0) row_dot[bh * c.Q + i] = acc_pg[mr];
-        double* drow = dq + (bh * c.Q + i) * D;
-        REFATTN_UNROLL
-        for (int dt = 0; dt < DT; ++dt) {
-            drow[8 * dt + 2 * t] = rp[R_FQ] * dqa[dt * W + 2 * mr];
-            drow[8 * dt + 2 * t + 1] = rp[R_FQ] * dqa[dt * W + 2 * mr + 1];
-        }
-        if (gbias_mode == 3 && t == 0) gbias[bh * c.Q + i] = acc_gb[mr];
+        if (t == 0) row_dot[bh * c.Q + i] = pg;
+        refattn_store_row<D>(dq + (bh * c.Q + i) * D, t, rp[R_FQ],
+                             [&](int dt, int s) { return dqa[dt * W + 2 * mr + s]; });
+        if (gbias_mode == 3 && t == 0) gbias[bh * c.Q + i] = gb;
     }
     refattn_count_tiles(tiles, bh * gridDim.x + blockIdx.x, done, skipped);
 }
@@ -156,8 +184,11 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     auto sQ = sV + (AG ? 0 : BKV * D);  // 2 x BQ2 x D
     auto sG = sQ + 2 * BQ2 * D;   // 2 x BQ2 x D: G_O
     auto sDV = sG + 2 * BQ2 * D + (tid >> 5) * 8 * MR * D;  // the warp's dV accumulator
-    // above D = 128 dK (64 doubles a lane) is kept in shared memory too (BKV x D after dV)
-    constexpr bool DK_SHARED = D > 128;
+    // above D = 128 dK (64 doubles a lane) is kept half in shared memory (BKV x D after dV):
+    // its n-tiles 0 .. DKR - 1 in registers, DKR .. DT - 1 in the warp's own shared region
+    // (all 32 in registers spilled 940 / 276 bytes, 24 spilled 168 on sm_80)
+    constexpr int DKR = D > 128 ? DT / 2 : DT;
+    constexpr bool DK_SHARED = DKR < DT;
     auto sDK = sDV + BKV * D;  // the warp's dK accumulator (DK_SHARED)
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
 
@@ -167,12 +198,12 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
         refattn_load_tile_async<BKV, D, REFATTN_THREADS>(sK, c.k + bg * c.K * D, j0, K, tid);
         refattn_load_tile_async<BKV, D, REFATTN_THREADS>(sV, c.v + bg * c.K * D, j0, K, tid);
     }
-    double dka[DK_SHARED ? 1 : DT * W];
+    double dka[DKR * W];
     REFATTN_UNROLL
-    for (int e = 0; e < (DK_SHARED ? 1 : DT * W); ++e) dka[e] = 0.0;
+    for (int e = 0; e < DKR * W; ++e) dka[e] = 0.0;
     for (int e = 0; e < DT * W; ++e) {  // the lane's own entries of the warp's regions
         sDV[((e / W) * 32 + lane) * W + e % W] = 0.0;
-        if (DK_SHARED) sDK[((e / W) * 32 + lane) * W + e % W] = 0.0;
+        if (e >= DKR * W) sDK[((e / W) * 32 + lane) * W + e % W] = 0.0;
     }
     long long done = 0, skipped = 0;
     const int nqb = (Q + BQ2 - 1) / BQ2;
@@ -197,21 +228,23 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
         for (int mr = 0; mr < MR; ++mr) gb[mr] = 0.0;
         auto compute = [&](int qb, int cls, unsigned bits) {  // tile qb (and K, V) landed
             const int i0 = qb * BQ2, buf = qb & 1;
+            // the Philox keep bits: up to D = 128 before the products, while only dK is live
+            // (MR = 2 at D = 64 spilled 92 bytes on sm_80 with them after the products, 56 after
+            // K Q^T); at D = 256 after K Q^T (before it, sm_80's ptxas wraps their shuffles in a
+            // convergence CALL in the loop)
+            auto keep_bits = [&] {
+                return c.drop_mode == 2 ? refattn_keep_bits_keys<MR, NT>(c, bh, row, i0, lane)
+                                        : 0u;
+            };
+            unsigned keep = AG ? 0u : keep_bits();
             double st[NT * W], dpt[NT * W];
             REFATTN_UNROLL
             for (int e = 0; e < NT * W; ++e) st[e] = dpt[e] = 0.0;
             refattn_mma_abt<D, MR, NT>(st, k_rows, sQ + buf * BQ2 * D, g, t);   // K Q^T
+            if constexpr (AG) keep = keep_bits();
             refattn_mma_abt<D, MR, NT>(dpt, v_rows, sG + buf * BQ2 * D, g, t);  // V G_O^T
-            const unsigned keep = c.drop_mode == 2
-                                      ? refattn_keep_bits_keys<MR, NT>(c, bh, row, i0, lane)
-                                      : 0u;
-            double lse_i[2 * NT], d_i[2 * NT];
-            REFATTN_UNROLL
-            for (int e = 0; e < 2 * NT; ++e) {
-                const int i = i0 + 8 * (e >> 1) + 2 * t + (e & 1);
-                lse_i[e] = i < Q ? c.lse[bh * c.Q + i] : 0.0;
-                d_i[e] = i < Q ? c.dvec[bh * c.Q + i] : 0.0;
-            }
+            const double* lse_h = c.lse + bh * c.Q;  // read per element (L1), not kept
+            const double* dvec_h = c.dvec + bh * c.Q;
             REFATTN_UNROLL
             for (int mr = 0; mr < MR; ++mr) {
                 const int j = row + 8 * mr;
@@ -227,18 +260,11 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                         const bool seen = i < Q && j < K &&
                                           (cls == REFATTN_FULL || ((bits >> bit) & 1u));
                         if (seen) {
-                            double capped;
-                            const double sc = refattn_score(c, st[e], &capped);
-                            const double p = exp((c.has_bias ? sc + bias_j.at(i) : sc) -
-                                                 lse_i[2 * nt + sb]);
-                            const double z = c.drop_mode != 0
-                                                 ? refattn_tile_multiplier(c, keep, bit, z_j, i)
-                                                 : 1.0;
-                            const double gp = dpt[e] * z;
-                            const double g_s = p * (gp - d_i[2 * nt + sb]);
-                            gb[mr] += g_s;
-                            pz = p * z;
-                            ds = g_s * refattn_cap_slope(c, sc);
+                            const RefattnGradElement r = refattn_grad_element(
+                                c, st[e], dpt[e], bias_j, i, lse_h[i], dvec_h[i], keep, bit, z_j);
+                            gb[mr] += r.g_s;
+                            pz = r.p * r.z;
+                            ds = r.ds;
                         }
                         st[e] = pz;
                         dpt[e] = ds;
@@ -246,18 +272,18 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                 }
             }
             refattn_mma_pb_shared<D, MR, NT>(sDV, st, sG + buf * BQ2 * D, lane, g, t);  // dV
-            if constexpr (DK_SHARED)  // dK += dS^T Q
-                refattn_mma_pb_shared<D, MR, NT>(sDK, dpt, sQ + buf * BQ2 * D, lane, g, t);
-            else
-                refattn_mma_pb<D, MR, NT>(dka, dpt, sQ + buf * BQ2 * D, g, t);
+            // dK += dS^T Q
+            refattn_mma_pb<D, MR, NT, 0, DKR>(dka, dpt, sQ + buf * BQ2 * D, g, t);
+            if constexpr (DK_SHARED)
+                refattn_mma_pb_shared<D, MR, NT, DKR, DT>(sDK, dpt, sQ + buf * BQ2 * D, lane, g,
+                                                          t);
         };
         refattn_tile_loop(nqb, classify, load, compute, &done, &skipped);
         REFATTN_UNROLL
         for (int mr = 0; mr < MR; ++mr) {
-            gb[mr] += __shfl_xor_sync(0xffffffffu, gb[mr], 1);
-            gb[mr] += __shfl_xor_sync(0xffffffffu, gb[mr], 2);
+            const double sum = refattn_quad_sum(gb[mr]);
             const int j = row + 8 * mr;
-            if (gbias_mode == 2 && t == 0 && j < K) gbias[bh * c.K + j] = gb[mr];
+            if (gbias_mode == 2 && t == 0 && j < K) gbias[bh * c.K + j] = sum;
         }
     }
     refattn_cp_async_wait<0>();  // K and V when every head was skipped
@@ -265,17 +291,15 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     for (int mr = 0; mr < MR; ++mr) {
         const int j = row + 8 * mr;
         if (j >= K) continue;
-        double* krow = dk + (bg * c.K + j) * D;
-        double* vrow = dv + (bg * c.K + j) * D;
-        REFATTN_UNROLL
-        for (int dt = 0; dt < DT; ++dt) {
-            const int e = (dt * 32 + lane) * W + 2 * mr;  // (DK_SHARED)
-            krow[8 * dt + 2 * t] = rp[R_FK] * (DK_SHARED ? sDK[e] : dka[dt * W + 2 * mr]);
-            krow[8 * dt + 2 * t + 1] =
-                rp[R_FK] * (DK_SHARED ? sDK[e + 1] : dka[dt * W + 2 * mr + 1]);
-            vrow[8 * dt + 2 * t] = sDV[(dt * 32 + lane) * W + 2 * mr];
-            vrow[8 * dt + 2 * t + 1] = sDV[(dt * 32 + lane) * W + 2 * mr + 1];
-        }
+        // the warps' shared regions in fragment order: value 2 mr + s of n-tile dt of the lane
+        auto shared_at = [&](auto region, int dt, int s) {
+            return region[(dt * 32 + lane) * W + 2 * mr + s];
+        };
+        refattn_store_row<D>(dk + (bg * c.K + j) * D, t, rp[R_FK], [&](int dt, int s) {
+            return dt < DKR ? dka[(dt < DKR ? dt : 0) * W + 2 * mr + s] : shared_at(sDK, dt, s);
+        });
+        refattn_store_row<D>(dv + (bg * c.K + j) * D, t, 1.0,
+                             [&](int dt, int s) { return shared_at(sDV, dt, s); });
     }
     refattn_count_tiles(tiles, bg * gridDim.x + blockIdx.x, done, skipped);
 }

@@ -64,8 +64,9 @@ __device__ __forceinline__ void refattn_col_offsets(int* lo, int g, int t) {
 }
 
 // O (8 MR x D per warp) += P . B: P the lane's accumulator tile (NT n-tiles) reused as the A
-// fragment, B rows 8 nt + 2 t + s of tile sb ("col" reads)
-template <int D, int MR, int NT, typename S2>
+// fragment, B rows 8 nt + 2 t + s of tile sb ("col" reads); only the output n-tiles DT0 ..
+// DT1 - 1 (8 columns each) when given, out holding those
+template <int D, int MR, int NT, int DT0 = 0, int DT1 = D / 8, typename S2>
 __device__ __forceinline__ void refattn_mma_pb(double* out, const double* p, S2 sb, int g,
                                                int t) {
     int lo[4];
@@ -78,8 +79,8 @@ __device__ __forceinline__ void refattn_mma_pb(double* out, const double* p, S2 
             REFATTN_UNROLL
             for (int mr = 0; mr < MR; ++mr) a[mr] = p[nt * 2 * MR + 2 * mr + s];
             REFATTN_UNROLL
-            for (int dt = 0; dt < D / 8; ++dt)  // B (8 nt + 2 t + s, 8 dt + g)
-                refattn_mma_rows<MR>(out + dt * 2 * MR, a,
+            for (int dt = DT0; dt < DT1; ++dt)  // B (8 nt + 2 t + s, 8 dt + g)
+                refattn_mma_rows<MR>(out + (dt - DT0) * 2 * MR, a,
                                      sb[8 * nt * D + 16 * (dt >> 1) + lo[2 * s + (dt & 1)]]);
         }
     }
@@ -87,15 +88,16 @@ __device__ __forceinline__ void refattn_mma_pb(double* out, const double* p, S2 
 
 // the same product into an accumulator kept in shared memory (the warp's own region, in fragment
 // order: value e of lane l of n-tile dt at (dt 32 + l) 2 MR + e, 16-byte accesses), one n-tile
-// of D at a time; for the dk/dv kernel, whose two accumulators would not fit the registers
-template <int D, int MR, int NT, typename S1, typename S2>
+// of D at a time (n-tiles DT0 .. DT1 - 1); for the dk/dv kernel, whose two accumulators would
+// not fit the registers
+template <int D, int MR, int NT, int DT0 = 0, int DT1 = D / 8, typename S1, typename S2>
 __device__ __forceinline__ void refattn_mma_pb_shared(S1 acc, const double* p, S2 sb, int lane,
                                                       int g, int t) {
     constexpr int W = 2 * MR;
     int lo[4];
     refattn_col_offsets<D>(lo, g, t);
     REFATTN_NO_UNROLL
-    for (int dt = 0; dt < D / 8; ++dt) {
+    for (int dt = DT0; dt < DT1; ++dt) {
         double c[W];
         REFATTN_UNROLL
         for (int e = 0; e < W; ++e) c[e] = acc[(dt * 32 + lane) * W + e];

@@ -157,6 +157,28 @@ def test_head_widths_above_128_run_on_the_d256_instance(materialize):
     assert_matches_reference(call, g_o, t, g, "D=256")
 
 
+@pytest.mark.parametrize("bias_shape", [(1, 2, 37, 70), (1, 1, 1, 70)],
+                         ids=["per-element", "per-key"])
+@pytest.mark.parametrize(("Dk", "Dv"), [(40, 64), (100, 128)], ids=["D=64", "D=128"])
+def test_the_backward_instances_at_64_and_128_with_every_feature(Dk, Dv, bias_shape):
+    """The dq and dk/dv kernels at D = 64 (16-row warps in both) and 128 with GQA, a causal
+    mask, softcap, Philox dropout and a bias whose gradient is per element (dq writes it) or
+    summed over queries (dk/dv); 37 queries and 70 keys end inside the tiles and the blocks
+    (dk/dv at D = 64: 64 keys per block, 16-query tiles)."""
+    rng = np.random.default_rng(Dk)
+    call = refattn.AttentionCall(rng.standard_normal((1, 2, 37, Dk)),
+                                 rng.standard_normal((1, 1, 70, Dk)),
+                                 rng.standard_normal((1, 1, 70, Dv)),
+                                 bias=rng.standard_normal(bias_shape), softcap=3.0,
+                                 visible=causal(37, 70, alignment="lower_right"),
+                                 dropout=Philox(0.2, 7))
+    g_o = rng.standard_normal((1, 2, 37, Dv))
+    t, g = _run(call, g_o, materialize=False)
+    assert t.materialized["head_width"] == Dv
+    assert g.grad_bias.shape == bias_shape
+    assert_matches_reference(call, g_o, t, g, f"D={Dv}")
+
+
 def test_a_kv_head_without_query_heads_gets_zero_gradients():
     # pinned from the generated calls: dk/dv's shared dV accumulator was zeroed by other lanes
     # than the ones that read it, so a kv head that no query head maps to read stale values
