@@ -30,7 +30,7 @@ from numba import prange
 
 from refattn.engine.numba._jit import kernel
 from refattn.engine.numba.blas import gemm, gemm_pair
-from refattn.engine.numba.math import exp_shift, row_dot, row_sum, softcap_row
+from refattn.engine.numba.math import dot_grad, exp_sum, row_dot, softcap_row
 from refattn.engine.numba.math import row_max as max_of_row
 from refattn.engine.numba.operands import DROP_NONE, address, at, multiplier_row
 from refattn.engine.numba.tiles import FULL, INVISIBLE, classify, tile_mask
@@ -58,13 +58,6 @@ def _visible_runs(cls, nkc, KC, K, runs):
         n += 1
         kc = ke
     return n
-
-
-@kernel(inline="always")
-def _grad_scores(e, g, n, d, inv):
-    """In place: ``e[:n] = (e * (g - d)) * inv`` (dS from E = exp(s - m), G_P, D, 1 / ell)."""
-    for j in range(n):
-        e[j] = (e[j] * (g[j] - d)) * inv
 
 
 @kernel(parallel=True)
@@ -205,8 +198,7 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                         j0 = kc * KC
                         kw = min(KC, K - j0)
                         row = s[r, j0:j0 + kw]
-                        exp_shift(row, kw, m)
-                        ell += row_sum(row, kw)
+                        ell += exp_sum(row, kw, m)  # E = exp(s - m) and its row sum
                     inv_ell[r] = 1.0 / ell  # P = E / ell is never formed: O, dV and dS scale
                     if dropping:
                         for kc in range(nkc):
@@ -261,10 +253,10 @@ def fused_value_and_grad(q, k, v, head_map, post, fq, fk, tv, has_bias, bias, dr
                             multiplier_row(z, drop, zdense, b, h, Hq, i, j0, kw)
                             for j in range(kw):
                                 g_row[j] *= z[j]
-                        rd_acc[r] += row_dot(e_row, g_row, kw)
-                        if gbias_mode == GBIAS_NONE and not has_cap:
-                            _grad_scores(e_row, g_row, kw, d_i, inv)  # dS, in place
+                        if gbias_mode == GBIAS_NONE and not has_cap:  # row_dot; dS in place
+                            rd_acc[r] += dot_grad(e_row, g_row, kw, d_i, inv)
                             continue
+                        rd_acc[r] += row_dot(e_row, g_row, kw)
                         gb_row = gb_acc[r]  # one running sum per row, in key order
                         for j in range(kw):
                             gs = (e_row[j] * (g_row[j] - d_i)) * inv  # grad_scores

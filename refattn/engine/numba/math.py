@@ -21,7 +21,8 @@ from numba.extending import intrinsic
 
 from refattn.engine.numba._jit import kernel
 
-__all__ = ["exp1", "exp_shift", "row_dot", "row_max", "row_sum", "softcap_row"]
+__all__ = ["dot_grad", "exp1", "exp_shift", "exp_sum", "row_dot", "row_max", "row_sum",
+           "softcap_row"]
 
 _LOG2E = 1.4426950408889634
 # fdlibm's split of ln 2: the high part has enough trailing zero bits that k * LN2_HI is exact
@@ -100,18 +101,29 @@ def _vconst(value: float) -> ir.Constant:
     return ir.Constant(_V8, [value] * 8)
 
 
-@intrinsic
-def _exp8_shift(typingctx, x, blocks, m):
+def _exp8_intrinsic(accumulate: bool):
+    """The intrinsic ``_exp8_shift`` (``accumulate`` False: returns nothing) or
+    ``_exp8_shift_sum`` (True: returns the eight lane sums of the results, lane ``l`` adding
+    ``x[8 i + l]`` in order of i from 0.0, as :func:`row_sum`'s lanes would after the store)."""
+
+    @intrinsic
+    def exp8(typingctx, x, blocks, m):
+        if not (isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float64
+                and x.layout == "C"):
+            return None
+        sig = (_LANES if accumulate else types.void)(x, blocks, types.float64)
+        return sig, _exp8_codegen(accumulate)
+
+    return exp8
+
+
+def _exp8_codegen(accumulate: bool):
     """In place on ``x[:8 * blocks]``: ``x[j] = exp(x[j] - m)``, eight lanes at a time.
 
     The operations of :func:`_exp` on ``<8 x double>`` (so results are bit-identical to it),
     written as explicit vectors: LLVM's loop vectoriser stops at 256 bits on CPUs it tunes to
     prefer them (Intel's AVX-512 server cores), explicit vectors use the full 512.
     """
-    if not (isinstance(x, types.Array) and x.ndim == 1 and x.dtype == types.float64
-            and x.layout == "C"):
-        return None
-    sig = types.void(x, blocks, types.float64)
 
     def codegen(context, builder, signature, args):
         mod = builder.module
@@ -127,6 +139,7 @@ def _exp8_shift(typingctx, x, blocks, m):
         mvec = ir.Constant(_V8, ir.Undefined)
         for i in range(8):
             mvec = builder.insert_element(mvec, args[2], ir.Constant(ir.IntType(32), i))
+        acc = cgutils.alloca_once_value(builder, _vconst(0.0))
         with cgutils.for_range(builder, args[1]) as loop:
             ptr = builder.gep(px, [loop.index])
             t = builder.fsub(builder.load(ptr, align=8), mvec)
@@ -148,10 +161,21 @@ def _exp8_shift(typingctx, x, blocks, m):
             s2 = builder.bitcast(builder.shl(builder.add(builder.sub(k, k1), bias), shift), _V8)
             y = builder.fmul(builder.fmul(p, s1), s2)
             under = builder.fcmp_ordered("<", t, _vconst(_MIN_ARG))
-            builder.store(builder.select(under, _vconst(0.0), y), ptr, align=8)
-        return context.get_dummy_value()
+            e = builder.select(under, _vconst(0.0), y)
+            builder.store(e, ptr, align=8)
+            if accumulate:
+                builder.store(builder.fadd(builder.load(acc), e), acc)
+        if not accumulate:
+            return context.get_dummy_value()
+        a = builder.load(acc)
+        items = [builder.extract_element(a, ir.Constant(ir.IntType(32), i)) for i in range(8)]
+        return context.make_tuple(builder, signature.return_type, items)
 
-    return sig, codegen
+    return codegen
+
+
+_LANES = types.UniTuple(types.float64, 8)
+_exp8_shift, _exp8_shift_sum = _exp8_intrinsic(False), _exp8_intrinsic(True)
 
 
 @kernel
@@ -169,6 +193,30 @@ def exp_shift(x, n, m):
     _exp8_shift(x, blocks, m)
     for j in range(8 * blocks, n):
         x[j] = _exp(x[j] - m)
+
+
+@kernel
+def exp_sum(x, n, m):
+    """:func:`exp_shift` then :func:`row_sum` of the results in one pass: in place
+    ``x[j] = exp(x[j] - m)`` for j < n, returning ``sum(x[:n])`` in :func:`row_sum`'s order
+    (the same bits as the two calls; the row is read once).
+
+    Examples
+    --------
+    >>> x = np.array([0.0, -np.inf, 1.0] + [0.5] * 9)
+    >>> y = x.copy()
+    >>> total = exp_sum(x, 12, 1.0)
+    >>> exp_shift(y, 12, 1.0)
+    >>> bool(np.array_equal(x, y)), total == row_sum(y, 12)
+    (True, True)
+    """
+    blocks = n // 8
+    lanes = _exp8_shift_sum(x, blocks, m)
+    tail = 0.0
+    for j in range(8 * blocks, n):
+        x[j] = _exp(x[j] - m)
+        tail += x[j]
+    return _tree(lanes) + tail
 
 
 @kernel(inline="always")
@@ -251,9 +299,6 @@ def softcap_row(row, capped, n, c):
         row[j] = x
 
 
-_LANES = types.UniTuple(types.float64, 8)
-
-
 def _lanes8(step: str):
     """An intrinsic ``(x, y, blocks) -> 8 lanes``: lane l folds ``x[8 i + l]`` (times
     ``y[8 i + l]`` for ``dot``) over blocks i = 0 .. blocks - 1 in order, with ``<8 x double>``
@@ -301,6 +346,42 @@ def _lanes8(step: str):
 _sum8, _dot8, _max8 = _lanes8("sum"), _lanes8("dot"), _lanes8("max")
 
 
+@intrinsic
+def _dot_grad8(typingctx, e, g, blocks, d, inv):
+    """On ``e[:8 * blocks]``, ``g[:8 * blocks]``: the eight lanes of :func:`row_dot`'s
+    ``e . g`` (each product rounded, then added: no contraction) and, in place,
+    ``e = (e * (g - d)) * inv`` (the score gradient), reading each pair of vectors once."""
+    for a in (e, g):
+        if not (isinstance(a, types.Array) and a.ndim == 1 and a.dtype == types.float64
+                and a.layout == "C"):
+            return None
+    sig = _LANES(e, g, blocks, types.float64, types.float64)
+
+    def codegen(context, builder, signature, args):
+        ea = context.make_array(signature.args[0])(context, builder, args[0])
+        ga = context.make_array(signature.args[1])(context, builder, args[1])
+        dvec, ivec = ir.Constant(_V8, ir.Undefined), ir.Constant(_V8, ir.Undefined)
+        for i in range(8):
+            idx = ir.Constant(ir.IntType(32), i)
+            dvec = builder.insert_element(dvec, args[3], idx)
+            ivec = builder.insert_element(ivec, args[4], idx)
+        acc = cgutils.alloca_once_value(builder, _vconst(0.0))
+        pe = builder.bitcast(ea.data, _V8.as_pointer())
+        pg = builder.bitcast(ga.data, _V8.as_pointer())
+        with cgutils.for_range(builder, args[2]) as loop:
+            ptr = builder.gep(pe, [loop.index])
+            x = builder.load(ptr, align=8)
+            w = builder.load(builder.gep(pg, [loop.index]), align=8)
+            builder.store(builder.fadd(builder.load(acc), builder.fmul(x, w)), acc)
+            builder.store(builder.fmul(builder.fmul(x, builder.fsub(w, dvec)), ivec), ptr,
+                          align=8)
+        a = builder.load(acc)
+        items = [builder.extract_element(a, ir.Constant(ir.IntType(32), i)) for i in range(8)]
+        return context.make_tuple(builder, signature.return_type, items)
+
+    return sig, codegen
+
+
 @kernel(inline="always")
 def _tree(v):
     """The fixed combination of eight lanes: ((0+1)+(2+3))+((4+5)+(6+7))."""
@@ -338,6 +419,28 @@ def row_dot(x, y, n):
     for j in range(8 * blocks, n):
         tail += x[j] * y[j]
     return _tree(_dot8(x, y, blocks)) + tail
+
+
+@kernel
+def dot_grad(e, g, n, d, inv):
+    """:func:`row_dot` of ``e`` and ``g`` (returned, in its order), then in place
+    ``e[j] = (e[j] * (g[j] - d)) * inv`` for j < n, in one pass over the two rows.
+
+    Examples
+    --------
+    >>> e, g = np.arange(1.0, 12.0), np.linspace(0.0, 1.0, 11)
+    >>> dot = row_dot(e, g, 11)
+    >>> want = (e * (g - 0.5)) * 0.25
+    >>> dot_grad(e, g, 11, 0.5, 0.25) == dot, bool(np.array_equal(e, want))
+    (True, True)
+    """
+    blocks = n // 8
+    lanes = _dot_grad8(e, g, blocks, d, inv)
+    tail = 0.0
+    for j in range(8 * blocks, n):
+        tail += e[j] * g[j]
+        e[j] = (e[j] * (g[j] - d)) * inv
+    return _tree(lanes) + tail
 
 
 @kernel
