@@ -67,15 +67,15 @@ def shared_bytes(kernel: str, D: int) -> int:
     two buffers of K and V; dkdv: K and V (BKV x D each), two buffers of Q and G_O (BQ2 x D)
     and the dV accumulators (BKV x D); doubles, unpadded (the tiles are swizzled,
     kernels/tile.cuh). Above D = 128 the Q, G_O (forward, dq) and K, V (dkdv) tiles are not
-    in shared memory (the warps read their own rows from global memory) and dkdv keeps its dK
-    accumulators there instead (BKV x D).
+    in shared memory (the warps read their own rows from global memory) and dkdv keeps half of
+    its dK accumulators there instead (BKV x D / 2: n-tiles 16 to 31; 0 to 15 in registers).
 
     Examples
     --------
     >>> shared_bytes("forward", 64), shared_bytes("dq", 128), shared_bytes("dkdv", 128)
     (98304, 131072, 163840)
     >>> shared_bytes("forward", 256), shared_bytes("dq", 256), shared_bytes("dkdv", 256)
-    (65536, 65536, 196608)
+    (65536, 65536, 163840)
     """
     if kernel not in INSTANCES or D not in INSTANCES[kernel]:
         raise RefAttnError(f"shared_bytes: no instance of {kernel!r} at D={D}")
@@ -83,8 +83,8 @@ def shared_bytes(kernel: str, D: int) -> int:
     rows = 8 * MR * _WARPS  # BQ or BKV
     own = 0 if D > A_GLOBAL_ABOVE else 1  # the A tiles: in shared memory up to D = 128
     n = {"forward": own * rows * D + 4 * tile * D, "dq": own * 2 * rows * D + 4 * tile * D,
-         # dkdv: K and V, the dV accumulators; above D = 128 the dK accumulators instead of K, V
-         "dkdv": (3 if own else 2) * rows * D + 4 * tile * D}[kernel]
+         # dkdv: K and V, the dV accumulators; above D = 128 half of dK instead of K, V
+         "dkdv": (3 * rows * D if own else rows * D + rows * D // 2) + 4 * tile * D}[kernel]
     return 8 * n
 
 

@@ -102,8 +102,8 @@ __device__ void refattn_trace_backward(const unsigned long long* x, const long l
 // D = 128 within an A100's 163 KiB: dq keeps S and dP (2 x BK / 8 x 2 MR doubles per lane) beside its
 // dQ accumulator; dk/dv keeps dV in shared memory (refattn_mma_pb_shared), MR = 2 at D = 64.
 // At D = 256 (REFATTN_A_GLOBAL) the warps read their A rows from global memory and the tiles are
-// 8 wide; the dk/dv instance needs 192 KiB of shared memory, which launch.plan refuses, naming
-// the limit, on a device with less (an A100's 163 KiB).
+// 8 wide; the dk/dv instance needs 160 KiB of shared memory (half of dK in registers), within an
+// A100's 163 KiB; launch.plan refuses a device with less, naming the limit.
 #define REFATTN_ARGS const unsigned long long *x, const long long *ip, const double *rp
 extern "C" __global__ void attention_forward_d32(REFATTN_ARGS) { refattn_forward<32, 2, 32>(x, ip, rp); }
 extern "C" __global__ void attention_forward_d64(REFATTN_ARGS) { refattn_forward<64, 2, 32>(x, ip, rp); }

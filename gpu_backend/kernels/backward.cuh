@@ -184,12 +184,13 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     auto sQ = sV + (AG ? 0 : BKV * D);  // 2 x BQ2 x D
     auto sG = sQ + 2 * BQ2 * D;   // 2 x BQ2 x D: G_O
     auto sDV = sG + 2 * BQ2 * D + (tid >> 5) * 8 * MR * D;  // the warp's dV accumulator
-    // above D = 128 dK (64 doubles a lane) is kept half in shared memory (BKV x D after dV):
+    // above D = 128 dK (64 doubles a lane) is kept half in shared memory (BKV x D / 2 after dV):
     // its n-tiles 0 .. DKR - 1 in registers, DKR .. DT - 1 in the warp's own shared region
     // (all 32 in registers spilled 940 / 276 bytes, 24 spilled 168 on sm_80)
     constexpr int DKR = D > 128 ? DT / 2 : DT;
     constexpr bool DK_SHARED = DKR < DT;
-    auto sDK = sDV + BKV * D;  // the warp's dK accumulator (DK_SHARED)
+    // the warp's region of dK's n-tiles DKR .. DT - 1 (DK_SHARED), after the BKV x D of dV
+    auto sDK = sG + 2 * BQ2 * D + BKV * D + (tid >> 5) * 8 * MR * (D - 8 * DKR);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
 
     const auto k_rows = refattn_rows_a<D>(sK, wr, c.k + bg * c.K * D, row, K);
@@ -203,7 +204,7 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     for (int e = 0; e < DKR * W; ++e) dka[e] = 0.0;
     for (int e = 0; e < DT * W; ++e) {  // the lane's own entries of the warp's regions
         sDV[((e / W) * 32 + lane) * W + e % W] = 0.0;
-        if (e >= DKR * W) sDK[((e / W) * 32 + lane) * W + e % W] = 0.0;
+        if (e >= DKR * W) sDK[((e / W - DKR) * 32 + lane) * W + e % W] = 0.0;
     }
     long long done = 0, skipped = 0;
     const int nqb = (Q + BQ2 - 1) / BQ2;
@@ -296,7 +297,8 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
             return region[(dt * 32 + lane) * W + 2 * mr + s];
         };
         refattn_store_row<D>(dk + (bg * c.K + j) * D, t, rp[R_FK], [&](int dt, int s) {
-            return dt < DKR ? dka[(dt < DKR ? dt : 0) * W + 2 * mr + s] : shared_at(sDK, dt, s);
+            return dt < DKR ? dka[(dt < DKR ? dt : 0) * W + 2 * mr + s]
+                            : shared_at(sDK, dt - DKR, s);
         });
         refattn_store_row<D>(dv + (bg * c.K + j) * D, t, 1.0,
                              [&](int dt, int s) { return shared_at(sDV, dt, s); });

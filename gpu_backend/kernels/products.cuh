@@ -87,9 +87,9 @@ __device__ __forceinline__ void refattn_mma_pb(double* out, const double* p, S2 
 }
 
 // the same product into an accumulator kept in shared memory (the warp's own region, in fragment
-// order: value e of lane l of n-tile dt at (dt 32 + l) 2 MR + e, 16-byte accesses), one n-tile
-// of D at a time (n-tiles DT0 .. DT1 - 1); for the dk/dv kernel, whose two accumulators would
-// not fit the registers
+// order: value e of lane l of n-tile dt at ((dt - DT0) 32 + l) 2 MR + e, 16-byte accesses), one
+// n-tile of D at a time (n-tiles DT0 .. DT1 - 1, the region holding those); for the dk/dv
+// kernel, whose two accumulators would not fit the registers
 template <int D, int MR, int NT, int DT0 = 0, int DT1 = D / 8, typename S1, typename S2>
 __device__ __forceinline__ void refattn_mma_pb_shared(S1 acc, const double* p, S2 sb, int lane,
                                                       int g, int t) {
@@ -100,7 +100,7 @@ __device__ __forceinline__ void refattn_mma_pb_shared(S1 acc, const double* p, S
     for (int dt = DT0; dt < DT1; ++dt) {
         double c[W];
         REFATTN_UNROLL
-        for (int e = 0; e < W; ++e) c[e] = acc[(dt * 32 + lane) * W + e];
+        for (int e = 0; e < W; ++e) c[e] = acc[((dt - DT0) * 32 + lane) * W + e];
         REFATTN_UNROLL
         for (int nt = 0; nt < NT; ++nt) {
             REFATTN_UNROLL
@@ -112,7 +112,7 @@ __device__ __forceinline__ void refattn_mma_pb_shared(S1 acc, const double* p, S
             }
         }
         REFATTN_UNROLL
-        for (int e = 0; e < W; ++e) acc[(dt * 32 + lane) * W + e] = c[e];
+        for (int e = 0; e < W; ++e) acc[((dt - DT0) * 32 + lane) * W + e] = c[e];
     }
 }
 
