@@ -73,7 +73,7 @@ def shared_bytes(kernel: str, D: int) -> int:
     Examples
     --------
     >>> shared_bytes("forward", 64), shared_bytes("dq", 128), shared_bytes("dkdv", 128)
-    (98304, 131072, 163840)
+    (98304, 163840, 163840)
     >>> shared_bytes("forward", 256), shared_bytes("dq", 256), shared_bytes("dkdv", 256)
     (65536, 65536, 163840)
     """
