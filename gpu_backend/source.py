@@ -24,7 +24,7 @@ MAIN = "attention.cu"
 INSTANCES: dict[str, dict[int, tuple[int, int]]] = {
     "forward": {32: (2, 32), 64: (2, 32), 128: (1, 32), 256: (1, 8)},
     "dq": {32: (2, 16), 64: (2, 16), 128: (1, 24), 256: (1, 8)},
-    "dkdv": {32: (1, 16), 64: (2, 16), 128: (1, 16), 256: (1, 8)},
+    "dkdv": {32: (2, 32), 64: (2, 16), 128: (1, 16), 256: (1, 8)},
 }
 #: attention.cu's REFATTN_A_GLOBAL: head widths above this read the A rows from global memory
 A_GLOBAL_ABOVE = 128

@@ -101,7 +101,7 @@ __device__ void refattn_trace_backward(const unsigned long long* x, const long l
 // (a test compares). The tiles are chosen for 0 spills (ptxas, sm_80 and sm_90) and every block up to
 // D = 128 within an A100's 163 KiB: dq keeps S and dP (2 x BK / 8 x 2 MR doubles per lane) beside its
 // dQ accumulator (24-key tiles at D = 128: 160 KiB); dk/dv keeps dV in shared memory
-// (refattn_mma_pb_shared), MR = 2 at D = 64.
+// (refattn_mma_pb_shared), MR = 2 at D = 32 and 64.
 // At D = 256 (REFATTN_A_GLOBAL) the warps read their A rows from global memory and the tiles are
 // 8 wide; the dk/dv instance needs 160 KiB of shared memory (half of dK in registers), within an
 // A100's 163 KiB; launch.plan refuses a device with less, naming the limit.
@@ -114,7 +114,7 @@ extern "C" __global__ void attention_dq_d32(REFATTN_ARGS) { refattn_dq<32, 2, 16
 extern "C" __global__ void attention_dq_d64(REFATTN_ARGS) { refattn_dq<64, 2, 16>(x, ip, rp); }
 extern "C" __global__ void attention_dq_d128(REFATTN_ARGS) { refattn_dq<128, 1, 24>(x, ip, rp); }
 extern "C" __global__ void attention_dq_d256(REFATTN_ARGS) { refattn_dq<256, 1, 8>(x, ip, rp); }
-extern "C" __global__ void attention_dkdv_d32(REFATTN_ARGS) { refattn_dkdv<32, 1, 16>(x, ip, rp); }
+extern "C" __global__ void attention_dkdv_d32(REFATTN_ARGS) { refattn_dkdv<32, 2, 32>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d64(REFATTN_ARGS) { refattn_dkdv<64, 2, 16>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d128(REFATTN_ARGS) { refattn_dkdv<128, 1, 16>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d256(REFATTN_ARGS) { refattn_dkdv<256, 1, 8>(x, ip, rp); }
