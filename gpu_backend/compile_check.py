@@ -29,7 +29,8 @@ from gpu_backend.sass import KernelCounts, LoopCounts, disassemble, kernel_count
 from gpu_backend.source import KERNEL_DIR, KERNELS, MAIN, source_hash, translation_unit
 from refattn.errors import RefAttnError
 
-__all__ = ["CompileReport", "KernelResources", "compile_report", "nvrtc_library", "toolchain"]
+__all__ = ["CompileReport", "KernelResources", "compile_report", "kernel_features", "kernel_role",
+           "nvrtc_library", "toolchain"]
 
 ARCHES = ("sm_90", "sm_80")
 _REPORTS: dict[tuple[str, str, str], CompileReport] = {}  # one compile per source per process
@@ -186,6 +187,16 @@ HEAD_DIMS = (32, 64, 128, 256)
 _PAD = re.compile(r"(?:constexpr\s+(?:int|unsigned)\s+|#define\s+)(\w*PAD\w*)\s*=?\s*(\d+)")
 
 
+def kernel_features(name: str) -> str:
+    """The feature set of a hot kernel's entry point (``source.kernel_name``): ``"plain"``
+    (compiled without softcap, bias and dropout) or ``"general"`` (every feature).
+
+    >>> kernel_features("attention_forward_plain_d64"), kernel_features("attention_dq_d64")
+    ('plain', 'general')
+    """
+    return "plain" if "_plain_" in name else "general"
+
+
 def kernel_role(name: str) -> str | None:
     """``"forward"``, ``"dq"``, ``"dkdv"`` for a hot kernel's name, else None.
 
@@ -273,7 +284,7 @@ def hot_kernel_json(res: KernelResources, counts: KernelCounts, role: str) -> di
             ratio is not None and ratio <= MAX_LDS_BYTES_PER_FMA,
         "no_call_rel_noinc_in_main_loop": main is not None and main.calls == 0,
     }
-    return {"role": role, "registers": res.registers,
+    return {"role": role, "features": kernel_features(res.kernel), "registers": res.registers,
             "spill_bytes": res.spill_stores + res.spill_loads, "stack_bytes": res.stack_bytes,
             "dmma_instructions": sum(counts.total.dmma.values()), "dmma": counts.total.dmma,
             "dmma_fma": counts.total.dmma_fma, "dfma": counts.total.dfma,
@@ -331,12 +342,12 @@ def print_tables(result: dict[str, object]) -> None:
     for arch, rep in result["arches"].items():
         print(f"{arch} ({rep['compiler']}, {rep['compile_seconds']} s, "
               f"{len(rep['warnings'])} warning(s))")
-        print(f"  {'kernel':<26} {'regs':>4} {'spill':>5} {'DMMA':>5} {'DMMA FMA':>9} "
+        print(f"  {'kernel':<28} {'regs':>4} {'spill':>5} {'DMMA':>5} {'DMMA FMA':>9} "
               f"{'DFMA':>5} {'CALL':>4} | main loop: {'instr':>5} {'DMMA':>5} {'DFMA':>5} "
               f"{'LDS B':>6} {'B/FMA':>5} {'CALL':>4} {'inner':>5}  targets")
         for name, k in rep["kernels"].items():
             m = k["main_loop"] or {}
-            print(f"  {name:<26} {k['registers']:>4} {k['spill_bytes']:>5} "
+            print(f"  {name:<28} {k['registers']:>4} {k['spill_bytes']:>5} "
                   f"{k['dmma_instructions']:>5} {k['dmma_fma']:>9} {k['dfma']:>5} "
                   f"{k['call_rel_noinc']:>4} | {'':>10} {_fmt(m.get('instructions')):>5} "
                   f"{_fmt(sum(m.get('dmma', {}).values()) if m else None):>5} "

@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from gpu_backend.abi import INT_PARAMS, POINTERS, REAL_PARAMS
-from gpu_backend.source import A_GLOBAL_ABOVE, INSTANCES
+from gpu_backend.source import A_GLOBAL_ABOVE, FEATURE_SETS, INSTANCES, kernel_name
 from refattn.call import AttentionCall
 from refattn.call.gate import check_head_map
 from refattn.call.placement import operand_multipliers
@@ -31,7 +31,7 @@ from refattn.engine.reduce import reduce_to_shape
 from refattn.engine.trace import FORWARD_NAMES, Gradients, Trace
 from refattn.errors import RefAttnError
 
-__all__ = ["Device", "Plan", "backward", "forward", "plan", "shared_bytes"]
+__all__ = ["Device", "Plan", "backward", "call_features", "forward", "plan", "shared_bytes"]
 
 _STREAM_SAVED = ("output", "row_max", "lse")
 _GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y (blocks over B * Hq or B * Hkv)
@@ -60,7 +60,7 @@ class Device(Protocol):
     def describe(self) -> dict[str, Any]: ...
 
 
-def shared_bytes(kernel: str, D: int) -> int:
+def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     """Dynamic shared memory of one block of ``kernel``'s instance at head width ``D``.
 
     forward: Q (BQ x D) and two buffers of K and V (BK x D); dq: Q and G_O (BQ x D each) and
@@ -76,10 +76,13 @@ def shared_bytes(kernel: str, D: int) -> int:
     (98304, 163840, 163840)
     >>> shared_bytes("forward", 256), shared_bytes("dq", 256), shared_bytes("dkdv", 256)
     (65536, 65536, 163840)
+    >>> shared_bytes("forward", 128, "plain")  # 16-row warps: 64 rows of Q, 16-key tiles
+    131072
     """
-    if kernel not in INSTANCES or D not in INSTANCES[kernel]:
-        raise RefAttnError(f"shared_bytes: no instance of {kernel!r} at D={D}")
-    MR, tile = INSTANCES[kernel][D]
+    table = FEATURE_SETS[features][0] if features in FEATURE_SETS else {}
+    if kernel not in table or D not in table[kernel]:
+        raise RefAttnError(f"shared_bytes: no {features} instance of {kernel!r} at D={D}")
+    MR, tile = table[kernel][D]
     rows = 8 * MR * _WARPS  # BQ or BKV
     own = 0 if D > A_GLOBAL_ABOVE else 1  # the A tiles: in shared memory up to D = 128
     n = {"forward": own * rows * D + 4 * tile * D, "dq": own * 2 * rows * D + 4 * tile * D,
@@ -90,20 +93,47 @@ def shared_bytes(kernel: str, D: int) -> int:
 
 @dataclass(frozen=True)
 class Plan:
-    """One kernel's instance for a call: its name, head width, rows per block, tile, bytes."""
+    """One kernel's instance for a call: its name, head width, rows per block, tile, bytes,
+    and its feature set (source.FEATURE_SETS)."""
 
     kernel: str  # the entry point, e.g. "attention_forward_d64"
     D: int  # the instance's head width (q, k, v, G_O zero-padded to it)
     rows: int  # query rows (forward, dq) or keys (dkdv) per block
     tile: int  # keys (forward, dq) or queries (dkdv) per step
     shared_bytes: int
+    features: str = "general"  # "general" (every feature compiled in) or "plain"
 
 
-def plan(kind: str, Dk: int, Dv: int, max_shared_bytes: int, device_name: str = "the device"
-         ) -> Plan:
+#: the kernel parameters (abi.INT_PARAMS) of the features that a plain instance has no code for
+PLAIN_EXCLUDES = ("HAS_SOFTCAP", "HAS_BIAS", "DROP_MODE")
+
+
+def call_features(ip: np.ndarray) -> str:
+    """The feature set a call's int64 parameter table needs: ``"plain"`` when it sets none of
+    :data:`PLAIN_EXCLUDES` (no softcap, bias or dropout), else ``"general"``.
+
+    Decided from the table the kernel reads, so an instance is never run on a parameter it
+    has no code for.
+
+    >>> ip = np.zeros(len(INT_PARAMS), np.int64)
+    >>> call_features(ip)
+    'plain'
+    >>> ip[INT_PARAMS.index("HAS_SOFTCAP")] = 1
+    >>> call_features(ip)
+    'general'
+    """
+    used = any(int(ip[INT_PARAMS.index(name)]) != 0 for name in PLAIN_EXCLUDES)
+    return "general" if used else "plain"
+
+
+def plan(kind: str, Dk: int, Dv: int, max_shared_bytes: int, device_name: str = "the device",
+         features: str = "general") -> Plan:
     """The instance of ``kind`` ("forward", "dq", "dkdv") for head widths Dk, Dv.
 
-    Both widths are zero-padded to the smallest instance width that holds max(Dk, Dv).
+    Both widths are zero-padded to the smallest instance width that holds max(Dk, Dv). With
+    ``features="plain"`` (a call without softcap, bias and dropout: :func:`call_features`)
+    the plain instance at that width is chosen where there is one and it fits the device's
+    shared memory; otherwise the general instance, which serves every call.
 
     Raises
     ------
@@ -114,8 +144,31 @@ def plan(kind: str, Dk: int, Dv: int, max_shared_bytes: int, device_name: str = 
     Examples
     --------
     >>> plan("forward", 40, 24, 232448)
-    Plan(kernel='attention_forward_d64', D=64, rows=64, tile=32, shared_bytes=98304)
+    Plan(kernel='attention_forward_d64', D=64, rows=64, tile=32, shared_bytes=98304, \
+features='general')
+    >>> plan("forward", 100, 128, 232448, features="plain").kernel
+    'attention_forward_plain_d128'
+    >>> plan("forward", 8, 8, 232448, features="plain").kernel  # no plain instance at D = 32
+    'attention_forward_d32'
     """
+    D = _width(kind, Dk, Dv)
+    plain = FEATURE_SETS["plain"][0].get(kind, {})
+    if features == "plain" and D in plain and shared_bytes(kind, D, "plain") <= max_shared_bytes:
+        MR, tile = plain[D]
+        return Plan(kernel_name(kind, D, "plain"), D, 8 * MR * _WARPS, tile,
+                    shared_bytes(kind, D, "plain"), "plain")
+    need = shared_bytes(kind, D)
+    if need > max_shared_bytes:
+        raise RefAttnError(
+            f"q/v: the {kind} kernel at head width D={D} (Dk={Dk}, Dv={Dv}) needs {need} bytes "
+            f"of shared memory per block; {device_name} allows {max_shared_bytes} "
+            "(its per-block opt-in limit)")
+    MR, tile = INSTANCES[kind][D]
+    return Plan(kernel_name(kind, D), D, 8 * MR * _WARPS, tile, need)
+
+
+def _width(kind: str, Dk: int, Dv: int) -> int:
+    """The instance width of ``kind`` for head widths Dk, Dv (a RefAttnError if none)."""
     widths = sorted(INSTANCES[kind])
     wide = max(Dk, Dv)
     D = next((w for w in widths if w >= wide), None)
@@ -125,14 +178,7 @@ def plan(kind: str, Dk: int, Dv: int, max_shared_bytes: int, device_name: str = 
             f"q/v: head widths Dk={Dk}, Dv={Dv} have no {what} kernel instance: the {kind} "
             f"kernel is instantiated for D in {widths} (narrower heads are zero-padded up to "
             "the next one)")
-    need = shared_bytes(kind, D)
-    if need > max_shared_bytes:
-        raise RefAttnError(
-            f"q/v: the {kind} kernel at head width D={D} (Dk={Dk}, Dv={Dv}) needs {need} bytes "
-            f"of shared memory per block; {device_name} allows {max_shared_bytes} "
-            "(its per-block opt-in limit)")
-    MR, tile = INSTANCES[kind][D]
-    return Plan(f"attention_{kind}_d{D}", D, 8 * MR * _WARPS, tile, need)
+    return D
 
 
 def _padded(array: np.ndarray, D: int) -> np.ndarray:
@@ -213,8 +259,7 @@ def _check_shapes(call: AttentionCall, device: Device) -> None:
 def _prepare(call: AttentionCall, device: Device, D: int | None = None) -> _Launch:
     _check_shapes(call, device)
     if D is None:  # the forward instance's width
-        D = plan("forward", call.q.shape[3], call.v.shape[3], device.max_shared_bytes,
-                 device.name).D
+        D = _width("forward", call.q.shape[3], call.v.shape[3])
     a = call.axes
     B, Hq, Hkv, Q, K = (a[n] for n in ("B", "Hq", "Hkv", "Q", "K"))
     full = call.score_shape
@@ -331,9 +376,12 @@ def forward(device: Device, call: AttentionCall, *, materialize: bool = True) ->
                            f"elements per tensor (limit {TRACE_ELEMENT_LIMIT}); pass "
                            "materialize=False to stream")
     Dk, Dv = call.q.shape[3], call.v.shape[3]
-    P = plan("forward", Dk, Dv, device.max_shared_bytes, device.name)
-    _memory_check(device, call, materialize, P.D)
-    L = _prepare(call, device, P.D)
+    # refused before any upload when no instance at the width fits the device
+    D = plan("forward", Dk, Dv, device.max_shared_bytes, device.name, "plain").D
+    _memory_check(device, call, materialize, D)
+    L = _prepare(call, device, D)
+    # the instance whose compiled features cover the ones the call's parameters use
+    P = plan("forward", Dk, Dv, device.max_shared_bytes, device.name, call_features(L.ip))
     xp = device.xp
     L.slots["OUT"] = xp.zeros((B, Hq, Q, P.D))
     L.slots["LSE"] = xp.zeros((B, Hq, Q))
@@ -347,7 +395,7 @@ def forward(device: Device, call: AttentionCall, *, materialize: bool = True) ->
     output = np.ascontiguousarray(host(L.slots["OUT"])[..., :Dv])  # (B, Hq, Q, Dv)
     materialized: dict[str, Any] = {
         "mode": "trace" if materialize else "streaming", "kernel": P.kernel, "head_width": P.D,
-        "block_q": P.rows, "block_k": P.tile,
+        "kernel_features": P.features, "block_q": P.rows, "block_k": P.tile,
         "tiles_computed": done, "tiles_skipped": skipped, "device": device.describe(),
         "compile_options": list(device.compile_options),
     }

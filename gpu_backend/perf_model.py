@@ -38,9 +38,11 @@ from pathlib import Path
 from typing import Any
 
 from gpu_backend import banks
+from gpu_backend.source import FEATURE_SETS
 
-__all__ = ["ELEMENTWISE", "HARDWARE", "TARGETS", "Hardware", "TileCounts", "TileModel",
-           "backward_designs", "design_counts", "model", "sass_model", "tile_cycles"]
+__all__ = ["ELEMENTWISE", "FEATURES", "HARDWARE", "TARGETS", "Hardware", "TileCounts",
+           "TileModel", "backward_designs", "design_counts", "entry_dim", "entry_key", "model",
+           "sass_model", "tile_cycles"]
 
 
 @dataclass(frozen=True)
@@ -190,29 +192,59 @@ def _tile_size(name: str) -> int:
     return int(m.group(1)) if m else 0
 
 
-def pick_instance(kernels: dict[str, dict[str, Any]], role: str, D: int) -> str | None:
-    """The compiled kernel that runs ``role`` at head width D.
+def pick_instance(kernels: dict[str, dict[str, Any]], role: str, D: int,
+                  features: str = "general") -> str | None:
+    """The compiled kernel that runs ``role`` at head width D with a feature set.
 
-    A name with ``_d{D}`` (a head-width instance) wins; kernels without a head width in the
+    A name with ``_d{D}`` (a head-width instance) of that feature set (compile_check's
+    ``features``, "general" where absent) wins; general kernels without a head width in the
     name take any D (the largest tile first).
 
     >>> ks = {"attention_forward_d64": {"role": "forward"}, "attention_forward_d128": {
-    ...       "role": "forward"}, "attention_dq_t32": {"role": "dq"}}
+    ...       "role": "forward"}, "attention_forward_plain_d128": {"role": "forward",
+    ...       "features": "plain"}, "attention_dq_t32": {"role": "dq"}}
     >>> pick_instance(ks, "forward", 128), pick_instance(ks, "dq", 64)
     ('attention_forward_d128', 'attention_dq_t32')
+    >>> pick_instance(ks, "forward", 128, "plain"), pick_instance(ks, "forward", 64, "plain")
+    ('attention_forward_plain_d128', None)
     """
-    named = [n for n, k in kernels.items() if k["role"] == role and _head_dim(n) == D]
+    mine = {n: k for n, k in kernels.items()
+            if k["role"] == role and k.get("features", "general") == features}
+    named = [n for n in mine if _head_dim(n) == D]
     if named:
         return sorted(named)[0]
-    generic = [n for n, k in kernels.items() if k["role"] == role and _head_dim(n) is None]
+    if features != "general":
+        return None
+    generic = [n for n in mine if _head_dim(n) is None]
     return max(generic, key=_tile_size) if generic else None
+
+
+#: the feature sets of compiled instances, in table order, and the calls each serves
+FEATURES: dict[str, str] = {name: serves for name, (_, serves) in FEATURE_SETS.items()}
+
+
+def entry_key(D: int, features: str = "general") -> str:
+    """The key of an instance in :func:`sass_model`'s result: ``"D=64"`` for the general
+    instance, ``"D=64 plain"`` for a plain one.
+
+    >>> entry_key(64), entry_key(128, "plain"), entry_dim("D=128 plain")
+    ('D=64', 'D=128 plain', 128)
+    """
+    return f"D={D}" if features == "general" else f"D={D} {features}"
+
+
+def entry_dim(key: str) -> int:
+    """The head width of an :func:`entry_key`."""
+    return int(key.split()[0][2:])
 
 
 def sass_model(check: dict[str, Any], dims: tuple[int, ...] = (64, 128)) -> dict[str, Any]:
     """Modelled fraction of the DMMA peak of each hot kernel, from compile_check's JSON.
 
-    Returns ``{arch: {role: {"D=64": {...}, ...}}}`` with the kernel's name, the counts used,
-    the :class:`TileModel` fields and whether the targets are met.
+    Returns ``{arch: {role: {"D=64": {...}, "D=64 plain": {...}, ...}}}`` (:func:`entry_key`:
+    every compiled instance, general and plain, each judged on its own fp64-heaviest path)
+    with the kernel's name, its feature set, the counts used, the :class:`TileModel` fields
+    and whether the targets are met.
     """
     from gpu_backend.compile_check import layout_for
 
@@ -221,8 +253,8 @@ def sass_model(check: dict[str, Any], dims: tuple[int, ...] = (64, 128)) -> dict
         hw = HARDWARE[arch]
         per_role: dict[str, Any] = {}
         for role in ("forward", "dq", "dkdv"):
-            for D in dims:
-                name = pick_instance(rep["kernels"], role, D)
+            for D, features in ((D, f) for D in dims for f in FEATURES):
+                name = pick_instance(rep["kernels"], role, D, features)
                 if name is None:
                     continue
                 k = rep["kernels"][name]
@@ -231,7 +263,8 @@ def sass_model(check: dict[str, Any], dims: tuple[int, ...] = (64, 128)) -> dict
                 main = k.get("main_loop_heaviest") or k["main_loop"]
                 lean = k["main_loop"]
                 entry: dict[str, Any] = {
-                    "kernel": name, "spill_bytes": k["spill_bytes"], "registers": k["registers"],
+                    "kernel": name, "features": features, "serves": FEATURES[features],
+                    "spill_bytes": k["spill_bytes"], "registers": k["registers"],
                     "dmma_instructions": k["dmma_instructions"], "dmma": k["dmma"],
                     "dfma": k["dfma"], "call_rel_noinc": k["call_rel_noinc"]}
                 if main is None:
@@ -263,7 +296,7 @@ def sass_model(check: dict[str, Any], dims: tuple[int, ...] = (64, 128)) -> dict
                     entry["fraction_of_dmma_peak"] >= TARGETS[role]
                     and ratio is not None and ratio <= TARGETS["lds_bytes_per_dmma_fma"]
                     and k["spill_bytes"] == 0)
-                per_role.setdefault(role, {})[f"D={D}"] = entry
+                per_role.setdefault(role, {})[entry_key(D, features)] = entry
         out[arch] = per_role
     return out
 
@@ -423,7 +456,7 @@ def model(*, sass: dict[str, Any] | None = None, dims: tuple[int, ...] = (64, 12
                          for e in per.values())}
     if sass_part is not None:
         met["sass"] = all(e["targets_met"] for a in sass_part.values() for per in a.values()
-                          for d, e in per.items() if int(d[2:]) in dims)
+                          for d, e in per.items() if entry_dim(d) in dims)
     return {"assumptions": assumptions(tile), "design": design, "backward_designs": back,
             "sass": sass_part, "targets": TARGETS, "targets_met": met}
 
@@ -497,16 +530,17 @@ def print_model(m: dict[str, Any]) -> None:
             print(head + "  kernel")
             for role, per in roles.items():
                 for dkey, e in per.items():
+                    D, fs = entry_dim(dkey), e.get("features", "general")
                     if "cycles" not in e:
-                        print(f"  {role:<14} {dkey[2:]:>4} {e.get('note')}  {e['kernel']}")
+                        print(f"  {role:<14} {D:>4} {e.get('note')}  {e['kernel']} ({fs})")
                         continue
-                    print(f"  {role:<14} {dkey[2:]:>4} {e['dmma_cycles']:>9.0f} "
+                    print(f"  {role:<14} {D:>4} {e['dmma_cycles']:>9.0f} "
                           f"{e['fp64_cycles']:>9.0f} {e['shared_cycles']:>9.0f} "
                           f"{e['issue_cycles']:>9.0f} {e['bound']:>6} "
                           f"{_pct(e['lds_bytes_per_dmma_fma']):>6} "
                           f"{e['fraction_of_dmma_peak']:>7.2f} "
-                          f"{'-' if int(dkey[2:]) in SASS_EXTRA_DIMS else TARGETS[role]:>6}  "
-                          f"{e['kernel']}")
+                          f"{'-' if D in SASS_EXTRA_DIMS else TARGETS[role]:>6}  "
+                          f"{e['kernel']} ({fs})")
     print(f"targets met: {m['targets_met']}")
 
 
@@ -514,15 +548,17 @@ def markdown(m: dict[str, Any]) -> str:
     """The compiled kernels' table (docs/gpu-model.md) and the analytic designs' table."""
     lines = []
     if m["sass"] is not None:
-        lines += ["| arch | kernel | D | registers | spill B | DMMA (FMA) | DFMA | main-loop "
-                  "CALL | LDS B / DMMA FMA | LDS.64 cycles (layout) | DMMA / fp64 / smem / "
-                  "issue cycles | bound | of DMMA peak | target |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| arch | kernel | D | features | registers | spill B | DMMA (FMA) | DFMA | "
+                  "main-loop CALL | LDS B / DMMA FMA | LDS.64 cycles (layout) | DMMA / fp64 / "
+                  "smem / issue cycles | bound | of DMMA peak | target |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for arch, roles in m["sass"].items():
             for role, per in roles.items():
                 for dkey, e in per.items():
+                    D = entry_dim(dkey)
                     lines.append(
-                        f"| {arch} | `{e['kernel']}` | {dkey[2:]} | {e['registers']} | "
+                        f"| {arch} | `{e['kernel']}` | {D} | {e.get('features', 'general')} | "
+                        f"{e['registers']} | "
                         f"{e['spill_bytes']} | {e['dmma_instructions']} "
                         f"({', '.join(f'{n} {op}' for op, n in e['dmma'].items()) or '-'}) | "
                         f"{e['dfma']} | {e.get('main_loop_calls', '-')} | "
@@ -531,7 +567,7 @@ def markdown(m: dict[str, Any]) -> str:
                         f"{e.get('dmma_cycles', 0):.0f} / {e.get('fp64_cycles', 0):.0f} / "
                         f"{e.get('shared_cycles', 0):.0f} / {e.get('issue_cycles', 0):.0f} | "
                         f"{e.get('bound', '-')} | {e['fraction_of_dmma_peak']:.2f} | "
-                        f"{'-' if int(dkey[2:]) in SASS_EXTRA_DIMS else TARGETS[role]} |")
+                        f"{'-' if D in SASS_EXTRA_DIMS else TARGETS[role]} |")
         lines.append("")
     lines += ["| arch | design | D | DMMA / fp64 / smem / issue cycles | bound | LDS B / FMA "
               "| of DMMA peak | target |", "|---|---|---|---|---|---|---|---|"]

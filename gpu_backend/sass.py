@@ -68,6 +68,12 @@ class Instruction:
     def base(self) -> str:
         return self.opcode.split(".")[0]
 
+    @property
+    def never(self) -> bool:
+        """Guarded by ``@!PT`` (never true): issued, but it does nothing (nvcc pads with
+        ``@!PT LDS RZ, [RZ]``), so it counts as an instruction and not as work."""
+        return self.predicate == "@!PT"
+
     def branch_target(self) -> int | None:
         """The target of a BRA (an absolute offset in cuobjdump's output), else None."""
         if self.base != "BRA":
@@ -377,9 +383,10 @@ def _range_counts(instrs: list[Instruction], start: int, end: int,
     calls = subroutine_calls(instrs, start, end)
     body = [(i, weight[i.address]) for i in instrs
             if i.address in path and i.base != "NOP"]
+    work = [(i, w) for i, w in body if not i.never]  # what executes (issue: all of body)
     dmma: Counter[str] = Counter()
     lds: Counter[str] = Counter()
-    for i, w in body:
+    for i, w in work:
         if i.base == "DMMA":
             dmma[i.opcode] += w
         elif i.base == "LDS":
@@ -387,11 +394,11 @@ def _range_counts(instrs: list[Instruction], start: int, end: int,
     return LoopCounts(
         start, end, sum(w for _, w in body), dict(dmma),
         sum(n * dmma_fma(op) for op, n in dmma.items()),
-        sum(w for i, w in body if i.base == "DFMA"),
-        sum(w for i, w in body if i.base in ("DFMA", "DADD", "DMUL")), dict(lds),
+        sum(w for i, w in work if i.base == "DFMA"),
+        sum(w for i, w in work if i.base in ("DFMA", "DADD", "DMUL")), dict(lds),
         32 * sum(n * lds_bytes(op) for op, n in lds.items()),
-        32 * sum(w * lds_bytes(i.opcode) for i, w in body if i.base == "STS"),
-        32 * sum(w * lds_bytes(i.opcode) for i, w in body if i.base == "LDGSTS"),
+        32 * sum(w * lds_bytes(i.opcode) for i, w in work if i.base == "STS"),
+        32 * sum(w * lds_bytes(i.opcode) for i, w in work if i.base == "LDGSTS"),
         calls, len(inner),
         tuple((s, e, found[(s, e)]) for s, e in inner) if expand else ())
 

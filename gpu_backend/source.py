@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-__all__ = ["A_GLOBAL_ABOVE", "INSTANCES", "KERNELS", "KERNEL_DIR", "source_hash",
-           "translation_unit"]
+__all__ = ["A_GLOBAL_ABOVE", "FEATURE_SETS", "INSTANCES", "KERNELS", "KERNEL_DIR", "PLAIN",
+           "kernel_name", "source_hash", "translation_unit"]
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 MAIN = "attention.cu"
@@ -22,15 +22,39 @@ MAIN = "attention.cu"
 #: Above D = 128 (:data:`A_GLOBAL_ABOVE`) the warps read their own rows (the A operand: Q, G_O;
 #: K, V in dkdv) from global memory instead of a shared tile.
 INSTANCES: dict[str, dict[int, tuple[int, int]]] = {
-    "forward": {32: (2, 32), 64: (2, 32), 128: (1, 32), 256: (1, 8)},
+    "forward": {32: (2, 24), 64: (2, 32), 128: (1, 32), 256: (1, 8)},
     "dq": {32: (2, 16), 64: (2, 16), 128: (1, 24), 256: (1, 8)},
     "dkdv": {32: (2, 32), 64: (2, 16), 128: (1, 16), 256: (1, 8)},
 }
+#: the plain instances (forward.cuh's feature switches, F = 0): compiled without the softcap,
+#: bias and dropout code, kind -> D -> (MR, tile) as INSTANCES; a call that uses none of those
+#: features runs them (launch.plan), any other call the INSTANCES one ("general"). Only where
+#: the model shows a gain (D = 64, 128), to bound compile time; at D = 128 the plain instance
+#: has 16-row warps (the general one would spill).
+PLAIN: dict[str, dict[int, tuple[int, int]]] = {"forward": {64: (2, 32), 128: (2, 16)}}
+#: the feature sets of the instances: name -> (instance table, the call features it serves)
+FEATURE_SETS: dict[str, tuple[dict[str, dict[int, tuple[int, int]]], str]] = {
+    "general": (INSTANCES, "every call"),
+    "plain": (PLAIN, "calls without softcap, bias and dropout"),
+}
 #: attention.cu's REFATTN_A_GLOBAL: head widths above this read the A rows from global memory
 A_GLOBAL_ABOVE = 128
+
+
+def kernel_name(kind: str, D: int, features: str = "general") -> str:
+    """The entry point of ``kind``'s instance at head width D with a feature set.
+
+    >>> kernel_name("forward", 64), kernel_name("forward", 128, "plain")
+    ('attention_forward_d64', 'attention_forward_plain_d128')
+    """
+    infix = "" if features == "general" else f"{features}_"
+    return f"attention_{kind}_{infix}d{D}"
+
+
 #: every extern "C" kernel of attention.cu
 KERNELS: tuple[str, ...] = (
-    *(f"attention_{kind}_d{D}" for kind, dims in INSTANCES.items() for D in dims),
+    *(kernel_name(kind, D, fs) for fs, (table, _) in FEATURE_SETS.items()
+      for kind, dims in table.items() for D in dims),
     "attention_row_dot_output", "attention_trace_forward", "attention_trace_backward",
 )
 

@@ -106,10 +106,19 @@ __device__ void refattn_trace_backward(const unsigned long long* x, const long l
 // 8 wide; the dk/dv instance needs 160 KiB of shared memory (half of dK in registers), within an
 // A100's 163 KiB; launch.plan refuses a device with less, naming the limit.
 #define REFATTN_ARGS const unsigned long long *x, const long long *ip, const double *rp
-extern "C" __global__ void attention_forward_d32(REFATTN_ARGS) { refattn_forward<32, 2, 32>(x, ip, rp); }
+extern "C" __global__ void attention_forward_d32(REFATTN_ARGS) { refattn_forward<32, 2, 24>(x, ip, rp); }
 extern "C" __global__ void attention_forward_d64(REFATTN_ARGS) { refattn_forward<64, 2, 32>(x, ip, rp); }
 extern "C" __global__ void attention_forward_d128(REFATTN_ARGS) { refattn_forward<128, 1, 32>(x, ip, rp); }
 extern "C" __global__ void attention_forward_d256(REFATTN_ARGS) { refattn_forward<256, 1, 8>(x, ip, rp); }
+// the plain forward instances (feature set F = 0: no softcap, bias or dropout code, forward.cuh),
+// run for calls without those features; 16-row warps at D = 128 too (the general instance spills
+// there). The general instance at D = 32 has 24-key tiles (32 keys spill 32 bytes on sm_90).
+extern "C" __global__ void attention_forward_plain_d64(REFATTN_ARGS) {
+    refattn_forward<64, 2, 32, 0>(x, ip, rp);
+}
+extern "C" __global__ void attention_forward_plain_d128(REFATTN_ARGS) {
+    refattn_forward<128, 2, 16, 0>(x, ip, rp);
+}
 extern "C" __global__ void attention_dq_d32(REFATTN_ARGS) { refattn_dq<32, 2, 16>(x, ip, rp); }
 extern "C" __global__ void attention_dq_d64(REFATTN_ARGS) { refattn_dq<64, 2, 16>(x, ip, rp); }
 extern "C" __global__ void attention_dq_d128(REFATTN_ARGS) { refattn_dq<128, 1, 24>(x, ip, rp); }
@@ -132,6 +141,8 @@ REFATTN_EXPORT(attention_forward_d32)
 REFATTN_EXPORT(attention_forward_d64)
 REFATTN_EXPORT(attention_forward_d128)
 REFATTN_EXPORT(attention_forward_d256)
+REFATTN_EXPORT(attention_forward_plain_d64)
+REFATTN_EXPORT(attention_forward_plain_d128)
 REFATTN_EXPORT(attention_dq_d32)
 REFATTN_EXPORT(attention_dq_d64)
 REFATTN_EXPORT(attention_dq_d128)

@@ -34,6 +34,38 @@ __device__ __forceinline__ double refattn_div(double a, double b, double rb) {
     return q != 0.0 && fabs(q) <= 1.7976931348623157e308 ? e : q;
 }
 
+// e^x for x <= 709 (the softmax's x = s - m <= 0, or -inf), without a branch: CUDA's exp (x = k ln2
+// + r, |r| <= ln2 / 2, k = rint(x log2 e) by the 1.5 2^52 shift; e^r by its degree-11 polynomial,
+// the coefficients read from the SASS of nvcc 13.0's exp; 2^k added to the exponent), with the
+// subnormal range (x < -708.396) scaled in two exact steps, (e^r 2^(k + 600)) 2^-600, so the one
+// rounding is the final product's, e^x = 0 below -1000 (and for -inf), NaN for NaN. CUDA's exp
+// instead branches to a slow path for |x| >= 708.396 on every element.
+__device__ __forceinline__ double refattn_exp(double x) {
+    const double shift = 6755399441055744.0;  // 1.5 2^52: t's low word is k
+    const double t = fma(x, 1.4426950408889634, shift);
+    const double k = t - shift;
+    double r = fma(k, -0.6931471805599453, x);    // ln 2, high part (0x3fe62e42fefa39ef)
+    r = fma(k, -2.3190468138462996e-17, r);        // ln 2, low part (0x3c7abc9e3b39803f)
+    double p = fma(r, 2.502232253650299e-08, 2.763090348817311e-07);
+    p = fma(r, p, 2.755751454588244e-06);
+    p = fma(r, p, 2.4801491039099165e-05);
+    p = fma(r, p, 0.00019841269589115497);
+    p = fma(r, p, 0.001388888894591638);
+    p = fma(r, p, 0.008333333333455043);
+    p = fma(r, p, 0.041666666666519754);
+    p = fma(r, p, 0.16666666666666477);
+    p = fma(r, p, 0.5000000000000012);
+    p = fma(r, p, 1.0);
+    p = fma(r, p, 1.0);
+    const bool tiny = x < -708.39599609375;  // CUDA's fast-path bound: 2^k may be subnormal
+    const int kk = static_cast<int>(__double_as_longlong(t)) + (tiny ? 600 : 0);
+    const double e = __longlong_as_double(static_cast<long long>(
+        static_cast<unsigned long long>(__double_as_longlong(p)) +
+        (static_cast<unsigned long long>(static_cast<long long>(kk)) << 52)));
+    const double scaled = tiny ? e * 2.409919865102884e-181 : e;  // 2^-600
+    return x < -1000.0 ? 0.0 : (x == x ? scaled : x);  // a NaN stays NaN
+}
+
 // -- pointer slots (the first kernel argument: an array of device addresses) ---------------------
 enum RefattnPtr {
     X_Q, X_K, X_V, X_HEAD_MAP,                       // (B,Hq,Q,Dk) (B,Hkv,K,Dk) (B,Hkv,K,Dv) (Hq)

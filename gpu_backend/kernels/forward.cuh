@@ -5,10 +5,25 @@
 #include "tile_loop.cuh"
 #include "visibility.cuh"
 
-template <int D, int MR, int BK>
+// Feature switches (FlashAttention-2's SOFTCAP_SWITCH / BOOL_SWITCH on Is_softcap, Is_dropout,
+// Has_alibi): F is a set of REFATTN_F_* bits, and an instance compiled without a bit holds none
+// of that feature's code (its per-element work: the softcap's tanh and division, the bias loads,
+// the dropout multipliers). launch.plan runs a call on an instance whose F covers the features
+// the call uses (gpu_backend/source.py PLAIN: F = 0, for calls with no softcap, bias or
+// dropout); REFATTN_F_ALL is the general instance, which serves every call.
+enum : unsigned {
+    REFATTN_F_SOFTCAP = 1u,
+    REFATTN_F_BIAS = 2u,
+    REFATTN_F_DROPOUT = 4u,
+    REFATTN_F_ALL = 7u,
+};
+
+template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL>
 __device__ void refattn_forward(const unsigned long long* x, const long long* ip,
                                 const double* rp) {
     constexpr int BQ = 8 * MR * REFATTN_WARPS, NT = BK / 8, DT = D / 8, W = 2 * MR;
+    constexpr bool SOFTCAP = (F & REFATTN_F_SOFTCAP) != 0, BIAS = (F & REFATTN_F_BIAS) != 0,
+                   DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     REFATTN_DYNAMIC_SHARED(double, smem);
     const RefattnCall c = refattn_call(x, ip, rp);
     const RefattnVisibility vis = refattn_visibility(x, ip);
@@ -60,23 +75,31 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
         REFATTN_UNROLL
         for (int e = 0; e < NT * W; ++e) s[e] = 0.0;
         refattn_mma_abt<D, MR, NT>(s, q_rows, sK + buf * BK * D, g, t);  // S = Q K^T
-        const unsigned keep = c.drop_mode == 2
+        const unsigned keep = DROPOUT && c.drop_mode == 2
                                   ? refattn_keep_bits_rows<MR, NT>(c, bh, row, j0, t)
                                   : 0u;
+        const bool bias = BIAS && c.has_bias;
         REFATTN_UNROLL
         for (int mr = 0; mr < MR; ++mr) {
-            const int i = row + 8 * mr;
-            const RefattnLine bias_i = refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, i);
-            const RefattnLine z_i = refattn_line<false>(c.z, ip, P_Z_S0, b, h, i);
+            // the bias and Z lines of row i (the last row for a row past Q, whose results are
+            // never stored); a column past K (a tail tile's) reads column K - 1 and is masked
+            // below (a tail tile is PARTIAL, its column bits 0), so no load is predicated
+            const int i = row + 8 * mr < Q ? row + 8 * mr : Q - 1;
+            const RefattnLine bias_i =
+                BIAS ? refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, i) : RefattnLine{};
+            const RefattnLine z_i =
+                DROPOUT ? refattn_line<false>(c.z, ip, P_Z_S0, b, h, i) : RefattnLine{};
             double tile_max = none;
             REFATTN_UNROLL
             for (int nt = 0; nt < NT; ++nt) {
                 REFATTN_UNROLL
                 for (int sb = 0; sb < 2; ++sb) {
                     const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
-                    double capped;
-                    double v = refattn_score(c, s[e], &capped);
-                    if (c.has_bias && i < Q && j < K) v += bias_i.at(j);
+                    // alpha once, after the product; a softcap c tanh(v / c); the bias
+                    double v = c.post == 1.0 ? s[e] : c.post * s[e];
+                    if (SOFTCAP && c.has_softcap)
+                        v = c.softcap * tanh(refattn_div(v, c.softcap, c.inv_softcap));
+                    if (bias) v += bias_i.at(j < K ? j : K - 1);
                     const int bit = (nt * MR + mr) * 2 + sb;
                     if (cls == REFATTN_PARTIAL && !((bits >> bit) & 1u)) v = none;
                     s[e] = v;  // visibility after the bias
@@ -86,18 +109,23 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
             tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
             tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
             const double m_new = fmax(m[mr], tile_max);
-            const double corr = m_new == none ? 1.0 : (m[mr] == none ? 0.0 : exp(m[mr] - m_new));
+            const double corr =
+                m_new == none ? 1.0 : (m[mr] == none ? 0.0 : refattn_exp(m[mr] - m_new));
+            // exp(-inf - m) = 0 for a masked score; a row with nothing visible yet subtracts 0
+            // (FlashAttention-2's Check_inf), so no element tests for -inf
+            const double m_use = m_new == none ? 0.0 : m_new;
             double part = 0.0;
             REFATTN_UNROLL
             for (int nt = 0; nt < NT; ++nt) {
                 REFATTN_UNROLL
                 for (int sb = 0; sb < 2; ++sb) {
-                    const int e = nt * W + 2 * mr + sb;
-                    double p = s[e] == none ? 0.0 : exp(s[e] - m_new);
+                    const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
+                    double p = refattn_exp(s[e] - m_use);
                     part += p;
-                    if (p != 0.0 && c.drop_mode != 0)
-                        p *= refattn_tile_multiplier(c, keep, (nt * MR + mr) * 2 + sb, z_i,
-                                                     j0 + 8 * nt + 2 * t + sb);
+                    if (DROPOUT && c.drop_mode != 0)  // Z: a Philox keep bit, or dense Z
+                        p *= c.drop_mode == 2
+                                 ? ((keep >> ((nt * MR + mr) * 2 + sb)) & 1u ? c.keep : 0.0)
+                                 : z_i.at(j < K ? j : K - 1);
                     s[e] = p;  // P~ Z
                 }
             }

@@ -136,6 +136,7 @@ DIV_PROGRAM = r"""
 #define __forceinline__ inline
 #define REFATTN_EMULATOR  // common.cuh's CUDA macros are not needed here
 static double __longlong_as_double(long long x) { double d; std::memcpy(&d, &x, 8); return d; }
+static long long __double_as_longlong(double x) { long long i; std::memcpy(&i, &x, 8); return i; }
 using std::fabs;
 using std::fma;
 #include "common.cuh"
@@ -193,3 +194,63 @@ def test_the_division_without_a_slow_path_is_the_correctly_rounded_quotient(tmp_
     # a / (1 / b) alone differs from a / b on some of these operands: the correction matters
     with np.errstate(over="ignore", invalid="ignore"):
         assert np.count_nonzero((x * (1.0 / y))[ok] != want[ok]) > 100
+
+
+EXP_PROGRAM = r"""
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#define __device__
+#define __forceinline__ inline
+#define REFATTN_EMULATOR  // common.cuh's CUDA macros are not needed here
+static double __longlong_as_double(long long x) { double d; std::memcpy(&d, &x, 8); return d; }
+static long long __double_as_longlong(double x) { long long i; std::memcpy(&i, &x, 8); return i; }
+using std::fabs;
+using std::fma;
+#include "common.cuh"
+int main() {
+    unsigned long long a;
+    while (std::scanf("%llx", &a) == 1) {
+        double x;
+        std::memcpy(&x, &a, 8);
+        const double e = refattn_exp(x);
+        unsigned long long out;
+        std::memcpy(&out, &e, 8);
+        std::printf("%llx\n", out);
+    }
+    return 0;
+}
+"""
+
+
+def test_the_branch_free_exp_is_within_one_ulp_of_numpy(tmp_path):
+    """common.cuh's refattn_exp (the forward's softmax exp: CUDA's polynomial without its
+    slow-path branch) is within 1 ulp of NumPy's exp for x <= 709, the softmax's range
+    (x = s - m <= 0) included: the subnormal results (x < -708.4, scaled in two exact steps)
+    and the underflow to 0 (x < -745.13, -inf) too; most results are NumPy's bits; NaN stays
+    NaN (a score read before its tile landed must show)."""
+    if not shutil.which("g++"):
+        pytest.skip("no g++ to build the host check")
+    (tmp_path / "exp.cpp").write_text(EXP_PROGRAM)
+    exe = tmp_path / "exp"
+    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-Wall", "-Werror",
+                    f"-I{KERNEL_DIR}", str(tmp_path / "exp.cpp"), "-o", str(exe)], check=True)
+    rng = np.random.default_rng(24)
+    x = np.concatenate([
+        -rng.exponential(30.0, 40000), rng.uniform(-1e-6, 0.0, 5000),
+        rng.uniform(-760.0, -700.0, 20000), rng.uniform(0.0, 709.0, 5000),
+        [0.0, -0.0, -np.inf, -745.0, -745.1332191019411, -745.14, -708.39599609375,
+         np.nextafter(-708.39599609375, 0.0), -1000.0, -1000.5, -1e300, 709.0]])
+    text = "\n".join(f"{u:x}" for u in x.view(np.uint64))
+    out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True)
+    got = np.array([int(w, 16) for w in out.stdout.split()], dtype=np.uint64).view(np.float64)
+    want = np.exp(x)
+    ulps = np.abs(got - want) / np.spacing(np.maximum(want, 5e-324))
+    assert ulps.max() <= 1.0, x[np.argmax(ulps)]
+    assert np.mean(got == want) > 0.9
+    sub = (want > 0) & (want < 2.2250738585072014e-308)
+    assert sub.sum() > 1000 and np.all(got[sub] > 0) == np.all(want[sub] > 0)
+    assert np.array_equal(got[want == 0], want[want == 0])  # 0 below -745.13 and at -inf
+    nan = subprocess.run([str(exe)], input=f"{np.float64(np.nan).view(np.uint64):x}",
+                         capture_output=True, text=True, check=True).stdout.split()
+    assert np.isnan(np.array([int(nan[0], 16)], dtype=np.uint64).view(np.float64)[0])

@@ -1,0 +1,139 @@
+"""The forward kernel's feature instances (FlashAttention-2's compile-time switches): a call
+without softcap, bias and dropout runs the plain instance, compiled without their code; any
+other call the general one. Each is checked against the NumPy reference through the emulator
+at the widths that have a plain instance (the conformance suite's calls are all D <= 32), and a
+mutation (the plain instance picked for a softcap call) is shown to be caught."""
+
+from __future__ import annotations
+
+import re
+
+import numpy as np
+import pytest
+
+import refattn
+from gpu_backend import launch
+from gpu_backend.abi import INT_PARAMS
+from gpu_backend.emulator_backend import EmulatorDevice
+from gpu_backend.source import FEATURE_SETS, KERNEL_DIR, PLAIN, kernel_name
+from refattn.dropout import Philox
+from refattn.masks import relation
+
+H100_SHARED = 232448
+A100_SHARED = 166912
+
+
+def _call(D: int, seed: int = 0, **features) -> refattn.AttentionCall:
+    """(B, Hq, Hkv) = (2, 4, 2) (GQA), 70 queries, 75 keys (tiles straddle the ends), a causal
+    sliding-window relation with key padding (SKIP, FULL and PARTIAL tiles), a sink, unused
+    queries; D wide."""
+    rng = np.random.default_rng(seed)
+    B, Hq, Hkv, Q, K = 2, 4, 2, 70, 75
+    key_valid = np.ones((B, K), dtype=bool)
+    key_valid[1, 60:] = False
+    rel = relation(np.broadcast_to(np.arange(Q) + 5, (B, Q)),
+                   np.broadcast_to(np.arange(K), (B, K)), key_valid, causal=True,
+                   window=(40, None))
+    query_valid = np.ones((B, Q), dtype=bool)
+    query_valid[0, 3] = False
+    return refattn.AttentionCall(
+        rng.standard_normal((B, Hq, Q, D)), rng.standard_normal((B, Hkv, K, D)),
+        rng.standard_normal((B, Hkv, K, D)), visible=rel, sink=np.linspace(-1, 1, Hq),
+        query_valid=query_valid[:, None, :, None], **features)
+
+
+def _features(D: int) -> dict[str, dict]:
+    rng = np.random.default_rng(7)
+    return {"plain": {}, "softcap": {"softcap": 2.5},
+            "bias": {"bias": rng.standard_normal((70, 75))},
+            "philox": {"dropout": Philox(0.2, 11)},
+            "dense_dropout": {"dropout": np.where(rng.random((2, 4, 70, 75)) < 0.2, 0.0, 1.25)}}
+
+
+def _check(call: refattn.AttentionCall, trace: refattn.Trace) -> None:
+    ref = refattn.forward(call)
+    for name in ("output", "lse", "row_max"):
+        got, want = getattr(trace, name), getattr(ref, name)
+        fin = np.isfinite(want)
+        np.testing.assert_array_equal(np.isfinite(got), fin, err_msg=name)
+        scale = np.abs(want[fin]).max(initial=1.0)
+        np.testing.assert_allclose(got[fin], want[fin], rtol=0, atol=1e-12 * scale,
+                                   err_msg=name)
+
+
+@pytest.mark.parametrize("D", [64, 100])
+@pytest.mark.parametrize("feature", ["plain", "softcap", "bias", "philox", "dense_dropout"])
+def test_each_call_runs_the_instance_of_its_features_and_matches_the_reference(D, feature):
+    call = _call(D, **_features(D)[feature])
+    trace = refattn.forward(call, backend="cuda_emulator", materialize=False)
+    width = 64 if D == 64 else 128
+    want = kernel_name("forward", width, "plain" if feature == "plain" else "general")
+    assert trace.materialized["kernel"] == want
+    assert trace.materialized["kernel_features"] == ("plain" if feature == "plain"
+                                                     else "general")
+    assert trace.materialized["tiles_skipped"] > 0  # the window skips tiles
+    _check(call, trace)
+
+
+def test_the_trace_mode_and_the_backward_follow_a_plain_forward():
+    call = _call(64, seed=2)
+    g_o = np.random.default_rng(3).standard_normal(call.q.shape)
+    trace = refattn.forward(call, backend="cuda_emulator")
+    assert trace.materialized["kernel"] == "attention_forward_plain_d64"
+    _check(call, trace)
+    grads = refattn.backward(trace, g_o)
+    ref = refattn.backward(refattn.forward(call), g_o)
+    for name in ("grad_q", "grad_k", "grad_v"):
+        want = getattr(ref, name)
+        np.testing.assert_allclose(getattr(grads, name), want, rtol=0,
+                                   atol=1e-12 * np.abs(want).max(), err_msg=name)
+
+
+def test_the_plain_instance_picked_for_a_softcap_call_is_caught(monkeypatch):
+    """The mutation: the launcher's choice forced to the plain instance. The softcap call's
+    output then differs from the reference far beyond the tolerance, and it is the output of
+    the same call without a softcap: the plain instance holds no softcap code at all."""
+    call = _call(64, seed=4, softcap=1.5)
+    monkeypatch.setattr(launch, "call_features", lambda ip: "plain")
+    trace = refattn.forward(call, backend="cuda_emulator", materialize=False)
+    assert trace.materialized["kernel"] == "attention_forward_plain_d64"
+    with pytest.raises(AssertionError):
+        _check(call, trace)
+    uncapped = _call(64, seed=4)
+    np.testing.assert_allclose(trace.output, refattn.forward(uncapped).output, rtol=0,
+                               atol=1e-12)
+
+
+@pytest.mark.parametrize(("name", "features"), [
+    ("HAS_SOFTCAP", {"softcap": 2.0}), ("HAS_BIAS", {"bias": np.zeros((70, 75))}),
+    ("DROP_MODE", {"dropout": Philox(0.5, 1)}),
+    ("DROP_MODE", {"dropout": np.ones((2, 4, 70, 75))})])
+def test_the_features_are_read_from_the_kernel_parameters(name, features):
+    L = launch._prepare(_call(64, **features), EmulatorDevice(), 64)
+    assert L.ip[INT_PARAMS.index(name)] != 0
+    assert launch.call_features(L.ip) == "general"
+    assert launch.call_features(launch._prepare(_call(64), EmulatorDevice(), 64).ip) == "plain"
+
+
+def test_the_plain_table_matches_the_entry_points_and_fits_an_a100():
+    """attention.cu's plain entry points instantiate refattn_forward<D, MR, tile, 0> (no
+    feature bit) as source.PLAIN says, and each fits an A100's shared memory."""
+    src = (KERNEL_DIR / "attention.cu").read_text()
+    entries = re.findall(r"void attention_(\w+)_plain_d(\d+)\(REFATTN_ARGS\) \{\s*"
+                         r"refattn_\1<(\d+), (\d+), (\d+), 0>", src)
+    table = {(k, int(d)): (int(mr), int(tile)) for k, d, dd, mr, tile in entries
+             if int(d) == int(dd)}
+    assert len(table) == len(entries) > 0
+    assert table == {(k, D): v for k, dims in PLAIN.items() for D, v in dims.items()}
+    assert FEATURE_SETS["plain"][0] is PLAIN
+    for (kind, D), (MR, tile) in table.items():
+        assert launch.shared_bytes(kind, D, "plain") <= A100_SHARED
+        p = launch.plan(kind, D, D, A100_SHARED, features="plain")
+        assert (p.kernel, p.rows, p.tile) == (kernel_name(kind, D, "plain"), 32 * MR, tile)
+        # too little shared memory for the plain instance: the general one, or a refusal
+        small = launch.shared_bytes(kind, D, "plain") - 8
+        if launch.shared_bytes(kind, D) <= small:
+            assert launch.plan(kind, D, D, small, features="plain").features == "general"
+        else:
+            with pytest.raises(refattn.RefAttnError, match="shared memory per block"):
+                launch.plan(kind, D, D, small, features="plain")
