@@ -46,11 +46,12 @@ from timing import interleaved  # noqa: E402
 from refattn import AttentionCall  # noqa: E402
 from refattn._progress import progress  # noqa: E402
 from refattn.engine.numba import fused_host  # noqa: E402
-from refattn.engine.numba.blas import gemm, gemm_split  # noqa: E402
+from refattn.engine.numba.blas import gemm, gemm_pair, gemm_split  # noqa: E402
 from refattn.engine.numba.calibration import current_provider  # noqa: E402
 from refattn.engine.numba.fused_host import (  # noqa: E402
     KEY_CHUNK,
     running,
+    score_stride,
     split_tiles,
     task_layout,
     value_and_grad,
@@ -64,10 +65,12 @@ PRODUCTS = ("S=QK^T", "O=PV", "dV+=P^TdO", "dP=dOV^T", "dQ=dSK", "dK+=dS^TQ")
 
 
 @njit(cache=True, parallel=True)
-def _gemms(q, k, v, g_o, head_map, BQ, KC, C, causal, which, fptr, split, s_ws, w_ws, out, dq,
-           dk, dv):
-    """The fused kernel's products (bit p of ``which`` enables ``PRODUCTS[p]``), no row work;
-    O, dV, dQ and dK in the kernel's tiles (``split``)."""
+def _gemms(q, k, v, g_o, head_map, BQ, KC, LD, LP, C, causal, which, fptr, split, s_ws, w_ws,
+           out, dq, dk, dv):
+    """The fused kernel's products (bit p of ``which`` enables ``PRODUCTS[p]``), no row work,
+    issued as the kernel issues them: S whole on score rows of stride ``LD``; O, dV, dQ and dK
+    in the kernel's tiles (``split``), O with dV and dQ with dK slab by slab (``gemm_pair``)
+    where both of a pair run; dP per key chunk of ``KC`` into a slab of stride ``LP``."""
     B, Hq, Q, Dk = q.shape
     Hkv, K = k.shape[1], k.shape[2]
     Dv = v.shape[3]
@@ -88,24 +91,34 @@ def _gemms(q, k, v, g_o, head_map, BQ, KC, C, causal, which, fptr, split, s_ws, 
                 kn = min(K, (i0 + bq + KC - 1) // KC * KC) if causal else K  # visible keys
                 if which & 1:
                     gemm(fptr, False, True, bq, kn, Dk, 1.0, address(q, b, h, i0), Dk,
-                         address(k, b, g, 0), Dk, 0.0, s.ctypes.data, K)
-                if which & 2:
-                    gemm_split(fptr, False, False, bq, Dv, kn, 1.0, s.ctypes.data, K,
+                         address(k, b, g, 0), Dk, 0.0, s.ctypes.data, LD)
+                if which & 6 == 6:
+                    gemm_pair(fptr, bq, kn, s.ctypes.data, LD, 1.0, address(v, b, g, 0), Dv,
+                              0.0, address(out, b, h, i0), 1.0, address(g_o, b, h, i0), Dv,
+                              address(dv, c, b, g), split[0], split[1], split[2], split[3])
+                elif which & 2:
+                    gemm_split(fptr, False, False, bq, Dv, kn, 1.0, s.ctypes.data, LD,
                                address(v, b, g, 0), Dv, 0.0, address(out, b, h, i0), Dv,
                                split[0], split[1])
-                if which & 4:
-                    gemm_split(fptr, True, False, kn, Dv, bq, 1.0, s.ctypes.data, K,
+                elif which & 4:
+                    gemm_split(fptr, True, False, kn, Dv, bq, 1.0, s.ctypes.data, LD,
                                address(g_o, b, h, i0), Dv, 1.0, address(dv, c, b, g), Dv,
                                split[2], split[3])
                 if which & 8:
-                    gemm(fptr, False, True, bq, kn, Dv, 1.0, address(g_o, b, h, i0), Dv,
-                         address(v, b, g, 0), Dv, 0.0, w.ctypes.data, K)
-                if which & 16:
-                    gemm_split(fptr, False, False, bq, Dk, kn, 1.0, s.ctypes.data, K,
+                    for j0 in range(0, kn, KC):
+                        gemm(fptr, False, True, bq, min(KC, kn - j0), Dv, 1.0,
+                             address(g_o, b, h, i0), Dv, address(v, b, g, j0), Dv, 0.0,
+                             w.ctypes.data, LP)
+                if which & 48 == 48:
+                    gemm_pair(fptr, bq, kn, s.ctypes.data, LD, 1.0, address(k, b, g, 0), Dk,
+                              0.0, address(dq, b, h, i0), 1.0, address(q, b, h, i0), Dk,
+                              address(dk, c, b, g), split[4], split[5], split[6], split[7])
+                elif which & 16:
+                    gemm_split(fptr, False, False, bq, Dk, kn, 1.0, s.ctypes.data, LD,
                                address(k, b, g, 0), Dk, 0.0, address(dq, b, h, i0), Dk,
                                split[4], split[5])
-                if which & 32:
-                    gemm_split(fptr, True, False, kn, Dk, bq, 1.0, s.ctypes.data, K,
+                elif which & 32:
+                    gemm_split(fptr, True, False, kn, Dk, bq, 1.0, s.ctypes.data, LD,
                                address(q, b, h, i0), Dk, 1.0, address(dk, c, b, g), Dk,
                                split[6], split[7])
 
@@ -167,19 +180,22 @@ def breakdown(shape: tuple[int, ...], *, causal: bool = False, rounds: int = 5,
     out, dq = np.zeros((B, Hq, Q, D)), np.zeros((B, Hq, Q, D))
     dk, dv = np.zeros((C, B, Hkv, K, D)), np.zeros((C, B, Hkv, K, D))
     q, k, v = call.q, call.k, call.v
-    s_ws, w_ws = np.ones((nt, lay.block_q, K)), np.ones((nt, lay.block_q, K))  # held, as fused's
+    LD, LP = score_stride(K), score_stride(min(KEY_CHUNK, K))
+    s_ws = np.ones((nt, lay.block_q * LD))  # held, as fused's (there 64-byte aligned)
+    w_ws = np.ones((nt, lay.block_q * LD))  # _copy's second block; the dP slab is its start
     split = split_tiles(provider, lay, D, D)  # the kernel's tiles of O, dV, dQ, dK
 
     def products(which: int):
         def run() -> None:
             with running(lay, provider):
-                _gemms(q, k, v, g_o, call.head_map, lay.block_q, KEY_CHUNK, C, causal, which,
-                       provider.address, split, s_ws, w_ws, out, dq, dk, dv)
+                _gemms(q, k, v, g_o, call.head_map, lay.block_q, KEY_CHUNK, LD, LP, C, causal,
+                       which, provider.address, split, s_ws, w_ws, out, dq, dk, dv)
         return run
 
     def copy() -> None:
         with running(lay, provider):
-            _copy(B, Hq, Hkv, Q, K, call.head_map, lay.block_q, KEY_CHUNK, C, causal, s_ws, w_ws)
+            _copy(B, Hq, Hkv, Q, K, call.head_map, lay.block_q, KEY_CHUNK, C, causal,
+                  s_ws.reshape((nt, lay.block_q, LD)), w_ws.reshape((nt, lay.block_q, LD)))
 
     fns = {"fused": lambda: value_and_grad(call, g_o, provider=provider), "gemms": products(63),
            "copy": copy, "launch": products(0)}
