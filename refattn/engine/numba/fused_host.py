@@ -47,7 +47,10 @@ __all__ = ["Layout", "block_rows", "fused", "running", "score_stride", "split_ti
 KEY_CHUNK = 256
 #: per-thread bytes of the score and probability buffers (BQ x K each) by default: blocks
 #: that stay in the caches beat whole heads (measured: 8 MiB gave 0.64-0.75 of DGEMM on an AMD
-#: EPYC against 0.53-0.65 for whole heads); the calibration picks it per machine
+#: EPYC against 0.53-0.65 for whole heads); the calibration picks it per machine. The block
+#: rows still count two such buffers (three with softcap), but without dropout the kernel holds
+#: one (the scores) and a (BQ x KEY_CHUNK) dP slab: 128-row blocks at K = 4096 measured faster
+#: than 256-row ones with it (issue 27)
 BUFFER_BYTES = 8 << 20
 
 
