@@ -63,6 +63,14 @@ __device__ __forceinline__ void refattn_col_offsets(int* lo, int g, int t) {
     }
 }
 
+// the A fragment of P (or dS) for the k-step (nt, s) of a P B product: element s of the lane's
+// pair in n-tile nt of the accumulator layout, for each of its MR row blocks
+template <int MR>
+__device__ __forceinline__ void refattn_p_fragment(double* a, const double* p, int nt, int s) {
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MR; ++mr) a[mr] = p[nt * 2 * MR + 2 * mr + s];
+}
+
 // O (8 MR x D per warp) += P . B: P the lane's accumulator tile (NT n-tiles) reused as the A
 // fragment, B rows 8 nt + 2 t + s of tile sb ("col" reads); only the output n-tiles DT0 ..
 // DT1 - 1 (8 columns each) when given, out holding those
@@ -76,8 +84,7 @@ __device__ __forceinline__ void refattn_mma_pb(double* out, const double* p, S2 
         REFATTN_UNROLL
         for (int s = 0; s < 2; ++s) {
             double a[MR];
-            REFATTN_UNROLL
-            for (int mr = 0; mr < MR; ++mr) a[mr] = p[nt * 2 * MR + 2 * mr + s];
+            refattn_p_fragment<MR>(a, p, nt, s);
             REFATTN_UNROLL
             for (int dt = DT0; dt < DT1; ++dt)  // B (8 nt + 2 t + s, 8 dt + g)
                 refattn_mma_rows<MR>(out + (dt - DT0) * 2 * MR, a,
@@ -106,8 +113,7 @@ __device__ __forceinline__ void refattn_mma_pb_shared(S1 acc, const double* p, S
             REFATTN_UNROLL
             for (int s = 0; s < 2; ++s) {
                 double a[MR];
-                REFATTN_UNROLL
-                for (int mr = 0; mr < MR; ++mr) a[mr] = p[nt * 2 * MR + 2 * mr + s];
+                refattn_p_fragment<MR>(a, p, nt, s);
                 refattn_mma_rows<MR>(c, a, sb[8 * nt * D + 16 * (dt >> 1) + lo[2 * s + (dt & 1)]]);
             }
         }
