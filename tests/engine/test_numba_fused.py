@@ -104,6 +104,7 @@ def test_thin_products_in_small_tiles_match_the_reference(monkeypatch, feature):
     monkeypatch.setattr(fused_host, "SMALL_GEMM", 3072)
     monkeypatch.setattr(fused_host, "NN_ROWS", 16)
     monkeypatch.setattr(fused_host, "TN_INNER", 8)
+    monkeypatch.setattr(fused_host, "NN_B_BYTES", 16 * 8 * 8)  # 16 rows of V or K per O/dQ tile
     rng = np.random.default_rng(7)
     q, g = (rng.standard_normal((1, 2, 70, 8)) for _ in range(2))
     k, v = (rng.standard_normal((1, 2, 90, 8)) for _ in range(2))
@@ -116,9 +117,10 @@ def test_thin_products_in_small_tiles_match_the_reference(monkeypatch, feature):
     provider = providers.Provider("openblas", "0.3 SkylakeX", "heads", load=openblas.load)
     out, grads, info = fused_host.value_and_grad(call, g, provider=provider,
                                                  budget=32 * 90 * 8 * 3)
-    # 3072 // (16 x 8) = 24 keys per O/dQ tile of 16 rows; 3072 // (8 x 8) = 48 keys per
-    # dV/dK tile of 8 inner rows; blocks of 32 query rows
-    assert info["split_tiles"] == [16, 24, 48, 8] * 2 and info["block_q"] == 32
+    # 3072 // (16 x 8) = 24 keys would fit an O/dQ tile of 16 rows, NN_B_BYTES allows 16;
+    # 3072 // (8 x 8) = 48 keys per dV/dK tile of 8 inner rows (a multiple of 16); blocks of
+    # 32 query rows
+    assert info["split_tiles"] == [16, 16, 48, 8] * 2 and info["block_q"] == 32
     assert_matches_reference(call, g, out, grads, feature)
 
 

@@ -64,6 +64,13 @@ SMALL_GEMM_KERNELS = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
 #: rows of C per tile of ``O`` and ``dQ`` (the inner axis, keys, takes what the bound leaves)
 #: and inner rows per tile of ``dV`` and ``dK`` (their C rows, keys, take the rest)
 NN_ROWS, TN_INNER = 64, 32
+#: bytes of the right operand (inner x D rows of ``V`` or ``K``) of one ``O``/``dQ`` tile, which
+#: every row of the tile reads: the small-matrix kernel does not pack it, so it must stay in
+#: the L1 data cache (32-48 KiB on current x86 cores). Measured one thread, AMD EPYC (Zen 5,
+#: 48 KiB L1), SkylakeX kernel, over square DGEMM: (64 x 64) x 48 tiles at D = 64 1.11 against
+#: 0.74-0.79 for (64 x 64) x 240 (120 KiB of V per tile); at D = 128, 24 inner rows 1.07
+#: against 0.79 for 120 (issue 27)
+NN_B_BYTES = 24 << 10
 _WHOLE = np.iinfo(np.int32).max  # a tile no product reaches: issued whole
 
 
@@ -161,19 +168,20 @@ def split_tiles(provider: Provider, lay: Layout, Dk: int, Dv: int) -> np.ndarray
     OpenBLAS on an AVX-512 kernel (:data:`SMALL_GEMM_KERNELS`, read from the provider's version
     string, ``"<version> <architecture>"``) and on one thread per task (the ``heads`` layout),
     each tile stays within :data:`SMALL_GEMM`, so OpenBLAS runs it unpacked: ``O`` and ``dQ``
-    in :data:`NN_ROWS` query rows by as many keys as fit; ``dV`` and ``dK`` in
-    :data:`TN_INNER` query rows (their inner axis) by as many keys as fit. Otherwise (another
-    library or kernel, or the library's own threads, which its small-matrix path would not
-    use) every product is issued whole.
+    in :data:`NN_ROWS` query rows by as many keys as fit both the bound and
+    :data:`NN_B_BYTES` of ``V`` or ``K`` rows (that unpacked operand stays in L1); ``dV`` and
+    ``dK`` in :data:`TN_INNER` query rows (their inner axis) by as many keys as fit. Otherwise
+    (another library or kernel, or the library's own threads, which its small-matrix path
+    would not use) every product is issued whole.
 
     Examples
     --------
     >>> from refattn.engine.numba.providers import Provider
     >>> skx = Provider("openblas", "0.3.30 SkylakeX")
     >>> split_tiles(skx, Layout(128, 1, 2, 1), 64, 64).tolist()
-    [64, 240, 480, 32, 64, 240, 480, 32]
+    [64, 48, 480, 32, 64, 48, 480, 32]
     >>> split_tiles(skx, Layout(256, 1, 2, 1), 128, 128).tolist()
-    [64, 120, 240, 32, 64, 120, 240, 32]
+    [64, 24, 240, 32, 64, 24, 240, 32]
     >>> whole = int(np.iinfo(np.int32).max)
     >>> int(split_tiles(skx.with_layout("blas"), Layout(128, 1, 1, 2), 64, 64).min()) == whole
     True
@@ -189,7 +197,10 @@ def split_tiles(provider: Provider, lay: Layout, Dk: int, Dv: int) -> np.ndarray
     def fit(other: int, d: int) -> int:  # the other side of a tile within the bound, >= 8
         return max(8, SMALL_GEMM // (other * d) // 8 * 8)
 
-    o, dq = fit(NN_ROWS, Dv), fit(NN_ROWS, Dk)  # their key chunks divide dV's, dK's slabs
+    def inner(d: int) -> int:  # keys of an O/dQ tile: within the bound, its V or K rows in L1
+        return min(fit(NN_ROWS, d), max(8, NN_B_BYTES // (8 * d) // 8 * 8))
+
+    o, dq = inner(Dv), inner(Dk)  # their key chunks divide dV's, dK's slabs
     return np.array([NN_ROWS, o, max(o, fit(TN_INNER, Dv) // o * o), TN_INNER,
                      NN_ROWS, dq, max(dq, fit(TN_INNER, Dk) // dq * dq), TN_INNER],
                     dtype=np.int64)
