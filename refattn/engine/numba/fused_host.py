@@ -62,8 +62,11 @@ SMALL_GEMM = 100**3
 #: AVX-512 ones. With the Haswell kernel the tiles measured 4% slower, so they are not used there
 SMALL_GEMM_KERNELS = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
 #: rows of C per tile of ``O`` and ``dQ`` (the inner axis, keys, takes what the bound leaves)
-#: and inner rows per tile of ``dV`` and ``dK`` (their C rows, keys, take the rest)
-NN_ROWS, TN_INNER = 64, 32
+#: and inner rows per tile of ``dV`` and ``dK`` (their C rows, keys, take the rest). 64 inner
+#: rows (240 keys at D = 64) measured 1.17-1.19 of square DGEMM against 0.85-0.97 for 32 (480
+#: keys) with the padded score stride, one thread, AMD EPYC; in the fused kernel 0.93-0.97 of
+#: the time at (1,8,4096,64) and 0.93 at (1,16,2048,128) (issue 27)
+NN_ROWS, TN_INNER = 64, 64
 #: bytes of the right operand (inner x D rows of ``V`` or ``K``) of one ``O``/``dQ`` tile, which
 #: every row of the tile reads: the small-matrix kernel does not pack it, so it must stay in
 #: the L1 data cache (32-48 KiB on current x86 cores). Measured one thread, AMD EPYC (Zen 5,
@@ -81,7 +84,7 @@ def score_stride(K: int) -> int:
 
     With the stride K = 2048 or 4096 (16 or 32 KiB) every row of a tile maps to the same L1
     sets, and the thin products' small-matrix tiles, which read the score block in place
-    (64 rows for ``O``/``dQ``, 32 for ``dV``/``dK``), evict each other.
+    (64 rows for ``O``/``dQ`` and for ``dV``/``dK``), evict each other.
 
     Examples
     --------
@@ -179,9 +182,9 @@ def split_tiles(provider: Provider, lay: Layout, Dk: int, Dv: int) -> np.ndarray
     >>> from refattn.engine.numba.providers import Provider
     >>> skx = Provider("openblas", "0.3.30 SkylakeX")
     >>> split_tiles(skx, Layout(128, 1, 2, 1), 64, 64).tolist()
-    [64, 48, 480, 32, 64, 48, 480, 32]
+    [64, 48, 240, 64, 64, 48, 240, 64]
     >>> split_tiles(skx, Layout(256, 1, 2, 1), 128, 128).tolist()
-    [64, 24, 240, 32, 64, 24, 240, 32]
+    [64, 24, 120, 64, 64, 24, 120, 64]
     >>> whole = int(np.iinfo(np.int32).max)
     >>> int(split_tiles(skx.with_layout("blas"), Layout(128, 1, 1, 2), 64, 64).min()) == whole
     True
