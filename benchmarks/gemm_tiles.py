@@ -1,9 +1,10 @@
 """The fused kernel's thin products, whole and in small-matrix tiles, on one thread.
 
 ``O = E V`` (and ``dQ = dS K``: the same shapes) and ``dV += E^T dO`` (and ``dK += dS^T Q``) at
-the fused kernel's block shape (``BQ`` query rows of ``K`` keys, row stride ``K``; ``D``
-columns out), each issued whole (one ``dgemm``: OpenBLAS packs the score block) or in tiles
-(:func:`refattn.engine.numba.blas.gemm_split`) of a few sizes, some within OpenBLAS's
+the fused kernel's block shape (``BQ`` query rows of ``K`` keys, the kernel's padded row
+stride ``fused_host.score_stride``; ``D`` columns out), each issued whole (one ``dgemm``:
+OpenBLAS packs the score block) or in tiles (:func:`refattn.engine.numba.blas.gemm_split`)
+of a few sizes: the kernel's own (``fused_host.split_tiles``), others within OpenBLAS's
 small-matrix bound (``m n k <= 100**3``) and one twice past it. Every figure is GFLOP/s of
 process CPU time on one thread (BLAS pinned to one thread, one numba thread: on a shared
 machine CPU time is less disturbed by other jobs than wall time), over square DGEMM on the
@@ -35,7 +36,13 @@ from refattn.engine.numba.blas import (  # noqa: E402
     gemm_split,
     single_thread_blas,
 )
-from refattn.engine.numba.fused_host import SMALL_GEMM  # noqa: E402
+from refattn.engine.numba.fused_host import (  # noqa: E402
+    SMALL_GEMM,
+    Layout,
+    score_stride,
+    split_tiles,
+)
+from refattn.engine.numba.providers import Provider  # noqa: E402
 
 __all__ = ["configs", "rate"]
 
@@ -43,14 +50,14 @@ WHOLE = np.iinfo(np.int32).max
 
 
 @njit(cache=True)
-def _products(transposed, fptr, e, v, g, o, dv, bq, K, D, cm, ck, reps):
+def _products(transposed, fptr, e, LD, v, g, o, dv, bq, K, D, cm, ck, reps):
     """``reps`` times: O = E V (``transposed`` False) or dV += E^T G, in (cm x ck) tiles."""
     for _ in range(reps):
         if transposed:  # dV (K x D) += E^T (K x bq) G (bq x D)
-            gemm_split(fptr, True, False, K, D, bq, 1.0, e.ctypes.data, K, g.ctypes.data, D,
+            gemm_split(fptr, True, False, K, D, bq, 1.0, e.ctypes.data, LD, g.ctypes.data, D,
                        1.0, dv.ctypes.data, D, cm, ck)
         else:  # O (bq x D) = E (bq x K) V (K x D)
-            gemm_split(fptr, False, False, bq, D, K, 1.0, e.ctypes.data, K, v.ctypes.data, D,
+            gemm_split(fptr, False, False, bq, D, K, 1.0, e.ctypes.data, LD, v.ctypes.data, D,
                        0.0, o.ctypes.data, D, cm, ck)
 
 
@@ -59,7 +66,10 @@ def configs(bq: int, D: int) -> list[tuple[str, bool, int, int]]:
     def fit(other: int) -> int:
         return max(8, SMALL_GEMM // (other * D) // 8 * 8)
 
-    out = [("O = E V whole", False, WHOLE, WHOLE)]
+    kern = split_tiles(Provider("openblas", "0 SkylakeX"), Layout(bq, 1, 1, 1), D, D).tolist()
+    out = [(f"O = E V kernel tiles {kern[0]} x {kern[1]}", False, kern[0], kern[1]),
+           (f"dV += E^T G kernel tiles {kern[2]} x {kern[3]}", True, kern[2], kern[3])]
+    out += [("O = E V whole", False, WHOLE, WHOLE)]
     out += [(f"O = E V tiles {cm} x {fit(cm)}", False, cm, fit(cm)) for cm in (bq, 64, 32)
             if cm <= bq]
     out += [(f"O = E V tiles {bq} x {2 * fit(bq)} (past the bound)", False, bq, 2 * fit(bq))]
@@ -73,14 +83,15 @@ def configs(bq: int, D: int) -> list[tuple[str, bool, int, int]]:
 def rate(transposed: bool, bq: int, K: int, D: int, cm: int, ck: int) -> float:
     """GFLOP/s of CPU time of one product configuration (about 2 GFLOP of work)."""
     rng = np.random.default_rng(0)
-    e = rng.standard_normal(bq * K)
+    LD = score_stride(K)
+    e = rng.standard_normal(bq * LD)
     v, g = rng.standard_normal((K, D)), rng.standard_normal((bq, D))
     o, dv = np.zeros((bq, D)), np.zeros((K, D))
     fptr = dgemm_address()
     reps = max(1, int(2e9 / (2 * bq * K * D)))
-    _products(transposed, fptr, e, v, g, o, dv, bq, K, D, cm, ck, 1)
+    _products(transposed, fptr, e, LD, v, g, o, dv, bq, K, D, cm, ck, 1)
     c0 = time.process_time()
-    _products(transposed, fptr, e, v, g, o, dv, bq, K, D, cm, ck, reps)
+    _products(transposed, fptr, e, LD, v, g, o, dv, bq, K, D, cm, ck, reps)
     return 2.0 * bq * K * D * reps / (time.process_time() - c0) / 1e9
 
 
