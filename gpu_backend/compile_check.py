@@ -29,10 +29,15 @@ from gpu_backend.sass import KernelCounts, LoopCounts, disassemble, kernel_count
 from gpu_backend.source import KERNEL_DIR, KERNELS, MAIN, source_hash, translation_unit
 from refattn.errors import RefAttnError
 
-__all__ = ["CompileReport", "KernelResources", "compile_report", "kernel_features", "kernel_role",
-           "nvrtc_library", "toolchain"]
+__all__ = ["ARCH_SHARED_BYTES", "CompileReport", "KernelResources", "compile_report",
+           "kernel_features", "kernel_role", "kernel_shared_bytes", "nvrtc_library", "toolchain"]
 
 ARCHES = ("sm_90", "sm_80")
+#: the largest per-block opt-in shared memory of a device of each architecture (sm_80: an
+#: A100's 163 KiB; sm_90: an H100/H200's 227 KiB). An instance needing more is not built for
+#: that architecture (attention.cu's REFATTN_SM90_ONLY: its body traps) and not reported.
+ARCH_SHARED_BYTES = {"sm_80": 166912, "sm_90": 232448}
+_INSTANCE = re.compile(r"^attention_(forward|dq|dkdv)_(?:([a-z]+)_)?d(\d+)$")
 _REPORTS: dict[tuple[str, str, str], CompileReport] = {}  # one compile per source per process
 
 
@@ -197,6 +202,25 @@ def kernel_features(name: str) -> str:
     return "plain" if "_plain_" in name else "general"
 
 
+def kernel_shared_bytes(name: str) -> int | None:
+    """The dynamic shared memory per block of an instance's entry point
+    (:func:`gpu_backend.launch.shared_bytes`), None for a name that is not an instance.
+
+    >>> kernel_shared_bytes("attention_dq_plain_d128"), kernel_shared_bytes("attention_dq_d64")
+    (196608, 98304)
+    """
+    from gpu_backend.launch import shared_bytes
+
+    m = _INSTANCE.match(name)
+    if m is None:
+        return None
+    kind, features, D = m.group(1), m.group(2) or "general", int(m.group(3))
+    try:
+        return shared_bytes(kind, D, features)
+    except RefAttnError:
+        return None
+
+
 def kernel_role(name: str) -> str | None:
     """``"forward"``, ``"dq"``, ``"dkdv"`` for a hot kernel's name, else None.
 
@@ -284,7 +308,11 @@ def hot_kernel_json(res: KernelResources, counts: KernelCounts, role: str) -> di
             ratio is not None and ratio <= MAX_LDS_BYTES_PER_FMA,
         "no_call_rel_noinc_in_main_loop": main is not None and main.calls == 0,
     }
-    return {"role": role, "features": kernel_features(res.kernel), "registers": res.registers,
+    need = kernel_shared_bytes(res.kernel)
+    return {"role": role, "features": kernel_features(res.kernel),
+            "shared_bytes": need, "runs_on": {a: need is not None and need <= limit
+                                              for a, limit in ARCH_SHARED_BYTES.items()},
+            "registers": res.registers,
             "spill_bytes": res.spill_stores + res.spill_loads, "stack_bytes": res.stack_bytes,
             "dmma_instructions": sum(counts.total.dmma.values()), "dmma": counts.total.dmma,
             "dmma_fma": counts.total.dmma_fma, "dfma": counts.total.dfma,
@@ -304,10 +332,15 @@ def sass_report(arch: str, directory: Path = KERNEL_DIR) -> dict[str, object]:
     """
     report = compile_report(arch, directory)
     functions = parse(disassemble(report.cubin))
-    kernels = {}
+    kernels, not_built = {}, {}
     for name in sorted(functions):
         role = kernel_role(name)
         if role is None or name not in report.kernels:
+            continue
+        need = kernel_shared_bytes(name)
+        if need is not None and need > ARCH_SHARED_BYTES[arch]:
+            not_built[name] = (f"needs {need} bytes of shared memory per block, above every "
+                               f"{arch} device's {ARCH_SHARED_BYTES[arch]}: not built")
             continue
         kernels[name] = hot_kernel_json(report.kernels[name],
                                         kernel_counts(name, functions[name]), role)
@@ -315,7 +348,7 @@ def sass_report(arch: str, directory: Path = KERNEL_DIR) -> dict[str, object]:
         raise RefAttnError(f"SASS ({arch}): no forward, dq or dk/dv kernel among "
                            f"{sorted(functions)}")
     return {"compiler": report.tool, "compile_seconds": round(report.seconds, 2),
-            "warnings": list(report.warnings), "kernels": kernels,
+            "warnings": list(report.warnings), "kernels": kernels, "not_built": not_built,
             "targets_met": all(k["targets_met"] for k in kernels.values())}
 
 
@@ -342,12 +375,13 @@ def print_tables(result: dict[str, object]) -> None:
     for arch, rep in result["arches"].items():
         print(f"{arch} ({rep['compiler']}, {rep['compile_seconds']} s, "
               f"{len(rep['warnings'])} warning(s))")
-        print(f"  {'kernel':<28} {'regs':>4} {'spill':>5} {'DMMA':>5} {'DMMA FMA':>9} "
-              f"{'DFMA':>5} {'CALL':>4} | main loop: {'instr':>5} {'DMMA':>5} {'DFMA':>5} "
-              f"{'LDS B':>6} {'B/FMA':>5} {'CALL':>4} {'inner':>5}  targets")
+        print(f"  {'kernel':<28} {'smem B':>6} {'regs':>4} {'spill':>5} {'DMMA':>5} "
+              f"{'DMMA FMA':>9} {'DFMA':>5} {'CALL':>4} | main loop: {'instr':>5} {'DMMA':>5} "
+              f"{'DFMA':>5} {'LDS B':>6} {'B/FMA':>5} {'CALL':>4} {'inner':>5}  targets")
         for name, k in rep["kernels"].items():
             m = k["main_loop"] or {}
-            print(f"  {name:<28} {k['registers']:>4} {k['spill_bytes']:>5} "
+            print(f"  {name:<28} {_fmt(k['shared_bytes']):>6} {k['registers']:>4} "
+                  f"{k['spill_bytes']:>5} "
                   f"{k['dmma_instructions']:>5} {k['dmma_fma']:>9} {k['dfma']:>5} "
                   f"{k['call_rel_noinc']:>4} | {'':>10} {_fmt(m.get('instructions')):>5} "
                   f"{_fmt(sum(m.get('dmma', {}).values()) if m else None):>5} "
@@ -356,6 +390,8 @@ def print_tables(result: dict[str, object]) -> None:
                   f"{_fmt(m.get('inner_loops')):>5}  "
                   + ("met" if k["targets_met"] else "NOT met: " + ", ".join(
                       t for t, ok in k["targets"].items() if not ok)))
+        for name, why in rep.get("not_built", {}).items():
+            print(f"  {name:<28} {why}")
     table = result["bank_model"]["cycles"]
     print(f"bank model: worst shared-memory cycles per warp access; the kernels' layout: "
           f"{result['smem_layout']} ({result['smem_layout_source']})")

@@ -449,10 +449,16 @@ def backward(device: Device, trace: Trace, grad_output: np.ndarray) -> Gradients
     call = trace.call
     B, Hq, Q, K = call.score_shape
     Hkv, Dk, Dv = call.k.shape[1], call.q.shape[3], call.v.shape[3]
-    PQ = plan("dq", Dk, Dv, device.max_shared_bytes, device.name)
-    PKV = plan("dkdv", Dk, Dv, device.max_shared_bytes, device.name)
-    D = PQ.D
+    # the general instances first: a device that fits neither is refused before any upload
+    # (a plain instance needs at least the general one's shared memory)
+    D = plan("dq", Dk, Dv, device.max_shared_bytes, device.name).D
+    plan("dkdv", Dk, Dv, device.max_shared_bytes, device.name)
     L = _prepare(call, device, D)
+    # then the instances whose compiled features cover the call's parameters, per device: a
+    # plain instance where the call has no softcap, bias or dropout and its shared memory fits
+    features = call_features(L.ip)
+    PQ = plan("dq", Dk, Dv, device.max_shared_bytes, device.name, features)
+    PKV = plan("dkdv", Dk, Dv, device.max_shared_bytes, device.name, features)
     xp, host = device.xp, device.to_host
     g_o = np.where(call.query_valid_full(), grad_output, 0.0)  # unused rows consume nothing
     L.put("G_O", _padded(g_o, D))  # (B, Hq, Q, D)

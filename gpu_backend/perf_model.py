@@ -264,6 +264,7 @@ def sass_model(check: dict[str, Any], dims: tuple[int, ...] = (64, 128)) -> dict
                 lean = k["main_loop"]
                 entry: dict[str, Any] = {
                     "kernel": name, "features": features, "serves": FEATURES[features],
+                    "shared_bytes": k.get("shared_bytes"),
                     "spill_bytes": k["spill_bytes"], "registers": k["registers"],
                     "dmma_instructions": k["dmma_instructions"], "dmma": k["dmma"],
                     "dfma": k["dfma"], "call_rel_noinc": k["call_rel_noinc"]}
@@ -548,17 +549,17 @@ def markdown(m: dict[str, Any]) -> str:
     """The compiled kernels' table (docs/gpu-model.md) and the analytic designs' table."""
     lines = []
     if m["sass"] is not None:
-        lines += ["| arch | kernel | D | features | registers | spill B | DMMA (FMA) | DFMA | "
-                  "main-loop CALL | LDS B / DMMA FMA | LDS.64 cycles (layout) | DMMA / fp64 / "
-                  "smem / issue cycles | bound | of DMMA peak | target |",
-                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+        lines += ["| arch | kernel | D | features | shared B | registers | spill B | DMMA (FMA) "
+                  "| DFMA | main-loop CALL | LDS B / DMMA FMA | LDS.64 cycles (layout) | DMMA / "
+                  "fp64 / smem / issue cycles | bound | of DMMA peak | target |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
         for arch, roles in m["sass"].items():
             for role, per in roles.items():
                 for dkey, e in per.items():
                     D = entry_dim(dkey)
                     lines.append(
                         f"| {arch} | `{e['kernel']}` | {D} | {e.get('features', 'general')} | "
-                        f"{e['registers']} | "
+                        f"{e.get('shared_bytes') or '-'} | {e['registers']} | "
                         f"{e['spill_bytes']} | {e['dmma_instructions']} "
                         f"({', '.join(f'{n} {op}' for op, n in e['dmma'].items()) or '-'}) | "
                         f"{e['dfma']} | {e.get('main_loop_calls', '-')} | "

@@ -31,7 +31,11 @@ INSTANCES: dict[str, dict[int, tuple[int, int]]] = {
 #: features runs them (launch.plan), any other call the INSTANCES one ("general"). Only where
 #: the model shows a gain (D = 64, 128), to bound compile time; at D = 128 the plain instance
 #: has 16-row warps (the general one would spill).
-PLAIN: dict[str, dict[int, tuple[int, int]]] = {"forward": {64: (2, 32), 128: (2, 16)}}
+PLAIN: dict[str, dict[int, tuple[int, int]]] = {
+    "forward": {64: (2, 32), 128: (2, 16)},
+    "dq": {64: (2, 32), 128: (2, 16)},
+    "dkdv": {64: (2, 32), 128: (1, 32)},
+}
 #: the feature sets of the instances: name -> (instance table, the call features it serves)
 FEATURE_SETS: dict[str, tuple[dict[str, dict[int, tuple[int, int]]], str]] = {
     "general": (INSTANCES, "every call"),

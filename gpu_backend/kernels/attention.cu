@@ -127,6 +127,29 @@ extern "C" __global__ void attention_dkdv_d32(REFATTN_ARGS) { refattn_dkdv<32, 2
 extern "C" __global__ void attention_dkdv_d64(REFATTN_ARGS) { refattn_dkdv<64, 2, 16>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d128(REFATTN_ARGS) { refattn_dkdv<128, 1, 16>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d256(REFATTN_ARGS) { refattn_dkdv<256, 1, 8>(x, ip, rp); }
+// The plain backward instances (F = 0: no softcap, bias, bias gradient or dropout code), run for
+// calls without those features. At D = 128 they need more shared memory than an A100's 163 KiB
+// (dq: 16-row warps, 192 KiB; dk/dv: 32-query tiles, 224 KiB), within an H100/H200's 227 KiB;
+// launch.plan runs the general instance on a device with less. No sm_8x device has that much,
+// so for those architectures such an instance is not built (REFATTN_SM90_ONLY: its body traps;
+// the dq one would spill 112 bytes on sm_80).
+#if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
+#define REFATTN_SM90_ONLY(...) __trap()
+#else
+#define REFATTN_SM90_ONLY(...) __VA_ARGS__
+#endif
+extern "C" __global__ void attention_dq_plain_d64(REFATTN_ARGS) {
+    refattn_dq<64, 2, 32, 0>(x, ip, rp);
+}
+extern "C" __global__ void attention_dq_plain_d128(REFATTN_ARGS) {
+    REFATTN_SM90_ONLY(refattn_dq<128, 2, 16, 0>(x, ip, rp));
+}
+extern "C" __global__ void attention_dkdv_plain_d64(REFATTN_ARGS) {
+    refattn_dkdv<64, 2, 32, 0>(x, ip, rp);
+}
+extern "C" __global__ void attention_dkdv_plain_d128(REFATTN_ARGS) {
+    REFATTN_SM90_ONLY(refattn_dkdv<128, 1, 32, 0>(x, ip, rp));
+}
 extern "C" __global__ void attention_row_dot_output(REFATTN_ARGS) {
     refattn_row_dot_output(x, ip, rp);
 }
@@ -151,6 +174,10 @@ REFATTN_EXPORT(attention_dkdv_d32)
 REFATTN_EXPORT(attention_dkdv_d64)
 REFATTN_EXPORT(attention_dkdv_d128)
 REFATTN_EXPORT(attention_dkdv_d256)
+REFATTN_EXPORT(attention_dq_plain_d64)
+REFATTN_EXPORT(attention_dq_plain_d128)
+REFATTN_EXPORT(attention_dkdv_plain_d64)
+REFATTN_EXPORT(attention_dkdv_plain_d128)
 REFATTN_EXPORT(attention_row_dot_output)
 REFATTN_EXPORT(attention_trace_forward)
 REFATTN_EXPORT(attention_trace_backward)

@@ -1,6 +1,7 @@
 // refattn kernels: the recomputing backward, dq over key tiles and dk/dv over query tiles.
 #pragma once
 #include "call.cuh"
+#include "forward.cuh"  // the feature bits REFATTN_F_*
 #include "products.cuh"
 #include "tile_loop.cuh"
 #include "visibility.cuh"
@@ -15,21 +16,32 @@ __device__ __forceinline__ double refattn_quad_sum(double v) {
 // one visible element of the recomputing backward (contract: P = exp(biased - lse), G_P =
 // G_Pdrop Z, grad_scores = P (G_P - D), dS = grad_scores times the softcap's slope): dot the
 // Q.K product, gpd = G_Pdrop (G_O . v), bias and z the element's bias line and multiplier
-// (column col), lse and d the query row's log-sum-exp and row contraction D
+// (column col), lse and d the query row's log-sum-exp and row contraction D. F: the feature
+// set compiled in (forward.cuh's REFATTN_F_*); without a bit the element holds none of that
+// feature's code (the plain instances, F = 0: no softcap, bias or dropout)
 struct RefattnGradElement {
     double p, z, gp, g_s, ds;
 };
+template <unsigned F>
 __device__ __forceinline__ RefattnGradElement refattn_grad_element(
     const RefattnCall& c, double dot, double gpd, const RefattnLine& bias, int col, double lse,
     double d, unsigned keep, int bit, const RefattnLine& z_line) {
+    constexpr bool SOFTCAP = (F & REFATTN_F_SOFTCAP) != 0, BIAS = (F & REFATTN_F_BIAS) != 0,
+                   DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     RefattnGradElement r;
-    double capped;
-    const double sc = refattn_score(c, dot, &capped);
-    r.p = exp((c.has_bias ? sc + bias.at(col) : sc) - lse);
-    r.z = c.drop_mode != 0 ? refattn_tile_multiplier(c, keep, bit, z_line, col) : 1.0;
+    double sc;
+    if constexpr (SOFTCAP) {
+        double capped;
+        sc = refattn_score(c, dot, &capped);
+    } else {
+        sc = c.post == 1.0 ? dot : c.post * dot;  // refattn_score without the softcap
+    }
+    r.p = exp((BIAS && c.has_bias ? sc + bias.at(col) : sc) - lse);
+    r.z = DROPOUT && c.drop_mode != 0 ? refattn_tile_multiplier(c, keep, bit, z_line, col)
+                                      : 1.0;
     r.gp = gpd * r.z;
     r.g_s = r.p * (r.gp - d);
-    r.ds = r.g_s * refattn_cap_slope(c, sc);
+    r.ds = SOFTCAP ? r.g_s * refattn_cap_slope(c, sc) : r.g_s;
     return r;
 }
 
@@ -48,14 +60,16 @@ __device__ __forceinline__ void refattn_store_row(double* row, int t, double sca
 // grid (ceil(Q / BQ), B * Hq), 128 threads: dq (B,Hq,Q,D) = fq sum_j dS k, dS = P (G_P - D)
 // times the softcap slope, the bias gradient of modes 1 (per element) and 3 (summed over keys),
 // and row_dot (B,Hq,Q) = sum_j P G_P as a by-product (the sink's gradient). Products per tile:
-// S = Q K^T, dP = G_O V^T, dQ += dS K.
-template <int D, int MR, int BK>
+// S = Q K^T, dP = G_O V^T, dQ += dS K. F: the feature set compiled in (forward.cuh; F = 0, the
+// plain instance, has no softcap, bias, bias gradient or dropout code).
+template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL>
 __device__ void refattn_dq(const unsigned long long* x, const long long* ip, const double* rp) {
     constexpr int BQ = 8 * MR * REFATTN_WARPS, NT = BK / 8, DT = D / 8, W = 2 * MR;
+    constexpr bool BIAS = (F & REFATTN_F_BIAS) != 0, DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     REFATTN_DYNAMIC_SHARED(double, smem);
     const RefattnCall c = refattn_call(x, ip, rp);
     const RefattnVisibility vis = refattn_visibility(x, ip);
-    const long long gbias_mode = ip[P_GBIAS_MODE];
+    const long long gbias_mode = BIAS ? ip[P_GBIAS_MODE] : 0;
     double* dq = reinterpret_cast<double*>(x[X_DQ]);
     double* gbias = reinterpret_cast<double*>(x[X_GBIAS]);
     double* row_dot = reinterpret_cast<double*>(x[X_ROW_DOT]);
@@ -110,14 +124,16 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
         for (int e = 0; e < NT * W; ++e) s[e] = dp[e] = 0.0;
         refattn_mma_abt<D, MR, NT>(s, q_rows, sK + buf * BK * D, g, t);   // S = Q K^T
         refattn_mma_abt<D, MR, NT>(dp, g_rows, sV + buf * BK * D, g, t);  // dP = G_O V^T
-        const unsigned keep = c.drop_mode == 2
+        const unsigned keep = DROPOUT && c.drop_mode == 2
                                   ? refattn_keep_bits_rows<MR, NT>(c, bh, row, j0, t)
                                   : 0u;
         REFATTN_UNROLL
         for (int mr = 0; mr < MR; ++mr) {
             const int i = row + 8 * mr;
-            const RefattnLine bias_i = refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, i);
-            const RefattnLine z_i = refattn_line<false>(c.z, ip, P_Z_S0, b, h, i);
+            const RefattnLine bias_i =
+                BIAS ? refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, i) : RefattnLine{};
+            const RefattnLine z_i =
+                DROPOUT ? refattn_line<false>(c.z, ip, P_Z_S0, b, h, i) : RefattnLine{};
             double* gbias_i = gbias + (bh * c.Q + i) * c.K;  // per element (bias mode 1)
             REFATTN_UNROLL
             for (int nt = 0; nt < NT; ++nt) {
@@ -129,11 +145,11 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
                     const bool seen = i < Q && j < K &&
                                       (cls == REFATTN_FULL || ((bits >> bit) & 1u));
                     if (seen) {
-                        const RefattnGradElement r = refattn_grad_element(
+                        const RefattnGradElement r = refattn_grad_element<F>(
                             c, s[e], dp[e], bias_i, j, lse_i[mr], d_i[mr], keep, bit, z_i);
                         acc_pg[mr] += r.p * r.gp;
-                        if (gbias_mode == 1) gbias_i[j] = r.g_s;
-                        if (gbias_mode == 3) acc_gb[mr] += r.g_s;
+                        if (BIAS && gbias_mode == 1) gbias_i[j] = r.g_s;
+                        if (BIAS && gbias_mode == 3) acc_gb[mr] += r.g_s;
                         ds = r.ds;
                     }  // (the host zero-fills a per-element bias gradient)
                     s[e] = ds;
@@ -151,7 +167,7 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
         if (t == 0) row_dot[bh * c.Q + i] = pg;
         refattn_store_row<D>(dq + (bh * c.Q + i) * D, t, rp[R_FQ],
                              [&](int dt, int s) { return dqa[dt * W + 2 * mr + s]; });
-        if (gbias_mode == 3 && t == 0) gbias[bh * c.Q + i] = gb;
+        if (BIAS && gbias_mode == 3 && t == 0) gbias[bh * c.Q + i] = gb;
     }
     refattn_count_tiles(tiles, bh * gridDim.x + blockIdx.x, done, skipped);
 }
@@ -160,15 +176,16 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
 // grid (ceil(K / BKV), B * Hkv), 128 threads; dk (B,Hkv,K,D) = fk sum_{h ~ g} sum_i dS q,
 // dv (B,Hkv,K,D) = sum_{h ~ g} sum_i (P Z) G_O; the bias gradient of mode 2 (summed over
 // queries), per query head. Products per tile: S^T = K Q^T, dP^T = V G_O^T, dV += (P Z)^T G_O,
-// dK += dS^T Q.
-template <int D, int MR, int BQ2>
+// dK += dS^T Q. F: the feature set compiled in, as refattn_dq's.
+template <int D, int MR, int BQ2, unsigned F = REFATTN_F_ALL>
 __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                              const double* rp) {
     constexpr int BKV = 8 * MR * REFATTN_WARPS, NT = BQ2 / 8, DT = D / 8, W = 2 * MR;
+    constexpr bool BIAS = (F & REFATTN_F_BIAS) != 0, DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     REFATTN_DYNAMIC_SHARED(double, smem);
     const RefattnCall c = refattn_call(x, ip, rp);
     const RefattnVisibility vis = refattn_visibility(x, ip);
-    const long long gbias_mode = ip[P_GBIAS_MODE];
+    const long long gbias_mode = BIAS ? ip[P_GBIAS_MODE] : 0;
     double* dk = reinterpret_cast<double*>(x[X_DK]);
     double* dv = reinterpret_cast<double*>(x[X_DV]);
     double* gbias = reinterpret_cast<double*>(x[X_GBIAS]);
@@ -234,8 +251,9 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
             // K Q^T); at D = 256 after K Q^T (before it, sm_80's ptxas wraps their shuffles in a
             // convergence CALL in the loop)
             auto keep_bits = [&] {
-                return c.drop_mode == 2 ? refattn_keep_bits_keys<MR, NT>(c, bh, row, i0, lane)
-                                        : 0u;
+                return DROPOUT && c.drop_mode == 2
+                           ? refattn_keep_bits_keys<MR, NT>(c, bh, row, i0, lane)
+                           : 0u;
             };
             unsigned keep = AG ? 0u : keep_bits();
             double st[NT * W], dpt[NT * W];
@@ -249,8 +267,10 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
             REFATTN_UNROLL
             for (int mr = 0; mr < MR; ++mr) {
                 const int j = row + 8 * mr;
-                const RefattnLine bias_j = refattn_line<true>(c.bias, ip, P_BIAS_S0, b, h, j);
-                const RefattnLine z_j = refattn_line<true>(c.z, ip, P_Z_S0, b, h, j);
+                const RefattnLine bias_j =
+                    BIAS ? refattn_line<true>(c.bias, ip, P_BIAS_S0, b, h, j) : RefattnLine{};
+                const RefattnLine z_j =
+                    DROPOUT ? refattn_line<true>(c.z, ip, P_Z_S0, b, h, j) : RefattnLine{};
                 REFATTN_UNROLL
                 for (int nt = 0; nt < NT; ++nt) {
                     REFATTN_UNROLL
@@ -261,9 +281,9 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                         const bool seen = i < Q && j < K &&
                                           (cls == REFATTN_FULL || ((bits >> bit) & 1u));
                         if (seen) {
-                            const RefattnGradElement r = refattn_grad_element(
+                            const RefattnGradElement r = refattn_grad_element<F>(
                                 c, st[e], dpt[e], bias_j, i, lse_h[i], dvec_h[i], keep, bit, z_j);
-                            gb[mr] += r.g_s;
+                            if (BIAS) gb[mr] += r.g_s;
                             pz = r.p * r.z;
                             ds = r.ds;
                         }
@@ -284,7 +304,7 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
         for (int mr = 0; mr < MR; ++mr) {
             const double sum = refattn_quad_sum(gb[mr]);
             const int j = row + 8 * mr;
-            if (gbias_mode == 2 && t == 0 && j < K) gbias[bh * c.K + j] = sum;
+            if (BIAS && gbias_mode == 2 && t == 0 && j < K) gbias[bh * c.K + j] = sum;
         }
     }
     refattn_cp_async_wait<0>();  // K and V when every head was skipped

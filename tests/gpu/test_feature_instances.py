@@ -1,8 +1,10 @@
-"""The forward kernel's feature instances (FlashAttention-2's compile-time switches): a call
-without softcap, bias and dropout runs the plain instance, compiled without their code; any
-other call the general one. Each is checked against the NumPy reference through the emulator
-at the widths that have a plain instance (the conformance suite's calls are all D <= 32), and a
-mutation (the plain instance picked for a softcap call) is shown to be caught."""
+"""The kernels' feature instances (FlashAttention-2's compile-time switches): a call without
+softcap, bias and dropout runs the plain forward, dq and dk/dv instances, compiled without
+their code; any other call the general ones. Each is checked against the NumPy reference
+through the emulator at the widths that have a plain instance (the conformance suite's calls
+are all D <= 32), a mutation (the plain instance picked for a softcap call) is shown to be
+caught, and the choice follows the device's shared memory (an A100's 163 KiB runs the general
+backward at D = 128, an H100's 227 KiB the plain one)."""
 
 from __future__ import annotations
 
@@ -12,7 +14,7 @@ import numpy as np
 import pytest
 
 import refattn
-from gpu_backend import launch
+from gpu_backend import emulator_backend, launch
 from gpu_backend.abi import INT_PARAMS
 from gpu_backend.emulator_backend import EmulatorDevice
 from gpu_backend.source import FEATURE_SETS, KERNEL_DIR, PLAIN, kernel_name
@@ -21,6 +23,24 @@ from refattn.masks import relation
 
 H100_SHARED = 232448
 A100_SHARED = 166912
+SM89_SHARED = 101376
+
+
+class _Device:
+    """The emulator with another device's shared-memory limit, recording the kernels run."""
+
+    def __init__(self, max_shared_bytes: int) -> None:
+        self._emulator = emulator_backend.device()
+        self.max_shared_bytes = max_shared_bytes
+        self.name = f"an emulated device with {max_shared_bytes} bytes"
+        self.kernels: list[str] = []
+
+    def __getattr__(self, name: str):
+        return getattr(self._emulator, name)
+
+    def get_function(self, name: str):
+        self.kernels.append(name)
+        return self._emulator.get_function(name)
 
 
 def _call(D: int, seed: int = 0, **features) -> refattn.AttentionCall:
@@ -115,20 +135,27 @@ def test_the_features_are_read_from_the_kernel_parameters(name, features):
     assert launch.call_features(launch._prepare(_call(64), EmulatorDevice(), 64).ip) == "plain"
 
 
-def test_the_plain_table_matches_the_entry_points_and_fits_an_a100():
-    """attention.cu's plain entry points instantiate refattn_forward<D, MR, tile, 0> (no
-    feature bit) as source.PLAIN says, and each fits an A100's shared memory."""
+def test_the_plain_table_matches_the_entry_points_and_the_devices_they_fit():
+    """attention.cu's plain entry points instantiate refattn_<kind><D, MR, tile, 0> (no
+    feature bit) as source.PLAIN says; each fits an H100's shared memory, and those that do
+    not fit an A100's are the ones not built for sm_8x (REFATTN_SM90_ONLY)."""
     src = (KERNEL_DIR / "attention.cu").read_text()
     entries = re.findall(r"void attention_(\w+)_plain_d(\d+)\(REFATTN_ARGS\) \{\s*"
-                         r"refattn_\1<(\d+), (\d+), (\d+), 0>", src)
-    table = {(k, int(d)): (int(mr), int(tile)) for k, d, dd, mr, tile in entries
+                         r"(REFATTN_SM90_ONLY\()?refattn_\1<(\d+), (\d+), (\d+), 0>", src)
+    table = {(k, int(d)): (int(mr), int(tile)) for k, d, _, dd, mr, tile in entries
              if int(d) == int(dd)}
+    sm90_only = {(k, int(d)) for k, d, only, *_ in entries if only}
     assert len(table) == len(entries) > 0
     assert table == {(k, D): v for k, dims in PLAIN.items() for D, v in dims.items()}
+    assert set(PLAIN) == {"forward", "dq", "dkdv"}
     assert FEATURE_SETS["plain"][0] is PLAIN
+    assert sm90_only == {(k, D) for k, D in table
+                         if launch.shared_bytes(k, D, "plain") > A100_SHARED}
+    assert sm90_only == {("dq", 128), ("dkdv", 128)}
     for (kind, D), (MR, tile) in table.items():
-        assert launch.shared_bytes(kind, D, "plain") <= A100_SHARED
-        p = launch.plan(kind, D, D, A100_SHARED, features="plain")
+        limit = H100_SHARED if (kind, D) in sm90_only else A100_SHARED
+        assert launch.shared_bytes(kind, D, "plain") <= limit
+        p = launch.plan(kind, D, D, limit, features="plain")
         assert (p.kernel, p.rows, p.tile) == (kernel_name(kind, D, "plain"), 32 * MR, tile)
         # too little shared memory for the plain instance: the general one, or a refusal
         small = launch.shared_bytes(kind, D, "plain") - 8
@@ -137,3 +164,86 @@ def test_the_plain_table_matches_the_entry_points_and_fits_an_a100():
         else:
             with pytest.raises(refattn.RefAttnError, match="shared memory per block"):
                 launch.plan(kind, D, D, small, features="plain")
+
+
+def _check_gradients(grads, ref) -> None:
+    for name in ("grad_q", "grad_k", "grad_v"):
+        want = getattr(ref, name)
+        np.testing.assert_allclose(getattr(grads, name), want, rtol=0,
+                                   atol=1e-12 * np.abs(want).max(), err_msg=name)
+
+
+def _backward_kernels(dev: _Device) -> tuple[str, ...]:
+    return tuple(k for k in dev.kernels if k.startswith(("attention_dq", "attention_dkdv")))
+
+
+@pytest.mark.parametrize(("D", "limit", "features"), [
+    (64, H100_SHARED, "plain"), (100, H100_SHARED, "plain"), (100, A100_SHARED, "general")])
+def test_a_plain_backward_runs_the_instances_the_device_fits_and_matches_the_reference(
+        D, limit, features):
+    """GQA, a causal window with key padding (SKIP, FULL and PARTIAL tiles), a sink and unused
+    queries, no softcap, bias or dropout: on an H100's shared memory the plain dq and dk/dv
+    instances run (at D = 128 they need 192 and 224 KiB), on an A100's the general ones (the
+    plain instances do not fit); both give the reference's gradients."""
+    call = _call(D, seed=5)
+    g_o = np.random.default_rng(6).standard_normal(call.q.shape)
+    dev = _Device(limit)
+    trace = launch.forward(dev, call, materialize=False)
+    grads = launch.backward(dev, trace, g_o)
+    width = 64 if D == 64 else 128
+    assert _backward_kernels(dev) == (kernel_name("dq", width, features),
+                                      kernel_name("dkdv", width, features))
+    _check_gradients(grads, refattn.backward(refattn.forward(call), g_o))
+
+
+@pytest.mark.parametrize("feature", ["softcap", "bias", "philox", "dense_dropout"])
+def test_a_backward_with_a_feature_never_runs_the_plain_instances(feature):
+    call = _call(64, seed=8, **_features(64)[feature])
+    g_o = np.random.default_rng(9).standard_normal(call.q.shape)
+    dev = _Device(H100_SHARED)
+    grads = launch.backward(dev, launch.forward(dev, call, materialize=False), g_o)
+    assert _backward_kernels(dev) == ("attention_dq_d64", "attention_dkdv_d64")
+    ref = refattn.backward(refattn.forward(call), g_o)
+    _check_gradients(grads, ref)
+    if feature == "bias":
+        np.testing.assert_allclose(grads.grad_bias, ref.grad_bias, rtol=0,
+                                   atol=1e-12 * np.abs(ref.grad_bias).max())
+
+
+def test_the_plain_backward_forced_onto_a_softcap_call_is_caught(monkeypatch):
+    """The mutation: the launcher's choice forced to the plain instances. The softcap call's
+    gradients then differ from the reference, and they are the gradients of the same call
+    without a softcap: the plain dq and dk/dv instances hold no softcap code."""
+    call = _call(64, seed=10, softcap=1.5)
+    g_o = np.random.default_rng(11).standard_normal(call.q.shape)
+    monkeypatch.setattr(launch, "call_features", lambda ip: "plain")
+    dev = _Device(H100_SHARED)
+    grads = launch.backward(dev, launch.forward(dev, call, materialize=False), g_o)
+    assert _backward_kernels(dev) == ("attention_dq_plain_d64", "attention_dkdv_plain_d64")
+    with pytest.raises(AssertionError):
+        _check_gradients(grads, refattn.backward(refattn.forward(call), g_o))
+    uncapped = _call(64, seed=10)
+    _check_gradients(grads, refattn.backward(refattn.forward(uncapped), g_o))
+
+
+@pytest.mark.parametrize("kind", ["dq", "dkdv"])
+def test_the_backward_plan_follows_the_device_limit(kind):
+    """At D = 128 the plain instance where an H100's 227 KiB holds it, the general one on an
+    A100's 163 KiB, and a RefAttnError naming both numbers where neither fits (99 KiB)."""
+    plain, general = launch.shared_bytes(kind, 128, "plain"), launch.shared_bytes(kind, 128)
+    assert general <= A100_SHARED < plain <= H100_SHARED
+    assert launch.plan(kind, 128, 128, H100_SHARED, features="plain").features == "plain"
+    assert launch.plan(kind, 128, 128, A100_SHARED, features="plain").features == "general"
+    assert launch.plan(kind, 128, 128, H100_SHARED).features == "general"  # a feature used
+    with pytest.raises(refattn.RefAttnError, match=f"{general} bytes.*allows {SM89_SHARED}"):
+        launch.plan(kind, 128, 128, SM89_SHARED, features="plain")
+
+
+def test_a_device_that_fits_no_backward_instance_is_refused_before_any_launch():
+    call = _call(100, seed=12)
+    g_o = np.random.default_rng(13).standard_normal(call.q.shape)
+    trace = launch.forward(_Device(H100_SHARED), call, materialize=False)
+    dev = _Device(SM89_SHARED)
+    with pytest.raises(refattn.RefAttnError, match="shared memory per block"):
+        launch.backward(dev, trace, g_o)
+    assert dev.kernels == []
