@@ -159,6 +159,25 @@ def test_calibration_records_every_candidate_and_is_used(tmp_path, monkeypatch):
     calibration.current_provider.cache_clear()
 
 
+def test_calibration_keeps_the_records_of_other_fingerprints(tmp_path, monkeypatch):
+    """Another environment on the same machine (another provider list, OPENBLAS_CORETYPE)
+    calibrates under its own fingerprint without discarding this one's."""
+    monkeypatch.setenv("REFATTN_CACHE_DIR", str(tmp_path))
+    monkeypatch.delenv("REFATTN_BLAS_PROVIDER", raising=False)
+    first = calibration.calibrate(shapes=((1, 2, 64, 64, 8),), repeats=1)
+    other = {**providers.fingerprint(), "openblas_coretype": "SomeOtherCore"}
+    monkeypatch.setattr(calibration, "fingerprint", lambda: other)
+    second = calibration.calibrate(shapes=((1, 2, 64, 64, 8),), repeats=1)
+    saved = json.loads(calibration.calibration_path().read_text())
+    assert saved["fingerprint"] == other and saved["choice"] == second["choice"]
+    assert [r["fingerprint"] for r in saved["others"]] == [first["fingerprint"]]
+    monkeypatch.setattr(calibration, "fingerprint", providers.fingerprint)
+    calibration.current_provider.cache_clear()
+    assert calibration.current_provider().key == first["choice"]  # no recalibration
+    assert json.loads(calibration.calibration_path().read_text()) == saved
+    calibration.current_provider.cache_clear()
+
+
 def test_the_provider_override_and_its_errors(monkeypatch):
     monkeypatch.setenv("REFATTN_BLAS_PROVIDER", "openblas/blas/4")
     calibration.current_provider.cache_clear()

@@ -27,6 +27,10 @@ __all__ = ["BUDGETS_MIB", "CALIBRATION_SECONDS", "FULL_SHAPES", "QUICK_SHAPES", 
            "calibration_notice", "calibration_path", "current_provider"]
 
 BUDGETS_MIB = (2, 8, 32)  # per-thread score-buffer budgets a calibration tries
+#: records of other fingerprints kept in the file (another environment or OPENBLAS_CORETYPE on
+#: the same machine: each used to overwrite the other's, so switching recalibrated, possibly
+#: under load and to another choice)
+MAX_OTHERS = 8
 
 
 def calibration_path() -> Path:
@@ -90,14 +94,29 @@ def calibrate(*, shapes: tuple[tuple[int, ...], ...] = QUICK_SHAPES, repeats: in
     choice = min(timings, key=timings.__getitem__)
     record = {"fingerprint": fingerprint(), "shapes": [list(s) for s in shapes],
               "seconds": timings, "choice": choice}
-    if write:
+    if write:  # this machine's record on top, other fingerprints' records kept under "others"
         path = calibration_path()
         path.parent.mkdir(parents=True, exist_ok=True)
+        kept = [r for r in _records(path) if r.get("fingerprint") != record["fingerprint"]]
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(record, indent=1) + "\n")
+        tmp.write_text(json.dumps({**record, "others": kept[:MAX_OTHERS]}, indent=1) + "\n")
         os.replace(tmp, path)
     current_provider.cache_clear()
     return record
+
+
+def _records(path: Path) -> list[dict[str, Any]]:
+    """The calibration records in ``path``: the latest, then the others kept (none if the file
+    is missing or unreadable)."""
+    try:
+        top = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return []
+    if not isinstance(top, dict):
+        return []
+    others = top.pop("others", [])
+    return [top] + [r for r in others if isinstance(r, dict)] if isinstance(others, list) \
+        else [top]
 
 
 def _loads(p: Provider) -> bool:
@@ -119,12 +138,11 @@ def current_provider() -> Provider:
     """
     wanted = os.environ.get("REFATTN_BLAS_PROVIDER")
     if not wanted:
-        try:
-            record = json.loads(calibration_path().read_text())
-            if record.get("fingerprint") == fingerprint():
+        here = fingerprint()
+        for record in _records(calibration_path()):
+            if record.get("fingerprint") == here and isinstance(record.get("choice"), str):
                 wanted = record["choice"]
-        except (OSError, ValueError, KeyError):
-            pass
+                break
     if not wanted:  # inside the user's first call: say why it takes this long
         if os.environ.get("REFATTN_QUIET", "") in ("", "0"):
             print(calibration_notice(), file=sys.stderr, flush=True)
