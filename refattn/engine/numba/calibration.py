@@ -26,7 +26,10 @@ from refattn.errors import RefAttnError
 __all__ = ["BUDGETS_MIB", "CALIBRATION_SECONDS", "FULL_SHAPES", "QUICK_SHAPES", "calibrate",
            "calibration_notice", "calibration_path", "current_provider"]
 
-BUDGETS_MIB = (2, 8, 32)  # per-thread score-buffer budgets a calibration tries
+#: per-thread score-buffer budgets a calibration tries. 16 MiB since the O/dQ and dV/dK tiles
+#: fit L1 (issue 27): at (1,16,2048,128) 16 MiB took 0.90-0.92 of 8 MiB's time and 32 MiB
+#: 0.96-0.98, at (1,8,4096,64) the three tied within 5-10% (interleaved, load 4.5)
+BUDGETS_MIB = (2, 8, 16, 32)
 #: records of other fingerprints kept in the file (another environment or OPENBLAS_CORETYPE on
 #: the same machine: each used to overwrite the other's, so switching recalibrated, possibly
 #: under load and to another choice)
@@ -41,8 +44,8 @@ def calibration_path() -> Path:
 
 
 #: the attention shapes timed by a calibration: (B, Hq, Q, K, D). Rows of 4096 keys, so that
-#: every budget gives its own query block (32, 128 and 512 rows at 2, 8 and 32 MiB): at 1024
-#: keys the budgets tie within noise, and a 2 MiB choice cost 5-13% at L = 2048-4096 in
+#: every budget gives its own query block (32, 128, 256 and 512 rows at 2, 8, 16 and 32 MiB):
+#: at 1024 keys the budgets tie within noise, and a 2 MiB choice cost 5-13% at L = 2048-4096 in
 #: benchmarks/attention.py
 QUICK_SHAPES = ((1, 2, 1024, 4096, 64),)
 FULL_SHAPES = ((1, 2, 1024, 4096, 64), (1, 2, 1024, 2048, 128))
