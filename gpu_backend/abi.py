@@ -23,6 +23,7 @@ POINTERS: tuple[str, ...] = (
     "T_SOFTCAP_INPUT", "T_SCORES", "T_BIASED", "T_MASKED",
     "T_PROBS", "T_Z", "T_CONSUMED",
     "T_GRAD_CONSUMED", "T_GRAD_PROBS", "T_GRAD_SCORES",
+    "VIS_TILES",
 )
 
 INT_PARAMS: tuple[str, ...] = (

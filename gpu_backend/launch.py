@@ -31,7 +31,8 @@ from refattn.engine.reduce import reduce_to_shape
 from refattn.engine.trace import FORWARD_NAMES, Gradients, Trace
 from refattn.errors import RefAttnError
 
-__all__ = ["Device", "Plan", "backward", "call_features", "forward", "plan", "shared_bytes"]
+__all__ = ["Device", "Plan", "backward", "call_features", "dense_tile_bytes",
+           "dense_tile_classes", "dense_tile_counts", "forward", "plan", "shared_bytes"]
 
 _STREAM_SAVED = ("output", "row_max", "lse")
 _GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y (blocks over B * Hq or B * Hkv)
@@ -189,6 +190,166 @@ def _padded(array: np.ndarray, D: int) -> np.ndarray:
     out = np.zeros((*array.shape[:-1], D))
     out[..., :d] = array
     return out
+
+
+#: tile classes (kernels/tile_loop.cuh RefattnTileClass)
+SKIP, FULL, PARTIAL = 0, 1, 2
+
+
+def _tile_grid(shape: tuple[int, ...], Q: int, K: int, block_rows: int, block_cols: int,
+               rows_are_keys: bool) -> tuple[int, int, int, int, int, int]:
+    """(rows, cols, row tiles, column tiles, mask rows, mask columns) of a kernel's tiles."""
+    Qm, Km = shape[-2:]
+    rows, cols, Rm, Cm = (K, Q, Km, Qm) if rows_are_keys else (Q, K, Qm, Km)
+    return rows, cols, -(-rows // block_rows), -(-cols // block_cols), Rm, Cm
+
+
+def dense_tile_bytes(shape: tuple[int, ...], Q: int, K: int, block_rows: int, block_cols: int,
+                     rows_are_keys: bool = False) -> tuple[int, int]:
+    """Bytes of a dense mask's class table and the most its reduction holds at once.
+
+    ``shape`` is the mask's own 4-d shape (Bm, Hm, Qm, Km), extents 1 on broadcast axes. The
+    table is one byte per (Bm, Hm, row tile, column tile); the reduction
+    (:func:`dense_tile_classes`) holds the mask as bool, two padded copies of it (for *any*
+    and *all*) and the two column-reduced arrays, one byte per element each.
+
+    Examples
+    --------
+    >>> dense_tile_bytes((1, 1, 4096, 4096), 4096, 4096, 64, 32)  # 64 x 128 tiles
+    (8192, 51380224)
+    >>> dense_tile_bytes((2, 1, 1, 4096), 4096, 4096, 64, 32)  # key padding: no Q axis stored
+    (16384, 25088)
+    """
+    Bm, Hm = shape[:2]
+    _, _, nr, nc, Rm, Cm = _tile_grid(shape, Q, K, block_rows, block_cols, rows_are_keys)
+    Rp = nr * block_rows if Rm > 1 else 1
+    Cp = nc * block_cols if Cm > 1 else 1
+    ncm = nc if Cm > 1 else 1
+    table = Bm * Hm * nr * nc
+    work = Bm * Hm * (Rm * Cm + 2 * Rp * Cp + 2 * Rp * ncm)
+    return table, work
+
+
+def dense_tile_classes(xp: Any, visible: Any, Q: int, K: int, block_rows: int, block_cols: int,
+                       rows_are_keys: bool = False) -> Any:
+    """The class (SKIP 0, FULL 1, PARTIAL 2) of every tile of a dense mask, as the kernels'
+    per-element block vote gives it (``refattn_tile_bits`` + ``refattn_tile_class``).
+
+    Rows are queries (forward, dq; ``block_rows`` = BQ, ``block_cols`` = BK) or keys (dk/dv,
+    ``rows_are_keys``; BKV and BQ2). A tile is SKIP when none of its in-range elements is
+    visible, FULL when all are and it has no column past the end (a column tail is never FULL),
+    else PARTIAL; rows past the end count for neither. Computed on the device's array module
+    ``xp`` (numpy or cupy) by padding, reshaping and any / all reductions over the mask's own
+    extents: a broadcast axis (extent 1) stays extent 1 and is not materialised. The sanitised
+    key 0 is not in the table (the launch marks a SKIP tile holding key 0 PARTIAL).
+
+    Parameters
+    ----------
+    xp : module
+        numpy or cupy.
+    visible : array (Bm, Hm, Qm, Km)
+        The dense mask (nonzero = visible), broadcastable to (B, Hq, Q, K).
+    Q, K, block_rows, block_cols : int
+    rows_are_keys : bool
+
+    Returns
+    -------
+    array (Bm, Hm, ceil(rows / block_rows), ceil(cols / block_cols)), uint8, C-contiguous
+
+    Examples
+    --------
+    >>> m = np.tril(np.ones((1, 1, 6, 6), dtype=np.uint8))
+    >>> dense_tile_classes(np, m, 6, 6, 2, 4)[0, 0]  # causal, 2-row x 4-column tiles
+    array([[2, 0],
+           [2, 0],
+           [1, 2]], dtype=uint8)
+    """
+    m = visible != 0
+    if rows_are_keys:
+        m = xp.swapaxes(m, 2, 3)
+    rows, cols, nr, nc, Rm, Cm = _tile_grid(visible.shape, Q, K, block_rows, block_cols,
+                                            rows_are_keys)
+    if Cm > 1:  # reduce the columns of each tile: (Bm, Hm, Rm, nc)
+        pad = ((0, 0), (0, 0), (0, 0), (0, nc * block_cols - cols))
+        shape = (*m.shape[:3], nc, block_cols)
+        any_ = xp.pad(m, pad, constant_values=False).reshape(shape).any(axis=-1)
+        all_ = xp.pad(m, pad, constant_values=True).reshape(shape).all(axis=-1)
+    else:  # a key (or query) broadcast: each in-range column holds the same value
+        any_ = all_ = m
+    if Rm > 1:  # then the rows: (Bm, Hm, nr, nc or 1)
+        pad = ((0, 0), (0, 0), (0, nr * block_rows - rows), (0, 0))
+        shape = (*m.shape[:2], nr, block_rows, any_.shape[-1])
+        any_ = xp.pad(any_, pad, constant_values=False).reshape(shape).any(axis=3)
+        all_ = xp.pad(all_, pad, constant_values=True).reshape(shape).all(axis=3)
+    full = (*m.shape[:2], nr, nc)
+    any_, all_ = xp.broadcast_to(any_, full), xp.broadcast_to(all_, full)
+    tail = (xp.arange(nc) + 1) * block_cols > cols  # a column past the end: never FULL
+    cls = xp.where(any_, xp.where(all_ & ~tail, FULL, PARTIAL), SKIP)
+    return xp.ascontiguousarray(cls.astype(xp.uint8))
+
+
+def dense_tile_counts(table: np.ndarray, B: int, Hq: int, Q: int, K: int, block_rows: int,
+                      block_cols: int, rows_are_keys: bool = False) -> dict[str, int]:
+    """What a class table saves in one kernel's launch over (B, Hq): tiles per class (the
+    table broadcast over the batch and head axes it shares) and per-element mask loads.
+
+    Without the table the block vote reads one mask element per in-range (row, column) of
+    every tile; with it only PARTIAL tiles do. ``mask_loads`` counts the vote's loads without
+    the table, ``mask_loads_avoided`` those the table saves.
+
+    Examples
+    --------
+    >>> m = np.tril(np.ones((1, 1, 6, 6), dtype=np.uint8))
+    >>> t = dense_tile_classes(np, m, 6, 6, 2, 4)
+    >>> dense_tile_counts(t, 1, 1, 6, 6, 2, 4)
+    {'skip': 2, 'full': 1, 'partial': 3, 'mask_loads': 36, 'mask_loads_avoided': 16}
+    """
+    table = np.broadcast_to(np.asarray(table), (B, Hq, *np.shape(table)[2:]))
+    rows, cols = (K, Q) if rows_are_keys else (Q, K)
+    nr, nc = table.shape[2:]
+    rn = np.minimum(block_rows, rows - block_rows * np.arange(nr))  # in-range rows per tile
+    cn = np.minimum(block_cols, cols - block_cols * np.arange(nc))
+    loads = rn[:, None] * cn[None, :]  # (nr, nc): the vote's mask loads of a tile
+    final = table != PARTIAL
+    return {"skip": int((table == SKIP).sum()), "full": int((table == FULL).sum()),
+            "partial": int((table == PARTIAL).sum()),
+            "mask_loads": int(loads.sum()) * B * Hq,
+            "mask_loads_avoided": int((final * loads).sum())}
+
+
+def _dense_tiles(L: _Launch, P: Plan, kind: str) -> dict[str, int] | None:
+    """For a dense mask (VIS_MODE 1): its class table for ``P``'s tiles into slot VIS_TILES,
+    and what it saves (:func:`dense_tile_counts`).
+
+    Computed over the mask's own extents, then expanded to (B, Hq, row tiles, column tiles)
+    bytes, which the kernel indexes without strides (memory estimated first). With sanitised
+    rows a SKIP tile holding key 0 is marked PARTIAL, so the kernel votes it. None for the
+    forward and dq instances above D = 128, which read no table.
+    """
+    if int(L.ip[INT_PARAMS.index("VIS_MODE")]) != 1:
+        return None
+    if kind != "dkdv" and P.D > A_GLOBAL_ABOVE:  # these vote every tile (tile_loop.cuh)
+        return None
+    mask = L.slots["VIS"]
+    m4 = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))
+    B, Hq, Q, K = (int(L.ip[INT_PARAMS.index(n)]) for n in ("B", "HQ", "Q", "K"))
+    keys = kind == "dkdv"
+    table_bytes, work = dense_tile_bytes(m4.shape, Q, K, P.rows, P.tile, keys)
+    expanded = B * Hq * table_bytes // (m4.shape[0] * m4.shape[1])
+    free = L.device.free_bytes()
+    if free is not None and expanded + work > free:
+        raise RefAttnError(f"visible: the {kind} kernel's tile classes of the dense mask need "
+                           f"about {expanded + work} bytes ({expanded} kept) on "
+                           f"{L.device.name}, {free} are free; not launched")
+    xp = L.device.xp
+    table = dense_tile_classes(xp, m4, Q, K, P.rows, P.tile, keys)
+    table = xp.ascontiguousarray(xp.broadcast_to(table, (B, Hq, *table.shape[2:])))
+    sanitized = bool(L.ip[INT_PARAMS.index("HAS_SANITIZED")])
+    if sanitized:  # the temporary key 0: voted per element
+        key0 = table[:, :, 0, :] if keys else table[:, :, :, 0]
+        key0[key0 == SKIP] = PARTIAL
+    L.slots["VIS_TILES"] = table
+    return dense_tile_counts(L.device.to_host(table), B, Hq, Q, K, P.rows, P.tile, keys)
 
 
 @dataclass
@@ -388,6 +549,7 @@ def forward(device: Device, call: AttentionCall, *, materialize: bool = True) ->
     L.slots["ROW_MAX"] = xp.zeros((B, Hq, Q))
     nqb = -(-Q // P.rows)
     L.slots["TILES"] = xp.zeros((nqb * B * Hq, 2), dtype=np.int64)
+    dense_tiles = _dense_tiles(L, P, "forward")
     L.run(P.kernel, (nqb, B * Hq), 32 * _WARPS, P.shared_bytes)
     host = device.to_host
     done, skipped = (int(x) for x in host(L.slots["TILES"]).sum(axis=0))
@@ -399,6 +561,8 @@ def forward(device: Device, call: AttentionCall, *, materialize: bool = True) ->
         "tiles_computed": done, "tiles_skipped": skipped, "device": device.describe(),
         "compile_options": list(device.compile_options),
     }
+    if dense_tiles is not None:  # a dense mask's tile classes (per-element loads saved)
+        materialized["dense_tiles"] = dense_tiles
     extra: dict[str, Any] = {}
     if call.sink is not None:
         extra["sink_probs"] = np.exp(call.sink[None, :, None] - lse)  # (B, Hq, Q)
@@ -496,10 +660,12 @@ def backward(device: Device, trace: Trace, grad_output: np.ndarray) -> Gradients
     L.slots["GBIAS"] = xp.zeros(gshape)
     L.slots["DQ"] = xp.zeros((B, Hq, Q, D))
     L.slots["ROW_DOT"] = xp.zeros((B, Hq, Q))  # the dq kernel's by-product
+    _dense_tiles(L, PQ, "dq")
     L.run(PQ.kernel, (nqb, B * Hq), 32 * _WARPS, PQ.shared_bytes)
     row_dot = host(L.slots["ROW_DOT"])
     L.slots["DK"] = xp.zeros((B, Hkv, K, D))
     L.slots["DV"] = xp.zeros((B, Hkv, K, D))
+    _dense_tiles(L, PKV, "dkdv")
     L.run(PKV.kernel, (nkb, B * Hkv), 32 * _WARPS, PKV.shared_bytes)
     if call.sink is not None:  # d lse / d sink = sink_probs; the sink carries no value row
         sink_probs = np.exp(call.sink[None, :, None] - trace.lse)

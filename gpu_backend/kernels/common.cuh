@@ -81,6 +81,7 @@ enum RefattnPtr {
     X_T_SOFTCAP_INPUT, X_T_SCORES, X_T_BIASED, X_T_MASKED,  // trace mode (B,Hq,Q,K)
     X_T_PROBS, X_T_Z, X_T_CONSUMED,
     X_T_GRAD_CONSUMED, X_T_GRAD_PROBS, X_T_GRAD_SCORES,
+    X_VIS_TILES,                                     // (B,Hq,row tiles,col tiles) u8: dense mask classes
     X_COUNT
 };
 

@@ -1,6 +1,6 @@
 // Tiles of the attention kernels: their classes (SKIP / FULL / PARTIAL) from a relation's
-// coordinates or per element, and the double-buffered loop over a kernel's streamed tiles that
-// the forward, dq and dk/dv kernels share (refattn_tile_loop).
+// coordinates, a dense mask's class table or per element, and the double-buffered loop over a
+// kernel's streamed tiles that the forward, dq and dk/dv kernels share (refattn_tile_loop).
 //
 // K / V (forward, dq) and Q / G_O (dk/dv) tiles are double-buffered: tile n + 1's cp.async
 // copies are issued before tile n is computed. Tiles are classified before they are loaded:
@@ -161,6 +161,23 @@ __device__ __forceinline__ int refattn_tile_relation(const RefattnVisibility& v,
     return cls;
 }
 
+// -- a dense mask's tile classes, read from a table ----------------------------------------------
+// The host reduces the dense mask over each kernel's tiles (gpu_backend/launch.py
+// dense_tile_classes): a (B, Hq, ceil(rows / BR), ceil(cols / BC)) uint8 table of the classes the
+// block vote below would give (rows are queries, or keys when ROWS_ARE_KEYS; a column tail never
+// FULL), computed over the mask's own batch and head extents and then expanded to (B, Hq) so that
+// the index needs no stride (per-(b, h) strides or extents spilled at D = 256). One byte per tile and block, read by every thread (one broadcast
+// load): SKIP and FULL are final, so only a PARTIAL tile reads mask elements. When rows were
+// sanitised the host marks a SKIP tile holding key 0 PARTIAL (voted here: the temporary key 0
+// only adds visible elements, so a FULL tile stays FULL).
+template <int BR, int BC, bool ROWS_ARE_KEYS>
+__device__ __forceinline__ int refattn_dense_tile(const RefattnVisibility& vis, long long b,
+                                                  long long h, int r0, int c0, int Q, int K) {
+    const int rows = ROWS_ARE_KEYS ? K : Q, cols = ROWS_ARE_KEYS ? Q : K;
+    const int nr = (rows + BR - 1) / BR, nc = (cols + BC - 1) / BC;
+    return vis.tiles[((b * vis.Hq + h) * nr + r0 / BR) * nc + c0 / BC];
+}
+
 // the class of a tile from every lane's any / all (a block-wide vote when visibility is
 // evaluated; otherwise only a column tail makes a tile PARTIAL)
 __device__ __forceinline__ int refattn_tile_class(bool evaluate, int any, int all,
@@ -175,9 +192,11 @@ __device__ __forceinline__ int refattn_tile_class(bool evaluate, int any, int al
 // rows r0 .. r0 + 32 MR - 1 (queries, or keys when ROWS_ARE_KEYS) against the tile's columns
 // c0 .. c0 + 8 NT - 1; the lane's rows start at `row`, its columns at c0 + 2 t. With a relation
 // the tile is first bounded from its coordinates (SKIP and FULL are final, but a column tail is
-// never FULL); otherwise, or when that bound is PARTIAL, it is evaluated per element and voted.
-// Every thread of the block calls it.
-template <int MR, int NT, bool ROWS_ARE_KEYS>
+// never FULL); with a dense mask its class is read from the host's table (refattn_dense_tile,
+// SKIP and FULL final; with DENSE_TABLE false, as in the forward and dq at D = 256, where the
+// lookup spilled 8-20 B, every tile is voted and there is no table); otherwise, or when that
+// class is PARTIAL, it is evaluated per element and voted. Every thread of the block calls it.
+template <int MR, int NT, bool ROWS_ARE_KEYS, bool DENSE_TABLE = true>
 __device__ __forceinline__ int refattn_classify(const RefattnVisibility& vis, const long long* ip,
                                                 bool evaluate, long long b, long long h, int r0,
                                                 int c0, int row, int t, int Q, int K, int tid,
@@ -186,11 +205,16 @@ __device__ __forceinline__ int refattn_classify(const RefattnVisibility& vis, co
     const int cols = ROWS_ARE_KEYS ? Q : K;
     const bool tail = c0 + BC > cols;
     if (!evaluate && !tail) return REFATTN_FULL;  // no mask, every column in range
-    if (vis.mode == 2) {  // bounded from the relation's coordinates
-        const int qa = ROWS_ARE_KEYS ? c0 : r0, ka = ROWS_ARE_KEYS ? r0 : c0;
-        const int qn = refattn_imin(ROWS_ARE_KEYS ? BC : BR, Q - qa);
-        const int kn = refattn_imin(ROWS_ARE_KEYS ? BR : BC, K - ka);
-        int cls = refattn_tile_relation(vis, b, h, qa, qn, ka, kn, tid);
+    if (vis.mode == 2 || (DENSE_TABLE && vis.mode == 1)) {
+        int cls;
+        if (vis.mode == 2) {  // bounded from the relation's coordinates
+            const int qa = ROWS_ARE_KEYS ? c0 : r0, ka = ROWS_ARE_KEYS ? r0 : c0;
+            const int qn = refattn_imin(ROWS_ARE_KEYS ? BC : BR, Q - qa);
+            const int kn = refattn_imin(ROWS_ARE_KEYS ? BR : BC, K - ka);
+            cls = refattn_tile_relation(vis, b, h, qa, qn, ka, kn, tid);
+        } else {  // a dense mask's class table (a column tail is never FULL in it)
+            cls = refattn_dense_tile<BR, BC, ROWS_ARE_KEYS>(vis, b, h, r0, c0, Q, K);
+        }
         if (cls == REFATTN_FULL && tail) cls = REFATTN_PARTIAL;
         if (cls != REFATTN_PARTIAL) return cls;
     }

@@ -21,7 +21,11 @@
 struct RefattnVisibility {
     int mode;  // P_VIS_MODE
     const unsigned char* dense;
-    const long long *q_pos, *k_pos, *q_seg, *k_seg, *prefix, *left, *right, *leaf, *program;
+    const long long *q_pos, *k_pos, *q_seg, *k_seg, *prefix, *left, *right, *leaf;
+    union {  // one register pair for either (mode 2 reads program, mode 1 tiles)
+        const long long* program;    // a relation's postfix program
+        const unsigned char* tiles;  // a dense mask's tile classes (tile_loop.cuh)
+    };
     const unsigned char *key_valid, *sanitized;
     long long rel_b, rel_h, program_len, Q, K, Hq;
     bool has_sanitized;
@@ -40,7 +44,10 @@ __device__ __forceinline__ RefattnVisibility refattn_visibility(
     v.left = reinterpret_cast<const long long*>(x[X_LEFT]);
     v.right = reinterpret_cast<const long long*>(x[X_RIGHT]);
     v.leaf = reinterpret_cast<const long long*>(x[X_REL_LEAF]);
-    v.program = reinterpret_cast<const long long*>(x[X_REL_PROGRAM]);
+    if (v.mode == 1)
+        v.tiles = reinterpret_cast<const unsigned char*>(x[X_VIS_TILES]);
+    else
+        v.program = reinterpret_cast<const long long*>(x[X_REL_PROGRAM]);
     v.key_valid = reinterpret_cast<const unsigned char*>(x[X_KEY_VALID]);
     v.sanitized = reinterpret_cast<const unsigned char*>(x[X_SANITIZED]);
     v.rel_b = ip[P_REL_B];
