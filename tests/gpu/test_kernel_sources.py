@@ -74,12 +74,12 @@ int main(int argc, char** argv) {
 """
 
 
-def _host_binary(tmp_path, name, source):
+def _host_binary(tmp_path, name, source, *flags):
     if not shutil.which("g++"):
         pytest.skip("no g++ to build the host check")
     (tmp_path / f"{name}.cpp").write_text(source)
     exe = tmp_path / name
-    subprocess.run(["g++", "-std=c++17", "-O1", "-Wall", "-Werror", f"-I{KERNEL_DIR}",
+    subprocess.run(["g++", "-std=c++17", "-O1", *flags, "-Wall", "-Werror", f"-I{KERNEL_DIR}",
                     str(tmp_path / f"{name}.cpp"), "-o", str(exe)], check=True)
     return exe
 
@@ -128,7 +128,8 @@ def test_every_kernel_compiles_without_spills_or_warnings(arch):
         print(f"{arch} {k.kernel}: {k.registers} registers, {k.stack_bytes} B stack")
 
 
-DIV_PROGRAM = r"""
+#: common.cuh compiled as host C++ (the device intrinsics it uses, by memcpy)
+COMMON_PRELUDE = r"""
 #include <cmath>
 #include <cstdio>
 #include <cstring>
@@ -140,6 +141,9 @@ static long long __double_as_longlong(double x) { long long i; std::memcpy(&i, &
 using std::fabs;
 using std::fma;
 #include "common.cuh"
+"""
+
+DIV_PROGRAM = COMMON_PRELUDE + r"""
 int main() {
     unsigned long long a, b;
     while (std::scanf("%llx %llx", &a, &b) == 2) {
@@ -161,12 +165,7 @@ def test_the_division_without_a_slow_path_is_the_correctly_rounded_quotient(tmp_
     the bits of IEEE a / b (NumPy's division) on random operands over a wide exponent range,
     on significands near all ones and on quotients near 1 (where a / (1 / b) alone is off by
     an ulp), and keeps a / b's signed zero, overflow and NaN."""
-    if not shutil.which("g++"):
-        pytest.skip("no g++ to build the host check")
-    (tmp_path / "div.cpp").write_text(DIV_PROGRAM)
-    exe = tmp_path / "div"
-    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-Wall", "-Werror",
-                    f"-I{KERNEL_DIR}", str(tmp_path / "div.cpp"), "-o", str(exe)], check=True)
+    exe = _host_binary(tmp_path, "div", DIV_PROGRAM, "-ffp-contract=off")
     rng = np.random.default_rng(24)
     n = 20000
     sig = rng.integers(0, 2**52, (4, n), dtype=np.uint64)
@@ -196,18 +195,7 @@ def test_the_division_without_a_slow_path_is_the_correctly_rounded_quotient(tmp_
         assert np.count_nonzero((x * (1.0 / y))[ok] != want[ok]) > 100
 
 
-EXP_PROGRAM = r"""
-#include <cmath>
-#include <cstdio>
-#include <cstring>
-#define __device__
-#define __forceinline__ inline
-#define REFATTN_EMULATOR  // common.cuh's CUDA macros are not needed here
-static double __longlong_as_double(long long x) { double d; std::memcpy(&d, &x, 8); return d; }
-static long long __double_as_longlong(double x) { long long i; std::memcpy(&i, &x, 8); return i; }
-using std::fabs;
-using std::fma;
-#include "common.cuh"
+EXP_PROGRAM = COMMON_PRELUDE + r"""
 int main() {
     unsigned long long a;
     while (std::scanf("%llx", &a) == 1) {
@@ -229,12 +217,7 @@ def test_the_branch_free_exp_is_within_one_ulp_of_numpy(tmp_path):
     (x = s - m <= 0) included: the subnormal results (x < -708.4, scaled in two exact steps)
     and the underflow to 0 (x < -745.13, -inf) too; most results are NumPy's bits; NaN stays
     NaN (a score read before its tile landed must show)."""
-    if not shutil.which("g++"):
-        pytest.skip("no g++ to build the host check")
-    (tmp_path / "exp.cpp").write_text(EXP_PROGRAM)
-    exe = tmp_path / "exp"
-    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-Wall", "-Werror",
-                    f"-I{KERNEL_DIR}", str(tmp_path / "exp.cpp"), "-o", str(exe)], check=True)
+    exe = _host_binary(tmp_path, "exp", EXP_PROGRAM, "-ffp-contract=off")
     rng = np.random.default_rng(24)
     x = np.concatenate([
         -rng.exponential(30.0, 40000), rng.uniform(-1e-6, 0.0, 5000),
