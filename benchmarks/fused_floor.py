@@ -64,6 +64,23 @@ __all__ = ["PRODUCTS", "breakdown"]
 PRODUCTS = ("S=QK^T", "O=PV", "dV+=P^TdO", "dP=dOV^T", "dQ=dSK", "dK+=dS^TQ")
 
 
+@njit(cache=True)
+def _pair(fptr, which, bq, kn, a, LD, b1, c1, b2, c2, D, split):
+    """One pair of the kernel's products on the score block ``a`` (bq x kn, stride LD): bit 0 of
+    ``which`` enables ``C1 = A B1`` (O = P V, dQ = dS K; bq x D), bit 1 ``C2 += A^T B2``
+    (dV += P^T dO, dK += dS^T Q; kn x D), both together slab by slab (``gemm_pair``) as the
+    kernel issues them, in the kernel's tiles ``split`` (cm1, ck1, cm2, ck2)."""
+    if which & 3 == 3:
+        gemm_pair(fptr, bq, kn, a, LD, 1.0, b1, D, 0.0, c1, 1.0, b2, D, c2, split[0], split[1],
+                  split[2], split[3])
+    elif which & 1:
+        gemm_split(fptr, False, False, bq, D, kn, 1.0, a, LD, b1, D, 0.0, c1, D, split[0],
+                   split[1])
+    elif which & 2:
+        gemm_split(fptr, True, False, kn, D, bq, 1.0, a, LD, b2, D, 1.0, c2, D, split[2],
+                   split[3])
+
+
 @njit(cache=True, parallel=True)
 def _gemms(q, k, v, g_o, head_map, BQ, KC, LD, LP, C, causal, which, fptr, split, s_ws, w_ws,
            out, dq, dk, dv):
@@ -92,35 +109,17 @@ def _gemms(q, k, v, g_o, head_map, BQ, KC, LD, LP, C, causal, which, fptr, split
                 if which & 1:
                     gemm(fptr, False, True, bq, kn, Dk, 1.0, address(q, b, h, i0), Dk,
                          address(k, b, g, 0), Dk, 0.0, s.ctypes.data, LD)
-                if which & 6 == 6:
-                    gemm_pair(fptr, bq, kn, s.ctypes.data, LD, 1.0, address(v, b, g, 0), Dv,
-                              0.0, address(out, b, h, i0), 1.0, address(g_o, b, h, i0), Dv,
-                              address(dv, c, b, g), split[0], split[1], split[2], split[3])
-                elif which & 2:
-                    gemm_split(fptr, False, False, bq, Dv, kn, 1.0, s.ctypes.data, LD,
-                               address(v, b, g, 0), Dv, 0.0, address(out, b, h, i0), Dv,
-                               split[0], split[1])
-                elif which & 4:
-                    gemm_split(fptr, True, False, kn, Dv, bq, 1.0, s.ctypes.data, LD,
-                               address(g_o, b, h, i0), Dv, 1.0, address(dv, c, b, g), Dv,
-                               split[2], split[3])
+                _pair(fptr, which >> 1, bq, kn, s.ctypes.data, LD, address(v, b, g, 0),
+                      address(out, b, h, i0), address(g_o, b, h, i0), address(dv, c, b, g), Dv,
+                      split[0:4])
                 if which & 8:
                     for j0 in range(0, kn, KC):
                         gemm(fptr, False, True, bq, min(KC, kn - j0), Dv, 1.0,
                              address(g_o, b, h, i0), Dv, address(v, b, g, j0), Dv, 0.0,
                              w.ctypes.data, LP)
-                if which & 48 == 48:
-                    gemm_pair(fptr, bq, kn, s.ctypes.data, LD, 1.0, address(k, b, g, 0), Dk,
-                              0.0, address(dq, b, h, i0), 1.0, address(q, b, h, i0), Dk,
-                              address(dk, c, b, g), split[4], split[5], split[6], split[7])
-                elif which & 16:
-                    gemm_split(fptr, False, False, bq, Dk, kn, 1.0, s.ctypes.data, LD,
-                               address(k, b, g, 0), Dk, 0.0, address(dq, b, h, i0), Dk,
-                               split[4], split[5])
-                elif which & 32:
-                    gemm_split(fptr, True, False, kn, Dk, bq, 1.0, s.ctypes.data, LD,
-                               address(q, b, h, i0), Dk, 1.0, address(dk, c, b, g), Dk,
-                               split[6], split[7])
+                _pair(fptr, which >> 4, bq, kn, s.ctypes.data, LD, address(k, b, g, 0),
+                      address(dq, b, h, i0), address(q, b, h, i0), address(dk, c, b, g), Dk,
+                      split[4:8])
 
 
 @njit(cache=True, parallel=True)
