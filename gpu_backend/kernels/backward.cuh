@@ -29,13 +29,8 @@ __device__ __forceinline__ RefattnGradElement refattn_grad_element(
     constexpr bool SOFTCAP = (F & REFATTN_F_SOFTCAP) != 0, BIAS = (F & REFATTN_F_BIAS) != 0,
                    DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     RefattnGradElement r;
-    double sc;
-    if constexpr (SOFTCAP) {
-        double capped;
-        sc = refattn_score(c, dot, &capped);
-    } else {
-        sc = c.post == 1.0 ? dot : c.post * dot;  // refattn_score without the softcap
-    }
+    double capped;
+    const double sc = refattn_score<SOFTCAP>(c, dot, &capped);
     r.p = exp((BIAS && c.has_bias ? sc + bias.at(col) : sc) - lse);
     r.z = DROPOUT && c.drop_mode != 0 ? refattn_tile_multiplier(c, keep, bit, z_line, col)
                                       : 1.0;

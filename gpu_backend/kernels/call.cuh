@@ -55,12 +55,14 @@ __device__ __forceinline__ RefattnCall refattn_call(const unsigned long long* x,
 }
 
 // scores = post * dot, then c * tanh(scores / c) with a softcap; *capped gets the softcap's
-// input (the scaled score before the cap)
+// input (the scaled score before the cap). SOFTCAP false (an instance compiled without the
+// softcap, forward.cuh's feature sets) holds no softcap code.
+template <bool SOFTCAP = true>
 __device__ __forceinline__ double refattn_score(const RefattnCall& c, double dot,
                                                 double* capped_input) {
     double s = c.post == 1.0 ? dot : c.post * dot;  // alpha applied once, after the product
     *capped_input = s;
-    if (c.has_softcap) s = c.softcap * tanh(refattn_div(s, c.softcap, c.inv_softcap));
+    if (SOFTCAP && c.has_softcap) s = c.softcap * tanh(refattn_div(s, c.softcap, c.inv_softcap));
     return s;
 }
 

@@ -96,10 +96,8 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
                 REFATTN_UNROLL
                 for (int sb = 0; sb < 2; ++sb) {
                     const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
-                    // alpha once, after the product; a softcap c tanh(v / c); the bias
-                    double v = c.post == 1.0 ? s[e] : c.post * s[e];
-                    if (SOFTCAP && c.has_softcap)
-                        v = c.softcap * tanh(refattn_div(v, c.softcap, c.inv_softcap));
+                    double capped;  // alpha, a softcap c tanh(v / c); then the bias
+                    double v = refattn_score<SOFTCAP>(c, s[e], &capped);
                     if (bias) v += bias_i.at(j < K ? j : K - 1);
                     const int bit = (nt * MR + mr) * 2 + sb;
                     if (cls == REFATTN_PARTIAL && !((bits >> bit) & 1u)) v = none;
