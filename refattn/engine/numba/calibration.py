@@ -118,8 +118,9 @@ def _records(path: Path) -> list[dict[str, Any]]:
     if not isinstance(top, dict):
         return []
     others = top.pop("others", [])
-    return [top] + [r for r in others if isinstance(r, dict)] if isinstance(others, list) \
-        else [top]
+    if not isinstance(others, list):
+        others = []
+    return [top, *(r for r in others if isinstance(r, dict))]
 
 
 def _loads(p: Provider) -> bool:
