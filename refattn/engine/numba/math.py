@@ -97,6 +97,13 @@ def _exp(t):
     return 0.0 if t < _MIN_ARG else y
 
 
+def _lanes_tuple(context, builder, signature, acc):
+    """The ``<8 x double>`` held at ``acc`` as the intrinsic's 8-tuple return value."""
+    a = builder.load(acc)
+    items = [builder.extract_element(a, ir.Constant(ir.IntType(32), i)) for i in range(8)]
+    return context.make_tuple(builder, signature.return_type, items)
+
+
 def _vconst(value: float) -> ir.Constant:
     return ir.Constant(_V8, [value] * 8)
 
@@ -167,9 +174,7 @@ def _exp8_codegen(accumulate: bool):
                 builder.store(builder.fadd(builder.load(acc), e), acc)
         if not accumulate:
             return context.get_dummy_value()
-        a = builder.load(acc)
-        items = [builder.extract_element(a, ir.Constant(ir.IntType(32), i)) for i in range(8)]
-        return context.make_tuple(builder, signature.return_type, items)
+        return _lanes_tuple(context, builder, signature, acc)
 
     return codegen
 
@@ -333,10 +338,7 @@ def _lanes8(step: str):
                 else:
                     new = builder.fadd(a, v)
                 builder.store(new, acc)
-            a = builder.load(acc)
-            items = [builder.extract_element(a, ir.Constant(ir.IntType(32), i))
-                     for i in range(8)]
-            return context.make_tuple(builder, signature.return_type, items)
+            return _lanes_tuple(context, builder, signature, acc)
 
         return sig, codegen
 
@@ -375,9 +377,7 @@ def _dot_grad8(typingctx, e, g, blocks, d, inv):
             builder.store(builder.fadd(builder.load(acc), builder.fmul(x, w)), acc)
             builder.store(builder.fmul(builder.fmul(x, builder.fsub(w, dvec)), ivec), ptr,
                           align=8)
-        a = builder.load(acc)
-        items = [builder.extract_element(a, ir.Constant(ir.IntType(32), i)) for i in range(8)]
-        return context.make_tuple(builder, signature.return_type, items)
+        return _lanes_tuple(context, builder, signature, acc)
 
     return sig, codegen
 
