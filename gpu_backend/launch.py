@@ -323,12 +323,10 @@ def _dense_tiles(L: _Launch, P: Plan, kind: str) -> dict[str, int] | None:
 
     Computed over the mask's own extents, then expanded to (B, Hq, row tiles, column tiles)
     bytes, which the kernel indexes without strides (memory estimated first). With sanitised
-    rows a SKIP tile holding key 0 is marked PARTIAL, so the kernel votes it. None for the
-    forward and dq instances above D = 128, which read no table.
+    rows a SKIP tile holding key 0 is marked PARTIAL, so the kernel votes it. None without a
+    dense mask.
     """
     if int(L.ip[INT_PARAMS.index("VIS_MODE")]) != 1:
-        return None
-    if kind != "dkdv" and P.D > A_GLOBAL_ABOVE:  # these vote every tile (tile_loop.cuh)
         return None
     mask = L.slots["VIS"]
     m4 = mask.reshape((1,) * (4 - mask.ndim) + tuple(mask.shape))

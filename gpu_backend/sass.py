@@ -190,11 +190,36 @@ def _dest(i: Instruction) -> str:
     return i.operands.split(",")[0].strip()
 
 
+_REG = re.compile(r"^R(\d+)$")
+
+
+def _writes(i: Instruction, reg: str) -> bool:
+    """Whether ``i`` writes register ``reg`` (``R<n>``): its destination, or a register of a
+    wide destination (a ``.64`` or fp64 result, ``CS2R``, ``IMAD.WIDE``: a pair; ``.128``: four;
+    a DMMA's accumulator: four or eight)."""
+    dest = _dest(i)
+    if dest == reg:
+        return True
+    d, r = _REG.match(dest), _REG.match(reg)
+    if d is None or r is None:
+        return False
+    width = 1
+    if ".128" in i.opcode:
+        width = 4
+    elif i.base == "DMMA":
+        width = 4 if "8x8x4" in i.opcode or i.opcode.endswith(".884") else 8
+    elif (".64" in i.opcode or i.base in ("CS2R", "DADD", "DMUL", "DFMA", "MUFA")
+          or i.opcode.startswith("IMAD.WIDE")):
+        width = 2
+    return 0 <= int(r.group(1)) - int(d.group(1)) < width
+
+
 def trip_count(instrs: list[Instruction], start: int, end: int) -> int | None:
     """Iterations of the loop [start, end] when it is a plain counted loop, else None.
 
     The idiom nvcc emits for ``for (i = c; i < n; i += s)`` with constants: before the loop
-    ``MOV``/``IMAD.MOV.U32``/``UMOV R, c``; in the body ``VIADD``/``IADD3``/``UIADD3 R, R, s``
+    ``MOV``/``IMAD.MOV.U32``/``UMOV R, c`` (or ``CS2R R, SRZ``, which zeroes a register pair: c
+    = 0 for either of the two); in the body ``VIADD``/``IADD3``/``UIADD3 R, R, s``
     and then ``ISETP``/``UISETP.<cmp> P, PT, R, n``; the back edge ``@P`` or ``@!P BRA``
     (possibly through ``PLOP3.LUT P, PT, PT, PT, UP, 0x80, 0x0``, a copy of a uniform
     predicate). The loop is simulated from c; anything else gives None.
@@ -239,9 +264,11 @@ def trip_count(instrs: list[Instruction], start: int, end: int) -> int | None:
     init = None
     for i in reversed([i for i in instrs if i.address < start]):
         ops_i = [o.strip() for o in i.operands.split(",")]
-        if ops_i[0] == reg:
+        if _writes(i, reg):  # the last write before the loop, in address order
             if not i.predicate and i.opcode in _MOVES and len(ops_i) > _MOVES[i.opcode]:
                 init = _constant(ops_i[_MOVES[i.opcode]])
+            elif not i.predicate and i.opcode == "CS2R" and ops_i[1:] == ["SRZ"]:
+                init = 0
             break
     if init is None or not step:
         return None

@@ -85,8 +85,7 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     const auto g_rows = refattn_rows_a<D>(sG, wr, c.g_o + bh * c.Q * D, row, Q);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
     auto classify = [&](int kb, unsigned* bits) {
-        // (no dense-mask class table at D = 256: its lookup spilled, tile_loop.cuh)
-        return refattn_classify<MR, NT, false, !AG>(vis, ip, evaluate, b, h, i0, kb * BK, row, t,
+        return refattn_classify<MR, NT, false>(vis, ip, evaluate, b, h, i0, kb * BK, row, t,
                                                     Q, K, tid, bits);
     };
     auto load = [&](int kb) {
@@ -154,6 +153,7 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
         }
         refattn_mma_pb<D, MR, NT>(dqa, s, sK + buf * BK * D, g, t);  // dQ += dS K
     };
+    refattn_set_table_row<BQ, BK, false>(vis, b, h, i0, Q, K, tid);
     refattn_tile_loop(nkb, classify, load, compute, &done, &skipped);
     REFATTN_UNROLL
     for (int mr = 0; mr < MR; ++mr) {
@@ -295,6 +295,7 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                 refattn_mma_pb_shared<D, MR, NT, DKR, DT>(sDK, dpt, sQ + buf * BQ2 * D, lane, g,
                                                           t);
         };
+        refattn_set_table_row<BKV, BQ2, true>(vis, b, h, j0, Q, K, tid);
         refattn_tile_loop(nqb, classify, load, compute, &done, &skipped);
         REFATTN_UNROLL
         for (int mr = 0; mr < MR; ++mr) {

@@ -45,8 +45,7 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     const auto q_rows = refattn_rows_a<D>(sQ, wr, c.q + bh * c.Q * D, row, Q);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
     auto classify = [&](int kb, unsigned* bits) {
-        // (no dense-mask class table at D = 256: its lookup spilled, tile_loop.cuh)
-        return refattn_classify<MR, NT, false, !AG>(vis, ip, evaluate, b, h, i0, kb * BK, row, t,
+        return refattn_classify<MR, NT, false>(vis, ip, evaluate, b, h, i0, kb * BK, row, t,
                                                     Q, K, tid, bits);
     };
     auto load = [&](int kb) {
@@ -140,6 +139,7 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
         }
         refattn_mma_pb<D, MR, NT>(o, s, sV + buf * BK * D, g, t);  // O += P~ Z V
     };
+    refattn_set_table_row<BQ, BK, false>(vis, b, h, i0, Q, K, tid);
     refattn_tile_loop(nkb, classify, load, compute, &done, &skipped);
     REFATTN_UNROLL
     for (int mr = 0; mr < MR; ++mr) {

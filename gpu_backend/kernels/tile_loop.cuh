@@ -165,17 +165,35 @@ __device__ __forceinline__ int refattn_tile_relation(const RefattnVisibility& v,
 // The host reduces the dense mask over each kernel's tiles (gpu_backend/launch.py
 // dense_tile_classes): a (B, Hq, ceil(rows / BR), ceil(cols / BC)) uint8 table of the classes the
 // block vote below would give (rows are queries, or keys when ROWS_ARE_KEYS; a column tail never
-// FULL), computed over the mask's own batch and head extents and then expanded to (B, Hq) so that
-// the index needs no stride (per-(b, h) strides or extents spilled at D = 256). One byte per tile and block, read by every thread (one broadcast
-// load): SKIP and FULL are final, so only a PARTIAL tile reads mask elements. When rows were
-// sanitised the host marks a SKIP tile holding key 0 PARTIAL (voted here: the temporary key 0
-// only adds visible elements, so a FULL tile stays FULL).
+// FULL), computed over the mask's own batch and head extents and then expanded to (B, Hq). A
+// block's rows are fixed, so it reads one row of the table, one byte per streamed tile (one
+// broadcast load): SKIP and FULL are final, so only a PARTIAL tile reads mask elements. When rows
+// were sanitised the host marks a SKIP tile holding key 0 PARTIAL (voted here: the temporary key
+// 0 only adds visible elements, so a FULL tile stays FULL).
+//
+// The row's address lives in shared memory, written by thread 0 before the tile loop
+// (refattn_set_table_row) and read at every lookup, so no register holds it across the loop: the
+// forward and dq at D = 256 sit at 254-255 registers, and every register form of the lookup
+// (strides, extents, 32-bit or blockIdx-based indices, a precomputed row) spilled 8 to 20 bytes
+// there. The tile loop's barriers order the write before the reads and the reads of one head
+// before the next head's write (dk/dv).
+__device__ __forceinline__ const unsigned char*& refattn_table_row() {
+    __shared__ const unsigned char* row;
+    return row;
+}
+
+// the block's row of the class table (rows r0 .. r0 + BR - 1) into refattn_table_row, then a
+// barrier; every thread of the block calls it (a no-op but the barrier without a dense mask)
 template <int BR, int BC, bool ROWS_ARE_KEYS>
-__device__ __forceinline__ int refattn_dense_tile(const RefattnVisibility& vis, long long b,
-                                                  long long h, int r0, int c0, int Q, int K) {
-    const int rows = ROWS_ARE_KEYS ? K : Q, cols = ROWS_ARE_KEYS ? Q : K;
-    const int nr = (rows + BR - 1) / BR, nc = (cols + BC - 1) / BC;
-    return vis.tiles[((b * vis.Hq + h) * nr + r0 / BR) * nc + c0 / BC];
+__device__ __forceinline__ void refattn_set_table_row(const RefattnVisibility& vis, long long b,
+                                                      long long h, int r0, int Q, int K,
+                                                      int tid) {
+    if (tid == 0 && vis.mode == 1) {
+        const int rows = ROWS_ARE_KEYS ? K : Q, cols = ROWS_ARE_KEYS ? Q : K;
+        const long long nr = (rows + BR - 1) / BR, nc = (cols + BC - 1) / BC;
+        refattn_table_row() = vis.tiles + ((b * vis.Hq + h) * nr + r0 / BR) * nc;
+    }
+    __syncthreads();
 }
 
 // the class of a tile from every lane's any / all (a block-wide vote when visibility is
@@ -192,11 +210,10 @@ __device__ __forceinline__ int refattn_tile_class(bool evaluate, int any, int al
 // rows r0 .. r0 + 32 MR - 1 (queries, or keys when ROWS_ARE_KEYS) against the tile's columns
 // c0 .. c0 + 8 NT - 1; the lane's rows start at `row`, its columns at c0 + 2 t. With a relation
 // the tile is first bounded from its coordinates (SKIP and FULL are final, but a column tail is
-// never FULL); with a dense mask its class is read from the host's table (refattn_dense_tile,
-// SKIP and FULL final; with DENSE_TABLE false, as in the forward and dq at D = 256, where the
-// lookup spilled 8-20 B, every tile is voted and there is no table); otherwise, or when that
-// class is PARTIAL, it is evaluated per element and voted. Every thread of the block calls it.
-template <int MR, int NT, bool ROWS_ARE_KEYS, bool DENSE_TABLE = true>
+// never FULL); with a dense mask its class is read from the host's table (the block's row set
+// by refattn_set_table_row; SKIP and FULL final); otherwise, or when that class is PARTIAL, it
+// is evaluated per element and voted. Every thread of the block calls it.
+template <int MR, int NT, bool ROWS_ARE_KEYS>
 __device__ __forceinline__ int refattn_classify(const RefattnVisibility& vis, const long long* ip,
                                                 bool evaluate, long long b, long long h, int r0,
                                                 int c0, int row, int t, int Q, int K, int tid,
@@ -205,7 +222,7 @@ __device__ __forceinline__ int refattn_classify(const RefattnVisibility& vis, co
     const int cols = ROWS_ARE_KEYS ? Q : K;
     const bool tail = c0 + BC > cols;
     if (!evaluate && !tail) return REFATTN_FULL;  // no mask, every column in range
-    if (vis.mode == 2 || (DENSE_TABLE && vis.mode == 1)) {
+    if (vis.mode != 0) {
         int cls;
         if (vis.mode == 2) {  // bounded from the relation's coordinates
             const int qa = ROWS_ARE_KEYS ? c0 : r0, ka = ROWS_ARE_KEYS ? r0 : c0;
@@ -213,7 +230,7 @@ __device__ __forceinline__ int refattn_classify(const RefattnVisibility& vis, co
             const int kn = refattn_imin(ROWS_ARE_KEYS ? BR : BC, K - ka);
             cls = refattn_tile_relation(vis, b, h, qa, qn, ka, kn, tid);
         } else {  // a dense mask's class table (a column tail is never FULL in it)
-            cls = refattn_dense_tile<BR, BC, ROWS_ARE_KEYS>(vis, b, h, r0, c0, Q, K);
+            cls = refattn_table_row()[c0 / BC];
         }
         if (cls == REFATTN_FULL && tail) cls = REFATTN_PARTIAL;
         if (cls != REFATTN_PARTIAL) return cls;

@@ -317,3 +317,27 @@ def test_never_executed_instructions_are_issued_but_do_no_work():
     m = sass.kernel_counts("f", sass.parse(text)["attention_forward_d256"]).main_loop
     assert m.instructions == 6 and m.lds == {"LDS.64": 1}
     assert m.lds_bytes == 256 and m.lds_bytes_per_dmma_fma == 1.0
+
+
+PAIR_INIT = """
+                Function : k
+        /*0000*/                   CS2R R38, SRZ ;
+        /*0010*/                   LOP3.LUT R38, R2, 0x2, R3, 0xe2, !PT ;
+        /*0020*/                   VIADD R39, R39, 0x40 ;
+        /*0030*/                   DMMA.8x8x4 R8, R20, R22, R8 ;
+        /*0040*/                   ISETP.GE.U32.AND P0, PT, R39, 0x100, PT ;
+        /*0050*/              @!P0 BRA 0x20 ;
+        /*0060*/                   LD.E.64 R38, desc[UR6][R4.64] ;
+        /*0070*/                   VIADD R39, R39, 0x40 ;
+        /*0080*/                   ISETP.GE.U32.AND P0, PT, R39, 0x100, PT ;
+        /*0090*/              @!P0 BRA 0x70 ;
+"""
+
+
+def test_a_counter_zeroed_as_half_of_a_register_pair():
+    """``CS2R R38, SRZ`` zeroes R38 and R39 (nvcc's init of a loop counter beside another
+    value): the loop on R39 counts 0, 64, .., 192 (4 trips) although R38 is rewritten in
+    between; a 64-bit load into R38:R39 before the second loop leaves its start unknown."""
+    ins = sass.parse(PAIR_INIT)["k"]
+    assert sass.trip_count(ins, 0x20, 0x50) == 4
+    assert sass.trip_count(ins, 0x70, 0x90) is None

@@ -1,5 +1,5 @@
 """A dense mask's tile classes (gpu_backend.launch.dense_tile_classes, kernels/tile_loop.cuh
-refattn_dense_tile): the host's table equals the kernels' per-element block vote, computed here
+refattn_set_table_row): the host's table equals the kernels' per-element block vote, computed here
 independently tile by tile; the emulator's forward and backward with the table match the
 reference, their tile counts match the expected SKIP tiles, and a wrong table is caught.
 """
@@ -204,11 +204,13 @@ def test_sanitized_rows_vote_key_zero(launches):
         np.testing.assert_array_equal(table[~wrong & (raw != SKIP)], raw[~wrong & (raw != SKIP)])
 
 
-def test_a_partial_tile_marked_full_is_caught(monkeypatch):
-    """Mutation: the kernels trust the table, so a PARTIAL tile called FULL shows."""
+@pytest.mark.parametrize("D", [8, 200], ids=["d32", "d256"])
+def test_a_partial_tile_marked_full_is_caught(monkeypatch, D):
+    """Mutation: the kernels trust the table, so a PARTIAL tile called FULL shows (at D = 256
+    too: the forward and dq read the table there, not only dk/dv)."""
     Q, K = 70, 90
-    call = _call(_block_sparse(Q, K), (1, 2, Q, K, 8))
-    g_o = np.random.default_rng(8).standard_normal((1, 2, Q, 8))
+    call = _call(_block_sparse(Q, K), (1, 2, Q, K, D))
+    g_o = np.random.default_rng(8).standard_normal((1, 2, Q, D))
     ref = refattn.forward(call)
     want = refattn.backward(ref, g_o)
     right = refattn.forward(call, backend="cuda_emulator", materialize=False)
@@ -273,10 +275,10 @@ def test_the_table_is_refused_before_any_launch_when_memory_is_short(launches):
     assert launches == []
 
 
-def test_d256_forward_and_dq_vote_every_tile_and_match(launches):
-    """At D = 256 the forward and dq instances read no table (the lookup spilled,
-    tile_loop.cuh): dk/dv uses its table, the others vote, and all three match the
-    reference with the vote's tile counts."""
+def test_d256_reads_the_table_in_every_kernel_and_matches(launches):
+    """At D = 256 too every kernel gets the table (the forward and dq keep the block's row
+    address in shared memory, tile_loop.cuh refattn_set_table_row), all three match the
+    reference and count the vote's SKIP tiles."""
     Q, K = 24, 50  # keys 40 .. 49 visible to no row past the 3-key prefix: SKIP tiles
     call = _call(_block_sparse(Q, K), (1, 1, Q, K, 200))
     g_o = np.random.default_rng(7).standard_normal((1, 1, Q, 200))
@@ -284,8 +286,7 @@ def test_d256_forward_and_dq_vote_every_tile_and_match(launches):
     g = refattn.backward(t, g_o)
     assert_matches_reference(call, g_o, t, g, "d256")
     got = {kernel: table is not None for kernel, _, table, _ in launches}
-    assert got == {"attention_forward_d256": False, "attention_dq_d256": False,
+    assert got == {"attention_forward_d256": True, "attention_dq_d256": True,
                    "attention_dkdv_d256": True}
     for kernel, tiles, _, planned in launches:
-        if planned is not None:
-            assert tuple(tiles.sum(axis=0)) == _expected_tiles(call, kernel, *planned), kernel
+        assert tuple(tiles.sum(axis=0)) == _expected_tiles(call, kernel, *planned), kernel
