@@ -16,15 +16,28 @@ from typing import Any
 import numpy as np
 
 from gpu_backend import launch
-from gpu_backend.source import KERNEL_DIR, translation_unit
+from gpu_backend.source import KERNEL_DIR, source_hash, translation_unit
 from refattn.call import AttentionCall
 from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
 
-__all__ = ["COMPILE_OPTIONS", "CupyDevice", "backward", "forward", "value_and_grad"]
+__all__ = ["COMPILE_OPTIONS", "CupyDevice", "backward", "forward", "module_source",
+           "value_and_grad"]
 
 #: NVRTC options (CuPy adds -ftz=true and --device-as-default-execution-space itself)
 COMPILE_OPTIONS: tuple[str, ...] = ("--std=c++17", f"-I{KERNEL_DIR}")
+
+
+def module_source() -> str:
+    """The text given to ``cupy.RawModule``: attention.cu, led by the sha256 of every kernel
+    source file.
+
+    CuPy's on-disk kernel cache (``~/.cupy/kernel_cache``) keys a build on this text and the
+    options only, never on the headers it includes (``cupy.cuda.compiler``
+    ``_compile_with_cache_cuda``: ``key_src`` is the environment, the options, the source and
+    CuPy's own headers), so an edited ``.cuh`` would load the stale binary without the hash.
+    """
+    return f"// refattn kernel sources sha256 {source_hash(KERNEL_DIR)}\n" + translation_unit()
 
 
 def _cupy() -> Any:
@@ -54,7 +67,7 @@ class CupyDevice:
     def __init__(self) -> None:
         cupy = _cupy()
         self.xp = cupy
-        self.module = cupy.RawModule(code=translation_unit(), options=COMPILE_OPTIONS)
+        self.module = cupy.RawModule(code=module_source(), options=COMPILE_OPTIONS)
         self.compile_options = COMPILE_OPTIONS
         device = cupy.cuda.Device()
         self._props = cupy.cuda.runtime.getDeviceProperties(device.id)
@@ -79,7 +92,11 @@ class CupyDevice:
         return self.xp.asnumpy(array)
 
     def free_bytes(self) -> int:
-        return int(self.xp.cuda.runtime.memGetInfo()[0])
+        """Bytes an allocation can get: the device's free memory and the blocks CuPy's pool
+        holds unused (memGetInfo counts those as taken; the pool frees them and retries
+        before it reports out of memory)."""
+        return (int(self.xp.cuda.runtime.memGetInfo()[0])
+                + int(self.xp.get_default_memory_pool().free_bytes()))
 
     def describe(self) -> dict[str, Any]:
         name = self._props.get("name", b"")

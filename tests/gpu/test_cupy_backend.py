@@ -3,7 +3,10 @@ against the reference (the same checks as the emulator's, same tolerance)."""
 
 from __future__ import annotations
 
+import os
+import struct
 import sys
+import types
 
 import numpy as np
 import pytest
@@ -22,6 +25,84 @@ def test_without_cupy_the_error_says_what_to_install(monkeypatch):
     with pytest.raises(refattn.RefAttnError, match=r"cupy-cuda13x.*cuda_emulator"):
         refattn.forward(refattn.AttentionCall(x, x, x), backend="cupy")
     cupy_backend.device.cache_clear()
+
+
+class _FakeRawModule:
+    def __init__(self, *, code, options):
+        self.code, self.options = code, options
+
+
+def _fake_cupy(free: int, pooled: int) -> types.ModuleType:
+    """What CupyDevice asks of CuPy 14, without a device (the names and return types of
+    cupy.cuda.runtime.getDeviceProperties, memGetInfo and MemoryPool.free_bytes)."""
+    runtime = types.SimpleNamespace(
+        getDeviceCount=lambda: 1, memGetInfo=lambda: (free, 10 * free),
+        getDeviceProperties=lambda i: {"name": b"Fake H200", "major": 9, "minor": 0,
+                                       "sharedMemPerBlock": 49152,
+                                       "sharedMemPerBlockOptin": 232448})
+    pool = types.SimpleNamespace(free_bytes=lambda: pooled)
+    cupy = types.ModuleType("cupy")
+    cupy.cuda = types.SimpleNamespace(runtime=runtime, Device=lambda: types.SimpleNamespace(id=0))
+    cupy.RawModule = _FakeRawModule
+    cupy.get_default_memory_pool = lambda: pool
+    return cupy
+
+
+def test_the_cupy_module_text_carries_the_hash_of_every_kernel_file(monkeypatch):
+    """CuPy's disk cache keys a build on the module text and options, not on the headers the
+    text includes: without the hash an edited .cuh would load the stale cubin."""
+    from gpu_backend import cupy_backend
+    from gpu_backend.source import KERNEL_DIR, source_hash
+
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(free=1000, pooled=500))
+    dev = cupy_backend.CupyDevice()
+    assert source_hash(KERNEL_DIR) in dev.module.code.splitlines()[0]
+    assert dev.module.code.endswith((KERNEL_DIR / "attention.cu").read_text())
+    assert dev.module.options == cupy_backend.COMPILE_OPTIONS == dev.compile_options
+    assert dev.max_shared_bytes == 232448  # the opt-in limit, not sharedMemPerBlock
+    assert dev.describe() == {"kind": "cupy", "name": "Fake H200", "compute_capability": "9.0"}
+
+
+def test_free_device_memory_counts_the_pools_unused_blocks(monkeypatch):
+    """memGetInfo counts the blocks CuPy's pool keeps after a call as taken; the pool hands
+    them out again (and frees them before it reports out of memory)."""
+    from gpu_backend import cupy_backend
+
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(free=1000, pooled=500))
+    assert cupy_backend.CupyDevice().free_bytes() == 1500
+
+
+def _cubin_sections(cubin: bytes) -> list[str]:
+    """Section names of an ELF64 (cubin) image."""
+    shoff, = struct.unpack_from("<Q", cubin, 0x28)
+    shentsize, shnum, shstrndx = struct.unpack_from("<HHH", cubin, 0x3A)
+    headers = [struct.unpack_from("<IIQQQQ", cubin, shoff + i * shentsize)
+               for i in range(shnum)]
+    strtab = headers[shstrndx][4]
+    return [cubin[strtab + h[0]:cubin.index(b"\0", strtab + h[0])].decode() for h in headers]
+
+
+@pytest.mark.skipif(os.environ.get("REFATTN_NVRTC_CHECK") != "1",
+                    reason="set REFATTN_NVRTC_CHECK=1 (about 90 s of NVRTC, no device needed)")
+def test_nvrtc_compiles_every_kernel_the_launcher_names():
+    """attention.cu through CuPy 14's NVRTC pipeline as RawModule runs it (CuPy's own options
+    added: C++ standard, CCCL and CUDA include paths, -ftz=true,
+    --device-as-default-execution-space), for sm_90 without a device; every kernel of
+    source.KERNELS is an entry point of the cubin."""
+    pytest.importorskip("cupy")
+    from cupy._core import core
+    from cupy.cuda import compiler
+
+    from gpu_backend import cupy_backend
+    from gpu_backend.source import KERNELS
+
+    options = core.assemble_cupy_compiler_options(cupy_backend.COMPILE_OPTIONS)
+    options += ("-ftz=true", *compiler._get_extra_include_dir_opts(), "-arch=sm_90",
+                "--device-as-default-execution-space")
+    prog = compiler._NVRTCProgram(cupy_backend.module_source(), "", (), (), method="cubin")
+    cubin, _ = prog.compile(options)
+    sections = set(_cubin_sections(bytes(cubin)))
+    assert not [k for k in KERNELS if f".text.{k}" not in sections]
 
 
 def _gpu() -> None:
