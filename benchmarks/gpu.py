@@ -40,6 +40,7 @@ import platform
 import statistics
 import sys
 import time
+import traceback
 from pathlib import Path
 from typing import Any
 
@@ -392,6 +393,19 @@ def determinism(backend: str) -> dict[str, bool]:
 # -- the run ------------------------------------------------------------------------------------
 
 
+def _guarded(what: str, fn: Any, *args: Any) -> dict[str, Any]:
+    """``fn(*args)``, or ``{"error": ...}`` when it raises: one failing stage (a CUDA error, a
+    launch refused) is a result in the report, and the stages after it still run and the JSON
+    is still written (the GPU run happens once)."""
+    try:
+        return fn(*args)
+    except Exception as exc:
+        traceback.print_exc()
+        first = str(exc).splitlines()[0][:300] if str(exc) else ""
+        print(f"gpu.py: {what} failed; recorded in the report", file=sys.stderr)
+        return {"error": f"{type(exc).__name__}: {first}"}
+
+
 def _device(gpu: bool) -> tuple[Any, float]:
     """The backend's device with its kernels loaded, and the seconds that took."""
     t0 = time.perf_counter()
@@ -447,16 +461,16 @@ def main(argv: list[str] | None = None) -> int:
         report["torch"] = torch.__version__
     except ImportError:
         report["torch"] = None
-    report["dgemm"] = dgemm_rate(gpu)
-    report["conformance"] = conformance(backend)
-    report["determinism"] = determinism(backend)
+    report["dgemm"] = _guarded("DGEMM", dgemm_rate, gpu)
+    report["conformance"] = _guarded("conformance", conformance, backend)
+    report["determinism"] = _guarded("determinism", determinism, backend)
     rows = []
     shapes = SHAPES if gpu else DRY_SHAPES
     for i, shape in enumerate(shapes):
         B, H, L, D = shape
         flops = float(FLOPS_PER_ELEMENT * B * H * L * L * D)
         row: dict[str, Any] = {"shape": list(shape), "flops": flops}
-        if rows and "refattn" in rows[-1]:
+        if rows and "end_to_end_s" in rows[-1].get("refattn", {}):
             prev = rows[-1]
             predicted = prev["refattn"]["end_to_end_s"] * flops / prev["flops"]
             left = deadline - time.perf_counter()
@@ -470,11 +484,16 @@ def main(argv: list[str] | None = None) -> int:
         weights = [12.0 * np.prod(s_) + WEIGHT_FLOOR for s_ in shapes[i:]]
         now = time.perf_counter()
         shape_deadline = now + (deadline - now) * weights[0] / sum(weights)
-        row["refattn"] = refattn_timing(shape, device, gpu, shape_deadline)
-        row["torch"] = torch_timing(shape, gpu, shape_deadline)
+        row["refattn"] = _guarded(f"refattn at {shape}", refattn_timing, shape, device, gpu,
+                                  shape_deadline)
+        row["torch"] = _guarded(f"torch at {shape}", torch_timing, shape, gpu, shape_deadline)
         r, t = row["refattn"], row["torch"]
+        if "error" in r:
+            rows.append(row)
+            continue
         row["refattn_tflops"] = flops / r["device_s"] / 1e12
-        row["fraction_of_dgemm"] = flops / r["device_s"] / report["dgemm"]["flops"]
+        if report["dgemm"].get("flops"):
+            row["fraction_of_dgemm"] = flops / r["device_s"] / report["dgemm"]["flops"]
         if t.get("device_s"):
             row["torch_tflops"] = flops / t["device_s"] / 1e12
             row["speedup_vs_torch_device"] = t["device_s"] / r["device_s"]
@@ -483,12 +502,15 @@ def main(argv: list[str] | None = None) -> int:
         rows.append(row)
     report["timing"] = rows
     report["seconds"] = time.perf_counter() - start
-    print_report(report)
     path = args.out / "gpu_bench.json"
-    path.write_text(json.dumps(report, indent=2, default=str) + "\n")
+    path.write_text(json.dumps(report, indent=2, default=str) + "\n")  # before any printing
+    print_report(report)
     print(f"wrote {path}")
-    ok = (not report["conformance"]["failures"] and all(report["determinism"].values())
-          and all(row["refattn"].get("bit_identical_across_runs", True) for row in rows
+    errors = [k for k in ("dgemm", "conformance", "determinism") if "error" in report[k]]
+    ok = (not errors and not report["conformance"]["failures"]
+          and all(report["determinism"].values())
+          and all("error" not in row["refattn"]
+                  and row["refattn"].get("bit_identical_across_runs", True) for row in rows
                   if "refattn" in row))
     return 0 if ok else 1
 
@@ -506,11 +528,17 @@ def print_report(r: dict[str, Any]) -> None:
     d = r["dgemm"]
     print(f"backend {r['backend']}; device {r['device']}; torch {r['torch']}; kernels loaded "
           f"in {r['kernel_load_s']:.1f} s")
-    print(f"DGEMM (n = {d['n']}, measured in this run): {d['flops'] / 1e12:.2f} TFLOP/s")
-    print(f"conformance: {c['cases']} dot cases x (trace, streaming): "
-          f"{len(c['failures'])} failure(s) {c['failures'][:5]}")
-    worst = sorted(c["worst"].items(), key=lambda x: -x[1])[:6]
-    print(f"worst error / bound: { {k: f'{v:.1e}' for k, v in worst} }")
+    if "error" in d:
+        print(f"DGEMM: {d['error']}")
+    else:
+        print(f"DGEMM (n = {d['n']}, measured in this run): {d['flops'] / 1e12:.2f} TFLOP/s")
+    if "error" in c:
+        print(f"conformance: {c['error']}")
+    else:
+        print(f"conformance: {c['cases']} dot cases x (trace, streaming): "
+              f"{len(c['failures'])} failure(s) {c['failures'][:5]}")
+        worst = sorted(c["worst"].items(), key=lambda x: -x[1])[:6]
+        print(f"worst error / bound: { {k: f'{v:.1e}' for k, v in worst} }")
     print(f"determinism: {r['determinism']}")
     print(f"useful FLOPs {r['flops_per_element']} B H L^2 D; device time: "
           f"{r['method']['device_s']}")
@@ -523,10 +551,13 @@ def print_report(r: dict[str, Any]) -> None:
             print(f"{shape:<18} skipped: {row['skipped']}")
             continue
         a, t = row["refattn"], row["torch"]
+        if "error" in a:
+            print(f"{shape:<18} refattn: {a['error']}")
+            continue
         torch_dev = _s(t.get("device_s")) if "device_s" in t else (
             "OOM" if t.get("oom") else "error")
         print(f"{shape:<18} {a['device_s']:>13.3f} {a['end_to_end_s']:>8.3f} "
-              f"{row['refattn_tflops']:>8.2f} {row['fraction_of_dgemm']:>7.3f} "
+              f"{row['refattn_tflops']:>8.2f} {row.get('fraction_of_dgemm', float('nan')):>7.3f} "
               f"{_gb(a.get('peak_bytes')):>8} | {torch_dev:>11} {_s(t.get('end_to_end_s')):>8} "
               f"{_gb(t.get('peak_bytes')):>8} | "
               f"{row.get('speedup_vs_torch_device', float('nan')):>11.2f} "

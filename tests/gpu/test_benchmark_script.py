@@ -44,6 +44,33 @@ def test_the_gpu_benchmark_dry_run_checks_and_reports(bench, tmp_path, monkeypat
     assert "conformance:" in out and "DGEMM" in out and "x torch dev" in out
 
 
+def test_a_failing_stage_is_a_result_and_the_report_is_still_written(bench, tmp_path,
+                                                                   monkeypatch, capsys):
+    """One GPU run: an error in one stage (a CUDA error, a refused launch) must not lose the
+    others' results nor the JSON."""
+    def boom(*args, **kwargs):
+        raise RuntimeError("cudaErrorIllegalAddress: an illegal memory access\nmore")
+
+    real = bench.refattn_timing
+
+    def first_shape_fails(shape, *args):
+        return boom() if shape == bench.DRY_SHAPES[0] else real(shape, *args)
+
+    monkeypatch.setattr(bench, "conformance", boom)
+    monkeypatch.setattr(bench, "determinism", boom)
+    monkeypatch.setattr(bench, "refattn_timing", first_shape_fails)
+    assert bench.main(["--dry-run", "--out", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "gpu_bench.json").read_text())
+    error = "RuntimeError: cudaErrorIllegalAddress: an illegal memory access"
+    assert report["conformance"] == {"error": error} == report["determinism"]
+    assert report["dgemm"]["flops"] > 0
+    first, second = report["timing"]
+    assert first["refattn"] == {"error": error} and "refattn_tflops" not in first
+    assert second["refattn"]["device_s"] > 0 and second["refattn_tflops"] > 0
+    out = capsys.readouterr().out
+    assert out.count(error) == 3 and "wrote" in out
+
+
 def test_the_out_directory_must_exist(bench, tmp_path, capsys):
     assert bench.main(["--dry-run", "--out", str(tmp_path / "missing")]) == 2
     assert "not a directory" in capsys.readouterr().err
