@@ -341,7 +341,9 @@ def _dense_tiles(L: _Launch, P: Plan, kind: str) -> dict[str, int] | None:
                            f"{L.device.name}, {free} are free; not launched")
     xp = L.device.xp
     table = dense_tile_classes(xp, m4, Q, K, P.rows, P.tile, keys)
-    table = xp.ascontiguousarray(xp.broadcast_to(table, (B, Hq, *table.shape[2:])))
+    # a writable C-contiguous copy (broadcast_to is a read-only view, kept as it is by
+    # ascontiguousarray when the mask already has the full (B, Hq) extents)
+    table = xp.broadcast_to(table, (B, Hq, *table.shape[2:])).copy()
     sanitized = bool(L.ip[INT_PARAMS.index("HAS_SANITIZED")])
     if sanitized:  # the temporary key 0: voted per element
         key0 = table[:, :, 0, :] if keys else table[:, :, :, 0]

@@ -204,6 +204,24 @@ def test_sanitized_rows_vote_key_zero(launches):
         np.testing.assert_array_equal(table[~wrong & (raw != SKIP)], raw[~wrong & (raw != SKIP)])
 
 
+def test_sanitized_rows_with_a_mask_of_full_batch_and_head_extents(launches):
+    """A (B, Hq, Q, K) mask needs no broadcast: its table is still a writable copy, so the
+    launch can mark the SKIP tiles holding the sanitised key 0 (it raised 'assignment
+    destination is read-only' on the view)."""
+    Q = K = 8
+    vis = np.tril(np.ones((1, 2, Q, K), bool))
+    vis[0, 1, 5:, 1] = False  # the heads differ
+    vis[0, :, 3] = False  # an empty row in both heads: sanitised
+    call = _call(vis, (1, 2, Q, K, 8), all_masked_rows="sanitize_then_zero_invalid_query",
+                 query_valid=vis.any(axis=(1, 3))[:, None, :, None])
+    assert call.sanitized_rows().any()
+    g_o = np.random.default_rng(9).standard_normal((1, 2, Q, 8))
+    t = refattn.forward(call, backend="cuda_emulator", materialize=False)
+    g = refattn.backward(t, g_o)
+    assert_matches_reference(call, g_o, t, g, "full-extent mask")
+    assert all(table is not None for _, _, table, _ in launches)
+
+
 @pytest.mark.parametrize("D", [8, 200], ids=["d32", "d256"])
 def test_a_partial_tile_marked_full_is_caught(monkeypatch, D):
     """Mutation: the kernels trust the table, so a PARTIAL tile called FULL shows (at D = 256
