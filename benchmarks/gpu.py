@@ -27,7 +27,13 @@ ratios; writes ``gpu_bench.json`` into ``--out`` (default ``$OUT``, else the cur
 directory). ``--dry-run`` runs the same program on the CPU emulator with tiny shapes and
 torch on the CPU, to check the script without a GPU.
 
-    python3 benchmarks/gpu.py [--dry-run] [--out DIR] [--budget SECONDS]
+    python3 benchmarks/gpu.py [--dry-run] [--out DIR] [--budget SECONDS] [--cubin-dir DIR]
+
+``--cubin-dir DIR`` loads the kernels from the cubin built ahead on a machine without a GPU
+(``python3 -m gpu_backend.compile_check --arch sm_90 --cubin-dir DIR``: nvcc, about 90 s
+saved on the lent machine, no NVRTC needed there) instead of compiling them with NVRTC; the
+cubin's record must name these kernel sources (``REFATTN_CUBIN_DIR``,
+:mod:`gpu_backend.cupy_backend`).
 """
 
 from __future__ import annotations
@@ -428,10 +434,20 @@ def main(argv: list[str] | None = None) -> int:
                    help="directory for gpu_bench.json (default: $OUT, else .)")
     p.add_argument("--budget", type=float, default=BUDGET_S,
                    help="seconds for the whole run (default %(default)s)")
+    p.add_argument("--cubin-dir", type=Path,
+                   help="load the kernels from the cubin built ahead in DIR (compile_check "
+                   "--cubin-dir) instead of compiling them with NVRTC")
     args = p.parse_args(argv)
     if not args.out.is_dir():
         print(f"gpu.py: --out {args.out}: not a directory", file=sys.stderr)
         return 2
+    if args.cubin_dir is not None:
+        if not args.cubin_dir.is_dir():
+            print(f"gpu.py: --cubin-dir {args.cubin_dir}: not a directory", file=sys.stderr)
+            return 2
+        from gpu_backend.cupy_backend import CUBIN_DIR_ENV
+
+        os.environ[CUBIN_DIR_ENV] = str(args.cubin_dir.resolve())
     start = time.perf_counter()
     deadline = start + args.budget
     gpu = not args.dry_run
@@ -441,6 +457,13 @@ def main(argv: list[str] | None = None) -> int:
     except refattn.RefAttnError as exc:
         print(f"gpu.py: {exc}", file=sys.stderr)
         return 2
+    except Exception as exc:  # CuPy's own (a compile or driver error): still a result
+        traceback.print_exc()
+        error = {"error": f"loading the kernels: {type(exc).__name__}: {exc}"[:2000]}
+        (args.out / "gpu_bench.json").write_text(json.dumps(error, indent=2) + "\n")
+        print(f"gpu.py: loading the kernels failed; written to {args.out / 'gpu_bench.json'}",
+              file=sys.stderr)
+        return 1
     device = TimedDevice(inner, gpu)
     report: dict[str, Any] = {
         "backend": backend, "device": inner.describe(), "python": platform.python_version(),

@@ -179,6 +179,29 @@ def compile_report(arch: str = "sm_90", directory: Path = KERNEL_DIR) -> Compile
     return _REPORTS[key]
 
 
+def write_cubin(arch: str, out_dir: Path, directory: Path = KERNEL_DIR) -> Path:
+    """Write the cubin of :func:`compile_report` for ``arch`` to ``out_dir`` as
+    ``attention.<arch>.cubin`` with its record ``attention.<arch>.json`` (the sources' sha256,
+    the architecture, the tool); the ``"cupy"`` backend loads it instead of compiling when
+    ``REFATTN_CUBIN_DIR`` names the directory (:mod:`gpu_backend.cupy_backend`). Each file is
+    written to a temporary name and renamed, so neither is ever left half-written. Returns the
+    cubin's path.
+    """
+    report = compile_report(arch, directory)
+    if not report.cubin:
+        raise RefAttnError(f"compile check ({report.tool}, {arch}): no cubin was produced")
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    record = {"source_hash": source_hash(Path(directory)), "arch": arch, "tool": report.tool}
+    cubin = out_dir / f"{MAIN.rsplit('.', 1)[0]}.{arch}.cubin"
+    for path, data in ((cubin, report.cubin),
+                       (cubin.with_suffix(".json"), (json.dumps(record) + "\n").encode())):
+        tmp = path.with_name(path.name + ".tmp")
+        tmp.write_bytes(data)
+        tmp.replace(path)
+    return cubin
+
+
 #: the hot kernels, recognised by name: role -> how the name says it
 ROLES: dict[str, re.Pattern[str]] = {
     "forward": re.compile(r"^(?!.*trace).*forward"),
@@ -413,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
                    help="exit 1 unless every hot kernel meets issue 24's targets")
     p.add_argument("--kernel-dir", type=Path, default=KERNEL_DIR,
                    help="the kernel sources (default: the package's kernels/)")
+    p.add_argument("--cubin-dir", type=Path,
+                   help="also write each architecture's cubin and its record here (for "
+                   "REFATTN_CUBIN_DIR: the cupy backend then loads it instead of compiling)")
     args = p.parse_args(argv)
     try:
         result = check(tuple(args.arch or ARCHES), args.kernel_dir)
@@ -428,6 +454,8 @@ def main(argv: list[str] | None = None) -> int:
     print_tables(result)
     if args.json:
         args.json.write_text(json.dumps(result, indent=2) + "\n")
+    for arch in result["arches"] if args.cubin_dir else ():
+        print(f"cubin: {write_cubin(arch, args.cubin_dir, args.kernel_dir)}")
     print(f"targets met: {result['targets_met']}")
     return 1 if args.strict and not result["targets_met"] else 0
 

@@ -3,14 +3,21 @@
 ``refattn.forward(call, backend="cupy")`` compiles the kernels once per process with
 ``cupy.RawModule`` (NVRTC; the compile options are recorded in ``Trace.materialized``) and runs
 the host program of :mod:`gpu_backend.launch`: the same source and launches as the
-``"cuda_emulator"`` backend. Arrays go in and come out as numpy arrays (the call is validated
-on the host). Without CuPy or without a device, a RefAttnError says what to install. Loaded
-lazily by refattn's backend registry; CuPy is imported only here, inside functions.
+``"cuda_emulator"`` backend. With ``REFATTN_CUBIN_DIR`` set it loads a cubin built ahead
+(``python3 -m gpu_backend.compile_check --arch sm_90 --cubin-dir DIR``: nvcc, the binary whose
+SASS the compile check and the model read) instead of compiling, after checking that its
+record names these kernel sources and the device's architecture. Arrays go in and come out
+as numpy arrays (the call is validated on the host). Without CuPy or without a device, a
+RefAttnError says what to install. Loaded lazily by refattn's backend registry; CuPy is
+imported only here, inside functions.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -21,11 +28,54 @@ from refattn.call import AttentionCall
 from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
 
-__all__ = ["COMPILE_OPTIONS", "CupyDevice", "backward", "forward", "module_source",
-           "value_and_grad"]
+__all__ = ["COMPILE_OPTIONS", "CUBIN_DIR_ENV", "CupyDevice", "backward", "forward",
+           "module_source", "prebuilt_cubin", "value_and_grad"]
 
 #: NVRTC options (CuPy adds -ftz=true and --device-as-default-execution-space itself)
 COMPILE_OPTIONS: tuple[str, ...] = ("--std=c++17", f"-I{KERNEL_DIR}")
+#: a directory of cubins built ahead (compile_check --cubin-dir), loaded instead of NVRTC
+CUBIN_DIR_ENV = "REFATTN_CUBIN_DIR"
+
+
+def prebuilt_cubin(directory: str | os.PathLike[str], arch: str) -> Path:
+    """The cubin for ``arch`` (``"sm_90"``) in ``directory``, checked against its record.
+
+    Raises
+    ------
+    RefAttnError
+        When the cubin or its record is missing or unreadable, or the record names other
+        kernel sources or another architecture (the command that rebuilds it is named).
+
+    Examples
+    --------
+    >>> prebuilt_cubin("/nonexistent", "sm_90")  # doctest: +ELLIPSIS
+    Traceback (most recent call last):
+    ...
+    refattn.errors.RefAttnError: REFATTN_CUBIN_DIR=/nonexistent: no attention.sm_90.cubin ...
+    """
+    cubin = Path(directory) / f"attention.{arch}.cubin"
+    rebuild = (f"'python3 -m gpu_backend.compile_check --arch {arch} --cubin-dir "
+               f"{directory}'")
+    where = f"{CUBIN_DIR_ENV}={directory}"
+    try:
+        record = json.loads(cubin.with_suffix(".json").read_text())
+        if not cubin.is_file():
+            raise FileNotFoundError(cubin)
+    except FileNotFoundError:
+        raise RefAttnError(f"{where}: no {cubin.name} with its record for this {arch} device; "
+                           f"build them with {rebuild}") from None
+    except (OSError, ValueError) as exc:
+        raise RefAttnError(f"{where}: {cubin.with_suffix('.json').name} is unreadable "
+                           f"({exc}); rebuild with {rebuild}") from None
+    want = source_hash(KERNEL_DIR)
+    if not isinstance(record, dict) or record.get("source_hash") != want:
+        got = record.get("source_hash") if isinstance(record, dict) else None
+        raise RefAttnError(f"{where}: {cubin.name} was built from other kernel sources "
+                           f"(sha256 {got}; these are {want}); rebuild with {rebuild}")
+    if record.get("arch") != arch:
+        raise RefAttnError(f"{where}: {cubin.name}'s record says arch {record.get('arch')!r}, "
+                           f"expected {arch!r}; rebuild with {rebuild}")
+    return cubin
 
 
 def module_source() -> str:
@@ -67,10 +117,17 @@ class CupyDevice:
     def __init__(self) -> None:
         cupy = _cupy()
         self.xp = cupy
-        self.module = cupy.RawModule(code=module_source(), options=COMPILE_OPTIONS)
-        self.compile_options = COMPILE_OPTIONS
         device = cupy.cuda.Device()
         self._props = cupy.cuda.runtime.getDeviceProperties(device.id)
+        prebuilt = os.environ.get(CUBIN_DIR_ENV)
+        if prebuilt:
+            arch = f"sm_{self._props.get('major')}{self._props.get('minor')}"
+            cubin = prebuilt_cubin(prebuilt, arch)
+            self.module = cupy.RawModule(path=str(cubin))
+            self.compile_options: tuple[str, ...] = ("prebuilt cubin", str(cubin))
+        else:
+            self.module = cupy.RawModule(code=module_source(), options=COMPILE_OPTIONS)
+            self.compile_options = COMPILE_OPTIONS
         self.max_shared_bytes = int(self._props.get("sharedMemPerBlockOptin",
                                                     self._props.get("sharedMemPerBlock")))
 

@@ -100,6 +100,40 @@ class _Inner:
         return array
 
 
+def test_a_kernel_load_failure_is_written_as_the_result(bench, tmp_path, monkeypatch, capsys):
+    """CuPy's own exception while loading the kernels (an NVRTC or driver error, not a
+    RefAttnError) still leaves gpu_bench.json, saying what failed, and exit status 1."""
+    def boom(gpu):
+        raise RuntimeError("nvrtc: error: cannot open source file cuda_runtime.h")
+
+    monkeypatch.setattr(bench, "_device", boom)
+    assert bench.main(["--dry-run", "--out", str(tmp_path)]) == 1
+    report = json.loads((tmp_path / "gpu_bench.json").read_text())
+    assert report == {"error": "loading the kernels: RuntimeError: nvrtc: error: cannot open "
+                      "source file cuda_runtime.h"}
+    assert "loading the kernels failed" in capsys.readouterr().err
+
+
+def test_the_cubin_dir_must_exist_and_is_passed_to_the_backend(bench, tmp_path, monkeypatch,
+                                                               capsys):
+    from gpu_backend.cupy_backend import CUBIN_DIR_ENV
+
+    monkeypatch.setenv(CUBIN_DIR_ENV, "")  # recorded first, so the end restores it unset
+    monkeypatch.delenv(CUBIN_DIR_ENV)      # (main sets it below)
+    assert bench.main(["--dry-run", "--out", str(tmp_path), "--cubin-dir",
+                       str(tmp_path / "none")]) == 2
+    assert "--cubin-dir" in capsys.readouterr().err and CUBIN_DIR_ENV not in bench.os.environ
+    seen = {}
+
+    def device(gpu):
+        seen["env"] = bench.os.environ.get(CUBIN_DIR_ENV)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(bench, "_device", device)
+    assert bench.main(["--dry-run", "--out", str(tmp_path), "--cubin-dir", str(tmp_path)]) == 1
+    assert seen["env"] == str(tmp_path.resolve())
+
+
 def test_the_timed_device_brackets_each_launch_and_nothing_else(bench):
     inner = _Inner()
     dev = bench.TimedDevice(inner, gpu=False)

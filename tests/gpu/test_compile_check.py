@@ -240,11 +240,21 @@ def test_every_hot_kernel_runs_on_the_fp64_tensor_cores(report):
 
 def test_the_command_line_prints_the_tables_and_writes_json(report, tmp_path, capsys):
     out = tmp_path / "cc.json"
-    assert compile_check.main(["--arch", "sm_90", "--json", str(out)]) == 0
+    assert compile_check.main(["--arch", "sm_90", "--json", str(out), "--cubin-dir",
+                               str(tmp_path / "cubin")]) == 0
     text = capsys.readouterr().out
     assert "main loop" in text and "bank model" in text
     data = json.loads(out.read_text())
     assert set(data["arches"]) == {"sm_90"}
+    # the cubin for REFATTN_CUBIN_DIR: accepted by the cupy backend's check, every kernel the
+    # launcher names is an entry point of it
+    from gpu_backend.cupy_backend import prebuilt_cubin
+    from gpu_backend.source import KERNELS
+    from tests.gpu.test_cupy_backend import _cubin_sections
+
+    cubin = prebuilt_cubin(tmp_path / "cubin", "sm_90")
+    sections = set(_cubin_sections(cubin.read_bytes()))
+    assert [k for k in KERNELS if f".text.{k}" not in sections] == []
     strict = compile_check.main(["--arch", "sm_90", "--strict"])
     assert strict == (0 if data["targets_met"] else 1)
 

@@ -3,6 +3,7 @@ against the reference (the same checks as the emulator's, same tolerance)."""
 
 from __future__ import annotations
 
+import json
 import os
 import struct
 import sys
@@ -27,9 +28,10 @@ def test_without_cupy_the_error_says_what_to_install(monkeypatch):
     cupy_backend.device.cache_clear()
 
 
-class _FakeRawModule:
-    def __init__(self, *, code, options):
-        self.code, self.options = code, options
+class _FakeRawModule:  # CuPy 14: RawModule(code=None, *, path=None, options=(), ...)
+    def __init__(self, code=None, *, path=None, options=()):
+        assert (code is None) != (path is None)  # mutually exclusive
+        self.code, self.path, self.options = code, path, options
 
 
 def _fake_cupy(free: int, pooled: int) -> types.ModuleType:
@@ -55,6 +57,7 @@ def test_the_cupy_module_text_carries_the_hash_of_every_kernel_file(monkeypatch)
     from gpu_backend.source import KERNEL_DIR, source_hash
 
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(free=1000, pooled=500))
+    monkeypatch.delenv(cupy_backend.CUBIN_DIR_ENV, raising=False)  # compiled, not prebuilt
     dev = cupy_backend.CupyDevice()
     assert source_hash(KERNEL_DIR) in dev.module.code.splitlines()[0]
     assert dev.module.code.endswith((KERNEL_DIR / "attention.cu").read_text())
@@ -70,6 +73,74 @@ def test_free_device_memory_counts_the_pools_unused_blocks(monkeypatch):
 
     monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(free=1000, pooled=500))
     assert cupy_backend.CupyDevice().free_bytes() == 1500
+
+
+def _built(tmp_path, *, source_hash=None, arch="sm_90"):
+    """A cubin directory as compile_check --cubin-dir writes it (write_cubin), from a fake
+    compile of the package's kernels."""
+    from gpu_backend import compile_check
+    from gpu_backend.source import KERNEL_DIR
+
+    report = compile_check.CompileReport(arch, "nvcc", 0.0, {}, (), b"\x7fELF fake cubin")
+    key = (arch, str(KERNEL_DIR.resolve()), compile_check.source_hash(KERNEL_DIR))
+    compile_check._REPORTS[key] = report
+    try:
+        cubin = compile_check.write_cubin(arch, tmp_path / "cubins")
+    finally:
+        del compile_check._REPORTS[key]
+    if source_hash is not None:  # a record of other sources
+        record = json.loads(cubin.with_suffix(".json").read_text())
+        record["source_hash"] = source_hash
+        cubin.with_suffix(".json").write_text(json.dumps(record))
+    return cubin
+
+
+def test_compile_check_writes_the_cubin_and_its_record(tmp_path):
+    from gpu_backend.source import KERNEL_DIR, source_hash
+
+    cubin = _built(tmp_path)
+    assert cubin.name == "attention.sm_90.cubin" and cubin.read_bytes() == b"\x7fELF fake cubin"
+    assert json.loads(cubin.with_suffix(".json").read_text()) == {
+        "source_hash": source_hash(KERNEL_DIR), "arch": "sm_90", "tool": "nvcc"}
+    assert sorted(p.name for p in cubin.parent.iterdir()) == [
+        "attention.sm_90.cubin", "attention.sm_90.json"]  # no temporary file left
+
+
+def test_a_prebuilt_cubin_is_loaded_instead_of_compiling(tmp_path, monkeypatch):
+    """REFATTN_CUBIN_DIR: the module is the cubin's path (CuPy loads it; NVRTC never runs)."""
+    from gpu_backend import cupy_backend
+
+    cubin = _built(tmp_path)
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(free=1000, pooled=0))
+    monkeypatch.setenv(cupy_backend.CUBIN_DIR_ENV, str(cubin.parent))
+    dev = cupy_backend.CupyDevice()
+    assert dev.module.path == str(cubin) and dev.module.code is None
+    assert dev.compile_options == ("prebuilt cubin", str(cubin))
+
+
+@pytest.mark.parametrize("problem,match", [
+    ("other sources", "built from other kernel sources"),
+    ("other arch", "record says arch 'sm_80', expected 'sm_90'"),
+    ("missing", "no attention.sm_90.cubin with its record"),
+    ("bad record", "is unreadable"),
+])
+def test_a_cubin_that_does_not_match_is_refused(tmp_path, monkeypatch, problem, match):
+    from gpu_backend import cupy_backend
+
+    cubin = _built(tmp_path, source_hash="0" * 64 if problem == "other sources" else None)
+    if problem == "other arch":
+        other = _built(tmp_path, arch="sm_80")
+        other.rename(cubin)
+        other.with_suffix(".json").rename(cubin.with_suffix(".json"))
+    elif problem == "missing":
+        cubin.unlink()
+    elif problem == "bad record":
+        cubin.with_suffix(".json").write_text("{not json")
+    monkeypatch.setitem(sys.modules, "cupy", _fake_cupy(free=1000, pooled=0))
+    monkeypatch.setenv(cupy_backend.CUBIN_DIR_ENV, str(cubin.parent))
+    with pytest.raises(refattn.RefAttnError, match=match) as err:
+        cupy_backend.CupyDevice()
+    assert "compile_check --arch sm_90 --cubin-dir" in str(err.value)
 
 
 def _cubin_sections(cubin: bytes) -> list[str]:
