@@ -387,13 +387,16 @@ class _Launch:
             if flags is None or not flags.c_contiguous:
                 raise RefAttnError(f"kernel argument {name}: not a C-contiguous array (the "
                                    f"kernels index rows densely); {kernel} was not launched")
-        if smem > self.device.max_shared_bytes:
-            raise RefAttnError(f"{kernel}: {smem} bytes of shared memory per block exceed "
-                               f"{self.device.name}'s limit of {self.device.max_shared_bytes}; "
-                               "not launched")
+        fn = self.device.get_function(kernel)
+        # the kernel's own __shared__ variables count against the same per-block limit
+        # (CuPy: RawKernel.shared_size_bytes; the emulator's functions have none)
+        static = int(getattr(fn, "shared_size_bytes", 0) or 0)
+        if smem + static > self.device.max_shared_bytes:
+            raise RefAttnError(f"{kernel}: {smem} bytes of dynamic and {static} of static shared "
+                               f"memory per block exceed {self.device.name}'s limit of "
+                               f"{self.device.max_shared_bytes}; not launched")
         table = np.array([self.device.address(self.slots.get(n, dummy)) for n in POINTERS],
                          dtype=np.uint64)
-        fn = self.device.get_function(kernel)
         if smem > 48 * 1024 and hasattr(fn, "max_dynamic_shared_size_bytes"):
             fn.max_dynamic_shared_size_bytes = smem  # CUDA: opt in above 48 KiB
         args = (self.device.to_device(table), self.device.to_device(self.ip),

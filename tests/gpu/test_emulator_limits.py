@@ -128,3 +128,24 @@ def test_shared_memory_past_the_device_at_launch_is_refused():
     L = launch._Launch(dev)
     with pytest.raises(refattn.RefAttnError, match=r"exceed cuda_emulator's limit of 232448"):
         L.run("attention_forward_d32", (1, 1), 128, 232449)
+
+
+def test_the_kernels_static_shared_memory_counts_against_the_limit():
+    """A CuPy function reports its __shared__ variables (RawKernel.shared_size_bytes): dynamic
+    shared memory that fits alone but not beside them is refused before the launch."""
+    dev = EmulatorDevice()
+    L = launch._Launch(dev)
+    launched = []
+
+    class Function:  # as CuPy's RawKernel: static shared bytes, the launch a call
+        shared_size_bytes = 336
+
+        def __call__(self, *args, **kwargs):
+            launched.append(args)
+
+    dev.get_function = lambda name: Function()  # type: ignore[method-assign]
+    with pytest.raises(refattn.RefAttnError,
+                       match=r"232200 bytes of dynamic and 336 of static shared memory per "
+                       r"block exceed cuda_emulator's limit of 232448"):
+        L.run("attention_forward_d32", (1, 1), 128, 232448 - 248)
+    assert launched == []
