@@ -85,8 +85,8 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     const auto g_rows = refattn_rows_a<D>(sG, wr, c.g_o + bh * c.Q * D, row, Q);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
     auto classify = [&](int kb, unsigned* bits) {
-        return refattn_classify<MR, NT, false>(vis, ip, evaluate, b, h, i0, kb * BK, row, t,
-                                                    Q, K, tid, bits);
+        return refattn_classify<MR, NT, false>(vis, ip, evaluate, b, h, i0, kb * BK, row, t, Q,
+                                               K, tid, bits);
     };
     auto load = [&](int kb) {
         const int buf = kb & 1;

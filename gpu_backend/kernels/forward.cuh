@@ -45,8 +45,8 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     const auto q_rows = refattn_rows_a<D>(sQ, wr, c.q + bh * c.Q * D, row, Q);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
     auto classify = [&](int kb, unsigned* bits) {
-        return refattn_classify<MR, NT, false>(vis, ip, evaluate, b, h, i0, kb * BK, row, t,
-                                                    Q, K, tid, bits);
+        return refattn_classify<MR, NT, false>(vis, ip, evaluate, b, h, i0, kb * BK, row, t, Q,
+                                               K, tid, bits);
     };
     auto load = [&](int kb) {
         const int buf = kb & 1;
