@@ -317,9 +317,9 @@ def dense_tile_counts(table: np.ndarray, B: int, Hq: int, Q: int, K: int, block_
             "mask_loads_avoided": int((final * loads).sum())}
 
 
-def _dense_tiles(L: _Launch, P: Plan, kind: str) -> dict[str, int] | None:
+def _dense_tiles(L: _Launch, P: Plan, kind: str) -> Any:
     """For a dense mask (VIS_MODE 1): its class table for ``P``'s tiles into slot VIS_TILES,
-    and what it saves (:func:`dense_tile_counts`).
+    returned (a device array; the forward reports what it saves, :func:`dense_tile_counts`).
 
     Computed over the mask's own extents, then expanded to (B, Hq, row tiles, column tiles)
     bytes, which the kernel indexes without strides (memory estimated first). With sanitised
@@ -349,7 +349,7 @@ def _dense_tiles(L: _Launch, P: Plan, kind: str) -> dict[str, int] | None:
         key0 = table[:, :, 0, :] if keys else table[:, :, :, 0]
         key0[key0 == SKIP] = PARTIAL
     L.slots["VIS_TILES"] = table
-    return dense_tile_counts(L.device.to_host(table), B, Hq, Q, K, P.rows, P.tile, keys)
+    return table
 
 
 @dataclass
@@ -565,7 +565,8 @@ def forward(device: Device, call: AttentionCall, *, materialize: bool = True) ->
         "compile_options": list(device.compile_options),
     }
     if dense_tiles is not None:  # a dense mask's tile classes (per-element loads saved)
-        materialized["dense_tiles"] = dense_tiles
+        materialized["dense_tiles"] = dense_tile_counts(host(dense_tiles), B, Hq, Q, K, P.rows,
+                                                        P.tile)
     extra: dict[str, Any] = {}
     if call.sink is not None:
         extra["sink_probs"] = np.exp(call.sink[None, :, None] - lse)  # (B, Hq, Q)

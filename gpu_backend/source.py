@@ -26,7 +26,7 @@ INSTANCES: dict[str, dict[int, tuple[int, int]]] = {
     "dq": {32: (2, 16), 64: (2, 16), 128: (1, 24), 256: (1, 8)},
     "dkdv": {32: (2, 32), 64: (2, 16), 128: (1, 16), 256: (1, 8)},
 }
-#: the plain instances (forward.cuh's feature switches, F = 0): compiled without the softcap,
+#: the plain instances (call.cuh's feature switches, F = 0): compiled without the softcap,
 #: bias and dropout code, kind -> D -> (MR, tile) as INSTANCES; a call that uses none of those
 #: features runs them (launch.plan), any other call the INSTANCES one ("general"). Only where
 #: the model shows a gain (D = 64, 128), to bound compile time; at D = 128 the plain instance

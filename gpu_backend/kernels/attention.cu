@@ -110,7 +110,7 @@ extern "C" __global__ void attention_forward_d32(REFATTN_ARGS) { refattn_forward
 extern "C" __global__ void attention_forward_d64(REFATTN_ARGS) { refattn_forward<64, 2, 32>(x, ip, rp); }
 extern "C" __global__ void attention_forward_d128(REFATTN_ARGS) { refattn_forward<128, 1, 32>(x, ip, rp); }
 extern "C" __global__ void attention_forward_d256(REFATTN_ARGS) { refattn_forward<256, 1, 8>(x, ip, rp); }
-// the plain forward instances (feature set F = 0: no softcap, bias or dropout code, forward.cuh),
+// the plain forward instances (feature set F = 0: no softcap, bias or dropout code, call.cuh),
 // run for calls without those features; 16-row warps at D = 128 too (the general instance spills
 // there). The general instance at D = 32 has 24-key tiles (32 keys spill 32 bytes on sm_90).
 extern "C" __global__ void attention_forward_plain_d64(REFATTN_ARGS) {

@@ -1,7 +1,6 @@
 // refattn kernels: the recomputing backward, dq over key tiles and dk/dv over query tiles.
 #pragma once
 #include "call.cuh"
-#include "forward.cuh"  // the feature bits REFATTN_F_*
 #include "products.cuh"
 #include "tile_loop.cuh"
 #include "visibility.cuh"
@@ -17,7 +16,7 @@ __device__ __forceinline__ double refattn_quad_sum(double v) {
 // G_Pdrop Z, grad_scores = P (G_P - D), dS = grad_scores times the softcap's slope): dot the
 // Q.K product, gpd = G_Pdrop (G_O . v), bias and z the element's bias line and multiplier
 // (column col), lse and d the query row's log-sum-exp and row contraction D. F: the feature
-// set compiled in (forward.cuh's REFATTN_F_*); without a bit the element holds none of that
+// set compiled in (call.cuh's REFATTN_F_*); without a bit the element holds none of that
 // feature's code (the plain instances, F = 0: no softcap, bias or dropout)
 struct RefattnGradElement {
     double p, z, gp, g_s, ds;
@@ -55,7 +54,7 @@ __device__ __forceinline__ void refattn_store_row(double* row, int t, double sca
 // grid (ceil(Q / BQ), B * Hq), 128 threads: dq (B,Hq,Q,D) = fq sum_j dS k, dS = P (G_P - D)
 // times the softcap slope, the bias gradient of modes 1 (per element) and 3 (summed over keys),
 // and row_dot (B,Hq,Q) = sum_j P G_P as a by-product (the sink's gradient). Products per tile:
-// S = Q K^T, dP = G_O V^T, dQ += dS K. F: the feature set compiled in (forward.cuh; F = 0, the
+// S = Q K^T, dP = G_O V^T, dQ += dS K. F: the feature set compiled in (call.cuh; F = 0, the
 // plain instance, has no softcap, bias, bias gradient or dropout code).
 template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL>
 __device__ void refattn_dq(const unsigned long long* x, const long long* ip, const double* rp) {

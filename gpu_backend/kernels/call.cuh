@@ -54,9 +54,22 @@ __device__ __forceinline__ RefattnCall refattn_call(const unsigned long long* x,
     return c;
 }
 
+// Feature switches (FlashAttention-2's SOFTCAP_SWITCH / BOOL_SWITCH on Is_softcap, Is_dropout,
+// Has_alibi): F is a set of REFATTN_F_* bits, and an instance compiled without a bit holds none
+// of that feature's code (its per-element work: the softcap's tanh and division, the bias loads,
+// the dropout multipliers). launch.plan runs a call on an instance whose F covers the features
+// the call uses (gpu_backend/source.py PLAIN: F = 0, for calls with no softcap, bias or
+// dropout); REFATTN_F_ALL is the general instance, which serves every call.
+enum : unsigned {
+    REFATTN_F_SOFTCAP = 1u,
+    REFATTN_F_BIAS = 2u,
+    REFATTN_F_DROPOUT = 4u,
+    REFATTN_F_ALL = 7u,
+};
+
 // scores = post * dot, then c * tanh(scores / c) with a softcap; *capped gets the softcap's
 // input (the scaled score before the cap). SOFTCAP false (an instance compiled without the
-// softcap, forward.cuh's feature sets) holds no softcap code.
+// softcap: the feature sets above) holds no softcap code.
 template <bool SOFTCAP = true>
 __device__ __forceinline__ double refattn_score(const RefattnCall& c, double dot,
                                                 double* capped_input) {

@@ -5,19 +5,6 @@
 #include "tile_loop.cuh"
 #include "visibility.cuh"
 
-// Feature switches (FlashAttention-2's SOFTCAP_SWITCH / BOOL_SWITCH on Is_softcap, Is_dropout,
-// Has_alibi): F is a set of REFATTN_F_* bits, and an instance compiled without a bit holds none
-// of that feature's code (its per-element work: the softcap's tanh and division, the bias loads,
-// the dropout multipliers). launch.plan runs a call on an instance whose F covers the features
-// the call uses (gpu_backend/source.py PLAIN: F = 0, for calls with no softcap, bias or
-// dropout); REFATTN_F_ALL is the general instance, which serves every call.
-enum : unsigned {
-    REFATTN_F_SOFTCAP = 1u,
-    REFATTN_F_BIAS = 2u,
-    REFATTN_F_DROPOUT = 4u,
-    REFATTN_F_ALL = 7u,
-};
-
 template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL>
 __device__ void refattn_forward(const unsigned long long* x, const long long* ip,
                                 const double* rp) {
