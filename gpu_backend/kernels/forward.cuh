@@ -5,21 +5,31 @@
 #include "tile_loop.cuh"
 #include "visibility.cuh"
 
-template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL>
+// SPLIT = 2 pairs the warps (FlashAttention-2's 8-row warps would read the streamed K and V
+// for only 8 rows each, 1 byte per FMA at least): warps 2 p and 2 p + 1 own the same 16 rows
+// (MR = 2 each; the block's BQ = 32 MR rows are unchanged), the first half of the tile's keys
+// (S) and of O's columns (P V) going to the even warp, the second halves to the odd one. The
+// pair swaps its tile row maxima and its P~ Z halves through shared memory (the tile's K buffer,
+// free once every S is computed: two more barriers per tile) and its row sums at the end, so
+// each lane keeps no more than an 8-row warp's accumulators while every K and V double it reads
+// feeds 16 rows.
+template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL, int SPLIT = 1>
 __device__ void refattn_forward(const unsigned long long* x, const long long* ip,
                                 const double* rp) {
-    constexpr int BQ = 8 * MR * REFATTN_WARPS, NT = BK / 8, DT = D / 8, W = 2 * MR;
+    static_assert(SPLIT == 1 || (SPLIT == 2 && MR == 1 && BK % 16 == 0 && D % 16 == 0),
+                  "a warp pair splits 16-key and 8-column n-tile pairs of 8-row warps' tiles");
+    constexpr int BQ = 8 * MR * REFATTN_WARPS, NT = BK / 8, DT = D / 8;
+    // per warp: MRW row blocks, NTW n-tiles of S (the pair's half of the keys, from column CW),
+    // DTW n-tiles of O (its half of the columns)
+    constexpr int MRW = MR * SPLIT, NTW = NT / SPLIT, DTW = DT / SPLIT, W = 2 * MRW;
     constexpr bool SOFTCAP = (F & REFATTN_F_SOFTCAP) != 0, BIAS = (F & REFATTN_F_BIAS) != 0,
                    DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     REFATTN_DYNAMIC_SHARED(double, smem);
     const RefattnCall c = refattn_call(x, ip, rp);
     const RefattnVisibility vis = refattn_visibility(x, ip);
-    double* out = reinterpret_cast<double*>(x[X_OUT]);
-    double* lse = reinterpret_cast<double*>(x[X_LSE]);
-    double* row_max = reinterpret_cast<double*>(x[X_ROW_MAX]);
-    long long* tiles = reinterpret_cast<long long*>(x[X_TILES]);
-    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int wr = (tid >> 5) * 8 * MR;
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3, warp = tid >> 5;
+    const int half = SPLIT == 1 ? 0 : warp & 1;  // the warp's half of its pair's tile
+    const int wr = (warp / SPLIT) * 8 * MRW, cw = half * 8 * NTW, ow = half * 8 * DTW;
     const long long bh = blockIdx.y, b = bh / c.Hq, h = bh % c.Hq, hk = c.head_map[h];
     const int Q = static_cast<int>(c.Q), K = static_cast<int>(c.K);
     const int i0 = static_cast<int>(blockIdx.x) * BQ, row = i0 + wr + g;
@@ -29,71 +39,99 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     auto sQ = smem;                     // BQ x D (none when AG)
     auto sK = sQ + (AG ? 0 : BQ * D);   // 2 x BK x D
     auto sV = sK + 2 * BK * D;          // 2 x BK x D
+    // a pair's exchange of row statistics (SPLIT = 2): warp w's value of its row 8 mr + g
+    __shared__ double pair_rows[SPLIT == 1 ? 1 : REFATTN_WARPS][8 * MRW];
     const auto q_rows = refattn_rows_a<D>(sQ, wr, c.q + bh * c.Q * D, row, Q);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
     auto classify = [&](int kb, unsigned* bits) {
-        return refattn_classify<MR, NT, false>(vis, ip, evaluate, b, h, i0, kb * BK, row, t, Q,
-                                               K, tid, bits);
+        return refattn_classify<MRW, NTW, false, BQ, BK>(vis, ip, evaluate, b, h, i0, kb * BK,
+                                                         row, t, Q, K, tid, bits, cw);
     };
     auto load = [&](int kb) {
         const int buf = kb & 1;
         refattn_load_tile_async<BK, D, REFATTN_THREADS>(sK + buf * BK * D, kmat, kb * BK, K, tid);
         refattn_load_tile_async<BK, D, REFATTN_THREADS>(sV + buf * BK * D, vmat, kb * BK, K, tid);
     };
+    // the partner warp's value of each of the lane's rows (every lane writes and reads; a
+    // barrier before the read, and the tile loop's barriers or the next call's first one before
+    // the slots are written again)
+    auto partner = [&](double* v) {
+        if constexpr (SPLIT == 2) {
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MRW; ++mr) pair_rows[warp][8 * mr + g] = v[mr];
+            __syncthreads();
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MRW; ++mr) v[mr] = pair_rows[warp ^ 1][8 * mr + g];
+        }
+    };
 
     if (!AG) refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sQ, c.q + bh * c.Q * D, i0, Q, tid);
-    double o[DT * W];
+    double o[DTW * W];
     REFATTN_UNROLL
-    for (int e = 0; e < DT * W; ++e) o[e] = 0.0;
-    // the running max and sum of the lane's rows; the sink logit joins every row's support
-    double m[MR], l[MR];
+    for (int e = 0; e < DTW * W; ++e) o[e] = 0.0;
+    // the running max and sum of the lane's rows; the sink logit joins every row's support (its
+    // exp(0) = 1 counted once: by the pair's first warp)
+    double m[MRW], l[MRW];
     REFATTN_UNROLL
-    for (int mr = 0; mr < MR; ++mr) {
+    for (int mr = 0; mr < MRW; ++mr) {
         m[mr] = c.has_sink ? c.sink[h] : refattn_neg_inf();
-        l[mr] = c.has_sink ? 1.0 : 0.0;
+        l[mr] = c.has_sink && half == 0 ? 1.0 : 0.0;
     }
     const double none = refattn_neg_inf();
     long long done = 0, skipped = 0;
     const int nkb = (K + BK - 1) / BK;
     // tile kb (and Q, copied before the loop) landed; cls FULL or PARTIAL
     auto compute = [&](int kb, int cls, unsigned bits) {
-        const int j0 = kb * BK, buf = kb & 1;
-        double s[NT * W];
+        const int j0 = kb * BK + cw, buf = kb & 1;  // j0: the warp's first key
+        double s[NTW * W];
         REFATTN_UNROLL
-        for (int e = 0; e < NT * W; ++e) s[e] = 0.0;
-        refattn_mma_abt<D, MR, NT>(s, q_rows, sK + buf * BK * D, g, t);  // S = Q K^T
-        const unsigned keep = DROPOUT && c.drop_mode == 2
-                                  ? refattn_keep_bits_rows<MR, NT>(c, bh, row, j0, t)
-                                  : 0u;
+        for (int e = 0; e < NTW * W; ++e) s[e] = 0.0;
+        refattn_mma_abt<D, MRW, NTW>(s, q_rows, sK + buf * BK * D + cw * D, g, t);  // S = Q K^T
         const bool bias = BIAS && c.has_bias;
+        double tile_max[MRW];
         REFATTN_UNROLL
-        for (int mr = 0; mr < MR; ++mr) {
-            // the bias and Z lines of row i (the last row for a row past Q, whose results are
-            // never stored); a column past K (a tail tile's) reads column K - 1 and is masked
-            // below (a tail tile is PARTIAL, its column bits 0), so no load is predicated
+        for (int mr = 0; mr < MRW; ++mr) {
+            // the bias line of row i (the last row for a row past Q, whose results are never
+            // stored); a column past K (a tail tile's) reads column K - 1 and is masked below (a
+            // tail tile is PARTIAL, its column bits 0), so no load is predicated
             const int i = row + 8 * mr < Q ? row + 8 * mr : Q - 1;
             const RefattnLine bias_i =
                 BIAS ? refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, i) : RefattnLine{};
-            const RefattnLine z_i =
-                DROPOUT ? refattn_line<false>(c.z, ip, P_Z_S0, b, h, i) : RefattnLine{};
-            double tile_max = none;
+            tile_max[mr] = none;
             REFATTN_UNROLL
-            for (int nt = 0; nt < NT; ++nt) {
+            for (int nt = 0; nt < NTW; ++nt) {
                 REFATTN_UNROLL
                 for (int sb = 0; sb < 2; ++sb) {
                     const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
                     double capped;  // alpha, a softcap c tanh(v / c); then the bias
                     double v = refattn_score<SOFTCAP>(c, s[e], &capped);
                     if (bias) v += bias_i.at(j < K ? j : K - 1);
-                    const int bit = (nt * MR + mr) * 2 + sb;
+                    const int bit = (nt * MRW + mr) * 2 + sb;
                     if (cls == REFATTN_PARTIAL && !((bits >> bit) & 1u)) v = none;
                     s[e] = v;  // visibility after the bias
-                    tile_max = fmax(tile_max, v);
+                    tile_max[mr] = fmax(tile_max[mr], v);
                 }
             }
-            tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
-            tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
-            const double m_new = fmax(m[mr], tile_max);
+            tile_max[mr] = fmax(tile_max[mr], __shfl_xor_sync(0xffffffffu, tile_max[mr], 1));
+            tile_max[mr] = fmax(tile_max[mr], __shfl_xor_sync(0xffffffffu, tile_max[mr], 2));
+        }
+        if constexpr (SPLIT == 2) {  // the maximum over the whole tile row
+            double other[MRW];
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MRW; ++mr) other[mr] = tile_max[mr];
+            partner(other);  // (its barrier also frees this K buffer: every S is computed)
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MRW; ++mr) tile_max[mr] = fmax(tile_max[mr], other[mr]);
+        }
+        const unsigned keep = DROPOUT && c.drop_mode == 2
+                                  ? refattn_keep_bits_rows<MRW, NTW>(c, bh, row, j0, t)
+                                  : 0u;
+        REFATTN_UNROLL
+        for (int mr = 0; mr < MRW; ++mr) {
+            const int i = row + 8 * mr < Q ? row + 8 * mr : Q - 1;
+            const RefattnLine z_i =
+                DROPOUT ? refattn_line<false>(c.z, ip, P_Z_S0, b, h, i) : RefattnLine{};
+            const double m_new = fmax(m[mr], tile_max[mr]);
             const double corr =
                 m_new == none ? 1.0 : (m[mr] == none ? 0.0 : refattn_exp(m[mr] - m_new));
             // exp(-inf - m) = 0 for a masked score; a row with nothing visible yet subtracts 0
@@ -101,7 +139,7 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
             const double m_use = m_new == none ? 0.0 : m_new;
             double part = 0.0;
             REFATTN_UNROLL
-            for (int nt = 0; nt < NT; ++nt) {
+            for (int nt = 0; nt < NTW; ++nt) {
                 REFATTN_UNROLL
                 for (int sb = 0; sb < 2; ++sb) {
                     const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
@@ -109,39 +147,73 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
                     part += p;
                     if (DROPOUT && c.drop_mode != 0)  // Z: a Philox keep bit, or dense Z
                         p *= c.drop_mode == 2
-                                 ? ((keep >> ((nt * MR + mr) * 2 + sb)) & 1u ? c.keep : 0.0)
+                                 ? ((keep >> ((nt * MRW + mr) * 2 + sb)) & 1u ? c.keep : 0.0)
                                  : z_i.at(j < K ? j : K - 1);
                     s[e] = p;  // P~ Z
                 }
             }
             part += __shfl_xor_sync(0xffffffffu, part, 1);
             part += __shfl_xor_sync(0xffffffffu, part, 2);
-            l[mr] = l[mr] * corr + part;
+            l[mr] = l[mr] * corr + part;  // (with SPLIT, over the warp's keys only)
             m[mr] = m_new;
             REFATTN_UNROLL
-            for (int dt = 0; dt < DT; ++dt) {
+            for (int dt = 0; dt < DTW; ++dt) {
                 o[dt * W + 2 * mr] *= corr;
                 o[dt * W + 2 * mr + 1] *= corr;
             }
         }
-        refattn_mma_pb<D, MR, NT>(o, s, sV + buf * BK * D, g, t);  // O += P~ Z V
+        if constexpr (SPLIT == 1) {
+            refattn_mma_pb<D, MRW, NTW>(o, s, sV + buf * BK * D, g, t);  // O += P~ Z V
+        } else {
+            // both halves of the pair's P~ Z, in fragment order in the K buffer (warp w's half
+            // at w NTW 32 W: 16-byte accesses), then O's columns ow .. += P~ Z V, keys ascending
+            auto sP = sK + buf * BK * D;
+            REFATTN_UNROLL
+            for (int e = 0; e < NTW * W; ++e) sP[(warp * NTW * 32 + lane) * W + e] = s[e];
+            __syncthreads();
+            REFATTN_UNROLL
+            for (int k = 0; k < SPLIT; ++k) {
+                const int w = (warp & ~1) + k;
+                REFATTN_UNROLL
+                for (int nt = 0; nt < NTW; ++nt) {
+                    REFATTN_UNROLL
+                    for (int e = 0; e < W; ++e)
+                        s[nt * W + e] = sP[((w * NTW + nt) * 32 + lane) * W + e];
+                }
+                refattn_mma_pb<D, MRW, NTW, 0, DTW>(o, s, sV + buf * BK * D + k * 8 * NTW * D + ow,
+                                                    g, t);
+            }
+        }
     };
     refattn_set_table_row<BQ, BK, false>(vis, b, h, i0, Q, K, tid);
     refattn_tile_loop(nkb, classify, load, compute, &done, &skipped);
+    if constexpr (SPLIT == 2) {  // the row sums over both halves of the keys
+        double other[MRW];
+        REFATTN_UNROLL
+        for (int mr = 0; mr < MRW; ++mr) other[mr] = l[mr];
+        partner(other);
+        REFATTN_UNROLL
+        for (int mr = 0; mr < MRW; ++mr) l[mr] += other[mr];
+    }
+    double* out = reinterpret_cast<double*>(x[X_OUT]);  // (read here: no register held)
+    double* lse = reinterpret_cast<double*>(x[X_LSE]);
+    double* row_max = reinterpret_cast<double*>(x[X_ROW_MAX]);
+    long long* tiles = reinterpret_cast<long long*>(x[X_TILES]);
+    const auto* query_valid = reinterpret_cast<const unsigned char*>(x[X_QUERY_VALID]);
     REFATTN_UNROLL
-    for (int mr = 0; mr < MR; ++mr) {
+    for (int mr = 0; mr < MRW; ++mr) {
         const int i = row + 8 * mr;
         if (i >= Q) continue;
-        const bool used = c.query_valid[b * c.Q + i] != 0;
+        const bool used = query_valid[b * c.Q + i] != 0;
         const double inv_l = 1.0 / l[mr];  // O / l as refattn_div: one division per row
-        double* orow = out + (bh * c.Q + i) * D;
+        double* orow = out + (bh * c.Q + i) * D + ow;
         REFATTN_UNROLL
-        for (int dt = 0; dt < DT; ++dt) {
+        for (int dt = 0; dt < DTW; ++dt) {
             orow[8 * dt + 2 * t] = used ? refattn_div(o[dt * W + 2 * mr], l[mr], inv_l) : 0.0;
             orow[8 * dt + 2 * t + 1] =
                 used ? refattn_div(o[dt * W + 2 * mr + 1], l[mr], inv_l) : 0.0;
         }
-        if (t == 0) {
+        if (t == 0 && half == 0) {
             lse[bh * c.Q + i] = m[mr] + log(l[mr]);
             row_max[bh * c.Q + i] = m[mr];
         }

@@ -207,18 +207,19 @@ __device__ __forceinline__ int refattn_tile_class(bool evaluate, int any, int al
 }
 
 // the class of a streamed tile, and the lane's visibility bits when it is PARTIAL: the block's
-// rows r0 .. r0 + 32 MR - 1 (queries, or keys when ROWS_ARE_KEYS) against the tile's columns
-// c0 .. c0 + 8 NT - 1; the lane's rows start at `row`, its columns at c0 + 2 t. With a relation
+// BR rows r0 .. r0 + BR - 1 (queries, or keys when ROWS_ARE_KEYS) against the tile's BC columns
+// c0 .. c0 + BC - 1; the lane's MR row blocks start at `row`, its NT n-tiles at column
+// c0 + cw + 2 t (cw: the warp's first column of the tile, 0 unless a warp pair splits the
+// tile's columns, forward.cuh). With a relation
 // the tile is first bounded from its coordinates (SKIP and FULL are final, but a column tail is
 // never FULL); with a dense mask its class is read from the host's table (the block's row set
 // by refattn_set_table_row; SKIP and FULL final); otherwise, or when that class is PARTIAL, it
 // is evaluated per element and voted. Every thread of the block calls it.
-template <int MR, int NT, bool ROWS_ARE_KEYS>
+template <int MR, int NT, bool ROWS_ARE_KEYS, int BR = 8 * MR * REFATTN_WARPS, int BC = 8 * NT>
 __device__ __forceinline__ int refattn_classify(const RefattnVisibility& vis, const long long* ip,
                                                 bool evaluate, long long b, long long h, int r0,
                                                 int c0, int row, int t, int Q, int K, int tid,
-                                                unsigned* bits) {
-    constexpr int BR = 8 * MR * REFATTN_WARPS, BC = 8 * NT;
+                                                unsigned* bits, int cw = 0) {
     const int cols = ROWS_ARE_KEYS ? Q : K;
     const bool tail = c0 + BC > cols;
     if (!evaluate && !tail) return REFATTN_FULL;  // no mask, every column in range
@@ -236,8 +237,8 @@ __device__ __forceinline__ int refattn_classify(const RefattnVisibility& vis, co
         if (cls != REFATTN_PARTIAL) return cls;
     }
     int any, all;
-    *bits = refattn_tile_bits<MR, NT, ROWS_ARE_KEYS>(vis, ip, evaluate, b, h, row, c0 + 2 * t, Q,
-                                                     K, &any, &all);
+    *bits = refattn_tile_bits<MR, NT, ROWS_ARE_KEYS>(vis, ip, evaluate, b, h, row,
+                                                     c0 + cw + 2 * t, Q, K, &any, &all);
     return refattn_tile_class(evaluate, any, all, tail);
 }
 
