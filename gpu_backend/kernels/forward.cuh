@@ -165,11 +165,14 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
         if constexpr (SPLIT == 1) {
             refattn_mma_pb<D, MRW, NTW>(o, s, sV + buf * BK * D, g, t);  // O += P~ Z V
         } else {
-            // both halves of the pair's P~ Z, in fragment order in the K buffer (warp w's half
-            // at w NTW 32 W: 16-byte accesses), then O's columns ow .. += P~ Z V, keys ascending
+            // both halves of the pair's P~ Z, in fragment order in the K buffer (n-tile nt of
+            // warp w at (w NTW + nt) 32 W, 16-byte accesses), then O's columns ow .. += P~ Z V, keys ascending
             auto sP = sK + buf * BK * D;
             REFATTN_UNROLL
-            for (int e = 0; e < NTW * W; ++e) sP[(warp * NTW * 32 + lane) * W + e] = s[e];
+            for (int nt = 0; nt < NTW; ++nt) {
+                REFATTN_UNROLL
+                for (int e = 0; e < W; ++e) sP[((warp * NTW + nt) * 32 + lane) * W + e] = s[nt * W + e];
+            }
             __syncthreads();
             REFATTN_UNROLL
             for (int k = 0; k < SPLIT; ++k) {

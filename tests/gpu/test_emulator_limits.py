@@ -23,7 +23,7 @@ H100_SHARED = 232448  # of an H100 / H200 (227 KiB)
 def test_the_instance_table_matches_the_entry_points():
     src = (KERNEL_DIR / "attention.cu").read_text()
     entries = re.findall(r'void attention_(\w+)_d(\d+)\(REFATTN_ARGS\) \{ refattn_\1<(\d+), '
-                         r'(\d+), (\d+)>', src)
+                         r'(\d+), (\d+)(?:, \w+)*>', src)
     table = {(k, int(d)): (int(mr), int(tile)) for k, d, dd, mr, tile in entries
              if int(d) == int(dd)}
     assert len(table) == len(entries)

@@ -1,0 +1,89 @@
+"""The general forward at D = 128 on warp pairs (forward.cuh, SPLIT = 2): the two warps of a pair
+own the same 16 query rows, split the tile's keys for S and O's columns for P V, and swap
+their row maxima, P~ Z halves and row sums through shared memory. Every feature that touches
+those (the sink's share of the row sum, rows with nothing visible yet, a tail tile, dense and
+Philox dropout, masks, query_valid) against the NumPy reference on the CPU emulator, and the
+emulator catching the pair's missing barrier."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+import refattn
+from gpu_backend import launch
+from gpu_backend.emulator_backend import EmulatorDevice
+from refattn.dropout import Philox
+from refattn.masks import causal
+from tests.gpu.test_emulator import _mutated, assert_matches_reference
+
+Q, K = 45, 100  # 2 query blocks of 32 rows (the second ends inside it), 4 key tiles (a tail)
+
+
+def _block_sparse() -> np.ndarray:
+    """Blocks of 32 queries x 40 keys plus each query's first 3 keys; rows 5-8 see nothing."""
+    qi, kj = np.arange(Q)[:, None], np.arange(K)[None, :]
+    vis = (qi // 32 == kj // 40) | (kj < 3)
+    vis[5:9] = False
+    return vis
+
+
+def _call(kind: str, rng: np.random.Generator) -> refattn.AttentionCall:
+    q = rng.standard_normal((1, 2, Q, 100))
+    k = rng.standard_normal((1, 1, K, 100))
+    v = rng.standard_normal((1, 1, K, 128))
+    sink = np.array([0.5, -1.0])
+    if kind == "dense":  # a dense mask, dense dropout multipliers, sanitised rows
+        vis = _block_sparse()
+        z = (rng.random((1, 2, Q, K)) >= 0.25) / 0.75
+        return refattn.AttentionCall(q, k, v, visible=vis, dropout=z, sink=sink,
+                                     bias=rng.standard_normal((1, 2, Q, K)),
+                                     all_masked_rows="sanitize_then_zero_invalid_query",
+                                     query_valid=vis.any(axis=1)[None, None, :, None])
+    # a relation (the first rows see no key before the diagonal's tiles), Philox, softcap
+    return refattn.AttentionCall(q, k, v, visible=causal(Q, K, alignment="upper_left"),
+                                 dropout=Philox(0.2, 13), sink=sink, softcap=4.0,
+                                 bias=rng.standard_normal((1, 1, 1, K)))
+
+
+@pytest.mark.parametrize("kind", ["dense", "relation"])
+def test_the_d128_forward_on_warp_pairs_matches_the_reference(kind):
+    rng = np.random.default_rng(128)
+    call = _call(kind, rng)
+    g_o = rng.standard_normal((1, 2, Q, 128))
+    t = refattn.forward(call, backend="cuda_emulator", materialize=False)
+    assert (t.materialized["head_width"], t.materialized["block_q"]) == (128, 32)
+    assert t.materialized["block_k"] == 32
+    g = refattn.backward(t, g_o)
+    assert_matches_reference(call, g_o, t, g, f"pairs {kind}")
+    again = refattn.forward(call, backend="cuda_emulator", materialize=False)
+    for name, value in t.tensors().items():  # bit-identical run to run
+        np.testing.assert_array_equal(again.tensors()[name], value, err_msg=name)
+
+
+def _outputs(directory, call, seeds=(0, 1, 2)) -> list[np.ndarray]:
+    return [launch.forward(EmulatorDevice(directory, debug=True, seed=s), call,
+                           materialize=False).output for s in seeds]
+
+
+def test_a_missing_pair_barrier_is_caught(tmp_path):
+    """Mutation: without the barrier between the pair's P~ Z writes and its reads, a warp
+    reads its partner's half before it is written (the K values still in the buffer)."""
+    d = _mutated(tmp_path, "            }\n            __syncthreads();\n            REFATTN_UNROLL\n"
+                           "            for (int k = 0; k < SPLIT; ++k) {",
+                 "            }\n            REFATTN_UNROLL\n"
+                 "            for (int k = 0; k < SPLIT; ++k) {", "forward.cuh")
+    call = _call("relation", np.random.default_rng(1))
+    ref = refattn.forward(call).output
+    outs = _outputs(d, call)
+    assert any(not np.allclose(o, ref, rtol=1e-12, atol=1e-12) for o in outs)
+
+
+def test_the_sink_counted_by_both_warps_of_a_pair_is_caught(tmp_path):
+    """Mutation: the sink's exp(0) = 1 joins the row sum once; counted by both warps of the
+    pair, every row's sum is 1 too large and the output too small."""
+    d = _mutated(tmp_path, "l[mr] = c.has_sink && half == 0 ? 1.0 : 0.0;",
+                 "l[mr] = c.has_sink ? 1.0 : 0.0;", "forward.cuh")
+    call = _call("relation", np.random.default_rng(2))
+    out = _outputs(d, call, (0,))[0]
+    assert not np.allclose(out, refattn.forward(call).output, rtol=1e-12, atol=1e-12)
