@@ -97,7 +97,8 @@ __device__ void refattn_trace_backward(const unsigned long long* x, const long l
 }
 
 // -- entry points ---------------------------------------------------------------------------------
-// instances <D, MR, BK or BQ2>: 8 MR rows per warp; source.py INSTANCES holds the same table
+// instances <D, MR, BK or BQ2>: 8 MR rows per warp (the general forward at D = 128: warp
+// pairs, SPLIT = 2 in forward.cuh); source.py INSTANCES holds the same table
 // (a test compares). The tiles are chosen for 0 spills (ptxas, sm_80 and sm_90) and every block up to
 // D = 128 within an A100's 163 KiB: dq keeps S and dP (2 x BK / 8 x 2 MR doubles per lane) beside its
 // dQ accumulator (24-key tiles at D = 128: 160 KiB); dk/dv keeps dV in shared memory

@@ -27,6 +27,10 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     REFATTN_DYNAMIC_SHARED(double, smem);
     const RefattnCall c = refattn_call(x, ip, rp);
     const RefattnVisibility vis = refattn_visibility(x, ip);
+    double* out = reinterpret_cast<double*>(x[X_OUT]);
+    double* lse = reinterpret_cast<double*>(x[X_LSE]);
+    double* row_max = reinterpret_cast<double*>(x[X_ROW_MAX]);
+    long long* tiles = reinterpret_cast<long long*>(x[X_TILES]);
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3, warp = tid >> 5;
     const int half = SPLIT == 1 ? 0 : warp & 1;  // the warp's half of its pair's tile
     const int wr = (warp / SPLIT) * 8 * MRW, cw = half * 8 * NTW, ow = half * 8 * DTW;
@@ -88,16 +92,20 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
         for (int e = 0; e < NTW * W; ++e) s[e] = 0.0;
         refattn_mma_abt<D, MRW, NTW>(s, q_rows, sK + buf * BK * D + cw * D, g, t);  // S = Q K^T
         const bool bias = BIAS && c.has_bias;
-        double tile_max[MRW];
-        REFATTN_UNROLL
-        for (int mr = 0; mr < MRW; ++mr) {
+        unsigned keep = 0;  // the Philox keep bits (drop mode 2)
+        auto draw = [&] {
+            if (DROPOUT && c.drop_mode == 2)
+                keep = refattn_keep_bits_rows<MRW, NTW>(c, bh, row, j0, t);
+        };
+        // row block mr's scores (softcap, bias, visibility) in place; returns its tile max
+        auto scores = [&](int mr) {
             // the bias line of row i (the last row for a row past Q, whose results are never
             // stored); a column past K (a tail tile's) reads column K - 1 and is masked below (a
             // tail tile is PARTIAL, its column bits 0), so no load is predicated
             const int i = row + 8 * mr < Q ? row + 8 * mr : Q - 1;
             const RefattnLine bias_i =
                 BIAS ? refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, i) : RefattnLine{};
-            tile_max[mr] = none;
+            double tile_max = none;
             REFATTN_UNROLL
             for (int nt = 0; nt < NTW; ++nt) {
                 REFATTN_UNROLL
@@ -109,29 +117,18 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
                     const int bit = (nt * MRW + mr) * 2 + sb;
                     if (cls == REFATTN_PARTIAL && !((bits >> bit) & 1u)) v = none;
                     s[e] = v;  // visibility after the bias
-                    tile_max[mr] = fmax(tile_max[mr], v);
+                    tile_max = fmax(tile_max, v);
                 }
             }
-            tile_max[mr] = fmax(tile_max[mr], __shfl_xor_sync(0xffffffffu, tile_max[mr], 1));
-            tile_max[mr] = fmax(tile_max[mr], __shfl_xor_sync(0xffffffffu, tile_max[mr], 2));
-        }
-        if constexpr (SPLIT == 2) {  // the maximum over the whole tile row
-            double other[MRW];
-            REFATTN_UNROLL
-            for (int mr = 0; mr < MRW; ++mr) other[mr] = tile_max[mr];
-            partner(other);  // (its barrier also frees this K buffer: every S is computed)
-            REFATTN_UNROLL
-            for (int mr = 0; mr < MRW; ++mr) tile_max[mr] = fmax(tile_max[mr], other[mr]);
-        }
-        const unsigned keep = DROPOUT && c.drop_mode == 2
-                                  ? refattn_keep_bits_rows<MRW, NTW>(c, bh, row, j0, t)
-                                  : 0u;
-        REFATTN_UNROLL
-        for (int mr = 0; mr < MRW; ++mr) {
+            tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
+            return fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
+        };
+        // row block mr's P~ Z in place, its running max and sum, and O rescaled
+        auto softmax = [&](int mr, double tile_max) {
             const int i = row + 8 * mr < Q ? row + 8 * mr : Q - 1;
             const RefattnLine z_i =
                 DROPOUT ? refattn_line<false>(c.z, ip, P_Z_S0, b, h, i) : RefattnLine{};
-            const double m_new = fmax(m[mr], tile_max[mr]);
+            const double m_new = fmax(m[mr], tile_max);
             const double corr =
                 m_new == none ? 1.0 : (m[mr] == none ? 0.0 : refattn_exp(m[mr] - m_new));
             // exp(-inf - m) = 0 for a masked score; a row with nothing visible yet subtracts 0
@@ -161,6 +158,19 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
                 o[dt * W + 2 * mr] *= corr;
                 o[dt * W + 2 * mr + 1] *= corr;
             }
+        };
+        if constexpr (SPLIT == 1) {
+            draw();
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MRW; ++mr) softmax(mr, scores(mr));
+        } else {  // the pair's maximum over the whole tile row first
+            double tile_max[MRW], other[MRW];
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MRW; ++mr) other[mr] = tile_max[mr] = scores(mr);
+            partner(other);  // (its barrier also frees this K buffer: every S is computed)
+            draw();  // (drawn before S, sm_90 spilled 4-8 bytes)
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MRW; ++mr) softmax(mr, fmax(tile_max[mr], other[mr]));
         }
         if constexpr (SPLIT == 1) {
             refattn_mma_pb<D, MRW, NTW>(o, s, sV + buf * BK * D, g, t);  // O += P~ Z V
@@ -198,16 +208,11 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
         REFATTN_UNROLL
         for (int mr = 0; mr < MRW; ++mr) l[mr] += other[mr];
     }
-    double* out = reinterpret_cast<double*>(x[X_OUT]);  // (read here: no register held)
-    double* lse = reinterpret_cast<double*>(x[X_LSE]);
-    double* row_max = reinterpret_cast<double*>(x[X_ROW_MAX]);
-    long long* tiles = reinterpret_cast<long long*>(x[X_TILES]);
-    const auto* query_valid = reinterpret_cast<const unsigned char*>(x[X_QUERY_VALID]);
     REFATTN_UNROLL
     for (int mr = 0; mr < MRW; ++mr) {
         const int i = row + 8 * mr;
         if (i >= Q) continue;
-        const bool used = query_valid[b * c.Q + i] != 0;
+        const bool used = c.query_valid[b * c.Q + i] != 0;
         const double inv_l = 1.0 / l[mr];  // O / l as refattn_div: one division per row
         double* orow = out + (bh * c.Q + i) * D + ow;
         REFATTN_UNROLL
