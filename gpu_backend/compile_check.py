@@ -26,7 +26,7 @@ from pathlib import Path
 
 from gpu_backend import banks
 from gpu_backend.sass import KernelCounts, LoopCounts, disassemble, kernel_counts, parse
-from gpu_backend.source import KERNEL_DIR, KERNELS, MAIN, source_hash, translation_unit
+from gpu_backend.source import FEATURE_SETS, KERNEL_DIR, KERNELS, MAIN, source_hash, translation_unit
 from refattn.errors import RefAttnError
 
 __all__ = ["ARCH_SHARED_BYTES", "CompileReport", "KernelResources", "compile_report",
@@ -217,12 +217,15 @@ _PAD = re.compile(r"(?:constexpr\s+(?:int|unsigned)\s+|#define\s+)(\w*PAD\w*)\s*
 
 def kernel_features(name: str) -> str:
     """The feature set of a hot kernel's entry point (``source.kernel_name``): ``"plain"``
-    (compiled without softcap, bias and dropout) or ``"general"`` (every feature).
+    (compiled without softcap, bias and dropout), ``"wide"`` (every feature, larger tiles for
+    devices with more shared memory) or ``"general"`` (every feature).
 
     >>> kernel_features("attention_forward_plain_d64"), kernel_features("attention_dq_d64")
     ('plain', 'general')
+    >>> kernel_features("attention_dq_wide_d128")
+    'wide'
     """
-    return "plain" if "_plain_" in name else "general"
+    return next((f for f in FEATURE_SETS if f != "general" and f"_{f}_" in name), "general")
 
 
 def kernel_shared_bytes(name: str) -> int | None:

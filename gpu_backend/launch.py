@@ -102,7 +102,7 @@ class Plan:
     rows: int  # query rows (forward, dq) or keys (dkdv) per block
     tile: int  # keys (forward, dq) or queries (dkdv) per step
     shared_bytes: int
-    features: str = "general"  # "general" (every feature compiled in) or "plain"
+    features: str = "general"  # "general" or "wide" (every feature compiled in), or "plain"
 
 
 #: the kernel parameters (abi.INT_PARAMS) of the features that a plain instance has no code for
@@ -134,7 +134,9 @@ def plan(kind: str, Dk: int, Dv: int, max_shared_bytes: int, device_name: str = 
     Both widths are zero-padded to the smallest instance width that holds max(Dk, Dv). With
     ``features="plain"`` (a call without softcap, bias and dropout: :func:`call_features`)
     the plain instance at that width is chosen where there is one and it fits the device's
-    shared memory; otherwise the general instance, which serves every call.
+    shared memory; otherwise the wide instance (every feature, larger tiles:
+    ``source.WIDE``) where there is one and it fits, else the general instance, which serves
+    every call.
 
     Raises
     ------
@@ -151,13 +153,16 @@ features='general')
     'attention_forward_plain_d128'
     >>> plan("forward", 8, 8, 232448, features="plain").kernel  # no plain instance at D = 32
     'attention_forward_d32'
+    >>> plan("dq", 128, 128, 232448).kernel, plan("dq", 128, 128, 166912).kernel  # H100, A100
+    ('attention_dq_wide_d128', 'attention_dq_d128')
     """
     D = _width(kind, Dk, Dv)
-    plain = FEATURE_SETS["plain"][0].get(kind, {})
-    if features == "plain" and D in plain and shared_bytes(kind, D, "plain") <= max_shared_bytes:
-        MR, tile = plain[D]
-        return Plan(kernel_name(kind, D, "plain"), D, 8 * MR * _WARPS, tile,
-                    shared_bytes(kind, D, "plain"), "plain")
+    for fs in (("plain", "wide") if features == "plain" else ("wide",)):
+        table = FEATURE_SETS[fs][0].get(kind, {})
+        if D in table and shared_bytes(kind, D, fs) <= max_shared_bytes:
+            MR, tile = table[D]
+            return Plan(kernel_name(kind, D, fs), D, 8 * MR * _WARPS, tile,
+                        shared_bytes(kind, D, fs), fs)
     need = shared_bytes(kind, D)
     if need > max_shared_bytes:
         raise RefAttnError(

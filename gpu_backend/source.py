@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-__all__ = ["A_GLOBAL_ABOVE", "FEATURE_SETS", "INSTANCES", "KERNELS", "KERNEL_DIR", "PLAIN",
+__all__ = ["A_GLOBAL_ABOVE", "FEATURE_SETS", "INSTANCES", "KERNELS", "KERNEL_DIR", "PLAIN", "WIDE",
            "kernel_name", "source_hash", "translation_unit"]
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
@@ -38,10 +38,17 @@ PLAIN: dict[str, dict[int, tuple[int, int]]] = {
     "dq": {64: (2, 32), 128: (2, 16)},
     "dkdv": {64: (2, 32), 128: (1, 32)},
 }
+#: the wide instances: every feature compiled in, as INSTANCES, with larger tiles that only a
+#: device with more shared memory holds (launch.plan prefers them there, after a plain
+#: instance): the dq at D = 128 on warp pairs with 32-key tiles (192 KiB: H100/H200)
+WIDE: dict[str, dict[int, tuple[int, int]]] = {
+    "dq": {128: (1, 32)},
+}
 #: the feature sets of the instances: name -> (instance table, the call features it serves)
 FEATURE_SETS: dict[str, tuple[dict[str, dict[int, tuple[int, int]]], str]] = {
     "general": (INSTANCES, "every call"),
     "plain": (PLAIN, "calls without softcap, bias and dropout"),
+    "wide": (WIDE, "every call, where the device's shared memory holds it"),
 }
 #: attention.cu's REFATTN_A_GLOBAL: head widths above this read the A rows from global memory
 A_GLOBAL_ABOVE = 128

@@ -407,10 +407,22 @@ inline bool resolve_mma(Block& b, size_t w0, size_t w1) {
     return true;
 }
 
+// the warp operations whose lanes have all arrived. Debug builds resolve one warp per round,
+// from a random warp on: the warps of a block then drift apart between barriers (one may run
+// many warp operations ahead of another), so a missing barrier between one warp's shared-memory
+// reads and another warp's writes of the same words shows, as it can on the GPU.
 inline bool resolve_warps(Block& b) {
     bool resolved = false;
-    const size_t n = b.fibers.size();
-    for (size_t w0 = 0; w0 < n; w0 += 32) {
+    const size_t n = b.fibers.size(), warps = (n + 31) / 32;
+#ifdef REFATTN_EMU_DEBUG
+    constexpr bool one = true;
+    const size_t first = std::uniform_int_distribution<size_t>(0, warps - 1)(b.order_rng);
+#else
+    constexpr bool one = false;
+    const size_t first = 0;
+#endif
+    for (size_t k = 0; k < warps; ++k) {
+        const size_t w0 = (first + k) % warps * 32;
         const size_t w1 = std::min(n, w0 + 32);
         bool pending = false;
         for (size_t i = w0; i < w1; ++i) pending = pending || b.fibers[i].state == AT_WARP;
@@ -421,6 +433,7 @@ inline bool resolve_warps(Block& b) {
         if (mma) {
             if (!resolve_mma(b, w0, w1)) return false;
             resolved = true;
+            if (one) return true;
             continue;
         }
         const unsigned mask = [&] {
@@ -465,6 +478,7 @@ inline bool resolve_warps(Block& b) {
             f.state = READY;
         }
         resolved = true;
+        if (one) return true;
     }
     return resolved;
 }

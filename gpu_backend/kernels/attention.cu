@@ -151,6 +151,13 @@ extern "C" __global__ void attention_dkdv_plain_d64(REFATTN_ARGS) {
 extern "C" __global__ void attention_dkdv_plain_d128(REFATTN_ARGS) {
     REFATTN_SM90_ONLY(refattn_dkdv<128, 1, 32, 0>(x, ip, rp));
 }
+// the wide instances: every feature, for devices whose shared memory holds them (launch.plan
+// prefers them there, after a plain instance): the dq at D = 128 on warp pairs (SPLIT = 2,
+// 32-key tiles, 192 KiB; the general instance's 24-key tiles do not split into two whole
+// n-tile halves), H100/H200 only
+extern "C" __global__ void attention_dq_wide_d128(REFATTN_ARGS) {
+    REFATTN_SM90_ONLY(refattn_dq<128, 1, 32, REFATTN_F_ALL, 2>(x, ip, rp));
+}
 extern "C" __global__ void attention_row_dot_output(REFATTN_ARGS) {
     refattn_row_dot_output(x, ip, rp);
 }
@@ -179,6 +186,7 @@ REFATTN_EXPORT(attention_dq_plain_d64)
 REFATTN_EXPORT(attention_dq_plain_d128)
 REFATTN_EXPORT(attention_dkdv_plain_d64)
 REFATTN_EXPORT(attention_dkdv_plain_d128)
+REFATTN_EXPORT(attention_dq_wide_d128)
 REFATTN_EXPORT(attention_row_dot_output)
 REFATTN_EXPORT(attention_trace_forward)
 REFATTN_EXPORT(attention_trace_backward)

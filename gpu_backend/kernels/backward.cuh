@@ -56,9 +56,12 @@ __device__ __forceinline__ void refattn_store_row(double* row, int t, double sca
 // and row_dot (B,Hq,Q) = sum_j P G_P as a by-product (the sink's gradient). Products per tile:
 // S = Q K^T, dP = G_O V^T, dQ += dS K. F: the feature set compiled in (call.cuh; F = 0, the
 // plain instance, has no softcap, bias, bias gradient or dropout code).
-template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL>
+template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL, int SPLIT = 1>
 __device__ void refattn_dq(const unsigned long long* x, const long long* ip, const double* rp) {
-    constexpr int BQ = 8 * MR * REFATTN_WARPS, NT = BK / 8, DT = D / 8, W = 2 * MR;
+    static_assert(SPLIT == 1 || (SPLIT == 2 && MR == 1 && BK % 16 == 0 && D % 16 == 0),
+                  "a warp pair splits 16-key and 8-column n-tile pairs of 8-row warps' tiles");
+    constexpr int BQ = 8 * MR * REFATTN_WARPS, NT = BK / 8, DT = D / 8;
+    constexpr int MRW = MR * SPLIT, NTW = NT / SPLIT, DTW = DT / SPLIT, W = 2 * MRW;
     constexpr bool BIAS = (F & REFATTN_F_BIAS) != 0, DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     REFATTN_DYNAMIC_SHARED(double, smem);
     const RefattnCall c = refattn_call(x, ip, rp);
@@ -68,8 +71,9 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     double* gbias = reinterpret_cast<double*>(x[X_GBIAS]);
     double* row_dot = reinterpret_cast<double*>(x[X_ROW_DOT]);
     long long* tiles = reinterpret_cast<long long*>(x[X_TILES]);
-    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int wr = (tid >> 5) * 8 * MR;
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3, warp = tid >> 5;
+    const int half = SPLIT == 1 ? 0 : warp & 1;
+    const int wr = (warp / SPLIT) * 8 * MRW, cw = half * 8 * NTW, ow = half * 8 * DTW;
     const long long bh = blockIdx.y, b = bh / c.Hq, h = bh % c.Hq, hk = c.head_map[h];
     const int Q = static_cast<int>(c.Q), K = static_cast<int>(c.K);
     const int i0 = static_cast<int>(blockIdx.x) * BQ, row = i0 + wr + g;
@@ -80,29 +84,41 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     auto sG = sQ + (AG ? 0 : BQ * D);   // BQ x D: G_O (none when AG)
     auto sK = sG + (AG ? 0 : BQ * D);   // 2 x BK x D
     auto sV = sK + 2 * BK * D;          // 2 x BK x D
+    __shared__ double pair_rows[SPLIT == 1 ? 1 : REFATTN_WARPS][8 * MRW];
     const auto q_rows = refattn_rows_a<D>(sQ, wr, c.q + bh * c.Q * D, row, Q);
     const auto g_rows = refattn_rows_a<D>(sG, wr, c.g_o + bh * c.Q * D, row, Q);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
     auto classify = [&](int kb, unsigned* bits) {
-        return refattn_classify<MR, NT, false>(vis, ip, evaluate, b, h, i0, kb * BK, row, t, Q,
-                                               K, tid, bits);
+        return refattn_classify<MRW, NTW, false, BQ, BK>(vis, ip, evaluate, b, h, i0, kb * BK,
+                                                         row, t, Q, K, tid, bits, cw);
     };
     auto load = [&](int kb) {
         const int buf = kb & 1;
         refattn_load_tile_async<BK, D, REFATTN_THREADS>(sK + buf * BK * D, kmat, kb * BK, K, tid);
         refattn_load_tile_async<BK, D, REFATTN_THREADS>(sV + buf * BK * D, vmat, kb * BK, K, tid);
     };
+    // v + the partner warp's v for each of the lane's rows (SPLIT = 2)
+    auto pair_sum = [&](double* v) {
+        if constexpr (SPLIT == 2) {
+            __syncthreads();
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MRW; ++mr) pair_rows[warp][8 * mr + g] = v[mr];
+            __syncthreads();
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MRW; ++mr) v[mr] += pair_rows[warp ^ 1][8 * mr + g];
+        }
+    };
 
     if (!AG) {
         refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sQ, c.q + bh * c.Q * D, i0, Q, tid);
         refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sG, c.g_o + bh * c.Q * D, i0, Q, tid);
     }
-    double dqa[DT * W];
+    double dqa[DTW * W];
     REFATTN_UNROLL
-    for (int e = 0; e < DT * W; ++e) dqa[e] = 0.0;
-    double lse_i[MR], d_i[MR], acc_pg[MR], acc_gb[MR];
+    for (int e = 0; e < DTW * W; ++e) dqa[e] = 0.0;
+    double lse_i[MRW], d_i[MRW], acc_pg[MRW], acc_gb[MRW];
     REFATTN_UNROLL
-    for (int mr = 0; mr < MR; ++mr) {
+    for (int mr = 0; mr < MRW; ++mr) {
         const int i = row + 8 * mr;
         lse_i[mr] = i < Q ? c.lse[bh * c.Q + i] : 0.0;
         d_i[mr] = i < Q ? c.dvec[bh * c.Q + i] : 0.0;
@@ -112,17 +128,17 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     long long done = 0, skipped = 0;
     const int nkb = (K + BK - 1) / BK;
     auto compute = [&](int kb, int cls, unsigned bits) {  // tile kb (and Q, G_O) landed
-        const int j0 = kb * BK, buf = kb & 1;
-        double s[NT * W], dp[NT * W];
+        const int j0 = kb * BK + cw, buf = kb & 1;  // j0: the warp's first key
+        double s[NTW * W], dp[NTW * W];
         REFATTN_UNROLL
-        for (int e = 0; e < NT * W; ++e) s[e] = dp[e] = 0.0;
-        refattn_mma_abt<D, MR, NT>(s, q_rows, sK + buf * BK * D, g, t);   // S = Q K^T
-        refattn_mma_abt<D, MR, NT>(dp, g_rows, sV + buf * BK * D, g, t);  // dP = G_O V^T
+        for (int e = 0; e < NTW * W; ++e) s[e] = dp[e] = 0.0;
+        refattn_mma_abt<D, MRW, NTW>(s, q_rows, sK + buf * BK * D + cw * D, g, t);   // S = Q K^T
+        refattn_mma_abt<D, MRW, NTW>(dp, g_rows, sV + buf * BK * D + cw * D, g, t);  // G_O V^T
         const unsigned keep = DROPOUT && c.drop_mode == 2
-                                  ? refattn_keep_bits_rows<MR, NT>(c, bh, row, j0, t)
+                                  ? refattn_keep_bits_rows<MRW, NTW>(c, bh, row, j0, t)
                                   : 0u;
         REFATTN_UNROLL
-        for (int mr = 0; mr < MR; ++mr) {
+        for (int mr = 0; mr < MRW; ++mr) {
             const int i = row + 8 * mr;
             const RefattnLine bias_i =
                 BIAS ? refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, i) : RefattnLine{};
@@ -130,11 +146,11 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
                 DROPOUT ? refattn_line<false>(c.z, ip, P_Z_S0, b, h, i) : RefattnLine{};
             double* gbias_i = gbias + (bh * c.Q + i) * c.K;  // per element (bias mode 1)
             REFATTN_UNROLL
-            for (int nt = 0; nt < NT; ++nt) {
+            for (int nt = 0; nt < NTW; ++nt) {
                 REFATTN_UNROLL
                 for (int sb = 0; sb < 2; ++sb) {
                     const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
-                    const int bit = (nt * MR + mr) * 2 + sb;
+                    const int bit = (nt * MRW + mr) * 2 + sb;
                     double ds = 0.0;
                     const bool seen = i < Q && j < K &&
                                       (cls == REFATTN_FULL || ((bits >> bit) & 1u));
@@ -150,19 +166,50 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
                 }
             }
         }
-        refattn_mma_pb<D, MR, NT>(dqa, s, sK + buf * BK * D, g, t);  // dQ += dS K
+        if constexpr (SPLIT == 1) {
+            refattn_mma_pb<D, MRW, NTW>(dqa, s, sK + buf * BK * D, g, t);  // dQ += dS K
+        } else {
+            // both halves of the pair's dS, in fragment order in the V buffer once every dP is
+            // computed, then dQ's columns ow .. += dS K, keys ascending
+            auto sS = sV + buf * BK * D;
+            __syncthreads();
+            REFATTN_UNROLL
+            for (int nt = 0; nt < NTW; ++nt) {
+                REFATTN_UNROLL
+                for (int e = 0; e < W; ++e) sS[((warp * NTW + nt) * 32 + lane) * W + e] = s[nt * W + e];
+            }
+            __syncthreads();
+            REFATTN_UNROLL
+            for (int k = 0; k < SPLIT; ++k) {
+                const int w = (warp & ~1) + k;
+                REFATTN_UNROLL
+                for (int nt = 0; nt < NTW; ++nt) {
+                    REFATTN_UNROLL
+                    for (int e = 0; e < W; ++e)
+                        s[nt * W + e] = sS[((w * NTW + nt) * 32 + lane) * W + e];
+                }
+                refattn_mma_pb<D, MRW, NTW, 0, DTW>(dqa, s, sK + buf * BK * D + k * 8 * NTW * D + ow,
+                                                    g, t);
+            }
+        }
     };
     refattn_set_table_row<BQ, BK, false>(vis, b, h, i0, Q, K, tid);
     refattn_tile_loop(nkb, classify, load, compute, &done, &skipped);
     REFATTN_UNROLL
-    for (int mr = 0; mr < MR; ++mr) {
-        const double pg = refattn_quad_sum(acc_pg[mr]), gb = refattn_quad_sum(acc_gb[mr]);
+    for (int mr = 0; mr < MRW; ++mr) {
+        acc_pg[mr] = refattn_quad_sum(acc_pg[mr]);
+        acc_gb[mr] = refattn_quad_sum(acc_gb[mr]);
+    }
+    pair_sum(acc_pg);
+    if (BIAS && gbias_mode == 3) pair_sum(acc_gb);
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MRW; ++mr) {
         const int i = row + 8 * mr;
         if (i >= Q) continue;
-        if (t == 0) row_dot[bh * c.Q + i] = pg;
-        refattn_store_row<D>(dq + (bh * c.Q + i) * D, t, rp[R_FQ],
-                             [&](int dt, int s) { return dqa[dt * W + 2 * mr + s]; });
-        if (BIAS && gbias_mode == 3 && t == 0) gbias[bh * c.Q + i] = gb;
+        if (t == 0 && half == 0) row_dot[bh * c.Q + i] = acc_pg[mr];
+        refattn_store_row<D / SPLIT>(dq + (bh * c.Q + i) * D + ow, t, rp[R_FQ],
+                                     [&](int dt, int s) { return dqa[dt * W + 2 * mr + s]; });
+        if (BIAS && gbias_mode == 3 && t == 0 && half == 0) gbias[bh * c.Q + i] = acc_gb[mr];
     }
     refattn_count_tiles(tiles, bh * gridDim.x + blockIdx.x, done, skipped);
 }

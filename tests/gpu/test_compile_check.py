@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from gpu_backend import compile_check, launch, perf_model, sass
-from gpu_backend.source import KERNEL_DIR, PLAIN
+from gpu_backend.source import KERNEL_DIR, PLAIN, WIDE
 from refattn.errors import RefAttnError
 
 SASS = """
@@ -194,7 +194,8 @@ FRACTION_MISSES: set[tuple[str, str, str]] = set()
 LDS_MET = {(arch, "forward", key) for arch in ("sm_90", "sm_80")
            for key in ("D=64", "D=64 plain", "D=128", "D=128 plain")} | {
     (arch, role, key) for arch in ("sm_90", "sm_80") for role in ("dq", "dkdv")
-    for key in ("D=64", "D=64 plain")} | {("sm_90", "dq", "D=128 plain")}
+    for key in ("D=64", "D=64 plain")} | {("sm_90", "dq", "D=128 plain"),
+                                          ("sm_90", "dq", "D=128 wide")}
 
 
 def test_every_hot_kernel_runs_on_the_fp64_tensor_cores(report):
@@ -216,17 +217,18 @@ def test_every_hot_kernel_runs_on_the_fp64_tensor_cores(report):
             for path in ("main_loop", "main_loop_heaviest"):  # calls: over the whole body
                 assert k[path]["call_rel_noinc"] == 0, f"{arch} {name}: a call in the loop"
             assert k["targets"]["no_call_rel_noinc_in_main_loop"], f"{arch} {name}"
-            assert k["features"] == ("plain" if "_plain_" in name else "general")
+            assert k["features"] == next((f for f in ("plain", "wide") if f"_{f}_" in name),
+                                         "general")
     model = perf_model.sass_model(report, dims=(64, 128))
     for arch, roles in model.items():  # every role has a general kernel at both widths
         keys = {(r, d) for r, per in roles.items() for d in per}
         assert keys == {(r, f"D={d}") for r in ("forward", "dq", "dkdv") for d in (64, 128)} | {
-            (r, perf_model.entry_key(d, "plain")) for r, dims in PLAIN.items()
-            for d in dims if d in (64, 128) and launch.shared_bytes(r, d, "plain")
-            <= compile_check.ARCH_SHARED_BYTES[arch]}, arch
+            (r, perf_model.entry_key(d, fs)) for fs, table in (("plain", PLAIN), ("wide", WIDE))
+            for r, dims in table.items() for d in dims if d in (64, 128)
+            and launch.shared_bytes(r, d, fs) <= compile_check.ARCH_SHARED_BYTES[arch]}, arch
         for role, per in roles.items():
             for d, e in per.items():
-                assert e["features"] == ("plain" if d.endswith("plain") else "general")
+                assert e["features"] == (d.split()[1] if " " in d else "general")
                 assert 0 < e["fraction_of_dmma_peak"] <= 1
                 met = e["fraction_of_dmma_peak"] >= perf_model.TARGETS[role]
                 assert met != ((arch, role, d) in FRACTION_MISSES), (arch, role, d, e[

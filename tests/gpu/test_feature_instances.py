@@ -229,12 +229,16 @@ def test_the_plain_backward_forced_onto_a_softcap_call_is_caught(monkeypatch):
 @pytest.mark.parametrize("kind", ["dq", "dkdv"])
 def test_the_backward_plan_follows_the_device_limit(kind):
     """At D = 128 the plain instance where an H100's 227 KiB holds it, the general one on an
-    A100's 163 KiB, and a RefAttnError naming both numbers where neither fits (99 KiB)."""
+    A100's 163 KiB, and a RefAttnError naming both numbers where neither fits (99 KiB). A call
+    with a feature runs the general instance, or the wide one (dq: warp pairs, 192 KiB) where
+    the device holds it."""
     plain, general = launch.shared_bytes(kind, 128, "plain"), launch.shared_bytes(kind, 128)
     assert general <= A100_SHARED < plain <= H100_SHARED
     assert launch.plan(kind, 128, 128, H100_SHARED, features="plain").features == "plain"
     assert launch.plan(kind, 128, 128, A100_SHARED, features="plain").features == "general"
-    assert launch.plan(kind, 128, 128, H100_SHARED).features == "general"  # a feature used
+    wide = "wide" if kind == "dq" else "general"
+    assert launch.plan(kind, 128, 128, H100_SHARED).features == wide  # a feature used
+    assert launch.plan(kind, 128, 128, A100_SHARED).features == "general"
     with pytest.raises(refattn.RefAttnError, match=f"{general} bytes.*allows {SM89_SHARED}"):
         launch.plan(kind, 128, 128, SM89_SHARED, features="plain")
 

@@ -1,11 +1,15 @@
-"""The general forward at D = 128 on warp pairs (forward.cuh, SPLIT = 2): the two warps of a pair
-own the same 16 query rows, split the tile's keys for S and O's columns for P V, and swap
-their row maxima, P~ Z halves and row sums through shared memory. Every feature that touches
-those (the sink's share of the row sum, rows with nothing visible yet, a tail tile, dense and
-Philox dropout, masks, query_valid) against the NumPy reference on the CPU emulator, and the
-emulator catching the pair's missing barrier."""
+"""Warp pairs (SPLIT = 2): the general forward at D = 128 (forward.cuh) and the wide dq at D = 128
+(backward.cuh, H100/H200: 32-key tiles in 192 KiB). The two warps of a pair own the same 16
+query rows and split the tile's keys for S (and dP) and the output's columns for P V (dQ's for
+dS K); the forward swaps row maxima, P~ Z halves and row sums, the dq dS halves and the row
+sums of row_dot and the bias gradient, through shared memory. Every feature that touches those
+(the sink's share of the row sum, rows with nothing visible yet, a tail tile, dense and Philox
+dropout, masks, query_valid, every bias gradient mode) against the NumPy reference on the CPU
+emulator, and the emulator catching a pair's missing barrier."""
 
 from __future__ import annotations
+
+import dataclasses
 
 import numpy as np
 import pytest
@@ -16,6 +20,7 @@ from gpu_backend.emulator_backend import EmulatorDevice
 from refattn.dropout import Philox
 from refattn.masks import causal
 from tests.gpu.test_emulator import _mutated, assert_matches_reference
+from tests.gpu.test_feature_instances import A100_SHARED, H100_SHARED, _Device
 
 Q, K = 45, 100  # 2 query blocks of 32 rows (the second ends inside it), 4 key tiles (a tail)
 
@@ -87,3 +92,44 @@ def test_the_sink_counted_by_both_warps_of_a_pair_is_caught(tmp_path):
     call = _call("relation", np.random.default_rng(2))
     out = _outputs(d, call, (0,))[0]
     assert not np.allclose(out, refattn.forward(call).output, rtol=1e-12, atol=1e-12)
+
+
+@pytest.mark.parametrize("bias_shape", [(1, 2, Q, K), (1, 2, Q, 1), (1, 1, 1, K)],
+                         ids=["per-element", "per-query", "per-key"])
+@pytest.mark.parametrize(("limit", "dq"), [(H100_SHARED, "attention_dq_wide_d128"),
+                                           (A100_SHARED, "attention_dq_d128")],
+                         ids=["H100", "A100"])
+def test_the_d128_dq_on_warp_pairs_where_the_device_holds_it(limit, dq, bias_shape):
+    """The wide dq (warp pairs, 192 KiB) on an H100's shared memory, the general one on an
+    A100's; both give the reference's gradients, row_dot (through the sink's gradient) and the
+    bias gradient of each mode (per element: written by dq; summed over keys: dq's row sums;
+    summed over queries: dk/dv)."""
+    rng = np.random.default_rng(7)
+    call = _call("dense", rng)
+    call = dataclasses.replace(call, bias=rng.standard_normal(bias_shape))
+    g_o = rng.standard_normal((1, 2, Q, 128))
+    dev = _Device(limit)
+    t = launch.forward(dev, call, materialize=False)
+    g = launch.backward(dev, t, g_o)
+    assert [k for k in dev.kernels if k.startswith("attention_dq")] == [dq]
+    assert g.grad_bias.shape == bias_shape
+    assert_matches_reference(call, g_o, t, g, dq)
+
+
+def test_a_missing_dq_pair_barrier_is_caught(tmp_path):
+    """Mutation: without the barrier after every warp's dP, a warp writes its dS half over the
+    V tile that another warp's G_O V^T may still be reading. Caught because the debug emulator
+    lets warps drift apart between barriers (one warp operation resolved per round); with the
+    warps in lockstep, as before, every seed gave the reference's dQ (1.6e-15 off)."""
+    d = _mutated(tmp_path, "            auto sS = sV + buf * BK * D;\n            __syncthreads();\n",
+                 "            auto sS = sV + buf * BK * D;\n", "backward.cuh")
+    rng = np.random.default_rng(3)
+    call = _call("relation", rng)
+    g_o = rng.standard_normal((1, 2, Q, 128))
+    want = refattn.backward(refattn.forward(call), g_o).grad_q
+    wrong = 0
+    for seed in (0, 1, 2):
+        dev = EmulatorDevice(d, debug=True, seed=seed)
+        g = launch.backward(dev, launch.forward(dev, call, materialize=False), g_o)
+        wrong += not np.allclose(g.grad_q, want, rtol=1e-12, atol=1e-12)
+    assert wrong
