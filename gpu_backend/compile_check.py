@@ -26,7 +26,14 @@ from pathlib import Path
 
 from gpu_backend import banks
 from gpu_backend.sass import KernelCounts, LoopCounts, disassemble, kernel_counts, parse
-from gpu_backend.source import FEATURE_SETS, KERNEL_DIR, KERNELS, MAIN, source_hash, translation_unit
+from gpu_backend.source import (
+    FEATURE_SETS,
+    KERNEL_DIR,
+    KERNELS,
+    MAIN,
+    source_hash,
+    translation_unit,
+)
 from refattn.errors import RefAttnError
 
 __all__ = ["ARCH_SHARED_BYTES", "CompileReport", "KernelResources", "compile_report",

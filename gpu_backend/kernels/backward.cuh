@@ -84,7 +84,6 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     auto sG = sQ + (AG ? 0 : BQ * D);   // BQ x D: G_O (none when AG)
     auto sK = sG + (AG ? 0 : BQ * D);   // 2 x BK x D
     auto sV = sK + 2 * BK * D;          // 2 x BK x D
-    __shared__ double pair_rows[SPLIT == 1 ? 1 : REFATTN_WARPS][8 * MRW];
     const auto q_rows = refattn_rows_a<D>(sQ, wr, c.q + bh * c.Q * D, row, Q);
     const auto g_rows = refattn_rows_a<D>(sG, wr, c.g_o + bh * c.Q * D, row, Q);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
@@ -100,12 +99,13 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     // v + the partner warp's v for each of the lane's rows (SPLIT = 2)
     auto pair_sum = [&](double* v) {
         if constexpr (SPLIT == 2) {
-            __syncthreads();
+            double other[MRW];
             REFATTN_UNROLL
-            for (int mr = 0; mr < MRW; ++mr) pair_rows[warp][8 * mr + g] = v[mr];
-            __syncthreads();
+            for (int mr = 0; mr < MRW; ++mr) other[mr] = v[mr];
+            __syncthreads();  // (the slots' last reads)
+            refattn_pair_rows<MRW>(other, warp, g);
             REFATTN_UNROLL
-            for (int mr = 0; mr < MRW; ++mr) v[mr] += pair_rows[warp ^ 1][8 * mr + g];
+            for (int mr = 0; mr < MRW; ++mr) v[mr] += other[mr];
         }
     };
 
@@ -169,28 +169,11 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
         if constexpr (SPLIT == 1) {
             refattn_mma_pb<D, MRW, NTW>(dqa, s, sK + buf * BK * D, g, t);  // dQ += dS K
         } else {
-            // both halves of the pair's dS, in fragment order in the V buffer once every dP is
-            // computed, then dQ's columns ow .. += dS K, keys ascending
-            auto sS = sV + buf * BK * D;
+            // dQ's columns ow .. += dS K over both halves, exchanged in the V buffer once every
+            // dP is computed
             __syncthreads();
-            REFATTN_UNROLL
-            for (int nt = 0; nt < NTW; ++nt) {
-                REFATTN_UNROLL
-                for (int e = 0; e < W; ++e) sS[((warp * NTW + nt) * 32 + lane) * W + e] = s[nt * W + e];
-            }
-            __syncthreads();
-            REFATTN_UNROLL
-            for (int k = 0; k < SPLIT; ++k) {
-                const int w = (warp & ~1) + k;
-                REFATTN_UNROLL
-                for (int nt = 0; nt < NTW; ++nt) {
-                    REFATTN_UNROLL
-                    for (int e = 0; e < W; ++e)
-                        s[nt * W + e] = sS[((w * NTW + nt) * 32 + lane) * W + e];
-                }
-                refattn_mma_pb<D, MRW, NTW, 0, DTW>(dqa, s, sK + buf * BK * D + k * 8 * NTW * D + ow,
-                                                    g, t);
-            }
+            refattn_pair_pb<D, MRW, NTW, DTW>(dqa, s, sV + buf * BK * D, sK + buf * BK * D, ow,
+                                              warp, lane, g, t);
         }
     };
     refattn_set_table_row<BQ, BK, false>(vis, b, h, i0, Q, K, tid);

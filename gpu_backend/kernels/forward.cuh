@@ -43,8 +43,6 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     auto sQ = smem;                     // BQ x D (none when AG)
     auto sK = sQ + (AG ? 0 : BQ * D);   // 2 x BK x D
     auto sV = sK + 2 * BK * D;          // 2 x BK x D
-    // a pair's exchange of row statistics (SPLIT = 2): warp w's value of its row 8 mr + g
-    __shared__ double pair_rows[SPLIT == 1 ? 1 : REFATTN_WARPS][8 * MRW];
     const auto q_rows = refattn_rows_a<D>(sQ, wr, c.q + bh * c.Q * D, row, Q);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
     auto classify = [&](int kb, unsigned* bits) {
@@ -56,19 +54,6 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
         refattn_load_tile_async<BK, D, REFATTN_THREADS>(sK + buf * BK * D, kmat, kb * BK, K, tid);
         refattn_load_tile_async<BK, D, REFATTN_THREADS>(sV + buf * BK * D, vmat, kb * BK, K, tid);
     };
-    // the partner warp's value of each of the lane's rows (every lane writes and reads; a
-    // barrier before the read, and the tile loop's barriers or the next call's first one before
-    // the slots are written again)
-    auto partner = [&](double* v) {
-        if constexpr (SPLIT == 2) {
-            REFATTN_UNROLL
-            for (int mr = 0; mr < MRW; ++mr) pair_rows[warp][8 * mr + g] = v[mr];
-            __syncthreads();
-            REFATTN_UNROLL
-            for (int mr = 0; mr < MRW; ++mr) v[mr] = pair_rows[warp ^ 1][8 * mr + g];
-        }
-    };
-
     if (!AG) refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sQ, c.q + bh * c.Q * D, i0, Q, tid);
     double o[DTW * W];
     REFATTN_UNROLL
@@ -167,7 +152,9 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
             double tile_max[MRW], other[MRW];
             REFATTN_UNROLL
             for (int mr = 0; mr < MRW; ++mr) other[mr] = tile_max[mr] = scores(mr);
-            partner(other);  // (its barrier also frees this K buffer: every S is computed)
+            // (after the tile loop's barrier; the exchange's barrier frees this K buffer: every
+            // S is computed)
+            refattn_pair_rows<MRW>(other, warp, g);
             draw();  // (drawn before S, sm_90 spilled 4-8 bytes)
             REFATTN_UNROLL
             for (int mr = 0; mr < MRW; ++mr) softmax(mr, fmax(tile_max[mr], other[mr]));
@@ -175,27 +162,10 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
         if constexpr (SPLIT == 1) {
             refattn_mma_pb<D, MRW, NTW>(o, s, sV + buf * BK * D, g, t);  // O += P~ Z V
         } else {
-            // both halves of the pair's P~ Z, in fragment order in the K buffer (n-tile nt of
-            // warp w at (w NTW + nt) 32 W, 16-byte accesses), then O's columns ow .. += P~ Z V, keys ascending
-            auto sP = sK + buf * BK * D;
-            REFATTN_UNROLL
-            for (int nt = 0; nt < NTW; ++nt) {
-                REFATTN_UNROLL
-                for (int e = 0; e < W; ++e) sP[((warp * NTW + nt) * 32 + lane) * W + e] = s[nt * W + e];
-            }
-            __syncthreads();
-            REFATTN_UNROLL
-            for (int k = 0; k < SPLIT; ++k) {
-                const int w = (warp & ~1) + k;
-                REFATTN_UNROLL
-                for (int nt = 0; nt < NTW; ++nt) {
-                    REFATTN_UNROLL
-                    for (int e = 0; e < W; ++e)
-                        s[nt * W + e] = sP[((w * NTW + nt) * 32 + lane) * W + e];
-                }
-                refattn_mma_pb<D, MRW, NTW, 0, DTW>(o, s, sV + buf * BK * D + k * 8 * NTW * D + ow,
-                                                    g, t);
-            }
+            // O's columns ow .. += P~ Z V over both halves, exchanged in the K buffer (free: every
+            // S was computed before the max exchange's barrier)
+            refattn_pair_pb<D, MRW, NTW, DTW>(o, s, sK + buf * BK * D, sV + buf * BK * D, ow,
+                                              warp, lane, g, t);
         }
     };
     refattn_set_table_row<BQ, BK, false>(vis, b, h, i0, Q, K, tid);
@@ -204,7 +174,7 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
         double other[MRW];
         REFATTN_UNROLL
         for (int mr = 0; mr < MRW; ++mr) other[mr] = l[mr];
-        partner(other);
+        refattn_pair_rows<MRW>(other, warp, g);  // (after the tile loop's closing barrier)
         REFATTN_UNROLL
         for (int mr = 0; mr < MRW; ++mr) l[mr] += other[mr];
     }

@@ -3,6 +3,7 @@
 #pragma once
 #include "common.cuh"
 #include "tile.cuh"
+#include "tile_loop.cuh"  // REFATTN_WARPS
 
 // The A operand of the first products (S = Q K^T, dP = G_O V^T; K Q^T, V G_O^T in dk/dv): the
 // warp's own rows, element (mr, k) of the lane = row `row` + 8 mr, column k of the matrix. Up to
@@ -90,6 +91,47 @@ __device__ __forceinline__ void refattn_mma_pb(double* out, const double* p, S2 
                 refattn_mma_rows<MR>(out + (dt - DT0) * 2 * MR, a,
                                      sb[8 * nt * D + 16 * (dt >> 1) + lo[2 * s + (dt & 1)]]);
         }
+    }
+}
+
+// a warp pair's exchange of row statistics (SPLIT = 2): every lane writes v for its MR row
+// blocks into its warp's slots, and after a barrier v holds the partner warp's (warp ^ 1)
+// values of the same rows. The caller has passed a barrier after which no warp reads the slots.
+template <int MR>
+__device__ __forceinline__ void refattn_pair_rows(double* v, int warp, int g) {
+    __shared__ double slots[REFATTN_WARPS][8 * MR];
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MR; ++mr) slots[warp][8 * mr + g] = v[mr];
+    __syncthreads();
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MR; ++mr) v[mr] = slots[warp ^ 1][8 * mr + g];
+}
+
+// a warp pair's O += P . B over the whole tile (SPLIT = 2, forward.cuh and backward.cuh): each
+// warp of the pair holds P for its half of the tile's 8 NT keys (NT n-tiles) and computes its
+// DTW n-tiles of O (B's columns from `cols` on). Both halves go through `ex` (the warp's NT n-tiles
+// at (warp NT + nt) 32 W in fragment order: 16-byte accesses; 4 warps' worth, free until the
+// tile loop's closing barrier), then the products run over the keys in ascending order. The
+// caller has passed a barrier after which no warp reads `ex`; p is overwritten.
+template <int D, int MR, int NT, int DTW, typename S1, typename S2>
+__device__ __forceinline__ void refattn_pair_pb(double* out, double* p, S1 ex, S2 sb, int cols,
+                                                int warp, int lane, int g, int t) {
+    constexpr int W = 2 * MR;
+    REFATTN_UNROLL
+    for (int nt = 0; nt < NT; ++nt) {
+        REFATTN_UNROLL
+        for (int e = 0; e < W; ++e) ex[((warp * NT + nt) * 32 + lane) * W + e] = p[nt * W + e];
+    }
+    __syncthreads();
+    REFATTN_UNROLL
+    for (int k = 0; k < 2; ++k) {
+        const int w = (warp & ~1) + k;
+        REFATTN_UNROLL
+        for (int nt = 0; nt < NT; ++nt) {
+            REFATTN_UNROLL
+            for (int e = 0; e < W; ++e) p[nt * W + e] = ex[((w * NT + nt) * 32 + lane) * W + e];
+        }
+        refattn_mma_pb<D, MR, NT, 0, DTW>(out, p, sb + k * 8 * NT * D + cols, g, t);
     }
 }
 

@@ -74,10 +74,9 @@ def _outputs(directory, call, seeds=(0, 1, 2)) -> list[np.ndarray]:
 def test_a_missing_pair_barrier_is_caught(tmp_path):
     """Mutation: without the barrier between the pair's P~ Z writes and its reads, a warp
     reads its partner's half before it is written (the K values still in the buffer)."""
-    d = _mutated(tmp_path, "            }\n            __syncthreads();\n            REFATTN_UNROLL\n"
-                           "            for (int k = 0; k < SPLIT; ++k) {",
-                 "            }\n            REFATTN_UNROLL\n"
-                 "            for (int k = 0; k < SPLIT; ++k) {", "forward.cuh")
+    reads = "    REFATTN_UNROLL\n    for (int k = 0; k < 2; ++k) {"
+    d = _mutated(tmp_path, "    }\n    __syncthreads();\n" + reads, "    }\n" + reads,
+                 "products.cuh")  # (refattn_pair_pb)
     call = _call("relation", np.random.default_rng(1))
     ref = refattn.forward(call).output
     outs = _outputs(d, call)
@@ -121,8 +120,8 @@ def test_a_missing_dq_pair_barrier_is_caught(tmp_path):
     V tile that another warp's G_O V^T may still be reading. Caught because the debug emulator
     lets warps drift apart between barriers (one warp operation resolved per round); with the
     warps in lockstep, as before, every seed gave the reference's dQ (1.6e-15 off)."""
-    d = _mutated(tmp_path, "            auto sS = sV + buf * BK * D;\n            __syncthreads();\n",
-                 "            auto sS = sV + buf * BK * D;\n", "backward.cuh")
+    computed = "            // dP is computed\n"
+    d = _mutated(tmp_path, computed + "            __syncthreads();\n", computed, "backward.cuh")
     rng = np.random.default_rng(3)
     call = _call("relation", rng)
     g_o = rng.standard_normal((1, 2, Q, 128))
