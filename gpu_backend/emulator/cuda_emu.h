@@ -21,9 +21,11 @@
 // builds also check that both addresses of every cp.async are 16-byte aligned, as the GPU does.
 //
 // With REFATTN_EMU_DEBUG defined: dynamic shared memory is bounds-checked (an index outside the
-// allocation is an error naming block, thread and index), filled with NaN at block start, and
-// the fibers of a block run in a seeded random order each round, so a result that depends on
-// thread order changes with the seed.
+// allocation is an error naming block, thread and index), filled with NaN at block start, the
+// fibers of a block run in a seeded random order each round, so a result that depends on
+// thread order changes with the seed, and one warp operation is resolved per round (a seeded
+// random warp), so warps drift apart between barriers and a missing barrier between warps
+// shows.
 //
 // Entry point (REFATTN_EXPORT(kernel) generates it): extern "C" int emu_launch_<kernel>(
 //     const unsigned* grid, const unsigned* block, size_t shared_bytes, void** args,
