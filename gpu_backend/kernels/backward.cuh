@@ -55,7 +55,10 @@ __device__ __forceinline__ void refattn_store_row(double* row, int t, double sca
 // times the softcap slope, the bias gradient of modes 1 (per element) and 3 (summed over keys),
 // and row_dot (B,Hq,Q) = sum_j P G_P as a by-product (the sink's gradient). Products per tile:
 // S = Q K^T, dP = G_O V^T, dQ += dS K. F: the feature set compiled in (call.cuh; F = 0, the
-// plain instance, has no softcap, bias, bias gradient or dropout code).
+// plain instance, has no softcap, bias, bias gradient or dropout code). SPLIT = 2: warp pairs,
+// as the forward's (forward.cuh): the pair's two warps own the same 16 rows and split the
+// tile's keys for S and dP and dQ's columns for dS K, exchanging dS in the tile's V buffer and
+// adding their row sums (row_dot, the bias gradient summed over keys) at the end.
 template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL, int SPLIT = 1>
 __device__ void refattn_dq(const unsigned long long* x, const long long* ip, const double* rp) {
     static_assert(SPLIT == 1 || (SPLIT == 2 && MR == 1 && BK % 16 == 0 && D % 16 == 0),

@@ -19,7 +19,7 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     static_assert(SPLIT == 1 || (SPLIT == 2 && MR == 1 && BK % 16 == 0 && D % 16 == 0),
                   "a warp pair splits 16-key and 8-column n-tile pairs of 8-row warps' tiles");
     constexpr int BQ = 8 * MR * REFATTN_WARPS, NT = BK / 8, DT = D / 8;
-    // per warp: MRW row blocks, NTW n-tiles of S (the pair's half of the keys, from column CW),
+    // per warp: MRW row blocks, NTW n-tiles of S (the pair's half of the keys, from column cw),
     // DTW n-tiles of O (its half of the columns)
     constexpr int MRW = MR * SPLIT, NTW = NT / SPLIT, DTW = DT / SPLIT, W = 2 * MRW;
     constexpr bool SOFTCAP = (F & REFATTN_F_SOFTCAP) != 0, BIAS = (F & REFATTN_F_BIAS) != 0,
