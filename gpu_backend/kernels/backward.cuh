@@ -99,18 +99,6 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
         refattn_load_tile_async<BK, D, REFATTN_THREADS>(sK + buf * BK * D, kmat, kb * BK, K, tid);
         refattn_load_tile_async<BK, D, REFATTN_THREADS>(sV + buf * BK * D, vmat, kb * BK, K, tid);
     };
-    // v + the partner warp's v for each of the lane's rows (SPLIT = 2)
-    auto pair_sum = [&](double* v) {
-        if constexpr (SPLIT == 2) {
-            double other[MRW];
-            REFATTN_UNROLL
-            for (int mr = 0; mr < MRW; ++mr) other[mr] = v[mr];
-            __syncthreads();  // (the slots' last reads)
-            refattn_pair_rows<MRW>(other, warp, g);
-            REFATTN_UNROLL
-            for (int mr = 0; mr < MRW; ++mr) v[mr] += other[mr];
-        }
-    };
 
     if (!AG) {
         refattn_load_tile_async<BQ, D, REFATTN_THREADS>(sQ, c.q + bh * c.Q * D, i0, Q, tid);
@@ -186,8 +174,14 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
         acc_pg[mr] = refattn_quad_sum(acc_pg[mr]);
         acc_gb[mr] = refattn_quad_sum(acc_gb[mr]);
     }
-    pair_sum(acc_pg);
-    if (BIAS && gbias_mode == 3) pair_sum(acc_gb);
+    if constexpr (SPLIT == 2) {  // the pair's row sums (each after the slots' last reads)
+        __syncthreads();
+        refattn_pair_sum<MRW>(acc_pg, warp, g);
+        if (BIAS && gbias_mode == 3) {
+            __syncthreads();
+            refattn_pair_sum<MRW>(acc_gb, warp, g);
+        }
+    }
     REFATTN_UNROLL
     for (int mr = 0; mr < MRW; ++mr) {
         const int i = row + 8 * mr;

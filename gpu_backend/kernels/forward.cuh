@@ -170,14 +170,8 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     };
     refattn_set_table_row<BQ, BK, false>(vis, b, h, i0, Q, K, tid);
     refattn_tile_loop(nkb, classify, load, compute, &done, &skipped);
-    if constexpr (SPLIT == 2) {  // the row sums over both halves of the keys
-        double other[MRW];
-        REFATTN_UNROLL
-        for (int mr = 0; mr < MRW; ++mr) other[mr] = l[mr];
-        refattn_pair_rows<MRW>(other, warp, g);  // (after the tile loop's closing barrier)
-        REFATTN_UNROLL
-        for (int mr = 0; mr < MRW; ++mr) l[mr] += other[mr];
-    }
+    // the row sums over both halves of the keys (after the tile loop's closing barrier)
+    if constexpr (SPLIT == 2) refattn_pair_sum<MRW>(l, warp, g);
     REFATTN_UNROLL
     for (int mr = 0; mr < MRW; ++mr) {
         const int i = row + 8 * mr;

@@ -107,12 +107,24 @@ __device__ __forceinline__ void refattn_pair_rows(double* v, int warp, int g) {
     for (int mr = 0; mr < MR; ++mr) v[mr] = slots[warp ^ 1][8 * mr + g];
 }
 
+// v + the partner warp's v for each of the lane's MR row blocks (refattn_pair_rows: the caller
+// has passed a barrier after which no warp reads the slots); both warps get the same sums
+template <int MR>
+__device__ __forceinline__ void refattn_pair_sum(double* v, int warp, int g) {
+    double other[MR];
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MR; ++mr) other[mr] = v[mr];
+    refattn_pair_rows<MR>(other, warp, g);
+    REFATTN_UNROLL
+    for (int mr = 0; mr < MR; ++mr) v[mr] += other[mr];
+}
+
 // a warp pair's O += P . B over the whole tile (SPLIT = 2, forward.cuh and backward.cuh): each
 // warp of the pair holds P for its half of the tile's 8 NT keys (NT n-tiles) and computes its
-// DTW n-tiles of O (B's columns from `cols` on). Both halves go through `ex` (the warp's NT n-tiles
-// at (warp NT + nt) 32 W in fragment order: 16-byte accesses; 4 warps' worth, free until the
-// tile loop's closing barrier), then the products run over the keys in ascending order. The
-// caller has passed a barrier after which no warp reads `ex`; p is overwritten.
+// DTW n-tiles of O (B's columns from `cols` on). Both halves go through `ex` (the warp's NT
+// n-tiles at (warp NT + nt) 32 W in fragment order: 16-byte accesses; 4 warps' worth, free
+// until the tile loop's closing barrier), then the products run over the keys in ascending
+// order. The caller has passed a barrier after which no warp reads `ex`; p is overwritten.
 template <int D, int MR, int NT, int DTW, typename S1, typename S2>
 __device__ __forceinline__ void refattn_pair_pb(double* out, double* p, S1 ex, S2 sb, int cols,
                                                 int warp, int lane, int g, int t) {
