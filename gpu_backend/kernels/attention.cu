@@ -126,7 +126,7 @@ extern "C" __global__ void attention_dq_d128(REFATTN_ARGS) { refattn_dq<128, 1, 
 extern "C" __global__ void attention_dq_d256(REFATTN_ARGS) { refattn_dq<256, 1, 8>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d32(REFATTN_ARGS) { refattn_dkdv<32, 2, 32>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d64(REFATTN_ARGS) { refattn_dkdv<64, 2, 16>(x, ip, rp); }
-extern "C" __global__ void attention_dkdv_d128(REFATTN_ARGS) { refattn_dkdv<128, 1, 16>(x, ip, rp); }
+extern "C" __global__ void attention_dkdv_d128(REFATTN_ARGS) { refattn_dkdv<128, 1, 16, REFATTN_F_ALL, 2>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d256(REFATTN_ARGS) { refattn_dkdv<256, 1, 8>(x, ip, rp); }
 // The plain backward instances (F = 0: no softcap, bias, bias gradient or dropout code), run for
 // calls without those features. At D = 128 they need more shared memory than an A100's 163 KiB

@@ -198,11 +198,25 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
 // grid (ceil(K / BKV), B * Hkv), 128 threads; dk (B,Hkv,K,D) = fk sum_{h ~ g} sum_i dS q,
 // dv (B,Hkv,K,D) = sum_{h ~ g} sum_i (P Z) G_O; the bias gradient of mode 2 (summed over
 // queries), per query head. Products per tile: S^T = K Q^T, dP^T = V G_O^T, dV += (P Z)^T G_O,
-// dK += dS^T Q. F: the feature set compiled in, as refattn_dq's.
-template <int D, int MR, int BQ2, unsigned F = REFATTN_F_ALL>
+// dK += dS^T Q. F: the feature set compiled in, as refattn_dq's. SPLIT = 2: warp pairs, the
+// pair's two warps owning the same 16 keys (MR = 2 each, m16n8k4 on sm_90): for S^T and dP^T
+// they split the head width (the even warp k = 0 .. D/2 - 1, the odd one the rest, each over
+// the whole tile), swap the partial sums of each other's half of the tile's queries and add
+// them (S^T = lower half + upper half), so each computes P and dS for its own half of the
+// queries; they swap those halves and each accumulates its half of dV's and dK's columns over
+// all the tile's queries, ascending. Both accumulators stay in registers (no dV region), and
+// every streamed Q and G_O double read feeds 16 keys.
+template <int D, int MR, int BQ2, unsigned F = REFATTN_F_ALL, int SPLIT = 1>
 __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                              const double* rp) {
-    constexpr int BKV = 8 * MR * REFATTN_WARPS, NT = BQ2 / 8, DT = D / 8, W = 2 * MR;
+    static_assert(SPLIT == 1 || (SPLIT == 2 && MR == 1 && BQ2 % 16 == 0 && D % 32 == 0 &&
+                                 !REFATTN_A_GLOBAL<D>),
+                  "a warp pair splits the head width and the 16-query n-tile pairs of 8-row "
+                  "warps' tiles, its K and V rows in shared memory");
+    constexpr int BKV = 8 * MR * REFATTN_WARPS, NT = BQ2 / 8, DT = D / 8;
+    // per warp: MRW row blocks, NT n-tiles of the first products (over its half of D when
+    // paired), NTW of them its own (P, dS: from query column cw), DTW n-tiles of dV and dK
+    constexpr int MRW = MR * SPLIT, NTW = NT / SPLIT, DTW = DT / SPLIT, W = 2 * MRW;
     constexpr bool BIAS = (F & REFATTN_F_BIAS) != 0, DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     REFATTN_DYNAMIC_SHARED(double, smem);
     const RefattnCall c = refattn_call(x, ip, rp);
@@ -212,8 +226,9 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     double* dv = reinterpret_cast<double*>(x[X_DV]);
     double* gbias = reinterpret_cast<double*>(x[X_GBIAS]);
     long long* tiles = reinterpret_cast<long long*>(x[X_TILES]);
-    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3;
-    const int wr = (tid >> 5) * 8 * MR;
+    const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3, warp = tid >> 5;
+    const int half = SPLIT == 1 ? 0 : warp & 1;  // the warp's half of its pair's work
+    const int wr = (warp / SPLIT) * 8 * MRW, cw = half * 8 * NTW, ow = half * 8 * DTW;
     const long long bg = blockIdx.y, b = bg / c.Hkv, hg = bg % c.Hkv;
     const int Q = static_cast<int>(c.Q), K = static_cast<int>(c.K);
     const int j0 = static_cast<int>(blockIdx.x) * BKV, row = j0 + wr + g;
@@ -222,14 +237,21 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     auto sV = sK + (AG ? 0 : BKV * D);  // BKV x D (none when AG)
     auto sQ = sV + (AG ? 0 : BKV * D);  // 2 x BQ2 x D
     auto sG = sQ + 2 * BQ2 * D;   // 2 x BQ2 x D: G_O
-    auto sDV = sG + 2 * BQ2 * D + (tid >> 5) * 8 * MR * D;  // the warp's dV accumulator
+    // SPLIT = 1: the warps' dV accumulators (BKV x D); SPLIT = 2: the pairs' two exchange
+    // regions, 4 warps' worth each (refattn_pair_put's layout): the partial S^T and dP^T of the
+    // partner's queries (NTW n-tiles each), then P Z and dS of the warp's own
+    auto sDV = sG + 2 * BQ2 * D + warp * 8 * MR * D;
+    auto sXS = sG + 2 * BQ2 * D, sXD = sXS + REFATTN_WARPS * NTW * 32 * W;
     // above D = 128 dK (64 doubles a lane) is kept half in shared memory (BKV x D / 2 after dV):
     // its n-tiles 0 .. DKR - 1 in registers, DKR .. DT - 1 in the warp's own shared region
-    // (all 32 in registers spilled 940 / 276 bytes, 24 spilled 168 on sm_80)
-    constexpr int DKR = D > 128 ? DT / 2 : DT;
-    constexpr bool DK_SHARED = DKR < DT;
-    // the warp's region of dK's n-tiles DKR .. DT - 1 (DK_SHARED), after the BKV x D of dV
-    auto sDK = sG + 2 * BQ2 * D + BKV * D + (tid >> 5) * 8 * MR * (D - 8 * DKR);
+    // (all 32 in registers spilled 940 / 276 bytes, 24 spilled 168 on sm_80); a paired warp
+    // keeps 2 of its 8 in registers, beside dV's 8 (with 3 to 7 sm_80 spilled 40-800 bytes)
+    constexpr int DKR = D > 128 ? DT / 2 : SPLIT == 2 ? DTW / 4 : DT;
+    constexpr bool DK_SHARED = DKR < DTW;
+    // the warp's region of dK's n-tiles DKR .. DTW - 1 (DK_SHARED), after the BKV x D of dV
+    // (SPLIT = 1) or the two exchange regions (SPLIT = 2)
+    auto sDK = sG + 2 * BQ2 * D + (SPLIT == 1 ? BKV * D : 2 * REFATTN_WARPS * NTW * 32 * W) +
+               warp * (DTW - DKR) * 32 * W;
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
 
     const auto k_rows = refattn_rows_a<D>(sK, wr, c.k + bg * c.K * D, row, K);
@@ -238,11 +260,15 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
         refattn_load_tile_async<BKV, D, REFATTN_THREADS>(sK, c.k + bg * c.K * D, j0, K, tid);
         refattn_load_tile_async<BKV, D, REFATTN_THREADS>(sV, c.v + bg * c.K * D, j0, K, tid);
     }
-    double dka[DKR * W];
+    double dka[DKR * W], dva[SPLIT == 2 ? DTW * W : 1];
     REFATTN_UNROLL
     for (int e = 0; e < DKR * W; ++e) dka[e] = 0.0;
-    for (int e = 0; e < DT * W; ++e) {  // the lane's own entries of the warp's regions
-        sDV[((e / W) * 32 + lane) * W + e % W] = 0.0;
+    if constexpr (SPLIT == 2) {
+        REFATTN_UNROLL
+        for (int e = 0; e < DTW * W; ++e) dva[e] = 0.0;
+    }
+    for (int e = 0; e < DTW * W; ++e) {  // the lane's own entries of the warp's regions
+        if (SPLIT == 1) sDV[((e / W) * 32 + lane) * W + e % W] = 0.0;
         if (e >= DKR * W) sDK[((e / W - DKR) * 32 + lane) * W + e % W] = 0.0;
     }
     long long done = 0, skipped = 0;
@@ -253,8 +279,9 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
         const double* qmat = c.q + bh * c.Q * D;
         const double* gmat = c.g_o + bh * c.Q * D;
         auto classify = [&](int qb, unsigned* bits) {
-            return refattn_classify<MR, NT, true>(vis, ip, evaluate, b, h, j0, qb * BQ2, row, t,
-                                                  Q, K, tid, bits);
+            return refattn_classify<MRW, NTW, true, BKV, BQ2>(vis, ip, evaluate, b, h, j0,
+                                                              qb * BQ2, row, t, Q, K, tid, bits,
+                                                              cw);
         };
         auto load = [&](int qb) {
             const int buf = qb & 1;
@@ -263,42 +290,72 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
             refattn_load_tile_async<BQ2, D, REFATTN_THREADS>(sG + buf * BQ2 * D, gmat, qb * BQ2,
                                                              Q, tid);
         };
-        double gb[MR];  // bias gradient of (b, h, j) summed over queries (mode 2)
+        double gb[MRW];  // bias gradient of (b, h, j) summed over queries (mode 2)
         REFATTN_UNROLL
-        for (int mr = 0; mr < MR; ++mr) gb[mr] = 0.0;
+        for (int mr = 0; mr < MRW; ++mr) gb[mr] = 0.0;
         auto compute = [&](int qb, int cls, unsigned bits) {  // tile qb (and K, V) landed
-            const int i0 = qb * BQ2, buf = qb & 1;
+            const int i0 = qb * BQ2 + cw, buf = qb & 1;  // i0: the warp's first query
             // the Philox keep bits: up to D = 128 before the products, while only dK is live
             // (MR = 2 at D = 64 spilled 92 bytes on sm_80 with them after the products, 56 after
             // K Q^T); at D = 256 after K Q^T (before it, sm_80's ptxas wraps their shuffles in a
-            // convergence CALL in the loop)
+            // convergence CALL in the loop); for a pair after the partial sums' exchange (before
+            // the products, sm_90 spilled 112 bytes)
             auto keep_bits = [&] {
                 return DROPOUT && c.drop_mode == 2
-                           ? refattn_keep_bits_keys<MR, NT>(c, bh, row, i0, lane)
+                           ? refattn_keep_bits_keys<MRW, NTW>(c, bh, row, i0, lane)
                            : 0u;
             };
-            unsigned keep = AG ? 0u : keep_bits();
+            unsigned keep = AG || SPLIT == 2 ? 0u : keep_bits();
             double st[NT * W], dpt[NT * W];
             REFATTN_UNROLL
             for (int e = 0; e < NT * W; ++e) st[e] = dpt[e] = 0.0;
-            refattn_mma_abt<D, MR, NT>(st, k_rows, sQ + buf * BQ2 * D, g, t);   // K Q^T
+            constexpr int KN = D / SPLIT;  // K Q^T, V G_O^T over the warp's columns of D
+            // SPLIT = 2: the partner's queries' partial sums out (each product's as soon as it is
+            // done, after the tile loop's barrier), this warp's in after a barrier: the first NTW
+            // n-tiles of st and dpt become the warp's own queries, whole
+            auto send = [&](double* acc, auto region) {
+                if constexpr (SPLIT == 2) {
+                    double part[NTW * W];
+                    REFATTN_UNROLL
+                    for (int e = 0; e < NTW * W; ++e) {
+                        part[e] = half ? acc[e] : acc[NTW * W + e];
+                        acc[e] = half ? acc[NTW * W + e] : acc[e];
+                    }
+                    refattn_pair_put<MRW, NTW>(region, part, warp, lane);
+                }
+            };
+            refattn_mma_abt<D, MRW, NT, KN>(st, k_rows, sQ + buf * BQ2 * D, g, t, half * KN);
+            send(st, sXS);
             if constexpr (AG) keep = keep_bits();
-            refattn_mma_abt<D, MR, NT>(dpt, v_rows, sG + buf * BQ2 * D, g, t);  // V G_O^T
+            refattn_mma_abt<D, MRW, NT, KN>(dpt, v_rows, sG + buf * BQ2 * D, g, t, half * KN);
+            send(dpt, sXD);
+            if constexpr (SPLIT == 2) {
+                __syncthreads();
+                double part[NTW * W];  // the partner's partial sums of this warp's queries
+                refattn_pair_get<MRW, NTW>(part, sXS, half ^ 1, warp, lane);
+                REFATTN_UNROLL
+                for (int e = 0; e < NTW * W; ++e) st[e] += part[e];
+                refattn_pair_get<MRW, NTW>(part, sXD, half ^ 1, warp, lane);
+                REFATTN_UNROLL
+                for (int e = 0; e < NTW * W; ++e) dpt[e] += part[e];
+                __syncthreads();  // the regions free for P Z and dS
+                keep = keep_bits();
+            }
             const double* lse_h = c.lse + bh * c.Q;  // read per element (L1), not kept
             const double* dvec_h = c.dvec + bh * c.Q;
             REFATTN_UNROLL
-            for (int mr = 0; mr < MR; ++mr) {
+            for (int mr = 0; mr < MRW; ++mr) {
                 const int j = row + 8 * mr;
                 const RefattnLine bias_j =
                     BIAS ? refattn_line<true>(c.bias, ip, P_BIAS_S0, b, h, j) : RefattnLine{};
                 const RefattnLine z_j =
                     DROPOUT ? refattn_line<true>(c.z, ip, P_Z_S0, b, h, j) : RefattnLine{};
                 REFATTN_UNROLL
-                for (int nt = 0; nt < NT; ++nt) {
+                for (int nt = 0; nt < NTW; ++nt) {
                     REFATTN_UNROLL
                     for (int sb = 0; sb < 2; ++sb) {
                         const int e = nt * W + 2 * mr + sb, i = i0 + 8 * nt + 2 * t + sb;
-                        const int bit = (nt * MR + mr) * 2 + sb;
+                        const int bit = (nt * MRW + mr) * 2 + sb;
                         double pz = 0.0, ds = 0.0;
                         const bool seen = i < Q && j < K &&
                                           (cls == REFATTN_FULL || ((bits >> bit) & 1u));
@@ -314,37 +371,62 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                     }
                 }
             }
-            refattn_mma_pb_shared<D, MR, NT>(sDV, st, sG + buf * BQ2 * D, lane, g, t);  // dV
-            // dK += dS^T Q
-            refattn_mma_pb<D, MR, NT, 0, DKR>(dka, dpt, sQ + buf * BQ2 * D, g, t);
-            if constexpr (DK_SHARED)
-                refattn_mma_pb_shared<D, MR, NT, DKR, DT>(sDK, dpt, sQ + buf * BQ2 * D, lane, g,
-                                                          t);
+            if constexpr (SPLIT == 1) {
+                refattn_mma_pb_shared<D, MR, NT>(sDV, st, sG + buf * BQ2 * D, lane, g, t);  // dV
+                // dK += dS^T Q
+                refattn_mma_pb<D, MR, NT, 0, DKR>(dka, dpt, sQ + buf * BQ2 * D, g, t);
+                if constexpr (DK_SHARED)
+                    refattn_mma_pb_shared<D, MR, NT, DKR, DT>(sDK, dpt, sQ + buf * BQ2 * D, lane,
+                                                              g, t);
+            } else {
+                // dV's and dK's columns ow .. over both halves of the queries, P Z and dS
+                // exchanged in the partial sums' regions
+                refattn_pair_put<MRW, NTW>(sXS, st, warp, lane);
+                refattn_pair_put<MRW, NTW>(sXD, dpt, warp, lane);
+                __syncthreads();
+                REFATTN_UNROLL
+                for (int k = 0; k < 2; ++k) {  // both halves, in query order
+                    refattn_pair_get<MRW, NTW>(st + k * NTW * W, sXS, k, warp, lane);
+                    refattn_pair_get<MRW, NTW>(dpt + k * NTW * W, sXD, k, warp, lane);
+                }
+                refattn_mma_pb<D, MRW, NT, 0, DTW>(dva, st, sG + buf * BQ2 * D + ow, g, t);
+                refattn_mma_pb<D, MRW, NT, 0, DKR>(dka, dpt, sQ + buf * BQ2 * D + ow, g, t);
+                if constexpr (DK_SHARED)
+                    refattn_mma_pb_shared<D, MRW, NT, DKR, DTW>(sDK, dpt, sQ + buf * BQ2 * D + ow,
+                                                                lane, g, t);
+            }
         };
         refattn_set_table_row<BKV, BQ2, true>(vis, b, h, j0, Q, K, tid);
         refattn_tile_loop(nqb, classify, load, compute, &done, &skipped);
         REFATTN_UNROLL
-        for (int mr = 0; mr < MR; ++mr) {
-            const double sum = refattn_quad_sum(gb[mr]);
+        for (int mr = 0; mr < MRW; ++mr) gb[mr] = refattn_quad_sum(gb[mr]);
+        if constexpr (SPLIT == 2) {  // (after the tile loop's closing barrier)
+            if (BIAS && gbias_mode == 2) refattn_pair_sum<MRW>(gb, warp, g);
+        }
+        REFATTN_UNROLL
+        for (int mr = 0; mr < MRW; ++mr) {
             const int j = row + 8 * mr;
-            if (BIAS && gbias_mode == 2 && t == 0 && j < K) gbias[bh * c.K + j] = sum;
+            if (BIAS && gbias_mode == 2 && t == 0 && half == 0 && j < K)
+                gbias[bh * c.K + j] = gb[mr];
         }
     }
     refattn_cp_async_wait<0>();  // K and V when every head was skipped
     REFATTN_UNROLL
-    for (int mr = 0; mr < MR; ++mr) {
+    for (int mr = 0; mr < MRW; ++mr) {
         const int j = row + 8 * mr;
         if (j >= K) continue;
         // the warps' shared regions in fragment order: value 2 mr + s of n-tile dt of the lane
         auto shared_at = [&](auto region, int dt, int s) {
             return region[(dt * 32 + lane) * W + 2 * mr + s];
         };
-        refattn_store_row<D>(dk + (bg * c.K + j) * D, t, rp[R_FK], [&](int dt, int s) {
+        refattn_store_row<D / SPLIT>(dk + (bg * c.K + j) * D + ow, t, rp[R_FK], [&](int dt, int s) {
             return dt < DKR ? dka[(dt < DKR ? dt : 0) * W + 2 * mr + s]
                             : shared_at(sDK, dt - DKR, s);
         });
-        refattn_store_row<D>(dv + (bg * c.K + j) * D, t, 1.0,
-                             [&](int dt, int s) { return shared_at(sDV, dt, s); });
+        refattn_store_row<D / SPLIT>(dv + (bg * c.K + j) * D + ow, t, 1.0, [&](int dt, int s) {
+            return SPLIT == 2 ? dva[(SPLIT == 2 ? dt : 0) * W + 2 * mr + s]
+                              : shared_at(sDV, dt, s);
+        });
     }
     refattn_count_tiles(tiles, bg * gridDim.x + blockIdx.x, done, skipped);
 }

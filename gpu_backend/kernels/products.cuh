@@ -33,14 +33,17 @@ __device__ __forceinline__ auto refattn_rows_a(S1 tile, int first, const double*
     }
 }
 
-// C (8 MR x 8 NT per lane-set) += A . B^T over k = 0 .. D - 1 (k ascending): A element (mr, k)
-// from a_at (refattn_rows_a), B rows 8 nt + g of tile sb ("row" reads)
-template <int D, int MR, int NT, typename A, typename S2>
-__device__ __forceinline__ void refattn_mma_abt(double* acc, A a_at, S2 sb, int g, int t) {
+// C (8 MR x 8 NT per lane-set) += A . B^T over k = k0 .. k0 + KN - 1 (k ascending; k0 a
+// multiple of 16, every column by default): A element (mr, k) from a_at (refattn_rows_a), B rows
+// 8 nt + g of tile sb ("row" reads)
+template <int D, int MR, int NT, int KN = D, typename A, typename S2>
+__device__ __forceinline__ void refattn_mma_abt(double* acc, A a_at, S2 sb, int g, int t,
+                                                int k0 = 0) {
     int lo[4];  // the swizzled index of (row g, column 4 n + t)
     REFATTN_UNROLL
     for (int n = 0; n < 4; ++n) lo[n] = refattn_swz<D>(g, 4 * n + t);
-    for (int k16 = 0; k16 < D; k16 += 16) {
+    for (int kk = 0; kk < KN; kk += 16) {
+        const int k16 = k0 + kk;
         REFATTN_UNROLL
         for (int n = 0; n < 4; ++n) {
             double a[MR];
@@ -121,30 +124,51 @@ __device__ __forceinline__ void refattn_pair_sum(double* v, int warp, int g) {
 
 // a warp pair's O += P . B over the whole tile (SPLIT = 2, forward.cuh and backward.cuh): each
 // warp of the pair holds P for its half of the tile's 8 NT keys (NT n-tiles) and computes its
-// DTW n-tiles of O (B's columns from `cols` on). Both halves go through `ex` (the warp's NT
-// n-tiles at (warp NT + nt) 32 W in fragment order: 16-byte accesses; 4 warps' worth, free
-// until the tile loop's closing barrier), then the products run over the keys in ascending
-// order. The caller has passed a barrier after which no warp reads `ex`; p is overwritten.
-template <int D, int MR, int NT, int DTW, typename S1, typename S2>
-__device__ __forceinline__ void refattn_pair_pb(double* out, double* p, S1 ex, S2 sb, int cols,
-                                                int warp, int lane, int g, int t) {
+// DTW n-tiles of O (B's columns from `cols` on). Both halves go through an exchange region `ex`
+// (refattn_pair_put: the warp's NT n-tiles at (warp NT + nt) 32 W in fragment order, 16-byte
+// accesses; 4 warps' worth), then, after a barrier, refattn_pair_products runs the products over
+// the keys in ascending order, p overwritten.
+template <int MR, int NT, typename S1>
+__device__ __forceinline__ void refattn_pair_put(S1 ex, const double* p, int warp, int lane) {
     constexpr int W = 2 * MR;
     REFATTN_UNROLL
     for (int nt = 0; nt < NT; ++nt) {
         REFATTN_UNROLL
         for (int e = 0; e < W; ++e) ex[((warp * NT + nt) * 32 + lane) * W + e] = p[nt * W + e];
     }
-    __syncthreads();
+}
+
+// half k of the pair's exchanged n-tiles (warp (warp & ~1) + k's NT n-tiles) into p
+template <int MR, int NT, typename S1>
+__device__ __forceinline__ void refattn_pair_get(double* p, S1 ex, int k, int warp, int lane) {
+    constexpr int W = 2 * MR;
+    const int w = (warp & ~1) + k;
+    REFATTN_UNROLL
+    for (int nt = 0; nt < NT; ++nt) {
+        REFATTN_UNROLL
+        for (int e = 0; e < W; ++e) p[nt * W + e] = ex[((w * NT + nt) * 32 + lane) * W + e];
+    }
+}
+
+template <int D, int MR, int NT, int DTW, typename S1, typename S2>
+__device__ __forceinline__ void refattn_pair_products(double* out, double* p, S1 ex, S2 sb,
+                                                      int cols, int warp, int lane, int g,
+                                                      int t) {
     REFATTN_UNROLL
     for (int k = 0; k < 2; ++k) {
-        const int w = (warp & ~1) + k;
-        REFATTN_UNROLL
-        for (int nt = 0; nt < NT; ++nt) {
-            REFATTN_UNROLL
-            for (int e = 0; e < W; ++e) p[nt * W + e] = ex[((w * NT + nt) * 32 + lane) * W + e];
-        }
+        refattn_pair_get<MR, NT>(p, ex, k, warp, lane);
         refattn_mma_pb<D, MR, NT, 0, DTW>(out, p, sb + k * 8 * NT * D + cols, g, t);
     }
+}
+
+// both steps with the barrier between (`ex` free until the tile loop's closing barrier: the
+// caller has passed a barrier after which no warp reads it)
+template <int D, int MR, int NT, int DTW, typename S1, typename S2>
+__device__ __forceinline__ void refattn_pair_pb(double* out, double* p, S1 ex, S2 sb, int cols,
+                                                int warp, int lane, int g, int t) {
+    refattn_pair_put<MR, NT>(ex, p, warp, lane);
+    __syncthreads();
+    refattn_pair_products<D, MR, NT, DTW>(out, p, ex, sb, cols, warp, lane, g, t);
 }
 
 // the same product into an accumulator kept in shared memory (the warp's own region, in fragment

@@ -74,8 +74,8 @@ def _outputs(directory, call, seeds=(0, 1, 2)) -> list[np.ndarray]:
 def test_a_missing_pair_barrier_is_caught(tmp_path):
     """Mutation: without the barrier between the pair's P~ Z writes and its reads, a warp
     reads its partner's half before it is written (the K values still in the buffer)."""
-    reads = "    REFATTN_UNROLL\n    for (int k = 0; k < 2; ++k) {"
-    d = _mutated(tmp_path, "    }\n    __syncthreads();\n" + reads, "    }\n" + reads,
+    put = "    refattn_pair_put<MR, NT>(ex, p, warp, lane);\n"
+    d = _mutated(tmp_path, put + "    __syncthreads();\n", put,
                  "products.cuh")  # (refattn_pair_pb)
     call = _call("relation", np.random.default_rng(1))
     ref = refattn.forward(call).output
