@@ -67,9 +67,13 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     forward: Q (BQ x D) and two buffers of K and V (BK x D); dq: Q and G_O (BQ x D each) and
     two buffers of K and V; dkdv: K and V (BKV x D each), two buffers of Q and G_O (BQ2 x D)
     and the dV accumulators (BKV x D); doubles, unpadded (the tiles are swizzled,
-    kernels/tile.cuh). Above D = 128 the Q, G_O (forward, dq) and K, V (dkdv) tiles are not
-    in shared memory (the warps read their own rows from global memory) and dkdv keeps half of
-    its dK accumulators there instead (BKV x D / 2: n-tiles 16 to 31; 0 to 15 in registers).
+    kernels/tile.cuh). The general dkdv at D = 128 (warp pairs, dV in registers) holds as many
+    bytes in another layout: in place of the dV accumulators its exchange region (2 x BKV x
+    BQ2 doubles) and 6 of each warp's 8 dK n-tiles (3/4 x BKV x D); the debug emulator checks
+    every shared access against these bytes (tests/gpu/test_warp_pairs.py). Above D = 128 the
+    Q, G_O (forward, dq) and K, V (dkdv) tiles are not in shared memory (the warps read their
+    own rows from global memory) and dkdv keeps half of its dK accumulators there instead
+    (BKV x D / 2: n-tiles 16 to 31; 0 to 15 in registers).
 
     Examples
     --------

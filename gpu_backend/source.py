@@ -19,8 +19,9 @@ MAIN = "attention.cu"
 #: the tensor-core kernels' instances, as attention.cu's entry points instantiate them:
 #: kind -> head width D -> (MR, tile). A block is 4 warps of 8 MR rows: BQ = 32 MR query rows
 #: (forward, dq: the tile is BK keys) or BKV = 32 MR keys (dkdv: the tile is BQ2 queries);
-#: the general forward at D = 128 pairs its 8-row warps into 16-row ones that split the tile
-#: (forward.cuh, SPLIT), with the same BQ, BK and shared memory.
+#: the general forward and dk/dv at D = 128 pair their 8-row warps into 16-row ones that split
+#: the tile (forward.cuh, backward.cuh: SPLIT), with the same BQ or BKV, tile and shared memory
+#: (:func:`gpu_backend.launch.shared_bytes`).
 #: Above D = 128 (:data:`A_GLOBAL_ABOVE`) the warps read their own rows (the A operand: Q, G_O;
 #: K, V in dkdv) from global memory instead of a shared tile.
 INSTANCES: dict[str, dict[int, tuple[int, int]]] = {

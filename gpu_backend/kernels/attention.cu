@@ -97,12 +97,13 @@ __device__ void refattn_trace_backward(const unsigned long long* x, const long l
 }
 
 // -- entry points ---------------------------------------------------------------------------------
-// instances <D, MR, BK or BQ2>: 8 MR rows per warp (the general forward at D = 128: warp
-// pairs, SPLIT = 2 in forward.cuh); source.py INSTANCES holds the same table
+// instances <D, MR, BK or BQ2>: 8 MR rows per warp (the general forward and dk/dv at D = 128:
+// warp pairs, SPLIT = 2 in forward.cuh and backward.cuh); source.py INSTANCES holds the same table
 // (a test compares). The tiles are chosen for 0 spills (ptxas, sm_80 and sm_90) and every block up to
 // D = 128 within an A100's 163 KiB: dq keeps S and dP (2 x BK / 8 x 2 MR doubles per lane) beside its
 // dQ accumulator (24-key tiles at D = 128: 160 KiB); dk/dv keeps dV in shared memory
-// (refattn_mma_pb_shared), MR = 2 at D = 32 and 64.
+// (refattn_mma_pb_shared), MR = 2 at D = 32 and 64; its pairs at D = 128 keep dV in registers
+// and 6 of each warp's 8 dK n-tiles in shared memory (160 KiB).
 // At D = 256 (REFATTN_A_GLOBAL) the warps read their A rows from global memory and the tiles are
 // 8 wide; the dk/dv instance needs 160 KiB of shared memory (half of dK in registers), within an
 // A100's 163 KiB; launch.plan refuses a device with less, naming the limit.

@@ -245,7 +245,7 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     // above D = 128 dK (64 doubles a lane) is kept half in shared memory (BKV x D / 2 after dV):
     // its n-tiles 0 .. DKR - 1 in registers, DKR .. DT - 1 in the warp's own shared region
     // (all 32 in registers spilled 940 / 276 bytes, 24 spilled 168 on sm_80); a paired warp
-    // keeps 2 of its 8 in registers, beside dV's 8 (with 3 to 7 sm_80 spilled 40-800 bytes)
+    // keeps 2 of its 8 in registers, beside dV's 8 (3 to 8 spilled 64-804 bytes, docs/gpu.md)
     constexpr int DKR = D > 128 ? DT / 2 : SPLIT == 2 ? DTW / 4 : DT;
     constexpr bool DK_SHARED = DKR < DTW;
     // the warp's region of dK's n-tiles DKR .. DTW - 1 (DK_SHARED), after the BKV x D of dV

@@ -1,11 +1,14 @@
-"""Warp pairs (SPLIT = 2): the general forward at D = 128 (forward.cuh) and the wide dq at D = 128
-(backward.cuh, H100/H200: 32-key tiles in 192 KiB). The two warps of a pair own the same 16
-query rows and split the tile's keys for S (and dP) and the output's columns for P V (dQ's for
-dS K); the forward swaps row maxima, P~ Z halves and row sums, the dq dS halves and the row
-sums of row_dot and the bias gradient, through shared memory. Every feature that touches those
-(the sink's share of the row sum, rows with nothing visible yet, a tail tile, dense and Philox
-dropout, masks, query_valid, every bias gradient mode) against the NumPy reference on the CPU
-emulator, and the emulator catching a pair's missing barrier."""
+"""Warp pairs (SPLIT = 2): the general forward at D = 128 (forward.cuh), the wide dq at D = 128
+(backward.cuh, H100/H200: 32-key tiles in 192 KiB) and the general dk/dv at D = 128
+(backward.cuh). The two warps of a forward or dq pair own the same 16 query rows and split the
+tile's keys for S (and dP) and the output's columns for P V (dQ's for dS K); the forward swaps
+row maxima, P~ Z halves and row sums, the dq dS halves and the row sums of row_dot and the bias
+gradient, through shared memory. A dk/dv pair owns 16 keys, splits the head width for K Q^T and
+V G_O^T, swaps the partial sums of each other's queries, then P Z and dS, and splits dV's and
+dK's columns. Every feature that touches those (the sink's share of the row sum, rows with
+nothing visible yet, a tail tile, dense and Philox dropout, softcap, masks, query_valid, GQA,
+every bias gradient mode) against the NumPy reference on the CPU emulator, and the emulator
+catching a pair's missing barrier or a wrong exchange."""
 
 from __future__ import annotations
 
@@ -132,3 +135,65 @@ def test_a_missing_dq_pair_barrier_is_caught(tmp_path):
         g = launch.backward(dev, launch.forward(dev, call, materialize=False), g_o)
         wrong += not np.allclose(g.grad_q, want, rtol=1e-12, atol=1e-12)
     assert wrong
+
+
+@pytest.mark.parametrize("kind", ["dense", "relation"])
+@pytest.mark.parametrize("limit", [H100_SHARED, A100_SHARED], ids=["H100", "A100"])
+def test_the_d128_dkdv_on_warp_pairs_matches_the_reference(kind, limit):
+    """The general dk/dv at D = 128 (pairs) on both devices' limits: gradients of K, V and the
+    bias (per element, summed over queries by the pair's row sums for the per-key bias), two
+    query heads on one kv head, a key block ending inside its first pair (K = 100) and a query
+    tail tile; bit-identical run to run."""
+    rng = np.random.default_rng(11)
+    call = _call(kind, rng)
+    g_o = rng.standard_normal((1, 2, Q, 128))
+    grads = []
+    for _ in range(2):
+        dev = _Device(limit)
+        t = launch.forward(dev, call, materialize=False)
+        grads.append(launch.backward(dev, t, g_o))
+        assert [k for k in dev.kernels if k.startswith("attention_dkdv")] == [
+            "attention_dkdv_d128"]
+    assert_matches_reference(call, g_o, t, grads[0], f"dkdv pairs {kind}")
+    for name in ("grad_k", "grad_v", "grad_bias"):
+        np.testing.assert_array_equal(getattr(grads[1], name), getattr(grads[0], name),
+                                      err_msg=name)
+
+
+def _dkdv_wrong(directory, seeds=(0, 1, 2)) -> int:
+    """How many of the debug emulator's warp orders give a dK or dV off the reference's. The
+    dense call: no Philox draws (warp shuffles) between the pair's exchanges, so a warp runs
+    from one exchange to the next without stopping (the emulator's threads run until a warp
+    operation or a barrier) and a missing barrier between them shows in every warp order."""
+    rng = np.random.default_rng(5)
+    call = _call("dense", rng)
+    g_o = rng.standard_normal((1, 2, Q, 128))
+    want = refattn.backward(refattn.forward(call), g_o)
+    wrong = 0
+    for seed in seeds:
+        dev = EmulatorDevice(directory, debug=True, seed=seed)
+        g = launch.backward(dev, launch.forward(dev, call, materialize=False), g_o)
+        wrong += not (np.allclose(g.grad_k, want.grad_k, rtol=1e-12, atol=1e-12)
+                      and np.allclose(g.grad_v, want.grad_v, rtol=1e-12, atol=1e-12))
+    return wrong
+
+
+def test_the_unmutated_dkdv_pairs_are_right_in_every_warp_order():
+    from gpu_backend.source import KERNEL_DIR
+
+    assert _dkdv_wrong(KERNEL_DIR) == 0
+
+
+@pytest.mark.parametrize(("old", "new"), [
+    # the partner's partial sums read before it wrote them
+    ("                __syncthreads();\n                double part[NTW * W];",
+     "                double part[NTW * W];"),
+    # P Z written over partial sums the partner has not read yet
+    ("                __syncthreads();  // the regions free for P Z and dS\n", ""),
+    # the warp's own partial sum added to itself instead of the partner's
+    ("refattn_pair_get<MRW, NTW>(part, sXS, half ^ 1, warp, lane);",
+     "refattn_pair_get<MRW, NTW>(part, sXS, half, warp, lane);"),
+], ids=["partial-sums-barrier", "regions-free-barrier", "own-partial-sum"])
+def test_a_broken_dkdv_pair_exchange_is_caught(tmp_path, old, new):
+    """Mutations of the dk/dv pair's exchanges, each caught in every warp order."""
+    assert _dkdv_wrong(_mutated(tmp_path, old, new, "backward.cuh")) == 3
