@@ -22,7 +22,7 @@ from typing import Any, Protocol
 import numpy as np
 
 from gpu_backend.abi import INT_PARAMS, POINTERS, REAL_PARAMS
-from gpu_backend.source import A_GLOBAL_ABOVE, FEATURE_SETS, INSTANCES, kernel_name
+from gpu_backend.source import A_GLOBAL_ABOVE, FEATURE_SETS, INSTANCES, PAIRED, kernel_name
 from refattn.call import AttentionCall
 from refattn.call.gate import check_head_map
 from refattn.call.placement import operand_multipliers
@@ -67,10 +67,10 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     forward: Q (BQ x D) and two buffers of K and V (BK x D); dq: Q and G_O (BQ x D each) and
     two buffers of K and V; dkdv: K and V (BKV x D each), two buffers of Q and G_O (BQ2 x D)
     and the dV accumulators (BKV x D); doubles, unpadded (the tiles are swizzled,
-    kernels/tile.cuh). The general dkdv at D = 128 (warp pairs, dV in registers) holds as many
-    bytes in another layout: in place of the dV accumulators its exchange region (2 x BKV x
-    BQ2 doubles) and 6 of each warp's 8 dK n-tiles (3/4 x BKV x D); the debug emulator checks
-    every shared access against these bytes (tests/gpu/test_warp_pairs.py). Above D = 128 the
+    kernels/tile.cuh). A dkdv on warp pairs (source.PAIRED: D = 128) keeps dV in registers and
+    holds instead the pair's exchange region (2 x BKV x BQ2) and, with every feature compiled
+    in, 6 of each warp's 8 dK n-tiles (3/4 x BKV x D); the debug emulator checks every shared
+    access against these bytes (tests/gpu/test_warp_pairs.py). Above D = 128 the
     Q, G_O (forward, dq) and K, V (dkdv) tiles are not in shared memory (the warps read their
     own rows from global memory) and dkdv keeps half of its dK accumulators there instead
     (BKV x D / 2: n-tiles 16 to 31; 0 to 15 in registers).
@@ -83,6 +83,8 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     (65536, 65536, 163840)
     >>> shared_bytes("forward", 128, "plain")  # 16-row warps: 64 rows of Q, 16-key tiles
     131072
+    >>> shared_bytes("dkdv", 128, "plain")  # warp pairs, dK in registers
+    139264
     """
     table = FEATURE_SETS[features][0] if features in FEATURE_SETS else {}
     if kernel not in table or D not in table[kernel]:
@@ -93,6 +95,10 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     n = {"forward": own * rows * D + 4 * tile * D, "dq": own * 2 * rows * D + 4 * tile * D,
          # dkdv: K and V, the dV accumulators; above D = 128 half of dK instead of K, V
          "dkdv": (3 * rows * D if own else rows * D + rows * D // 2) + 4 * tile * D}[kernel]
+    if kernel == "dkdv" and D in PAIRED.get(features, {}).get(kernel, ()):
+        # K and V, Q and G_O, the exchange, (every feature) three quarters of dK
+        n = 2 * rows * D + 4 * tile * D + 2 * rows * tile + (
+            0 if features == "plain" else 3 * rows * D // 4)
     return 8 * n
 
 

@@ -11,8 +11,8 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-__all__ = ["A_GLOBAL_ABOVE", "FEATURE_SETS", "INSTANCES", "KERNELS", "KERNEL_DIR", "PLAIN", "WIDE",
-           "kernel_name", "source_hash", "translation_unit"]
+__all__ = ["A_GLOBAL_ABOVE", "FEATURE_SETS", "INSTANCES", "KERNELS", "KERNEL_DIR", "PAIRED",
+           "PLAIN", "WIDE", "kernel_name", "source_hash", "translation_unit"]
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 MAIN = "attention.cu"
@@ -32,18 +32,28 @@ INSTANCES: dict[str, dict[int, tuple[int, int]]] = {
 #: the plain instances (call.cuh's feature switches, F = 0): compiled without the softcap,
 #: bias and dropout code, kind -> D -> (MR, tile) as INSTANCES; a call that uses none of those
 #: features runs them (launch.plan), any other call the INSTANCES one ("general"). Only where
-#: the model shows a gain (D = 64, 128), to bound compile time; at D = 128 the plain instance
-#: has 16-row warps (the general one would spill).
+#: the model shows a gain (D = 64, 128), to bound compile time; at D = 128 the plain forward
+#: and dq have 16-row warps (the general ones would spill), the plain dk/dv warp pairs as the
+#: general one's, with dK in registers (:data:`PAIRED`).
 PLAIN: dict[str, dict[int, tuple[int, int]]] = {
     "forward": {64: (2, 32), 128: (2, 16)},
     "dq": {64: (2, 32), 128: (2, 16)},
-    "dkdv": {64: (2, 32), 128: (1, 32)},
+    "dkdv": {64: (2, 32), 128: (1, 16)},
 }
 #: the wide instances: every feature compiled in, as INSTANCES, with larger tiles that only a
 #: device with more shared memory holds (launch.plan prefers them there, after a plain
 #: instance): the dq at D = 128 on warp pairs with 32-key tiles (192 KiB: H100/H200)
 WIDE: dict[str, dict[int, tuple[int, int]]] = {
     "dq": {128: (1, 32)},
+}
+#: the instances on warp pairs (SPLIT = 2 in forward.cuh, backward.cuh): feature set -> kind ->
+#: head widths. A paired dk/dv block keeps dV in registers and holds, in place of the dV
+#: accumulators, the pair's exchange region (2 BKV BQ2 doubles) and, with every feature
+#: compiled in, 6 of each warp's 8 dK n-tiles (launch.shared_bytes)
+PAIRED: dict[str, dict[str, tuple[int, ...]]] = {
+    "general": {"forward": (128,), "dkdv": (128,)},
+    "plain": {"dkdv": (128,)},
+    "wide": {"dq": (128,)},
 }
 #: the feature sets of the instances: name -> (instance table, the call features it serves)
 FEATURE_SETS: dict[str, tuple[dict[str, dict[int, tuple[int, int]]], str]] = {

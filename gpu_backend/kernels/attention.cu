@@ -130,11 +130,11 @@ extern "C" __global__ void attention_dkdv_d64(REFATTN_ARGS) { refattn_dkdv<64, 2
 extern "C" __global__ void attention_dkdv_d128(REFATTN_ARGS) { refattn_dkdv<128, 1, 16, REFATTN_F_ALL, 2>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d256(REFATTN_ARGS) { refattn_dkdv<256, 1, 8>(x, ip, rp); }
 // The plain backward instances (F = 0: no softcap, bias, bias gradient or dropout code), run for
-// calls without those features. At D = 128 they need more shared memory than an A100's 163 KiB
-// (dq: 16-row warps, 192 KiB; dk/dv: 32-query tiles, 224 KiB), within an H100/H200's 227 KiB;
-// launch.plan runs the general instance on a device with less. No sm_8x device has that much,
-// so for those architectures such an instance is not built (REFATTN_SM90_ONLY: its body traps;
-// the dq one would spill 112 bytes on sm_80).
+// calls without those features. At D = 128 the dq (16-row warps, 192 KiB) needs more shared
+// memory than an A100's 163 KiB, within an H100/H200's 227 KiB; launch.plan runs the general
+// instance on a device with less. No sm_8x device has that much, so for those architectures
+// it is not built (REFATTN_SM90_ONLY: its body traps; it would spill 112 bytes on sm_80). The
+// dk/dv at D = 128 is on warp pairs, as the general one, with all of dK in registers (136 KiB).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define REFATTN_SM90_ONLY(...) __trap()
 #else
@@ -150,7 +150,7 @@ extern "C" __global__ void attention_dkdv_plain_d64(REFATTN_ARGS) {
     refattn_dkdv<64, 2, 32, 0>(x, ip, rp);
 }
 extern "C" __global__ void attention_dkdv_plain_d128(REFATTN_ARGS) {
-    REFATTN_SM90_ONLY(refattn_dkdv<128, 1, 32, 0>(x, ip, rp));
+    refattn_dkdv<128, 1, 16, 0, 2>(x, ip, rp);
 }
 // the wide instances: every feature, for devices whose shared memory holds them (launch.plan
 // prefers them there, after a plain instance): the dq at D = 128 on warp pairs (SPLIT = 2,

@@ -204,8 +204,9 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
 // the whole tile), swap the partial sums of each other's half of the tile's queries and add
 // them (S^T = lower half + upper half), so each computes P and dS for its own half of the
 // queries; they swap those halves and each accumulates its half of dV's and dK's columns over
-// all the tile's queries, ascending. Both accumulators stay in registers (no dV region), and
-// every streamed Q and G_O double read feeds 16 keys.
+// all the tile's queries, ascending. dV stays in registers (no dV region), dK too but for 6 of
+// a warp's 8 n-tiles with every feature compiled in (in its shared region), and every streamed
+// Q and G_O double read feeds 16 keys.
 template <int D, int MR, int BQ2, unsigned F = REFATTN_F_ALL, int SPLIT = 1>
 __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                              const double* rp) {
@@ -244,9 +245,10 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     auto sXS = sG + 2 * BQ2 * D, sXD = sXS + REFATTN_WARPS * NTW * 32 * W;
     // above D = 128 dK (64 doubles a lane) is kept half in shared memory (BKV x D / 2 after dV):
     // its n-tiles 0 .. DKR - 1 in registers, DKR .. DT - 1 in the warp's own shared region
-    // (all 32 in registers spilled 940 / 276 bytes, 24 spilled 168 on sm_80); a paired warp
-    // keeps 2 of its 8 in registers, beside dV's 8 (3 to 8 spilled 64-804 bytes, docs/gpu.md)
-    constexpr int DKR = D > 128 ? DT / 2 : SPLIT == 2 ? DTW / 4 : DT;
+    // (all 32 in registers spilled 940 / 276 bytes, 24 spilled 168 on sm_80); a paired warp with
+    // every feature keeps 2 of its 8 in registers, beside dV's 8 (3 to 8 spilled 64-804 bytes,
+    // docs/gpu.md), a plain one (F = 0) all 8
+    constexpr int DKR = D > 128 ? DT / 2 : SPLIT == 2 && F != 0 ? DTW / 4 : DTW;
     constexpr bool DK_SHARED = DKR < DTW;
     // the warp's region of dK's n-tiles DKR .. DTW - 1 (DK_SHARED), after the BKV x D of dV
     // (SPLIT = 1) or the two exchange regions (SPLIT = 2)

@@ -141,7 +141,8 @@ def test_the_plain_table_matches_the_entry_points_and_the_devices_they_fit():
     not fit an A100's are the ones not built for sm_8x (REFATTN_SM90_ONLY)."""
     src = (KERNEL_DIR / "attention.cu").read_text()
     entries = re.findall(r"void attention_(\w+)_plain_d(\d+)\(REFATTN_ARGS\) \{\s*"
-                         r"(REFATTN_SM90_ONLY\()?refattn_\1<(\d+), (\d+), (\d+), 0>", src)
+                         r"(REFATTN_SM90_ONLY\()?refattn_\1<(\d+), (\d+), (\d+), 0(?:, 2)?>",
+                         src)
     table = {(k, int(d)): (int(mr), int(tile)) for k, d, _, dd, mr, tile in entries
              if int(d) == int(dd)}
     sm90_only = {(k, int(d)) for k, d, only, *_ in entries if only}
@@ -151,7 +152,7 @@ def test_the_plain_table_matches_the_entry_points_and_the_devices_they_fit():
     assert FEATURE_SETS["plain"][0] is PLAIN
     assert sm90_only == {(k, D) for k, D in table
                          if launch.shared_bytes(k, D, "plain") > A100_SHARED}
-    assert sm90_only == {("dq", 128), ("dkdv", 128)}
+    assert sm90_only == {("dq", 128)}
     for (kind, D), (MR, tile) in table.items():
         limit = H100_SHARED if (kind, D) in sm90_only else A100_SHARED
         assert launch.shared_bytes(kind, D, "plain") <= limit
@@ -178,21 +179,22 @@ def _backward_kernels(dev: _Device) -> tuple[str, ...]:
 
 
 @pytest.mark.parametrize(("D", "limit", "features"), [
-    (64, H100_SHARED, "plain"), (100, H100_SHARED, "plain"), (100, A100_SHARED, "general")])
+    (64, H100_SHARED, ("plain", "plain")), (100, H100_SHARED, ("plain", "plain")),
+    (100, A100_SHARED, ("general", "plain"))])
 def test_a_plain_backward_runs_the_instances_the_device_fits_and_matches_the_reference(
         D, limit, features):
     """GQA, a causal window with key padding (SKIP, FULL and PARTIAL tiles), a sink and unused
     queries, no softcap, bias or dropout: on an H100's shared memory the plain dq and dk/dv
-    instances run (at D = 128 they need 192 and 224 KiB), on an A100's the general ones (the
-    plain instances do not fit); both give the reference's gradients."""
+    instances run; on an A100's the general dq (the plain one needs 192 KiB at D = 128) and the
+    plain dk/dv (warp pairs, 136 KiB); both give the reference's gradients."""
     call = _call(D, seed=5)
     g_o = np.random.default_rng(6).standard_normal(call.q.shape)
     dev = _Device(limit)
     trace = launch.forward(dev, call, materialize=False)
     grads = launch.backward(dev, trace, g_o)
     width = 64 if D == 64 else 128
-    assert _backward_kernels(dev) == (kernel_name("dq", width, features),
-                                      kernel_name("dkdv", width, features))
+    assert _backward_kernels(dev) == (kernel_name("dq", width, features[0]),
+                                      kernel_name("dkdv", width, features[1]))
     _check_gradients(grads, refattn.backward(refattn.forward(call), g_o))
 
 
@@ -228,14 +230,18 @@ def test_the_plain_backward_forced_onto_a_softcap_call_is_caught(monkeypatch):
 
 @pytest.mark.parametrize("kind", ["dq", "dkdv"])
 def test_the_backward_plan_follows_the_device_limit(kind):
-    """At D = 128 the plain instance where an H100's 227 KiB holds it, the general one on an
-    A100's 163 KiB, and a RefAttnError naming both numbers where neither fits (99 KiB). A call
-    with a feature runs the general instance, or the wide one (dq: warp pairs, 192 KiB) where
-    the device holds it."""
+    """At D = 128 the plain dq where an H100's 227 KiB holds it, the general one on an A100's
+    163 KiB; the plain dk/dv (warp pairs, 136 KiB) on both; a RefAttnError naming the general
+    instance's bytes and the limit where nothing fits (99 KiB). A call with a feature runs the
+    general instance, or the wide one (dq: warp pairs, 192 KiB) where the device holds it."""
     plain, general = launch.shared_bytes(kind, 128, "plain"), launch.shared_bytes(kind, 128)
-    assert general <= A100_SHARED < plain <= H100_SHARED
+    if kind == "dq":
+        assert general <= A100_SHARED < plain <= H100_SHARED
+    else:
+        assert SM89_SHARED < plain < general <= A100_SHARED
     assert launch.plan(kind, 128, 128, H100_SHARED, features="plain").features == "plain"
-    assert launch.plan(kind, 128, 128, A100_SHARED, features="plain").features == "general"
+    on_a100 = "general" if kind == "dq" else "plain"
+    assert launch.plan(kind, 128, 128, A100_SHARED, features="plain").features == on_a100
     wide = "wide" if kind == "dq" else "general"
     assert launch.plan(kind, 128, 128, H100_SHARED).features == wide  # a feature used
     assert launch.plan(kind, 128, 128, A100_SHARED).features == "general"
