@@ -13,6 +13,7 @@ catching a pair's missing barrier or a wrong exchange."""
 from __future__ import annotations
 
 import dataclasses
+import re
 
 import numpy as np
 import pytest
@@ -197,3 +198,17 @@ def test_the_unmutated_dkdv_pairs_are_right_in_every_warp_order():
 def test_a_broken_dkdv_pair_exchange_is_caught(tmp_path, old, new):
     """Mutations of the dk/dv pair's exchanges, each caught in every warp order."""
     assert _dkdv_wrong(_mutated(tmp_path, old, new, "backward.cuh")) == 3
+
+
+def test_the_paired_instances_are_the_ones_source_paired_lists():
+    """source.PAIRED (which launch.shared_bytes reads for a paired dk/dv's layout) names exactly
+    the entry points of attention.cu instantiated with SPLIT = 2."""
+    from gpu_backend.source import KERNEL_DIR, PAIRED
+
+    src = (KERNEL_DIR / "attention.cu").read_text()
+    entries = re.findall(r"void attention_(\w+?)_(?:(plain|wide)_)?d(\d+)\(REFATTN_ARGS\) \{\s*"
+                         r"(?:REFATTN_SM90_ONLY\()?refattn_\1<\d+, \d+, \d+, \w+, 2>", src)
+    found = {(fs or "general", kind, int(d)) for kind, fs, d in entries}
+    assert found == {(fs, kind, d) for fs, kinds in PAIRED.items() for kind, dims in kinds.items()
+                     for d in dims}
+    assert ("general", "dkdv", 128) in found and ("plain", "dkdv", 128) in found
