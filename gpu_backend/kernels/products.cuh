@@ -122,12 +122,9 @@ __device__ __forceinline__ void refattn_pair_sum(double* v, int warp, int g) {
     for (int mr = 0; mr < MR; ++mr) v[mr] += other[mr];
 }
 
-// a warp pair's O += P . B over the whole tile (SPLIT = 2, forward.cuh and backward.cuh): each
-// warp of the pair holds P for its half of the tile's 8 NT keys (NT n-tiles) and computes its
-// DTW n-tiles of O (B's columns from `cols` on). Both halves go through an exchange region `ex`
-// (refattn_pair_put: the warp's NT n-tiles at (warp NT + nt) 32 W in fragment order, 16-byte
-// accesses; 4 warps' worth), then, after a barrier, refattn_pair_products runs the products over
-// the keys in ascending order, p overwritten.
+// a warp pair's exchange region `ex` (SPLIT = 2, forward.cuh and backward.cuh): 4 warps' worth
+// of NT n-tiles each, warp w's n-tile nt at (w NT + nt) 32 W in fragment order (16-byte
+// accesses). refattn_pair_put writes the warp's NT n-tiles of p there.
 template <int MR, int NT, typename S1>
 __device__ __forceinline__ void refattn_pair_put(S1 ex, const double* p, int warp, int lane) {
     constexpr int W = 2 * MR;
@@ -150,25 +147,21 @@ __device__ __forceinline__ void refattn_pair_get(double* p, S1 ex, int k, int wa
     }
 }
 
-template <int D, int MR, int NT, int DTW, typename S1, typename S2>
-__device__ __forceinline__ void refattn_pair_products(double* out, double* p, S1 ex, S2 sb,
-                                                      int cols, int warp, int lane, int g,
-                                                      int t) {
-    REFATTN_UNROLL
-    for (int k = 0; k < 2; ++k) {
-        refattn_pair_get<MR, NT>(p, ex, k, warp, lane);
-        refattn_mma_pb<D, MR, NT, 0, DTW>(out, p, sb + k * 8 * NT * D + cols, g, t);
-    }
-}
-
-// both steps with the barrier between (`ex` free until the tile loop's closing barrier: the
-// caller has passed a barrier after which no warp reads it)
+// a warp pair's O += P . B over the whole tile (forward, dq): each warp of the pair holds P for
+// its half of the tile's 8 NT keys (NT n-tiles) and computes its DTW n-tiles of O (B's columns
+// from `cols` on). Both halves go through `ex` (free until the tile loop's closing barrier: the
+// caller has passed a barrier after which no warp reads it), then, after a barrier, the products
+// run over the keys in ascending order; p is overwritten.
 template <int D, int MR, int NT, int DTW, typename S1, typename S2>
 __device__ __forceinline__ void refattn_pair_pb(double* out, double* p, S1 ex, S2 sb, int cols,
                                                 int warp, int lane, int g, int t) {
     refattn_pair_put<MR, NT>(ex, p, warp, lane);
     __syncthreads();
-    refattn_pair_products<D, MR, NT, DTW>(out, p, ex, sb, cols, warp, lane, g, t);
+    REFATTN_UNROLL
+    for (int k = 0; k < 2; ++k) {
+        refattn_pair_get<MR, NT>(p, ex, k, warp, lane);
+        refattn_mma_pb<D, MR, NT, 0, DTW>(out, p, sb + k * 8 * NT * D + cols, g, t);
+    }
 }
 
 // the same product into an accumulator kept in shared memory (the warp's own region, in fragment
