@@ -67,10 +67,11 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     forward: Q (BQ x D) and two buffers of K and V (BK x D); dq: Q and G_O (BQ x D each) and
     two buffers of K and V; dkdv: K and V (BKV x D each), two buffers of Q and G_O (BQ2 x D)
     and the dV accumulators (BKV x D); doubles, unpadded (the tiles are swizzled,
-    kernels/tile.cuh). A dkdv on warp pairs (source.PAIRED: D = 128) keeps dV in registers and
-    holds instead the pair's exchange region (2 x BKV x BQ2) and, with every feature compiled
-    in, 6 of each warp's 8 dK n-tiles (3/4 x BKV x D); the debug emulator checks every shared
-    access against these bytes (tests/gpu/test_warp_pairs.py). Above D = 128 the
+    kernels/tile.cuh). A dq on warp pairs (source.PAIRED: D = 128) adds the pairs' exchange
+    regions of partial sums (2 x BQ x BK); a dkdv on warp pairs keeps dV in registers and holds
+    instead those regions (2 x BKV x BQ2) and, with every feature compiled in, 6 of each warp's
+    8 dK n-tiles (3/4 x BKV x D); the debug emulator checks every shared access against these
+    bytes (tests/gpu/test_warp_pairs.py). Above D = 128 the
     Q, G_O (forward, dq) and K, V (dkdv) tiles are not in shared memory (the warps read their
     own rows from global memory) and dkdv keeps half of its dK accumulators there instead
     (BKV x D / 2: n-tiles 16 to 31; 0 to 15 in registers).
@@ -78,7 +79,9 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     Examples
     --------
     >>> shared_bytes("forward", 64), shared_bytes("dq", 128), shared_bytes("dkdv", 128)
-    (98304, 163840, 163840)
+    (98304, 139264, 163840)
+    >>> shared_bytes("dq", 128, "wide")  # warp pairs, 32-key tiles
+    212992
     >>> shared_bytes("forward", 256), shared_bytes("dq", 256), shared_bytes("dkdv", 256)
     (65536, 65536, 163840)
     >>> shared_bytes("forward", 128, "plain")  # 16-row warps: 64 rows of Q, 16-key tiles
@@ -95,10 +98,11 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     n = {"forward": own * rows * D + 4 * tile * D, "dq": own * 2 * rows * D + 4 * tile * D,
          # dkdv: K and V, the dV accumulators; above D = 128 half of dK instead of K, V
          "dkdv": (3 * rows * D if own else rows * D + rows * D // 2) + 4 * tile * D}[kernel]
-    if kernel == "dkdv" and D in PAIRED.get(features, {}).get(kernel, ()):
-        # K and V, Q and G_O, the exchange, (every feature) three quarters of dK
+    if kernel != "forward" and D in PAIRED.get(features, {}).get(kernel, ()):
+        # the A tiles, two buffers of the streamed ones, the exchange regions, (a dkdv with
+        # every feature) three quarters of dK
         n = 2 * rows * D + 4 * tile * D + 2 * rows * tile + (
-            0 if features == "plain" else 3 * rows * D // 4)
+            3 * rows * D // 4 if kernel == "dkdv" and features != "plain" else 0)
     return 8 * n
 
 

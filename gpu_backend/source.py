@@ -19,14 +19,14 @@ MAIN = "attention.cu"
 #: the tensor-core kernels' instances, as attention.cu's entry points instantiate them:
 #: kind -> head width D -> (MR, tile). A block is 4 warps of 8 MR rows: BQ = 32 MR query rows
 #: (forward, dq: the tile is BK keys) or BKV = 32 MR keys (dkdv: the tile is BQ2 queries);
-#: the general forward and dk/dv at D = 128 pair their 8-row warps into 16-row ones that split
-#: the tile (forward.cuh, backward.cuh: SPLIT), with the same BQ or BKV, tile and shared memory
-#: (:func:`gpu_backend.launch.shared_bytes`).
+#: the general kernels at D = 128 pair their 8-row warps into 16-row ones that split the tile
+#: or the head width (forward.cuh, backward.cuh: SPLIT; :data:`PAIRED`), with the same BQ or
+#: BKV (:func:`gpu_backend.launch.shared_bytes`).
 #: Above D = 128 (:data:`A_GLOBAL_ABOVE`) the warps read their own rows (the A operand: Q, G_O;
 #: K, V in dkdv) from global memory instead of a shared tile.
 INSTANCES: dict[str, dict[int, tuple[int, int]]] = {
     "forward": {32: (2, 24), 64: (2, 32), 128: (1, 32), 256: (1, 8)},
-    "dq": {32: (2, 16), 64: (2, 16), 128: (1, 24), 256: (1, 8)},
+    "dq": {32: (2, 16), 64: (2, 16), 128: (1, 16), 256: (1, 8)},
     "dkdv": {32: (2, 32), 64: (2, 16), 128: (1, 16), 256: (1, 8)},
 }
 #: the plain instances (call.cuh's feature switches, F = 0): compiled without the softcap,
@@ -42,16 +42,17 @@ PLAIN: dict[str, dict[int, tuple[int, int]]] = {
 }
 #: the wide instances: every feature compiled in, as INSTANCES, with larger tiles that only a
 #: device with more shared memory holds (launch.plan prefers them there, after a plain
-#: instance): the dq at D = 128 on warp pairs with 32-key tiles (192 KiB: H100/H200)
+#: instance): the dq at D = 128 on warp pairs with 32-key tiles (208 KiB: H100/H200)
 WIDE: dict[str, dict[int, tuple[int, int]]] = {
     "dq": {128: (1, 32)},
 }
 #: the instances on warp pairs (SPLIT = 2 in forward.cuh, backward.cuh): feature set -> kind ->
-#: head widths. A paired dk/dv block keeps dV in registers and holds, in place of the dV
-#: accumulators, the pair's exchange region (2 BKV BQ2 doubles) and, with every feature
-#: compiled in, 6 of each warp's 8 dK n-tiles (launch.shared_bytes)
+#: head widths. A paired dq or dk/dv block holds the pairs' exchange regions of partial sums
+#: (2 BQ BK or 2 BKV BQ2 doubles); a dk/dv one keeps dV in registers and holds them in place of
+#: the dV accumulators, with every feature compiled in beside 6 of each warp's 8 dK n-tiles
+#: (launch.shared_bytes)
 PAIRED: dict[str, dict[str, tuple[int, ...]]] = {
-    "general": {"forward": (128,), "dkdv": (128,)},
+    "general": {"forward": (128,), "dq": (128,), "dkdv": (128,)},
     "plain": {"dkdv": (128,)},
     "wide": {"dq": (128,)},
 }

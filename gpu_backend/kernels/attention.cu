@@ -97,13 +97,13 @@ __device__ void refattn_trace_backward(const unsigned long long* x, const long l
 }
 
 // -- entry points ---------------------------------------------------------------------------------
-// instances <D, MR, BK or BQ2>: 8 MR rows per warp (the general forward and dk/dv at D = 128:
-// warp pairs, SPLIT = 2 in forward.cuh and backward.cuh); source.py INSTANCES holds the same table
-// (a test compares). The tiles are chosen for 0 spills (ptxas, sm_80 and sm_90) and every block up to
+// instances <D, MR, BK or BQ2>: 8 MR rows per warp (the general kernels at D = 128: warp pairs,
+// SPLIT = 2 in forward.cuh and backward.cuh); source.py INSTANCES holds the same table (a test
+// compares). The tiles are chosen for 0 spills (ptxas, sm_80 and sm_90) and every block up to
 // D = 128 within an A100's 163 KiB: dq keeps S and dP (2 x BK / 8 x 2 MR doubles per lane) beside its
-// dQ accumulator (24-key tiles at D = 128: 160 KiB); dk/dv keeps dV in shared memory
-// (refattn_mma_pb_shared), MR = 2 at D = 32 and 64; its pairs at D = 128 keep dV in registers
-// and 6 of each warp's 8 dK n-tiles in shared memory (160 KiB).
+// dQ accumulator, its pairs at D = 128 (16-key tiles, 136 KiB) half of dQ's columns; dk/dv keeps dV
+// in shared memory (refattn_mma_pb_shared), MR = 2 at D = 32 and 64; its pairs at D = 128 keep dV
+// in registers and 6 of each warp's 8 dK n-tiles in shared memory (160 KiB).
 // At D = 256 (REFATTN_A_GLOBAL) the warps read their A rows from global memory and the tiles are
 // 8 wide; the dk/dv instance needs 160 KiB of shared memory (half of dK in registers), within an
 // A100's 163 KiB; launch.plan refuses a device with less, naming the limit.
@@ -123,7 +123,7 @@ extern "C" __global__ void attention_forward_plain_d128(REFATTN_ARGS) {
 }
 extern "C" __global__ void attention_dq_d32(REFATTN_ARGS) { refattn_dq<32, 2, 16>(x, ip, rp); }
 extern "C" __global__ void attention_dq_d64(REFATTN_ARGS) { refattn_dq<64, 2, 16>(x, ip, rp); }
-extern "C" __global__ void attention_dq_d128(REFATTN_ARGS) { refattn_dq<128, 1, 24>(x, ip, rp); }
+extern "C" __global__ void attention_dq_d128(REFATTN_ARGS) { refattn_dq<128, 1, 16, REFATTN_F_ALL, 2>(x, ip, rp); }
 extern "C" __global__ void attention_dq_d256(REFATTN_ARGS) { refattn_dq<256, 1, 8>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d32(REFATTN_ARGS) { refattn_dkdv<32, 2, 32>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d64(REFATTN_ARGS) { refattn_dkdv<64, 2, 16>(x, ip, rp); }
@@ -153,9 +153,9 @@ extern "C" __global__ void attention_dkdv_plain_d128(REFATTN_ARGS) {
     refattn_dkdv<128, 1, 16, 0, 2>(x, ip, rp);
 }
 // the wide instances: every feature, for devices whose shared memory holds them (launch.plan
-// prefers them there, after a plain instance): the dq at D = 128 on warp pairs (SPLIT = 2,
-// 32-key tiles, 192 KiB; the general instance's 24-key tiles do not split into two whole
-// n-tile halves), H100/H200 only
+// prefers them there, after a plain instance): the dq at D = 128 on warp pairs with 32-key tiles
+// (208 KiB: a streamed K or V double feeds 32 FMAs where the general instance's feeds 16, and
+// half the barriers per key), H100/H200 only
 extern "C" __global__ void attention_dq_wide_d128(REFATTN_ARGS) {
     REFATTN_SM90_ONLY(refattn_dq<128, 1, 32, REFATTN_F_ALL, 2>(x, ip, rp));
 }

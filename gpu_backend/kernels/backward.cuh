@@ -39,6 +39,32 @@ __device__ __forceinline__ RefattnGradElement refattn_grad_element(
     return r;
 }
 
+// the first two products of a tile, acc1 = A1 B1^T and acc2 = A2 B2^T (S and dP in dq; S^T and
+// dP^T in dk/dv; accumulators of NT n-tiles, zeroed), over the warp's columns of D, `between()`
+// run between them. SPLIT = 2: a warp pair splitting the head width (the even warp k = 0 ..
+// D/2 - 1, the odd one the rest): each product's partial sums of the partner's half of the
+// tile's columns go out as soon as it is done (x1, x2: the exchange regions, free since the
+// tile loop's barrier), and after a barrier the partner's partial sums of the warp's own half
+// come in, so the first NT / 2 n-tiles of acc1 and acc2 hold the warp's own columns, whole
+template <int D, int MR, int NT, int SPLIT, typename A1, typename A2, typename S1, typename S2,
+          typename X, typename Between>
+__device__ __forceinline__ void refattn_first_products(double* acc1, A1 a1, S1 b1, double* acc2,
+                                                       A2 a2, S2 b2, X x1, X x2, int half,
+                                                       int warp, int lane, int g, int t,
+                                                       Between between) {
+    constexpr int KN = D / SPLIT, NTW = NT / SPLIT;
+    refattn_mma_abt<D, MR, NT, KN>(acc1, a1, b1, g, t, half * KN);
+    if constexpr (SPLIT == 2) refattn_pair_send<MR, NTW>(acc1, x1, half, warp, lane);
+    between();
+    refattn_mma_abt<D, MR, NT, KN>(acc2, a2, b2, g, t, half * KN);
+    if constexpr (SPLIT == 2) {
+        refattn_pair_send<MR, NTW>(acc2, x2, half, warp, lane);
+        __syncthreads();  // the partner's partial sums of this warp's columns written
+        refattn_pair_add<MR, NTW>(acc1, x1, half, warp, lane);
+        refattn_pair_add<MR, NTW>(acc2, x2, half, warp, lane);
+    }
+}
+
 // row `row` (D doubles) of an output from the lane's fragments: columns 8 dt + 2 t + s get
 // scale * at(dt, s)
 template <int D, typename At>
@@ -56,14 +82,22 @@ __device__ __forceinline__ void refattn_store_row(double* row, int t, double sca
 // and row_dot (B,Hq,Q) = sum_j P G_P as a by-product (the sink's gradient). Products per tile:
 // S = Q K^T, dP = G_O V^T, dQ += dS K. F: the feature set compiled in (call.cuh; F = 0, the
 // plain instance, has no softcap, bias, bias gradient or dropout code). SPLIT = 2: warp pairs,
-// as the forward's (forward.cuh): the pair's two warps own the same 16 rows and split the
-// tile's keys for S and dP and dQ's columns for dS K, exchanging dS in the tile's V buffer and
-// adding their row sums (row_dot, the bias gradient summed over keys) at the end.
+// as refattn_dkdv's: the pair's two warps own the same 16 rows (MR = 2 each, m16n8k4 on sm_90);
+// for S and dP they split the head width (the even warp k = 0 .. D/2 - 1, the odd one the rest,
+// each over the whole tile), swap the partial sums of each other's half of the tile's keys and
+// add them, so each computes dS for its own half of the keys; they swap those halves (in the
+// tile's V buffer) and each accumulates half of dQ's columns over all the tile's keys,
+// ascending, and they add their row sums (row_dot, the bias gradient summed over keys) at the
+// end. Every streamed K and V double read feeds 16 rows.
 template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL, int SPLIT = 1>
 __device__ void refattn_dq(const unsigned long long* x, const long long* ip, const double* rp) {
-    static_assert(SPLIT == 1 || (SPLIT == 2 && MR == 1 && BK % 16 == 0 && D % 16 == 0),
-                  "a warp pair splits 16-key and 8-column n-tile pairs of 8-row warps' tiles");
+    static_assert(SPLIT == 1 || (SPLIT == 2 && MR == 1 && BK % 16 == 0 && D % 32 == 0 &&
+                                 !REFATTN_A_GLOBAL<D>),
+                  "a warp pair splits the head width and the 16-key n-tile pairs of 8-row "
+                  "warps' tiles, its Q and G_O rows in shared memory");
     constexpr int BQ = 8 * MR * REFATTN_WARPS, NT = BK / 8, DT = D / 8;
+    // per warp: MRW row blocks, NT n-tiles of S and dP (over its half of D when paired), NTW of
+    // them its own (dS: from key column cw), DTW n-tiles of dQ
     constexpr int MRW = MR * SPLIT, NTW = NT / SPLIT, DTW = DT / SPLIT, W = 2 * MRW;
     constexpr bool BIAS = (F & REFATTN_F_BIAS) != 0, DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     REFATTN_DYNAMIC_SHARED(double, smem);
@@ -87,6 +121,9 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     auto sG = sQ + (AG ? 0 : BQ * D);   // BQ x D: G_O (none when AG)
     auto sK = sG + (AG ? 0 : BQ * D);   // 2 x BK x D
     auto sV = sK + 2 * BK * D;          // 2 x BK x D
+    // SPLIT = 2: the pairs' exchange regions of the partial S and dP of the partner's keys
+    // (refattn_pair_put's layout, 4 warps' worth of NTW n-tiles each)
+    auto sXS = sV + 2 * BK * D, sXD = sXS + REFATTN_WARPS * NTW * 32 * W;
     const auto q_rows = refattn_rows_a<D>(sQ, wr, c.q + bh * c.Q * D, row, Q);
     const auto g_rows = refattn_rows_a<D>(sG, wr, c.g_o + bh * c.Q * D, row, Q);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
@@ -120,11 +157,13 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     const int nkb = (K + BK - 1) / BK;
     auto compute = [&](int kb, int cls, unsigned bits) {  // tile kb (and Q, G_O) landed
         const int j0 = kb * BK + cw, buf = kb & 1;  // j0: the warp's first key
-        double s[NTW * W], dp[NTW * W];
+        double s[NT * W], dp[NT * W];
         REFATTN_UNROLL
-        for (int e = 0; e < NTW * W; ++e) s[e] = dp[e] = 0.0;
-        refattn_mma_abt<D, MRW, NTW>(s, q_rows, sK + buf * BK * D + cw * D, g, t);   // S = Q K^T
-        refattn_mma_abt<D, MRW, NTW>(dp, g_rows, sV + buf * BK * D + cw * D, g, t);  // G_O V^T
+        for (int e = 0; e < NT * W; ++e) s[e] = dp[e] = 0.0;
+        // S = Q K^T, dP = G_O V^T (a pair: each warp's own keys first, whole)
+        refattn_first_products<D, MRW, NT, SPLIT>(s, q_rows, sK + buf * BK * D, dp, g_rows,
+                                                  sV + buf * BK * D, sXS, sXD, half, warp,
+                                                  lane, g, t, [] {});
         const unsigned keep = DROPOUT && c.drop_mode == 2
                                   ? refattn_keep_bits_rows<MRW, NTW>(c, bh, row, j0, t)
                                   : 0u;
@@ -158,13 +197,14 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
             }
         }
         if constexpr (SPLIT == 1) {
-            refattn_mma_pb<D, MRW, NTW>(dqa, s, sK + buf * BK * D, g, t);  // dQ += dS K
+            refattn_mma_pb<D, MRW, NT>(dqa, s, sK + buf * BK * D, g, t);  // dQ += dS K
         } else {
-            // dQ's columns ow .. += dS K over both halves, exchanged in the V buffer once every
-            // dP is computed
+            // dQ's columns ow .. += dS K over both halves of the keys, dS exchanged in the V
+            // buffer (free: every warp's G_O V^T was done before the partial sums' barrier)
+            refattn_pair_put<MRW, NTW>(sV + buf * BK * D, s, warp, lane);
             __syncthreads();
-            refattn_pair_pb<D, MRW, NTW, DTW>(dqa, s, sV + buf * BK * D, sK + buf * BK * D, ow,
-                                              warp, lane, g, t);
+            refattn_pair_gather<MRW, NTW>(s, sV + buf * BK * D, warp, lane);
+            refattn_mma_pb<D, MRW, NT, 0, DTW>(dqa, s, sK + buf * BK * D + ow, g, t);
         }
     };
     refattn_set_table_row<BQ, BK, false>(vis, b, h, i0, Q, K, tid);
@@ -311,35 +351,13 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
             double st[NT * W], dpt[NT * W];
             REFATTN_UNROLL
             for (int e = 0; e < NT * W; ++e) st[e] = dpt[e] = 0.0;
-            constexpr int KN = D / SPLIT;  // K Q^T, V G_O^T over the warp's columns of D
-            // SPLIT = 2: the partner's queries' partial sums out (each product's as soon as it is
-            // done, after the tile loop's barrier), this warp's in after a barrier: the first NTW
-            // n-tiles of st and dpt become the warp's own queries, whole
-            auto send = [&](double* acc, auto region) {
-                if constexpr (SPLIT == 2) {
-                    double part[NTW * W];
-                    REFATTN_UNROLL
-                    for (int e = 0; e < NTW * W; ++e) {
-                        part[e] = half ? acc[e] : acc[NTW * W + e];
-                        acc[e] = half ? acc[NTW * W + e] : acc[e];
-                    }
-                    refattn_pair_put<MRW, NTW>(region, part, warp, lane);
-                }
-            };
-            refattn_mma_abt<D, MRW, NT, KN>(st, k_rows, sQ + buf * BQ2 * D, g, t, half * KN);
-            send(st, sXS);
-            if constexpr (AG) keep = keep_bits();
-            refattn_mma_abt<D, MRW, NT, KN>(dpt, v_rows, sG + buf * BQ2 * D, g, t, half * KN);
-            send(dpt, sXD);
+            // S^T = K Q^T, dP^T = V G_O^T (a pair: each warp's own queries first, whole)
+            refattn_first_products<D, MRW, NT, SPLIT>(st, k_rows, sQ + buf * BQ2 * D, dpt, v_rows,
+                                                      sG + buf * BQ2 * D, sXS, sXD, half, warp,
+                                                      lane, g, t, [&] {
+                                                          if constexpr (AG) keep = keep_bits();
+                                                      });
             if constexpr (SPLIT == 2) {
-                __syncthreads();
-                double part[NTW * W];  // the partner's partial sums of this warp's queries
-                refattn_pair_get<MRW, NTW>(part, sXS, half ^ 1, warp, lane);
-                REFATTN_UNROLL
-                for (int e = 0; e < NTW * W; ++e) st[e] += part[e];
-                refattn_pair_get<MRW, NTW>(part, sXD, half ^ 1, warp, lane);
-                REFATTN_UNROLL
-                for (int e = 0; e < NTW * W; ++e) dpt[e] += part[e];
                 __syncthreads();  // the regions free for P Z and dS
                 keep = keep_bits();
             }
@@ -386,11 +404,8 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                 refattn_pair_put<MRW, NTW>(sXS, st, warp, lane);
                 refattn_pair_put<MRW, NTW>(sXD, dpt, warp, lane);
                 __syncthreads();
-                REFATTN_UNROLL
-                for (int k = 0; k < 2; ++k) {  // both halves, in query order
-                    refattn_pair_get<MRW, NTW>(st + k * NTW * W, sXS, k, warp, lane);
-                    refattn_pair_get<MRW, NTW>(dpt + k * NTW * W, sXD, k, warp, lane);
-                }
+                refattn_pair_gather<MRW, NTW>(st, sXS, warp, lane);  // both halves, in order
+                refattn_pair_gather<MRW, NTW>(dpt, sXD, warp, lane);
                 refattn_mma_pb<D, MRW, NT, 0, DTW>(dva, st, sG + buf * BQ2 * D + ow, g, t);
                 refattn_mma_pb<D, MRW, NT, 0, DKR>(dka, dpt, sQ + buf * BQ2 * D + ow, g, t);
                 if constexpr (DK_SHARED)

@@ -147,7 +147,44 @@ __device__ __forceinline__ void refattn_pair_get(double* p, S1 ex, int k, int wa
     }
 }
 
-// a warp pair's O += P . B over the whole tile (forward, dq): each warp of the pair holds P for
+// the sums over the head width of a pair that splits it (SPLIT = 2 in backward.cuh): acc holds
+// the warp's partial sums over its half of the head width for the whole tile (2 NT n-tiles: the
+// even warp's queries or keys, then the odd one's). refattn_pair_send writes the partner's NT
+// n-tiles to `ex` (refattn_pair_put's layout) and moves the warp's own to acc's first NT;
+// after a barrier, refattn_pair_add adds the partner's partial sums of them (ex read back: half
+// = warp & 1, the warp's half).
+template <int MR, int NT, typename S1>
+__device__ __forceinline__ void refattn_pair_send(double* acc, S1 ex, int half, int warp,
+                                                  int lane) {
+    constexpr int W = 2 * MR;
+    double part[NT * W];
+    REFATTN_UNROLL
+    for (int e = 0; e < NT * W; ++e) {
+        part[e] = half ? acc[e] : acc[NT * W + e];
+        acc[e] = half ? acc[NT * W + e] : acc[e];
+    }
+    refattn_pair_put<MR, NT>(ex, part, warp, lane);
+}
+
+template <int MR, int NT, typename S1>
+__device__ __forceinline__ void refattn_pair_add(double* acc, S1 ex, int half, int warp,
+                                                 int lane) {
+    constexpr int W = 2 * MR;
+    double part[NT * W];
+    refattn_pair_get<MR, NT>(part, ex, half ^ 1, warp, lane);
+    REFATTN_UNROLL
+    for (int e = 0; e < NT * W; ++e) acc[e] += part[e];
+}
+
+// both halves of the pair's exchanged n-tiles in ex, in order (the even warp's NT, then the
+// odd one's), into p (2 NT n-tiles)
+template <int MR, int NT, typename S1>
+__device__ __forceinline__ void refattn_pair_gather(double* p, S1 ex, int warp, int lane) {
+    REFATTN_UNROLL
+    for (int k = 0; k < 2; ++k) refattn_pair_get<MR, NT>(p + k * NT * 2 * MR, ex, k, warp, lane);
+}
+
+// a warp pair's O += P . B over the whole tile (forward): each warp of the pair holds P for
 // its half of the tile's 8 NT keys (NT n-tiles) and computes its DTW n-tiles of O (B's columns
 // from `cols` on). Both halves go through `ex` (free until the tile loop's closing barrier: the
 // caller has passed a barrier after which no warp reads it), then, after a barrier, the products

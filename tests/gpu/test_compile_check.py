@@ -172,7 +172,7 @@ def test_every_hot_kernel_is_reported_for_both_architectures(report):
 
 def test_instances_above_an_architectures_shared_memory_are_not_built_for_it(report):
     """The plain dq and the wide dq at D = 128 need more shared memory than an A100's 163 KiB
-    (196608 bytes each): reported on sm_90, listed as not built
+    (196608 and 212992 bytes): reported on sm_90, listed as not built
     on sm_80 (whose SASS holds only the trap), and every other instance reported on both."""
     sm80, sm90 = report["arches"]["sm_80"], report["arches"]["sm_90"]
     wide = {"attention_dq_plain_d128", "attention_dq_wide_d128"}
@@ -185,30 +185,13 @@ def test_instances_above_an_architectures_shared_memory_are_not_built_for_it(rep
         assert sm90["kernels"][name]["runs_on"]["sm_90"]
 
 
-#: (arch, role, instance key) whose modelled fraction of the DMMA peak misses issue 24's target
-#: (perf_model.entry_key: "D=64" the general instance, "D=64 plain" the plain one)
-FRACTION_MISSES: set[tuple[str, str, str]] = set()
-#: the instances whose main loop reads at most 1 byte of shared memory per DMMA multiply-add
-#: (16-row warps: MR = 2, or warp pairs at D = 128: the general forward and dk/dv, the wide
-#: dq); the others are reported, not asserted
-LDS_MET = {(arch, "forward", key) for arch in ("sm_90", "sm_80")
-           for key in ("D=64", "D=64 plain", "D=128", "D=128 plain")} | {
-    (arch, role, key) for arch in ("sm_90", "sm_80") for role in ("dq", "dkdv")
-    for key in ("D=64", "D=64 plain")} | {("sm_90", "dq", "D=128 plain"),
-                                          ("sm_90", "dq", "D=128 wide")} | {
-    (arch, "dkdv", "D=128") for arch in ("sm_90", "sm_80")}
-
-
 def test_every_hot_kernel_runs_on_the_fp64_tensor_cores(report):
     """Every forward, dq and dk/dv kernel holds DMMA instructions on sm_80 and sm_90, no
     subroutine call (``CALL.REL.NOINC``, the slow path of a double division) in its main loop,
-    and the modelled fraction of the DMMA peak at D = 64 and 128 reaches issue 24's target
-    (forward 0.5, dq and dk/dv 0.4) on the fp64-heaviest path, per instance (the general
-    forward and the plain one each judged on its own code), except FRACTION_MISSES.
-
-    LDS bytes per DMMA FMA <= 1 is asserted for the instances in LDS_MET (16 rows a warp); the
-    others are reported by ``compile_check`` and ``perf_model`` (``targets_met``) and listed
-    as open in docs/gpu-model.md.
+    and, for every instance at D = 64 and 128 (each judged on its own code: the general forward
+    and the plain one, ...), issue 24's modelled targets on the fp64-heaviest path: the
+    fraction of the DMMA peak (forward 0.5, dq and dk/dv 0.4) and at most 1 byte of shared
+    memory read per DMMA multiply-add.
     """
     assert _uses_tensor_cores()
     for arch, rep in report["arches"].items():
@@ -231,11 +214,9 @@ def test_every_hot_kernel_runs_on_the_fp64_tensor_cores(report):
             for d, e in per.items():
                 assert e["features"] == (d.split()[1] if " " in d else "general")
                 assert 0 < e["fraction_of_dmma_peak"] <= 1
-                met = e["fraction_of_dmma_peak"] >= perf_model.TARGETS[role]
-                assert met != ((arch, role, d) in FRACTION_MISSES), (arch, role, d, e[
-                    "fraction_of_dmma_peak"])
-                if (arch, role, d) in LDS_MET:
-                    assert e["lds_bytes_per_dmma_fma"] <= 1.0, (arch, role, d)
+                assert e["fraction_of_dmma_peak"] >= perf_model.TARGETS[role], (arch, role, d)
+                assert e["lds_bytes_per_dmma_fma"] <= 1.0, (arch, role, d)
+                assert e["targets_met"], (arch, role, d)
     # D = 256 (no fraction target): the forward reads K and V once per product from shared
     # memory, 1 byte per FMA (its Q rows come from global memory, which is not counted)
     for arch, roles in perf_model.sass_model(report, dims=(256,)).items():

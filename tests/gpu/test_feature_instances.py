@@ -233,7 +233,8 @@ def test_the_backward_plan_follows_the_device_limit(kind):
     """At D = 128 the plain dq where an H100's 227 KiB holds it, the general one on an A100's
     163 KiB; the plain dk/dv (warp pairs, 136 KiB) on both; a RefAttnError naming the general
     instance's bytes and the limit where nothing fits (99 KiB). A call with a feature runs the
-    general instance, or the wide one (dq: warp pairs, 192 KiB) where the device holds it."""
+    general instance, or the wide one (dq: warp pairs, 32-key tiles, 208 KiB) where the device
+    holds it."""
     plain, general = launch.shared_bytes(kind, 128, "plain"), launch.shared_bytes(kind, 128)
     if kind == "dq":
         assert general <= A100_SHARED < plain <= H100_SHARED

@@ -1,14 +1,14 @@
-"""Warp pairs (SPLIT = 2): the general forward at D = 128 (forward.cuh), the wide dq at D = 128
-(backward.cuh, H100/H200: 32-key tiles in 192 KiB) and the general dk/dv at D = 128
-(backward.cuh). The two warps of a forward or dq pair own the same 16 query rows and split the
-tile's keys for S (and dP) and the output's columns for P V (dQ's for dS K); the forward swaps
-row maxima, P~ Z halves and row sums, the dq dS halves and the row sums of row_dot and the bias
-gradient, through shared memory. A dk/dv pair owns 16 keys, splits the head width for K Q^T and
-V G_O^T, swaps the partial sums of each other's queries, then P Z and dS, and splits dV's and
-dK's columns. Every feature that touches those (the sink's share of the row sum, rows with
-nothing visible yet, a tail tile, dense and Philox dropout, softcap, masks, query_valid, GQA,
-every bias gradient mode) against the NumPy reference on the CPU emulator, and the emulator
-catching a pair's missing barrier or a wrong exchange."""
+"""Warp pairs (SPLIT = 2): the general forward, dq and dk/dv at D = 128 (forward.cuh,
+backward.cuh) and the wide dq (H100/H200: 32-key tiles in 208 KiB). The two warps of a forward
+pair own the same 16 query rows and split the tile's keys for S and the output's columns for
+P V, swapping row maxima, P~ Z halves and row sums through shared memory. A dq pair (16 query
+rows) or dk/dv pair (16 keys) splits the head width for its first products, swaps the partial
+sums of each other's half of the tile and adds them, then swaps dS (and P Z) and splits dQ's
+(dV's and dK's) columns; dq pairs add their row sums of row_dot and the bias gradient. Every
+feature that touches those (the sink's share of the row sum, rows with nothing visible yet, a
+tail tile, dense and Philox dropout, softcap, masks, query_valid, GQA, every bias gradient mode)
+against the NumPy reference on the CPU emulator, and the emulator catching a pair's missing
+barrier or a wrong exchange."""
 
 from __future__ import annotations
 
@@ -103,39 +103,26 @@ def test_the_sink_counted_by_both_warps_of_a_pair_is_caught(tmp_path):
                                            (A100_SHARED, "attention_dq_d128")],
                          ids=["H100", "A100"])
 def test_the_d128_dq_on_warp_pairs_where_the_device_holds_it(limit, dq, bias_shape):
-    """The wide dq (warp pairs, 192 KiB) on an H100's shared memory, the general one on an
-    A100's; both give the reference's gradients, row_dot (through the sink's gradient) and the
-    bias gradient of each mode (per element: written by dq; summed over keys: dq's row sums;
-    summed over queries: dk/dv)."""
+    """The wide dq (warp pairs, 32-key tiles, 208 KiB) on an H100's shared memory, the general
+    one (warp pairs, 16-key tiles, 136 KiB) on an A100's; both give the reference's gradients,
+    row_dot (through the sink's gradient) and the bias gradient of each mode (per element:
+    written by dq; summed over keys: dq's row sums; summed over queries: dk/dv), bit-identical
+    run to run."""
     rng = np.random.default_rng(7)
     call = _call("dense", rng)
     call = dataclasses.replace(call, bias=rng.standard_normal(bias_shape))
     g_o = rng.standard_normal((1, 2, Q, 128))
-    dev = _Device(limit)
-    t = launch.forward(dev, call, materialize=False)
-    g = launch.backward(dev, t, g_o)
-    assert [k for k in dev.kernels if k.startswith("attention_dq")] == [dq]
-    assert g.grad_bias.shape == bias_shape
-    assert_matches_reference(call, g_o, t, g, dq)
-
-
-def test_a_missing_dq_pair_barrier_is_caught(tmp_path):
-    """Mutation: without the barrier after every warp's dP, a warp writes its dS half over the
-    V tile that another warp's G_O V^T may still be reading. Caught because the debug emulator
-    lets warps drift apart between barriers (one warp operation resolved per round); with the
-    warps in lockstep, as before, every seed gave the reference's dQ (1.6e-15 off)."""
-    computed = "            // dP is computed\n"
-    d = _mutated(tmp_path, computed + "            __syncthreads();\n", computed, "backward.cuh")
-    rng = np.random.default_rng(3)
-    call = _call("relation", rng)
-    g_o = rng.standard_normal((1, 2, Q, 128))
-    want = refattn.backward(refattn.forward(call), g_o).grad_q
-    wrong = 0
-    for seed in (0, 1, 2):
-        dev = EmulatorDevice(d, debug=True, seed=seed)
-        g = launch.backward(dev, launch.forward(dev, call, materialize=False), g_o)
-        wrong += not np.allclose(g.grad_q, want, rtol=1e-12, atol=1e-12)
-    assert wrong
+    grads = []
+    for _ in range(2):
+        dev = _Device(limit)
+        t = launch.forward(dev, call, materialize=False)
+        grads.append(launch.backward(dev, t, g_o))
+        assert [k for k in dev.kernels if k.startswith("attention_dq")] == [dq]
+    assert grads[0].grad_bias.shape == bias_shape
+    assert_matches_reference(call, g_o, t, grads[0], dq)
+    for name in ("grad_q", "grad_bias", "grad_sink"):
+        np.testing.assert_array_equal(getattr(grads[1], name), getattr(grads[0], name),
+                                      err_msg=name)
 
 
 @pytest.mark.parametrize("kind", ["dense", "relation"])
@@ -161,43 +148,58 @@ def test_the_d128_dkdv_on_warp_pairs_matches_the_reference(kind, limit):
                                       err_msg=name)
 
 
-def _dkdv_wrong(directory, seeds=(0, 1, 2)) -> int:
-    """How many of the debug emulator's warp orders give a dK or dV off the reference's. The
-    dense call: no Philox draws (warp shuffles) between the pair's exchanges, so a warp runs
-    from one exchange to the next without stopping (the emulator's threads run until a warp
-    operation or a barrier) and a missing barrier between them shows in every warp order."""
+def _wrong_grads(directory, seeds=(0, 1, 2)) -> list[set[str]]:
+    """For each of the debug emulator's warp orders, the gradients of Q, K and V off the
+    reference's, on an A100's shared memory (the general dq and dk/dv, both on pairs). The dense
+    call: no Philox draws (warp shuffles) between the pairs' exchanges, so a warp runs from one
+    exchange to the next without stopping (the emulator's threads run until a warp operation
+    or a barrier) and a missing barrier between them shows in every warp order."""
     rng = np.random.default_rng(5)
     call = _call("dense", rng)
     g_o = rng.standard_normal((1, 2, Q, 128))
     want = refattn.backward(refattn.forward(call), g_o)
-    wrong = 0
+    wrong = []
     for seed in seeds:
         dev = EmulatorDevice(directory, debug=True, seed=seed)
+        dev.max_shared_bytes = A100_SHARED
         g = launch.backward(dev, launch.forward(dev, call, materialize=False), g_o)
-        wrong += not (np.allclose(g.grad_k, want.grad_k, rtol=1e-12, atol=1e-12)
-                      and np.allclose(g.grad_v, want.grad_v, rtol=1e-12, atol=1e-12))
+        wrong.append({name for name in ("grad_q", "grad_k", "grad_v") if not np.allclose(
+            getattr(g, name), getattr(want, name), rtol=1e-12, atol=1e-12)})
     return wrong
 
 
-def test_the_unmutated_dkdv_pairs_are_right_in_every_warp_order():
+def test_the_unmutated_pairs_are_right_in_every_warp_order():
     from gpu_backend.source import KERNEL_DIR
 
-    assert _dkdv_wrong(KERNEL_DIR) == 0
+    assert _wrong_grads(KERNEL_DIR) == [set()] * 3
 
 
-@pytest.mark.parametrize(("old", "new"), [
-    # the partner's partial sums read before it wrote them
-    ("                __syncthreads();\n                double part[NTW * W];",
-     "                double part[NTW * W];"),
-    # P Z written over partial sums the partner has not read yet
-    ("                __syncthreads();  // the regions free for P Z and dS\n", ""),
-    # the warp's own partial sum added to itself instead of the partner's
-    ("refattn_pair_get<MRW, NTW>(part, sXS, half ^ 1, warp, lane);",
-     "refattn_pair_get<MRW, NTW>(part, sXS, half, warp, lane);"),
-], ids=["partial-sums-barrier", "regions-free-barrier", "own-partial-sum"])
-def test_a_broken_dkdv_pair_exchange_is_caught(tmp_path, old, new):
-    """Mutations of the dk/dv pair's exchanges, each caught in every warp order."""
-    assert _dkdv_wrong(_mutated(tmp_path, old, new, "backward.cuh")) == 3
+@pytest.mark.parametrize(("old", "new", "grads"), [
+    # both: the partner's partial sums read before it wrote them (those of the second product:
+    # the first one's were written before the warp's second product, so only dS goes wrong,
+    # and with it dQ and dK)
+    ("        __syncthreads();  // the partner's partial sums of this warp's columns written\n",
+     "", {"grad_q", "grad_k"}),
+    # dq: the partner's dS half read from the V buffer before it wrote it
+    ("            refattn_pair_put<MRW, NTW>(sV + buf * BK * D, s, warp, lane);\n"
+     "            __syncthreads();\n",
+     "            refattn_pair_put<MRW, NTW>(sV + buf * BK * D, s, warp, lane);\n", {"grad_q"}),
+    # dk/dv: P Z written over partial sums the partner has not read yet
+    ("                __syncthreads();  // the regions free for P Z and dS\n", "",
+     {"grad_k", "grad_v"}),
+], ids=["partial-sums-barrier", "dq-ds-barrier", "dkdv-regions-free-barrier"])
+def test_a_broken_pair_exchange_is_caught(tmp_path, old, new, grads):
+    """Mutations of the dq and dk/dv pairs' exchanges (backward.cuh), each caught in every warp
+    order in the gradients it feeds."""
+    assert all(grads <= w for w in _wrong_grads(_mutated(tmp_path, old, new, "backward.cuh")))
+
+
+def test_a_pair_adding_its_own_partial_sum_is_caught(tmp_path):
+    """The warp's own partial sum added to itself instead of the partner's (products.cuh):
+    S and dP wrong in both kernels, so are dQ, dK and dV, in every warp order."""
+    old = "refattn_pair_get<MR, NT>(part, ex, half ^ 1, warp, lane);"
+    d = _mutated(tmp_path, old, old.replace("half ^ 1", "half"), "products.cuh")
+    assert _wrong_grads(d) == [{"grad_q", "grad_k", "grad_v"}] * 3
 
 
 def test_the_paired_instances_are_the_ones_source_paired_lists():
@@ -211,4 +213,4 @@ def test_the_paired_instances_are_the_ones_source_paired_lists():
     found = {(fs or "general", kind, int(d)) for kind, fs, d in entries}
     assert found == {(fs, kind, d) for fs, kinds in PAIRED.items() for kind, dims in kinds.items()
                      for d in dims}
-    assert ("general", "dkdv", 128) in found and ("plain", "dkdv", 128) in found
+    assert {("general", "dq", 128), ("general", "dkdv", 128), ("plain", "dkdv", 128)} <= found
