@@ -95,14 +95,16 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     MR, tile = table[kernel][D]
     rows = 8 * MR * _WARPS  # BQ or BKV
     own = 0 if D > A_GLOBAL_ABOVE else 1  # the A tiles: in shared memory up to D = 128
-    n = {"forward": own * rows * D + 4 * tile * D, "dq": own * 2 * rows * D + 4 * tile * D,
-         # dkdv: K and V, the dV accumulators; above D = 128 half of dK instead of K, V
-         "dkdv": (3 * rows * D if own else rows * D + rows * D // 2) + 4 * tile * D}[kernel]
     if kernel != "forward" and D in PAIRED.get(features, {}).get(kernel, ()):
         # the A tiles, two buffers of the streamed ones, the exchange regions, (a dkdv with
         # every feature) three quarters of dK
         n = 2 * rows * D + 4 * tile * D + 2 * rows * tile + (
             3 * rows * D // 4 if kernel == "dkdv" and features != "plain" else 0)
+    else:
+        n = {"forward": own * rows * D + 4 * tile * D,
+             "dq": own * 2 * rows * D + 4 * tile * D,
+             # dkdv: K and V, the dV accumulators; above D = 128 half of dK instead of K, V
+             "dkdv": (3 * rows * D if own else rows * D + rows * D // 2) + 4 * tile * D}[kernel]
     return 8 * n
 
 

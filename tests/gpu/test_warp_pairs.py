@@ -97,6 +97,25 @@ def test_the_sink_counted_by_both_warps_of_a_pair_is_caught(tmp_path):
     assert not np.allclose(out, refattn.forward(call).output, rtol=1e-12, atol=1e-12)
 
 
+def _backward_twice(limit: int, call, g_o, prefix: str):
+    """Two forward and backward runs on the emulator with a device's shared-memory limit: the
+    last trace, both runs' gradients, and the kernels whose names start with ``prefix`` that
+    each run launched."""
+    grads, kernels = [], []
+    for _ in range(2):
+        dev = _Device(limit)
+        t = launch.forward(dev, call, materialize=False)
+        grads.append(launch.backward(dev, t, g_o))
+        kernels.append([k for k in dev.kernels if k.startswith(prefix)])
+    return t, grads, kernels
+
+
+def _assert_bit_identical(grads, names) -> None:
+    for name in names:
+        np.testing.assert_array_equal(getattr(grads[1], name), getattr(grads[0], name),
+                                      err_msg=name)
+
+
 @pytest.mark.parametrize("bias_shape", [(1, 2, Q, K), (1, 2, Q, 1), (1, 1, 1, K)],
                          ids=["per-element", "per-query", "per-key"])
 @pytest.mark.parametrize(("limit", "dq"), [(H100_SHARED, "attention_dq_wide_d128"),
@@ -112,17 +131,11 @@ def test_the_d128_dq_on_warp_pairs_where_the_device_holds_it(limit, dq, bias_sha
     call = _call("dense", rng)
     call = dataclasses.replace(call, bias=rng.standard_normal(bias_shape))
     g_o = rng.standard_normal((1, 2, Q, 128))
-    grads = []
-    for _ in range(2):
-        dev = _Device(limit)
-        t = launch.forward(dev, call, materialize=False)
-        grads.append(launch.backward(dev, t, g_o))
-        assert [k for k in dev.kernels if k.startswith("attention_dq")] == [dq]
+    t, grads, kernels = _backward_twice(limit, call, g_o, "attention_dq")
+    assert kernels == [[dq]] * 2
     assert grads[0].grad_bias.shape == bias_shape
     assert_matches_reference(call, g_o, t, grads[0], dq)
-    for name in ("grad_q", "grad_bias", "grad_sink"):
-        np.testing.assert_array_equal(getattr(grads[1], name), getattr(grads[0], name),
-                                      err_msg=name)
+    _assert_bit_identical(grads, ("grad_q", "grad_bias", "grad_sink"))
 
 
 @pytest.mark.parametrize("kind", ["dense", "relation"])
@@ -135,17 +148,10 @@ def test_the_d128_dkdv_on_warp_pairs_matches_the_reference(kind, limit):
     rng = np.random.default_rng(11)
     call = _call(kind, rng)
     g_o = rng.standard_normal((1, 2, Q, 128))
-    grads = []
-    for _ in range(2):
-        dev = _Device(limit)
-        t = launch.forward(dev, call, materialize=False)
-        grads.append(launch.backward(dev, t, g_o))
-        assert [k for k in dev.kernels if k.startswith("attention_dkdv")] == [
-            "attention_dkdv_d128"]
+    t, grads, kernels = _backward_twice(limit, call, g_o, "attention_dkdv")
+    assert kernels == [["attention_dkdv_d128"]] * 2
     assert_matches_reference(call, g_o, t, grads[0], f"dkdv pairs {kind}")
-    for name in ("grad_k", "grad_v", "grad_bias"):
-        np.testing.assert_array_equal(getattr(grads[1], name), getattr(grads[0], name),
-                                      err_msg=name)
+    _assert_bit_identical(grads, ("grad_k", "grad_v", "grad_bias"))
 
 
 def _wrong_grads(directory, seeds=(0, 1, 2)) -> list[set[str]]:
