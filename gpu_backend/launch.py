@@ -82,6 +82,8 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     (98304, 139264, 163840)
     >>> shared_bytes("dq", 128, "wide")  # warp pairs, 32-key tiles
     212992
+    >>> shared_bytes("dkdv", 256, "wide")  # 16-query tiles
+    229376
     >>> shared_bytes("forward", 256), shared_bytes("dq", 256), shared_bytes("dkdv", 256)
     (65536, 65536, 163840)
     >>> shared_bytes("forward", 128, "plain")  # 16-row warps: 64 rows of Q, 16-key tiles
@@ -171,6 +173,8 @@ features='general')
     'attention_forward_d32'
     >>> plan("dq", 128, 128, 232448).kernel, plan("dq", 128, 128, 166912).kernel  # H100, A100
     ('attention_dq_wide_d128', 'attention_dq_d128')
+    >>> plan("dkdv", 256, 256, 232448).kernel, plan("dkdv", 200, 256, 166912).kernel
+    ('attention_dkdv_wide_d256', 'attention_dkdv_d256')
     """
     D = _width(kind, Dk, Dv)
     for fs in (("plain", "wide") if features == "plain" else ("wide",)):

@@ -42,9 +42,11 @@ PLAIN: dict[str, dict[int, tuple[int, int]]] = {
 }
 #: the wide instances: every feature compiled in, as INSTANCES, with larger tiles that only a
 #: device with more shared memory holds (launch.plan prefers them there, after a plain
-#: instance): the dq at D = 128 on warp pairs with 32-key tiles (208 KiB: H100/H200)
+#: instance): the dq at D = 128 on warp pairs with 32-key tiles (208 KiB) and the dk/dv at
+#: D = 256 with 16-query tiles (224 KiB), both H100/H200 only
 WIDE: dict[str, dict[int, tuple[int, int]]] = {
     "dq": {128: (1, 32)},
+    "dkdv": {256: (1, 16)},
 }
 #: the instances on warp pairs (SPLIT = 2 in forward.cuh, backward.cuh): feature set -> kind ->
 #: head widths. A paired dq or dk/dv block holds the pairs' exchange regions of partial sums

@@ -159,6 +159,11 @@ extern "C" __global__ void attention_dkdv_plain_d128(REFATTN_ARGS) {
 extern "C" __global__ void attention_dq_wide_d128(REFATTN_ARGS) {
     REFATTN_SM90_ONLY(refattn_dq<128, 1, 32, REFATTN_F_ALL, 2>(x, ip, rp));
 }
+// and the dk/dv at D = 256 with 16-query tiles (224 KiB: the dV and half-dK accumulators in
+// shared memory are read and written once per 16 queries instead of 8), H100/H200 only
+extern "C" __global__ void attention_dkdv_wide_d256(REFATTN_ARGS) {
+    REFATTN_SM90_ONLY(refattn_dkdv<256, 1, 16>(x, ip, rp));
+}
 extern "C" __global__ void attention_row_dot_output(REFATTN_ARGS) {
     refattn_row_dot_output(x, ip, rp);
 }
@@ -188,6 +193,7 @@ REFATTN_EXPORT(attention_dq_plain_d128)
 REFATTN_EXPORT(attention_dkdv_plain_d64)
 REFATTN_EXPORT(attention_dkdv_plain_d128)
 REFATTN_EXPORT(attention_dq_wide_d128)
+REFATTN_EXPORT(attention_dkdv_wide_d256)
 REFATTN_EXPORT(attention_row_dot_output)
 REFATTN_EXPORT(attention_trace_forward)
 REFATTN_EXPORT(attention_trace_backward)

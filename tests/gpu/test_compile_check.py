@@ -12,7 +12,7 @@ import subprocess
 import pytest
 
 from gpu_backend import compile_check, launch, perf_model, sass
-from gpu_backend.source import KERNEL_DIR, PLAIN, WIDE
+from gpu_backend.source import INSTANCES, KERNEL_DIR, PLAIN, WIDE
 from refattn.errors import RefAttnError
 
 SASS = """
@@ -171,11 +171,12 @@ def test_every_hot_kernel_is_reported_for_both_architectures(report):
 
 
 def test_instances_above_an_architectures_shared_memory_are_not_built_for_it(report):
-    """The plain dq and the wide dq at D = 128 need more shared memory than an A100's 163 KiB
-    (196608 and 212992 bytes): reported on sm_90, listed as not built
-    on sm_80 (whose SASS holds only the trap), and every other instance reported on both."""
+    """The plain dq and the wide dq at D = 128 and the wide dk/dv at D = 256 need more shared
+    memory than an A100's 163 KiB (196608, 212992 and 229376 bytes): reported on sm_90, listed
+    as not built on sm_80 (whose SASS holds only the trap), and every other instance reported
+    on both."""
     sm80, sm90 = report["arches"]["sm_80"], report["arches"]["sm_90"]
-    wide = {"attention_dq_plain_d128", "attention_dq_wide_d128"}
+    wide = {"attention_dq_plain_d128", "attention_dq_wide_d128", "attention_dkdv_wide_d256"}
     assert set(sm80["not_built"]) == wide and sm90["not_built"] == {}
     assert all("166912" in why for why in sm80["not_built"].values())
     assert wide <= set(sm90["kernels"]) and not wide & set(sm80["kernels"])
@@ -218,9 +219,17 @@ def test_every_hot_kernel_runs_on_the_fp64_tensor_cores(report):
                 assert e["lds_bytes_per_dmma_fma"] <= 1.0, (arch, role, d)
                 assert e["targets_met"], (arch, role, d)
     # D = 256 (no fraction target): the forward reads K and V once per product from shared
-    # memory, 1 byte per FMA (its Q rows come from global memory, which is not counted)
+    # memory, 1 byte per FMA (its Q rows come from global memory, which is not counted); the
+    # dk/dv reads Q and G_O at that rate and its dV and half-dK accumulators (8 keys x 384
+    # doubles a warp) once per tile of BQ2 queries, over 4 x 8 x BQ2 x 256 FMAs: 1 + 3 / BQ2
+    # (the general instance's 8-query tiles, the wide one's 16 on sm_90 only)
     for arch, roles in perf_model.sass_model(report, dims=(256,)).items():
         assert roles["forward"]["D=256"]["lds_bytes_per_dmma_fma"] <= 1.0, arch
+        tiles = {"D=256": INSTANCES["dkdv"][256][1]} | (
+            {"D=256 wide": WIDE["dkdv"][256][1]} if arch == "sm_90" else {})
+        assert set(roles["dkdv"]) == set(tiles), arch
+        for key, BQ2 in tiles.items():
+            assert roles["dkdv"][key]["lds_bytes_per_dmma_fma"] == 1 + 3 / BQ2, (arch, key)
 
 
 def test_the_command_line_prints_the_tables_and_writes_json(report, tmp_path, capsys):

@@ -11,7 +11,7 @@ import pytest
 
 import refattn
 from gpu_backend import launch
-from gpu_backend.emulator_backend import MAX_SHARED_BYTES
+from gpu_backend.emulator_backend import MAX_SHARED_BYTES, EmulatorDevice
 from gpu_backend.source import FEATURE_SETS, INSTANCES
 from tests.gpu.test_emulator import assert_matches_reference
 
@@ -293,10 +293,15 @@ def test_the_table_is_refused_before_any_launch_when_memory_is_short(launches):
     assert launches == []
 
 
-def test_d256_reads_the_table_in_every_kernel_and_matches(launches):
+@pytest.mark.parametrize(("limit", "dkdv"), [
+    (MAX_SHARED_BYTES, "attention_dkdv_wide_d256"), (166912, "attention_dkdv_d256")],
+    ids=["h100", "a100"])
+def test_d256_reads_the_table_in_every_kernel_and_matches(launches, monkeypatch, limit, dkdv):
     """At D = 256 too every kernel gets the table (the forward and dq keep the block's row
     address in shared memory, tile_loop.cuh refattn_set_table_row), all three match the
-    reference and count the vote's SKIP tiles."""
+    reference and count the vote's SKIP tiles: on an H100's shared memory with the wide dk/dv
+    (16-query tiles, 224 KiB), on an A100's with the general one (8-query tiles)."""
+    monkeypatch.setattr(EmulatorDevice, "max_shared_bytes", limit)
     Q, K = 24, 50  # keys 40 .. 49 visible to no row past the 3-key prefix: SKIP tiles
     call = _call(_block_sparse(Q, K), (1, 1, Q, K, 200))
     g_o = np.random.default_rng(7).standard_normal((1, 1, Q, 200))
@@ -304,7 +309,6 @@ def test_d256_reads_the_table_in_every_kernel_and_matches(launches):
     g = refattn.backward(t, g_o)
     assert_matches_reference(call, g_o, t, g, "d256")
     got = {kernel: table is not None for kernel, _, table, _ in launches}
-    assert got == {"attention_forward_d256": True, "attention_dq_d256": True,
-                   "attention_dkdv_d256": True}
+    assert got == {"attention_forward_d256": True, "attention_dq_d256": True, dkdv: True}
     for kernel, tiles, _, planned in launches:
         assert tuple(tiles.sum(axis=0)) == _expected_tiles(call, kernel, *planned), kernel

@@ -29,8 +29,8 @@ SM89_SHARED = 101376
 class _Device:
     """The emulator with another device's shared-memory limit, recording the kernels run."""
 
-    def __init__(self, max_shared_bytes: int) -> None:
-        self._emulator = emulator_backend.device()
+    def __init__(self, max_shared_bytes: int, *, debug: bool = False, seed: int = 0) -> None:
+        self._emulator = emulator_backend.device(debug, seed)
         self.max_shared_bytes = max_shared_bytes
         self.name = f"an emulated device with {max_shared_bytes} bytes"
         self.kernels: list[str] = []
@@ -43,14 +43,15 @@ class _Device:
         return self._emulator.get_function(name)
 
 
-def _call(D: int, seed: int = 0, **features) -> refattn.AttentionCall:
-    """(B, Hq, Hkv) = (2, 4, 2) (GQA), 70 queries, 75 keys (tiles straddle the ends), a causal
-    sliding-window relation with key padding (SKIP, FULL and PARTIAL tiles), a sink, unused
-    queries; D wide."""
+def _call(D: int, seed: int = 0, *, heads: tuple[int, int] = (4, 2), Q: int = 70, K: int = 75,
+          **features) -> refattn.AttentionCall:
+    """B = 2, (Hq, Hkv) = ``heads`` (GQA), 70 queries, 75 keys (tiles straddle the ends), a
+    causal sliding-window relation with the last fifth of batch 1's keys padding (SKIP, FULL
+    and PARTIAL tiles), a sink, unused queries; D wide."""
     rng = np.random.default_rng(seed)
-    B, Hq, Hkv, Q, K = 2, 4, 2, 70, 75
+    B, (Hq, Hkv) = 2, heads
     key_valid = np.ones((B, K), dtype=bool)
-    key_valid[1, 60:] = False
+    key_valid[1, K - K // 5:] = False
     rel = relation(np.broadcast_to(np.arange(Q) + 5, (B, Q)),
                    np.broadcast_to(np.arange(K), (B, K)), key_valid, causal=True,
                    window=(40, None))
@@ -196,6 +197,32 @@ def test_a_plain_backward_runs_the_instances_the_device_fits_and_matches_the_ref
     assert _backward_kernels(dev) == (kernel_name("dq", width, features[0]),
                                       kernel_name("dkdv", width, features[1]))
     _check_gradients(grads, refattn.backward(refattn.forward(call), g_o))
+
+
+@pytest.mark.parametrize(("limit", "dkdv"), [(H100_SHARED, "attention_dkdv_wide_d256"),
+                                           (A100_SHARED, "attention_dkdv_d256")],
+                         ids=["H100", "A100"])
+def test_the_d256_dkdv_where_the_device_holds_it(limit, dkdv):
+    """At D = 256 the wide dk/dv (16-query tiles, 224 KiB) on an H100's shared memory, the
+    general one (8-query tiles, 160 KiB) on an A100's: GQA, a causal window with key padding, a
+    sink, a per-key bias (its gradient summed over queries by dk/dv) and Philox dropout (drawn
+    per tile), on the debug emulator (every shared access checked against the plan's bytes) in
+    two warp orders, both the reference's gradients and bit-identical to each other."""
+    rng = np.random.default_rng(14)
+    call = _call(200, seed=14, heads=(2, 1), Q=40, K=40,
+                 bias=rng.standard_normal((1, 1, 1, 40)), dropout=Philox(0.2, 3))
+    g_o = rng.standard_normal(call.q.shape)
+    runs = []
+    for seed in (0, 1):
+        dev = _Device(limit, debug=True, seed=seed)
+        runs.append(launch.backward(dev, launch.forward(dev, call, materialize=False), g_o))
+        assert _backward_kernels(dev) == ("attention_dq_d256", dkdv)
+    ref = refattn.backward(refattn.forward(call), g_o)
+    _check_gradients(runs[0], ref)
+    np.testing.assert_allclose(runs[0].grad_bias, ref.grad_bias, rtol=0,
+                               atol=1e-12 * np.abs(ref.grad_bias).max())
+    for name in ("grad_k", "grad_v", "grad_bias"):
+        np.testing.assert_array_equal(getattr(runs[1], name), getattr(runs[0], name), name)
 
 
 @pytest.mark.parametrize("feature", ["softcap", "bias", "philox", "dense_dropout"])
