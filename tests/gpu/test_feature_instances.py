@@ -45,8 +45,8 @@ class _Device:
 
 def _call(D: int, seed: int = 0, *, heads: tuple[int, int] = (4, 2), Q: int = 70, K: int = 75,
           **features) -> refattn.AttentionCall:
-    """B = 2, (Hq, Hkv) = ``heads`` (GQA), 70 queries, 75 keys (tiles straddle the ends), a
-    causal sliding-window relation with the last fifth of batch 1's keys padding (SKIP, FULL
+    """B = 2, (Hq, Hkv) = ``heads`` (GQA), Q queries and K keys (70 and 75: tiles straddle the
+    ends), a causal sliding-window relation with the last fifth of batch 1's keys padding (SKIP, FULL
     and PARTIAL tiles), a sink, unused queries; D wide."""
     rng = np.random.default_rng(seed)
     B, (Hq, Hkv) = 2, heads
