@@ -46,8 +46,8 @@ class _Device:
 def _call(D: int, seed: int = 0, *, heads: tuple[int, int] = (4, 2), Q: int = 70, K: int = 75,
           **features) -> refattn.AttentionCall:
     """B = 2, (Hq, Hkv) = ``heads`` (GQA), Q queries and K keys (70 and 75: tiles straddle the
-    ends), a causal sliding-window relation with the last fifth of batch 1's keys padding (SKIP, FULL
-    and PARTIAL tiles), a sink, unused queries; D wide."""
+    ends), a causal sliding-window relation with the last fifth of batch 1's keys padding
+    (SKIP, FULL and PARTIAL tiles), a sink, unused queries; D wide."""
     rng = np.random.default_rng(seed)
     B, (Hq, Hkv) = 2, heads
     key_valid = np.ones((B, K), dtype=bool)
@@ -199,18 +199,26 @@ def test_a_plain_backward_runs_the_instances_the_device_fits_and_matches_the_ref
     _check_gradients(grads, refattn.backward(refattn.forward(call), g_o))
 
 
+def _d256_features(rng, which: str) -> dict:
+    if which == "key-bias-philox":  # the bias gradient summed over queries by dk/dv
+        return {"bias": rng.standard_normal((1, 1, 1, 40)), "dropout": Philox(0.2, 3)}
+    return {"softcap": 3.0, "bias": rng.standard_normal((2, 2, 40, 40)),
+            "dropout": np.where(rng.random((2, 2, 40, 40)) < 0.2, 0.0, 1.25)}
+
+
+@pytest.mark.parametrize("features", ["key-bias-philox", "softcap-bias-dense-dropout"])
 @pytest.mark.parametrize(("limit", "dkdv"), [(H100_SHARED, "attention_dkdv_wide_d256"),
                                            (A100_SHARED, "attention_dkdv_d256")],
                          ids=["H100", "A100"])
-def test_the_d256_dkdv_where_the_device_holds_it(limit, dkdv):
+def test_the_d256_dkdv_where_the_device_holds_it(limit, dkdv, features):
     """At D = 256 the wide dk/dv (16-query tiles, 224 KiB) on an H100's shared memory, the
     general one (8-query tiles, 160 KiB) on an A100's: GQA, a causal window with key padding, a
-    sink, a per-key bias (its gradient summed over queries by dk/dv) and Philox dropout (drawn
-    per tile), on the debug emulator (every shared access checked against the plan's bytes) in
-    two warp orders, both the reference's gradients and bit-identical to each other."""
+    sink, and a per-key bias with Philox dropout (drawn per tile) or a softcap, a per-element
+    bias and dense dropout multipliers, on the debug emulator (every shared access checked
+    against the plan's bytes) in two warp orders, both the reference's gradients and
+    bit-identical to each other."""
     rng = np.random.default_rng(14)
-    call = _call(200, seed=14, heads=(2, 1), Q=40, K=40,
-                 bias=rng.standard_normal((1, 1, 1, 40)), dropout=Philox(0.2, 3))
+    call = _call(200, seed=14, heads=(2, 1), Q=40, K=40, **_d256_features(rng, features))
     g_o = rng.standard_normal(call.q.shape)
     runs = []
     for seed in (0, 1):
