@@ -90,6 +90,8 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     131072
     >>> shared_bytes("dkdv", 128, "plain")  # warp pairs, dK in registers
     139264
+    >>> shared_bytes("forward", 256, "plain"), shared_bytes("dq", 256, "plain")  # 16-key tiles
+    (131072, 131072)
     """
     table = FEATURE_SETS[features][0] if features in FEATURE_SETS else {}
     if kernel not in table or D not in table[kernel]:

@@ -32,12 +32,13 @@ INSTANCES: dict[str, dict[int, tuple[int, int]]] = {
 #: the plain instances (call.cuh's feature switches, F = 0): compiled without the softcap,
 #: bias and dropout code, kind -> D -> (MR, tile) as INSTANCES; a call that uses none of those
 #: features runs them (launch.plan), any other call the INSTANCES one ("general"). Only where
-#: the model shows a gain (D = 64, 128), to bound compile time; at D = 128 the plain forward
-#: and dq have 16-row warps (the general ones would spill), the plain dk/dv warp pairs as the
-#: general one's, with dK in registers (:data:`PAIRED`).
+#: the model shows a gain, to bound compile time; at D = 128 the plain forward and dq have
+#: 16-row warps (the general ones would spill), the plain dk/dv warp pairs as the general
+#: one's, with dK in registers (:data:`PAIRED`); at D = 256 the forward and dq have 16-key
+#: tiles (the dk/dv's gain is the wide instance's, :data:`WIDE`).
 PLAIN: dict[str, dict[int, tuple[int, int]]] = {
-    "forward": {64: (2, 32), 128: (2, 16)},
-    "dq": {64: (2, 32), 128: (2, 16)},
+    "forward": {64: (2, 32), 128: (2, 16), 256: (1, 16)},
+    "dq": {64: (2, 32), 128: (2, 16), 256: (1, 16)},
     "dkdv": {64: (2, 32), 128: (1, 16)},
 }
 #: the wide instances: every feature compiled in, as INSTANCES, with larger tiles that only a

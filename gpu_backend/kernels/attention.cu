@@ -114,12 +114,16 @@ extern "C" __global__ void attention_forward_d128(REFATTN_ARGS) { refattn_forwar
 extern "C" __global__ void attention_forward_d256(REFATTN_ARGS) { refattn_forward<256, 1, 8>(x, ip, rp); }
 // the plain forward instances (feature set F = 0: no softcap, bias or dropout code, call.cuh),
 // run for calls without those features; 16-row warps at D = 128 too (the general instance spills
-// there). The general instance at D = 32 has 24-key tiles (32 keys spill 32 bytes on sm_90).
+// there), 16-key tiles at D = 256 (128 KiB; with every feature they spill 100 bytes on sm_90).
+// The general instance at D = 32 has 24-key tiles (32 keys spill 32 bytes on sm_90).
 extern "C" __global__ void attention_forward_plain_d64(REFATTN_ARGS) {
     refattn_forward<64, 2, 32, 0>(x, ip, rp);
 }
 extern "C" __global__ void attention_forward_plain_d128(REFATTN_ARGS) {
     refattn_forward<128, 2, 16, 0>(x, ip, rp);
+}
+extern "C" __global__ void attention_forward_plain_d256(REFATTN_ARGS) {
+    refattn_forward<256, 1, 16, 0>(x, ip, rp);
 }
 extern "C" __global__ void attention_dq_d32(REFATTN_ARGS) { refattn_dq<32, 2, 16>(x, ip, rp); }
 extern "C" __global__ void attention_dq_d64(REFATTN_ARGS) { refattn_dq<64, 2, 16>(x, ip, rp); }
@@ -135,6 +139,7 @@ extern "C" __global__ void attention_dkdv_d256(REFATTN_ARGS) { refattn_dkdv<256,
 // instance on a device with less. No sm_8x device has that much, so for those architectures
 // it is not built (REFATTN_SM90_ONLY: its body traps; it would spill 112 bytes on sm_80). The
 // dk/dv at D = 128 is on warp pairs, as the general one, with all of dK in registers (136 KiB).
+// The dq at D = 256 has 16-key tiles (128 KiB; with every feature they spill 112 bytes on sm_90).
 #if defined(__CUDA_ARCH__) && __CUDA_ARCH__ < 900
 #define REFATTN_SM90_ONLY(...) __trap()
 #else
@@ -145,6 +150,9 @@ extern "C" __global__ void attention_dq_plain_d64(REFATTN_ARGS) {
 }
 extern "C" __global__ void attention_dq_plain_d128(REFATTN_ARGS) {
     REFATTN_SM90_ONLY(refattn_dq<128, 2, 16, 0>(x, ip, rp));
+}
+extern "C" __global__ void attention_dq_plain_d256(REFATTN_ARGS) {
+    refattn_dq<256, 1, 16, 0>(x, ip, rp);
 }
 extern "C" __global__ void attention_dkdv_plain_d64(REFATTN_ARGS) {
     refattn_dkdv<64, 2, 32, 0>(x, ip, rp);
@@ -180,6 +188,7 @@ REFATTN_EXPORT(attention_forward_d128)
 REFATTN_EXPORT(attention_forward_d256)
 REFATTN_EXPORT(attention_forward_plain_d64)
 REFATTN_EXPORT(attention_forward_plain_d128)
+REFATTN_EXPORT(attention_forward_plain_d256)
 REFATTN_EXPORT(attention_dq_d32)
 REFATTN_EXPORT(attention_dq_d64)
 REFATTN_EXPORT(attention_dq_d128)
@@ -190,6 +199,7 @@ REFATTN_EXPORT(attention_dkdv_d128)
 REFATTN_EXPORT(attention_dkdv_d256)
 REFATTN_EXPORT(attention_dq_plain_d64)
 REFATTN_EXPORT(attention_dq_plain_d128)
+REFATTN_EXPORT(attention_dq_plain_d256)
 REFATTN_EXPORT(attention_dkdv_plain_d64)
 REFATTN_EXPORT(attention_dkdv_plain_d128)
 REFATTN_EXPORT(attention_dq_wide_d128)

@@ -218,13 +218,17 @@ def test_every_hot_kernel_runs_on_the_fp64_tensor_cores(report):
                 assert e["fraction_of_dmma_peak"] >= perf_model.TARGETS[role], (arch, role, d)
                 assert e["lds_bytes_per_dmma_fma"] <= 1.0, (arch, role, d)
                 assert e["targets_met"], (arch, role, d)
-    # D = 256 (no fraction target): the forward reads K and V once per product from shared
-    # memory, 1 byte per FMA (its Q rows come from global memory, which is not counted); the
-    # dk/dv reads Q and G_O at that rate and its dV and half-dK accumulators (8 keys x 384
-    # doubles a warp) once per tile of BQ2 queries, over 4 x 8 x BQ2 x 256 FMAs: 1 + 3 / BQ2
-    # (the general instance's 8-query tiles, the wide one's 16 on sm_90 only)
+    # D = 256 (no fraction target): the forward and dq read K and V once per product from
+    # shared memory, 1 byte per FMA (their Q and G_O rows come from global memory, which is not
+    # counted), general and plain; the dk/dv reads Q and G_O at that rate and its dV and
+    # half-dK accumulators (8 keys x 384 doubles a warp) once per tile of BQ2 queries, over
+    # 4 x 8 x BQ2 x 256 FMAs: 1 + 3 / BQ2 (the general instance's 8-query tiles, the wide
+    # one's 16 on sm_90 only)
     for arch, roles in perf_model.sass_model(report, dims=(256,)).items():
-        assert roles["forward"]["D=256"]["lds_bytes_per_dmma_fma"] <= 1.0, arch
+        for role in ("forward", "dq"):
+            assert set(roles[role]) == {"D=256", "D=256 plain"}, (arch, role)
+            for key, e in roles[role].items():
+                assert e["lds_bytes_per_dmma_fma"] == 1.0, (arch, role, key)
         tiles = {"D=256": INSTANCES["dkdv"][256][1]} | (
             {"D=256 wide": WIDE["dkdv"][256][1]} if arch == "sm_90" else {})
         assert set(roles["dkdv"]) == set(tiles), arch

@@ -222,12 +222,14 @@ def test_sanitized_rows_with_a_mask_of_full_batch_and_head_extents(launches):
     assert all(table is not None for _, _, table, _ in launches)
 
 
-@pytest.mark.parametrize("D", [8, 200], ids=["d32", "d256"])
-def test_a_partial_tile_marked_full_is_caught(monkeypatch, D):
+@pytest.mark.parametrize(("D", "softcap"), [(8, None), (200, None), (200, 4.0)],
+                         ids=["d32", "d256-plain", "d256-general"])
+def test_a_partial_tile_marked_full_is_caught(monkeypatch, D, softcap):
     """Mutation: the kernels trust the table, so a PARTIAL tile called FULL shows (at D = 256
-    too: the forward and dq read the table there, not only dk/dv)."""
+    too, in the plain instances and the general ones that a softcap call runs: the forward and
+    dq read the table there, not only dk/dv)."""
     Q, K = 70, 90
-    call = _call(_block_sparse(Q, K), (1, 2, Q, K, D))
+    call = _call(_block_sparse(Q, K), (1, 2, Q, K, D), softcap=softcap)
     g_o = np.random.default_rng(8).standard_normal((1, 2, Q, D))
     ref = refattn.forward(call)
     want = refattn.backward(ref, g_o)
@@ -293,22 +295,24 @@ def test_the_table_is_refused_before_any_launch_when_memory_is_short(launches):
     assert launches == []
 
 
-@pytest.mark.parametrize(("limit", "dkdv"), [
-    (MAX_SHARED_BYTES, "attention_dkdv_wide_d256"), (166912, "attention_dkdv_d256")],
-    ids=["h100", "a100"])
-def test_d256_reads_the_table_in_every_kernel_and_matches(launches, monkeypatch, limit, dkdv):
+@pytest.mark.parametrize(("limit", "softcap", "kernels"), [
+    (MAX_SHARED_BYTES, None, ("forward_plain", "dq_plain", "dkdv_wide")),
+    (166912, 4.0, ("forward", "dq", "dkdv"))], ids=["h100-plain", "a100-softcap"])
+def test_d256_reads_the_table_in_every_kernel_and_matches(launches, monkeypatch, limit,
+                                                          softcap, kernels):
     """At D = 256 too every kernel gets the table (the forward and dq keep the block's row
     address in shared memory, tile_loop.cuh refattn_set_table_row), all three match the
-    reference and count the vote's SKIP tiles: on an H100's shared memory with the wide dk/dv
-    (16-query tiles, 224 KiB), on an A100's with the general one (8-query tiles)."""
+    reference and count the vote's SKIP tiles: a call without features on an H100's shared
+    memory (the plain forward and dq, 16-key tiles, and the wide dk/dv, 16-query tiles), a
+    softcap call on an A100's (the general instances, 8-wide tiles)."""
     monkeypatch.setattr(EmulatorDevice, "max_shared_bytes", limit)
     Q, K = 24, 50  # keys 40 .. 49 visible to no row past the 3-key prefix: SKIP tiles
-    call = _call(_block_sparse(Q, K), (1, 1, Q, K, 200))
+    call = _call(_block_sparse(Q, K), (1, 1, Q, K, 200), softcap=softcap)
     g_o = np.random.default_rng(7).standard_normal((1, 1, Q, 200))
     t = refattn.forward(call, backend="cuda_emulator", materialize=False)
     g = refattn.backward(t, g_o)
     assert_matches_reference(call, g_o, t, g, "d256")
     got = {kernel: table is not None for kernel, _, table, _ in launches}
-    assert got == {"attention_forward_d256": True, "attention_dq_d256": True, dkdv: True}
+    assert got == {f"attention_{k}_d256": True for k in kernels}
     for kernel, tiles, _, planned in launches:
         assert tuple(tiles.sum(axis=0)) == _expected_tiles(call, kernel, *planned), kernel

@@ -82,13 +82,16 @@ def _check(call: refattn.AttentionCall, trace: refattn.Trace) -> None:
                                    err_msg=name)
 
 
-@pytest.mark.parametrize("D", [64, 100])
+#: the instance width of the head widths the tests use
+WIDTH = {64: 64, 100: 128, 200: 256}
+
+
+@pytest.mark.parametrize("D", [64, 100, 200])
 @pytest.mark.parametrize("feature", ["plain", "softcap", "bias", "philox", "dense_dropout"])
 def test_each_call_runs_the_instance_of_its_features_and_matches_the_reference(D, feature):
     call = _call(D, **_features(D)[feature])
     trace = refattn.forward(call, backend="cuda_emulator", materialize=False)
-    width = 64 if D == 64 else 128
-    want = kernel_name("forward", width, "plain" if feature == "plain" else "general")
+    want = kernel_name("forward", WIDTH[D], "plain" if feature == "plain" else "general")
     assert trace.materialized["kernel"] == want
     assert trace.materialized["kernel_features"] == ("plain" if feature == "plain"
                                                      else "general")
@@ -181,42 +184,48 @@ def _backward_kernels(dev: _Device) -> tuple[str, ...]:
 
 @pytest.mark.parametrize(("D", "limit", "features"), [
     (64, H100_SHARED, ("plain", "plain")), (100, H100_SHARED, ("plain", "plain")),
-    (100, A100_SHARED, ("general", "plain"))])
+    (100, A100_SHARED, ("general", "plain")), (200, H100_SHARED, ("plain", "wide")),
+    (200, A100_SHARED, ("plain", "general"))])
 def test_a_plain_backward_runs_the_instances_the_device_fits_and_matches_the_reference(
         D, limit, features):
     """GQA, a causal window with key padding (SKIP, FULL and PARTIAL tiles), a sink and unused
     queries, no softcap, bias or dropout: on an H100's shared memory the plain dq and dk/dv
-    instances run; on an A100's the general dq (the plain one needs 192 KiB at D = 128) and the
-    plain dk/dv (warp pairs, 136 KiB); both give the reference's gradients."""
+    instances run (at D = 256 the wide dk/dv: no plain one there); on an A100's the general dq
+    at D = 128 (the plain one needs 192 KiB) and the plain dk/dv (warp pairs, 136 KiB), the
+    plain dq and the general dk/dv at D = 256; all give the reference's gradients."""
     call = _call(D, seed=5)
     g_o = np.random.default_rng(6).standard_normal(call.q.shape)
     dev = _Device(limit)
     trace = launch.forward(dev, call, materialize=False)
     grads = launch.backward(dev, trace, g_o)
-    width = 64 if D == 64 else 128
-    assert _backward_kernels(dev) == (kernel_name("dq", width, features[0]),
-                                      kernel_name("dkdv", width, features[1]))
+    assert [k for k in dev.kernels if k.startswith("attention_forward")] == [
+        kernel_name("forward", WIDTH[D], "plain")]
+    assert _backward_kernels(dev) == (kernel_name("dq", WIDTH[D], features[0]),
+                                      kernel_name("dkdv", WIDTH[D], features[1]))
     _check_gradients(grads, refattn.backward(refattn.forward(call), g_o))
 
 
 def _d256_features(rng, which: str) -> dict:
+    if which == "plain":
+        return {}
     if which == "key-bias-philox":  # the bias gradient summed over queries by dk/dv
         return {"bias": rng.standard_normal((1, 1, 1, 40)), "dropout": Philox(0.2, 3)}
     return {"softcap": 3.0, "bias": rng.standard_normal((2, 2, 40, 40)),
             "dropout": np.where(rng.random((2, 2, 40, 40)) < 0.2, 0.0, 1.25)}
 
 
-@pytest.mark.parametrize("features", ["key-bias-philox", "softcap-bias-dense-dropout"])
+@pytest.mark.parametrize("features", ["plain", "key-bias-philox", "softcap-bias-dense-dropout"])
 @pytest.mark.parametrize(("limit", "dkdv"), [(H100_SHARED, "attention_dkdv_wide_d256"),
                                            (A100_SHARED, "attention_dkdv_d256")],
                          ids=["H100", "A100"])
-def test_the_d256_dkdv_where_the_device_holds_it(limit, dkdv, features):
+def test_the_d256_backward_where_the_device_holds_it(limit, dkdv, features):
     """At D = 256 the wide dk/dv (16-query tiles, 224 KiB) on an H100's shared memory, the
-    general one (8-query tiles, 160 KiB) on an A100's: GQA, a causal window with key padding, a
-    sink, and a per-key bias with Philox dropout (drawn per tile) or a softcap, a per-element
-    bias and dense dropout multipliers, on the debug emulator (every shared access checked
-    against the plan's bytes) in two warp orders, both the reference's gradients and
-    bit-identical to each other."""
+    general one (8-query tiles, 160 KiB) on an A100's, beside the plain dq (16-key tiles) for a
+    call without features and the general dq otherwise: GQA, a causal window with key padding,
+    a sink, and no feature, a per-key bias with Philox dropout (drawn per tile), or a softcap,
+    a per-element bias and dense dropout multipliers, on the debug emulator (every shared
+    access checked against the plan's bytes) in two warp orders, both the reference's
+    gradients and bit-identical to each other."""
     rng = np.random.default_rng(14)
     call = _call(200, seed=14, heads=(2, 1), Q=40, K=40, **_d256_features(rng, features))
     g_o = rng.standard_normal(call.q.shape)
@@ -224,12 +233,14 @@ def test_the_d256_dkdv_where_the_device_holds_it(limit, dkdv, features):
     for seed in (0, 1):
         dev = _Device(limit, debug=True, seed=seed)
         runs.append(launch.backward(dev, launch.forward(dev, call, materialize=False), g_o))
-        assert _backward_kernels(dev) == ("attention_dq_d256", dkdv)
+        dq = kernel_name("dq", 256, "plain" if features == "plain" else "general")
+        assert _backward_kernels(dev) == (dq, dkdv)
     ref = refattn.backward(refattn.forward(call), g_o)
     _check_gradients(runs[0], ref)
-    np.testing.assert_allclose(runs[0].grad_bias, ref.grad_bias, rtol=0,
-                               atol=1e-12 * np.abs(ref.grad_bias).max())
-    for name in ("grad_k", "grad_v", "grad_bias"):
+    if call.bias is not None:
+        np.testing.assert_allclose(runs[0].grad_bias, ref.grad_bias, rtol=0,
+                                   atol=1e-12 * np.abs(ref.grad_bias).max())
+    for name in ("grad_q", "grad_k", "grad_v", "grad_bias"):
         np.testing.assert_array_equal(getattr(runs[1], name), getattr(runs[0], name), name)
 
 
