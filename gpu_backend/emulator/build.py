@@ -4,7 +4,10 @@ Owns :func:`build`: ``cuda_emu.h`` and ``attention.cu`` as one translation unit,
 ``g++`` (or ``$CXX``) with ``-std=c++20 -Werror`` into a shared library whose name carries the
 sha256 of the sources, the header, the flags and the compiler's version, so an edited kernel is
 rebuilt and an unchanged one is reused. ``arch`` selects the code path of ``__CUDA_ARCH__``
-(``-DREFATTN_EMU_ARCH``: 900 issues m16n8k4, 800 pairs of m8n8k4). Debug builds add
+(``-DREFATTN_EMU_ARCH``: 900 issues m16n8k4, 800 pairs of m8n8k4). On x86-64 the fibers
+switch by a few instructions of assembly (cuda_emu.h), so the library is built with
+``-fcf-protection=none``: it is not marked shadow-stack compatible, which that switch is not;
+``defines=("REFATTN_EMU_UCONTEXT",)`` selects the portable ucontext fibers. Debug builds add
 bounds-checked shared memory and a randomised thread order (``-DREFATTN_EMU_DEBUG``), compiled
 unoptimised with symbols (``-O0 -g``): the mutation tests build one library per mutant, and
 ``-O0`` builds one in 2.5 s where ``-O1`` took 5.4 s (their kernels' calls are small).
@@ -14,6 +17,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import platform
 import shutil
 import subprocess
 import tempfile
@@ -26,7 +30,8 @@ from refattn.errors import RefAttnError
 __all__ = ["HEADER", "build", "cache_dir", "compiler"]
 
 HEADER = Path(__file__).resolve().parent / "cuda_emu.h"
-_FLAGS = ("-std=c++20", "-fPIC", "-shared", "-pthread", "-Wall", "-Wextra", "-Werror")
+_FLAGS = ("-std=c++20", "-fPIC", "-shared", "-pthread", "-Wall", "-Wextra", "-Werror",
+          *(("-fcf-protection=none",) if platform.machine() in ("x86_64", "AMD64") else ()))
 _RELEASE = ("-O2",)
 _DEBUG = ("-O0", "-g", "-DREFATTN_EMU_DEBUG")
 
@@ -53,7 +58,8 @@ def cache_dir() -> Path:
     return path
 
 
-def build(directory: Path = KERNEL_DIR, *, debug: bool = False, arch: int = 900) -> Path:
+def build(directory: Path = KERNEL_DIR, *, debug: bool = False, arch: int = 900,
+          defines: tuple[str, ...] = ()) -> Path:
     """The emulator library of the kernels in ``directory`` (built once per source hash).
 
     Parameters
@@ -66,6 +72,8 @@ def build(directory: Path = KERNEL_DIR, *, debug: bool = False, arch: int = 900)
     arch : int
         ``REFATTN_EMU_ARCH``: the ``__CUDA_ARCH__`` whose code path the kernels take (900 or
         800; they differ in the mma shapes they issue).
+    defines : tuple of str
+        Further preprocessor names to define (``-D``), e.g. ``"REFATTN_EMU_UCONTEXT"``.
 
     Returns
     -------
@@ -80,7 +88,10 @@ def build(directory: Path = KERNEL_DIR, *, debug: bool = False, arch: int = 900)
     cxx = compiler()
     if arch not in (800, 900):
         raise RefAttnError(f"cuda_emulator: arch must be 800 or 900, got {arch!r}")
-    flags = (*_FLAGS, *(_DEBUG if debug else _RELEASE), f"-DREFATTN_EMU_ARCH={arch}")
+    if not all(name.isidentifier() for name in defines):
+        raise RefAttnError(f"cuda_emulator: defines must be preprocessor names, got {defines!r}")
+    flags = (*_FLAGS, *(_DEBUG if debug else _RELEASE), f"-DREFATTN_EMU_ARCH={arch}",
+             *(f"-D{name}" for name in defines))
     key = hashlib.sha256("\0".join([source_hash(directory, HEADER), _version(cxx), *flags])
                          .encode()).hexdigest()[:24]
     out = cache_dir() / f"refattn_emu_{key}{'_debug' if debug else ''}.so"

@@ -2,7 +2,7 @@
 //
 // Include this header before a .cu file and compile with a C++20 compiler. One OS thread runs
 // one block at a time (blocks in parallel OS threads); inside a block every CUDA thread is a
-// cooperative fiber (ucontext) that runs until it reaches a synchronisation point:
+// cooperative fiber (its own stack) that runs until it reaches a synchronisation point:
 // __syncthreads (a real barrier: a fiber that exits while others wait is a divergence error),
 // __syncthreads_or/_and/_count, and the warp shuffles and votes (exchanged among the 32 lanes
 // of a warp). Dynamic shared memory is one buffer per block (REFATTN_DYNAMIC_SHARED); __shared__
@@ -34,7 +34,11 @@
 #pragma once
 #define REFATTN_EMULATOR 1
 
+#if defined(__x86_64__) && !defined(REFATTN_EMU_UCONTEXT)
+#define REFATTN_EMU_ASM_SWITCH 1
+#else
 #include <ucontext.h>
+#endif
 
 #include <algorithm>
 #include <atomic>
@@ -89,8 +93,98 @@ struct AsyncCopy {  // one 16-byte cp.async: done at the wait that retires its g
 };
 enum BarrierOp { PLAIN, OR, AND, COUNT };
 
+// -- switching between fibers ------------------------------------------------------------------
+// On x86-64 a fiber switch saves the callee-saved registers, MXCSR and the x87 control word on
+// the old stack and loads them from the new one (refattn_emu_switch below): what the SysV ABI
+// requires a call to preserve. glibc's swapcontext also saves and restores the signal mask, a
+// system call on every switch, which took most of the emulator's time. Elsewhere (or with
+// -DREFATTN_EMU_UCONTEXT) the fibers are ucontexts.
+#ifdef REFATTN_EMU_ASM_SWITCH
+struct Context {
+    void* sp = nullptr;  // the saved stack pointer: the registers sit above it
+};
+extern "C" void refattn_emu_switch(void** save_sp, void* load_sp);
+extern "C" void refattn_emu_start();
+// refattn_emu_start: a fresh fiber's first "return" lands here with its entry function in r13
+// and its argument in r12 (prepare_context); the entry function never returns
+asm(R"(
+    .text
+    .p2align 4
+    .globl refattn_emu_switch
+    .hidden refattn_emu_switch
+    .type refattn_emu_switch, @function
+refattn_emu_switch:
+    pushq %rbp
+    pushq %rbx
+    pushq %r12
+    pushq %r13
+    pushq %r14
+    pushq %r15
+    subq $8, %rsp
+    stmxcsr (%rsp)
+    fnstcw 4(%rsp)
+    movq %rsp, (%rdi)
+    movq %rsi, %rsp
+    ldmxcsr (%rsp)
+    fldcw 4(%rsp)
+    addq $8, %rsp
+    popq %r15
+    popq %r14
+    popq %r13
+    popq %r12
+    popq %rbx
+    popq %rbp
+    ret
+    .size refattn_emu_switch, .-refattn_emu_switch
+    .p2align 4
+    .globl refattn_emu_start
+    .hidden refattn_emu_start
+    .type refattn_emu_start, @function
+refattn_emu_start:
+    movq %r12, %rdi
+    callq *%r13
+    ud2
+    .size refattn_emu_start, .-refattn_emu_start
+)");
+inline void switch_context(Context& from, Context& to) { refattn_emu_switch(&from.sp, to.sp); }
+// a context that starts entry(arg) on `stack`: the frame refattn_emu_switch pops, with the
+// return address refattn_emu_start and the stack pointer 16-byte aligned after the return
+inline void prepare_context(Context& c, std::vector<char>& stack, void (*entry)(int), int arg) {
+    auto top = reinterpret_cast<std::uintptr_t>(stack.data() + stack.size()) & ~std::uintptr_t(15);
+    void** sp = reinterpret_cast<void**>(top);
+    *--sp = reinterpret_cast<void*>(&refattn_emu_start);  // the return address
+    *--sp = nullptr;                                      // rbp
+    *--sp = nullptr;                                      // rbx
+    *--sp = reinterpret_cast<void*>(static_cast<std::intptr_t>(arg));  // r12
+    *--sp = reinterpret_cast<void*>(entry);               // r13
+    *--sp = nullptr;                                      // r14
+    *--sp = nullptr;                                      // r15
+    *--sp = nullptr;                                      // MXCSR, x87 control word: this thread's
+    unsigned mxcsr;
+    unsigned short fpu;
+    asm volatile("stmxcsr %0\n\tfnstcw %1" : "=m"(mxcsr), "=m"(fpu));
+    std::memcpy(sp, &mxcsr, 4);
+    std::memcpy(reinterpret_cast<char*>(sp) + 4, &fpu, 2);
+    c.sp = sp;
+}
+#else
+struct Context {
+    ucontext_t uc;
+};
+inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
+// out of line, so that no caller's variable lives across getcontext
+[[gnu::noinline]] inline void prepare_context(Context& c, std::vector<char>& stack,
+                                              void (*entry)(int), int arg) {
+    getcontext(&c.uc);
+    c.uc.uc_stack.ss_sp = stack.data();
+    c.uc.uc_stack.ss_size = stack.size();
+    c.uc.uc_link = nullptr;
+    makecontext(&c.uc, reinterpret_cast<void (*)()>(entry), 1, arg);
+}
+#endif
+
 struct Fiber {
-    ucontext_t ctx;
+    Context ctx;
     State state = READY;
     dim3 idx;
     unsigned linear = 0;
@@ -125,7 +219,7 @@ struct Block {
     std::vector<Fiber> fibers;
     std::vector<char> shared;  // dynamic shared memory (8-byte aligned: vector<char> of new)
     size_t shared_bytes = 0;   // the launch's request (the vector may hold a little more)
-    ucontext_t scheduler;
+    Context scheduler;
     Fiber* current = nullptr;
     std::mt19937 order_rng;
 };
@@ -151,14 +245,14 @@ inline void record_error(Launch* l, const std::string& message) {
                   b->idx.y, b->idx.z, b->current->idx.x, b->current->idx.y, b->current->idx.z);
     record_error(b->launch, std::string(buffer) + where);
     b->current->state = DONE;
-    swapcontext(&b->current->ctx, &b->scheduler);
+    switch_context(b->current->ctx, b->scheduler);
     __builtin_unreachable();
 }
 
 inline void yield(State state) {
     Block* b = tl_block;
     b->current->state = state;
-    swapcontext(&b->current->ctx, &b->scheduler);
+    switch_context(b->current->ctx, b->scheduler);
 }
 
 inline Fiber& self() { return *tl_block->current; }
@@ -274,7 +368,7 @@ inline void fiber_entry(int index) {
     Block* b = tl_block;
     b->launch->body(b->launch->payload);
     b->fibers[index].state = DONE;
-    swapcontext(&b->fibers[index].ctx, &b->scheduler);
+    switch_context(b->fibers[index].ctx, b->scheduler);
 }
 
 // -- mma.sync f64: fragments per the PTX layouts, g = lane >> 2, t = lane & 3 -----------------
@@ -498,7 +592,7 @@ inline void run_block(Block& b) {
             Fiber& f = b.fibers[order[k]];
             if (f.state != READY) continue;
             b.current = &f;
-            swapcontext(&b.scheduler, &f.ctx);
+            switch_context(b.scheduler, f.ctx);
         }
         if (b.launch->failed.load()) return;
         size_t done = 0, waiting = 0;
@@ -535,16 +629,6 @@ inline void run_block(Block& b) {
     (void)l;
 }
 
-// a fresh context on its own stack that starts in fiber_entry(index); out of line, so that no
-// caller's variable lives across getcontext
-[[gnu::noinline]] inline void prepare_fiber(Fiber& f, std::vector<char>& stack, int index) {
-    getcontext(&f.ctx);
-    f.ctx.uc_stack.ss_sp = stack.data();
-    f.ctx.uc_stack.ss_size = stack.size();
-    f.ctx.uc_link = nullptr;
-    makecontext(&f.ctx, reinterpret_cast<void (*)()>(&fiber_entry), 1, index);
-}
-
 inline void run_blocks(Launch& l, std::atomic<unsigned long long>& next) {
     const unsigned long long per_block = 1ull * l.block.x * l.block.y * l.block.z;
     const unsigned long long total = 1ull * l.grid.x * l.grid.y * l.grid.z;
@@ -576,7 +660,7 @@ inline void run_blocks(Launch& l, std::atomic<unsigned long long>& next) {
             f.idx.x = static_cast<unsigned>(t % l.block.x);
             f.idx.y = static_cast<unsigned>(t / l.block.x % l.block.y);
             f.idx.z = static_cast<unsigned>(t / (1ull * l.block.x * l.block.y));
-            prepare_fiber(f, tl_stacks[t], static_cast<int>(t));
+            prepare_context(f.ctx, tl_stacks[t], &fiber_entry, static_cast<int>(t));
         }
         run_block(b);
     }

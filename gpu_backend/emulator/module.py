@@ -96,15 +96,18 @@ class EmulatedModule:
     arch : int
         The architecture whose code path the kernels take (900: m16n8k4 tiles, 800: pairs of
         m8n8k4), as ``__CUDA_ARCH__`` on a GPU.
+    defines : tuple of str
+        Further preprocessor names for the build (:func:`gpu_backend.emulator.build.build`).
     """
 
     def __init__(self, directory: Path = KERNEL_DIR, *, debug: bool = False, threads: int = 0,
-                 seed: int = 0, mma: str | None = None, arch: int = 900) -> None:
+                 seed: int = 0, mma: str | None = None, arch: int = 900,
+                 defines: tuple[str, ...] = ()) -> None:
         mma = mma if mma is not None else os.environ.get("REFATTN_EMU_MMA", "chain")
         if mma not in MMA_ROUNDINGS:
             raise RefAttnError(f"cuda_emulator: mma rounding must be one of {MMA_ROUNDINGS}, "
                                f"got {mma!r} (REFATTN_EMU_MMA)")
-        self.path = build(directory, debug=debug, arch=arch)
+        self.path = build(directory, debug=debug, arch=arch, defines=defines)
         self.debug, self.mma, self.arch = debug, mma, arch
         self._lib = ctypes.CDLL(str(self.path))
         self._lib.emu_last_error.restype = ctypes.c_void_p

@@ -11,6 +11,7 @@ multipliers, sanitised rows and other integer or boolean outputs bit-equal.
 from __future__ import annotations
 
 import dataclasses
+import platform
 import shutil
 from pathlib import Path
 
@@ -21,6 +22,7 @@ from hypothesis import strategies as st
 
 import refattn
 from gpu_backend import launch
+from gpu_backend.emulator.module import EmulatedModule
 from gpu_backend.emulator_backend import EmulatorDevice
 from gpu_backend.source import KERNEL_DIR
 from refattn.bundle.suites import build_suite
@@ -253,6 +255,37 @@ def test_the_debug_emulator_is_quiet_on_correct_kernels():
     ref = refattn.forward(_call((1, 2, 70, 70, 8))).output
     assert all(np.array_equal(o, outs[0]) for o in outs)
     np.testing.assert_allclose(outs[0], ref, rtol=1e-13, atol=1e-14)
+
+
+def test_the_assembly_and_the_ucontext_fibers_give_the_same_bits():
+    """The fibers switch by a few instructions of assembly on x86-64 and by ucontext elsewhere
+    (``REFATTN_EMU_UCONTEXT``): a forward and backward whose kernels meet barriers, warp
+    shuffles and mma.sync (GQA, causal, Philox dropout, a sink) give the same bits both ways,
+    in a debug build's random thread order, and a define that is not a name is refused."""
+    rng = np.random.default_rng(21)
+    call = refattn.AttentionCall(
+        rng.standard_normal((1, 4, 40, 16)), rng.standard_normal((1, 2, 40, 16)),
+        rng.standard_normal((1, 2, 40, 16)), visible=causal(40, 40, alignment="upper_left"),
+        sink=np.zeros(4), dropout=Philox(0.25, 5))
+    g_o = rng.standard_normal(call.q.shape)
+    runs, libraries = [], []
+    for defines in ((), ("REFATTN_EMU_UCONTEXT",)):
+        dev = EmulatorDevice(debug=True, seed=3)
+        dev.module = EmulatedModule(KERNEL_DIR, debug=True, seed=3, defines=defines)
+        libraries.append(dev.module.path.read_bytes())
+        t = launch.forward(dev, call, materialize=False)
+        runs.append((t, launch.backward(dev, t, g_o)))
+    assert b"swapcontext" in libraries[1]
+    if platform.machine() in ("x86_64", "AMD64"):  # the default build: no system call a switch
+        assert b"refattn_emu_switch" in libraries[0] and b"swapcontext" not in libraries[0]
+    for name in ("output", "lse"):
+        np.testing.assert_array_equal(getattr(runs[1][0], name), getattr(runs[0][0], name))
+    for name in ("grad_q", "grad_k", "grad_v", "grad_sink"):
+        np.testing.assert_array_equal(getattr(runs[1][1], name), getattr(runs[0][1], name))
+    want = refattn.backward(refattn.forward(call), g_o).grad_q
+    np.testing.assert_allclose(runs[0][1].grad_q, want, rtol=0, atol=1e-12 * np.abs(want).max())
+    with pytest.raises(refattn.RefAttnError, match="defines must be preprocessor names"):
+        EmulatedModule(KERNEL_DIR, defines=("X=1 -o /tmp/x",))
 
 
 def test_a_removed_syncthreads_is_caught(tmp_path):
