@@ -47,6 +47,7 @@
 #include <cstdint>
 #include <cstdio>
 #include <cstring>
+#include <memory>
 #include <mutex>
 #include <random>
 #include <string>
@@ -99,6 +100,13 @@ enum BarrierOp { PLAIN, OR, AND, COUNT };
 // requires a call to preserve. glibc's swapcontext also saves and restores the signal mask, a
 // system call on every switch, which took most of the emulator's time. Elsewhere (or with
 // -DREFATTN_EMU_UCONTEXT) the fibers are ucontexts.
+// a fiber's stack: uninitialised (new char[]), so a page that the fiber never touches is never
+// faulted in (zeroing 128 x 256 KiB for every launch thread was the emulator's largest system
+// time after the context switches)
+struct Stack {
+    std::unique_ptr<char[]> base;
+    size_t size = 0;
+};
 #ifdef REFATTN_EMU_ASM_SWITCH
 struct Context {
     void* sp = nullptr;  // the saved stack pointer: the registers sit above it
@@ -149,8 +157,8 @@ refattn_emu_start:
 inline void switch_context(Context& from, Context& to) { refattn_emu_switch(&from.sp, to.sp); }
 // a context that starts entry(arg) on `stack`: the frame refattn_emu_switch pops, with the
 // return address refattn_emu_start and the stack pointer 16-byte aligned after the return
-inline void prepare_context(Context& c, std::vector<char>& stack, void (*entry)(int), int arg) {
-    auto top = reinterpret_cast<std::uintptr_t>(stack.data() + stack.size()) & ~std::uintptr_t(15);
+inline void prepare_context(Context& c, Stack& stack, void (*entry)(int), int arg) {
+    auto top = reinterpret_cast<std::uintptr_t>(stack.base.get() + stack.size) & ~std::uintptr_t(15);
     void** sp = reinterpret_cast<void**>(top);
     *--sp = reinterpret_cast<void*>(&refattn_emu_start);  // the return address
     *--sp = nullptr;                                      // rbp
@@ -173,11 +181,11 @@ struct Context {
 };
 inline void switch_context(Context& from, Context& to) { swapcontext(&from.uc, &to.uc); }
 // out of line, so that no caller's variable lives across getcontext
-[[gnu::noinline]] inline void prepare_context(Context& c, std::vector<char>& stack,
-                                              void (*entry)(int), int arg) {
+[[gnu::noinline]] inline void prepare_context(Context& c, Stack& stack, void (*entry)(int),
+                                              int arg) {
     getcontext(&c.uc);
-    c.uc.uc_stack.ss_sp = stack.data();
-    c.uc.uc_stack.ss_size = stack.size();
+    c.uc.uc_stack.ss_sp = stack.base.get();
+    c.uc.uc_stack.ss_size = stack.size;
     c.uc.uc_link = nullptr;
     makecontext(&c.uc, reinterpret_cast<void (*)()>(entry), 1, arg);
 }
@@ -225,7 +233,8 @@ struct Block {
 };
 
 inline thread_local Block* tl_block = nullptr;
-inline thread_local std::vector<std::vector<char>> tl_stacks;
+// the fibers' stacks (Stack), kept by each OS thread between blocks
+inline thread_local std::vector<Stack> tl_stacks;
 inline std::string last_error;
 
 inline void record_error(Launch* l, const std::string& message) {
@@ -634,8 +643,14 @@ inline void run_blocks(Launch& l, std::atomic<unsigned long long>& next) {
     const unsigned long long total = 1ull * l.grid.x * l.grid.y * l.grid.z;
     const size_t stack_bytes = l.options && l.options->stack_bytes ? l.options->stack_bytes
                                                                    : (256u << 10);
-    if (tl_stacks.size() < per_block || (!tl_stacks.empty() && tl_stacks[0].size() != stack_bytes))
-        tl_stacks.assign(per_block, std::vector<char>(stack_bytes));
+    if (tl_stacks.size() < per_block || (!tl_stacks.empty() && tl_stacks[0].size != stack_bytes)) {
+        tl_stacks.clear();
+        tl_stacks.resize(per_block);
+        for (Stack& stack : tl_stacks) {
+            stack.base.reset(new char[stack_bytes]);
+            stack.size = stack_bytes;
+        }
+    }
     Block b;
     b.launch = &l;
     b.fibers.resize(per_block);
