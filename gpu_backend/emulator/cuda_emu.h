@@ -94,12 +94,6 @@ struct AsyncCopy {  // one 16-byte cp.async: done at the wait that retires its g
 };
 enum BarrierOp { PLAIN, OR, AND, COUNT };
 
-// -- switching between fibers ------------------------------------------------------------------
-// On x86-64 a fiber switch saves the callee-saved registers, MXCSR and the x87 control word on
-// the old stack and loads them from the new one (refattn_emu_switch below): what the SysV ABI
-// requires a call to preserve. glibc's swapcontext also saves and restores the signal mask, a
-// system call on every switch, which took most of the emulator's time. Elsewhere (or with
-// -DREFATTN_EMU_UCONTEXT) the fibers are ucontexts.
 // a fiber's stack: uninitialised (new char[]), so a page that the fiber never touches is never
 // faulted in (zeroing 128 x 256 KiB for every launch thread was the emulator's largest system
 // time after the context switches)
@@ -107,6 +101,13 @@ struct Stack {
     std::unique_ptr<char[]> base;
     size_t size = 0;
 };
+
+// -- switching between fibers ------------------------------------------------------------------
+// On x86-64 a fiber switch saves the callee-saved registers, MXCSR and the x87 control word on
+// the old stack and loads them from the new one (refattn_emu_switch below): what the SysV ABI
+// requires a call to preserve. glibc's swapcontext also saves and restores the signal mask, a
+// system call on every switch, which took most of the emulator's time. Elsewhere (or with
+// -DREFATTN_EMU_UCONTEXT) the fibers are ucontexts.
 #ifdef REFATTN_EMU_ASM_SWITCH
 struct Context {
     void* sp = nullptr;  // the saved stack pointer: the registers sit above it
@@ -158,8 +159,8 @@ inline void switch_context(Context& from, Context& to) { refattn_emu_switch(&fro
 // a context that starts entry(arg) on `stack`: the frame refattn_emu_switch pops, with the
 // return address refattn_emu_start and the stack pointer 16-byte aligned after the return
 inline void prepare_context(Context& c, Stack& stack, void (*entry)(int), int arg) {
-    auto top = reinterpret_cast<std::uintptr_t>(stack.base.get() + stack.size) & ~std::uintptr_t(15);
-    void** sp = reinterpret_cast<void**>(top);
+    const auto end = reinterpret_cast<std::uintptr_t>(stack.base.get() + stack.size);
+    void** sp = reinterpret_cast<void**>(end & ~std::uintptr_t(15));
     *--sp = reinterpret_cast<void*>(&refattn_emu_start);  // the return address
     *--sp = nullptr;                                      // rbp
     *--sp = nullptr;                                      // rbx
