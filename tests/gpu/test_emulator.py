@@ -276,7 +276,7 @@ def test_the_assembly_and_the_ucontext_fibers_give_the_same_bits():
         t = launch.forward(dev, call, materialize=False)
         runs.append((t, launch.backward(dev, t, g_o)))
     assert b"swapcontext" in libraries[1]
-    if platform.machine() in ("x86_64", "AMD64"):  # the default build: no system call a switch
+    if platform.machine() in ("x86_64", "AMD64"):  # the default build: no system call per switch
         assert b"refattn_emu_switch" in libraries[0] and b"swapcontext" not in libraries[0]
     for name in ("output", "lse"):
         np.testing.assert_array_equal(getattr(runs[1][0], name), getattr(runs[0][0], name))

@@ -172,14 +172,38 @@ def test_the_plain_table_matches_the_entry_points_and_the_devices_they_fit():
 
 
 def _check_gradients(grads, ref) -> None:
-    for name in ("grad_q", "grad_k", "grad_v"):
+    """The gradients of Q, K, V and (where the call has one) the bias against the reference."""
+    names = ("grad_q", "grad_k", "grad_v") + (("grad_bias",) if ref.grad_bias is not None else ())
+    for name in names:
         want = getattr(ref, name)
         np.testing.assert_allclose(getattr(grads, name), want, rtol=0,
                                    atol=1e-12 * np.abs(want).max(), err_msg=name)
 
 
+BACKWARD = ("attention_dq", "attention_dkdv")  # the backward kernels' name prefixes
+
+
 def _backward_kernels(dev: _Device) -> tuple[str, ...]:
-    return tuple(k for k in dev.kernels if k.startswith(("attention_dq", "attention_dkdv")))
+    return tuple(k for k in dev.kernels if k.startswith(BACKWARD))
+
+
+def _backward_twice(limit: int, call, g_o, prefix, *, debug: bool = False):
+    """Two forward and backward runs on the emulator with a device's shared-memory limit (with
+    ``debug``: the debug build in two warp orders, seeds 0 and 1): the last trace, both runs'
+    gradients, and the kernels whose names start with ``prefix`` that each run launched."""
+    grads, kernels = [], []
+    for seed in (0, 1):
+        dev = _Device(limit, debug=debug, seed=seed if debug else 0)
+        t = launch.forward(dev, call, materialize=False)
+        grads.append(launch.backward(dev, t, g_o))
+        kernels.append([k for k in dev.kernels if k.startswith(prefix)])
+    return t, grads, kernels
+
+
+def _assert_bit_identical(grads, names) -> None:
+    for name in names:
+        np.testing.assert_array_equal(getattr(grads[1], name), getattr(grads[0], name),
+                                      err_msg=name)
 
 
 @pytest.mark.parametrize(("D", "limit", "features"), [
@@ -229,19 +253,11 @@ def test_the_d256_backward_where_the_device_holds_it(limit, dkdv, features):
     rng = np.random.default_rng(14)
     call = _call(200, seed=14, heads=(2, 1), Q=40, K=40, **_d256_features(rng, features))
     g_o = rng.standard_normal(call.q.shape)
-    runs = []
-    for seed in (0, 1):
-        dev = _Device(limit, debug=True, seed=seed)
-        runs.append(launch.backward(dev, launch.forward(dev, call, materialize=False), g_o))
-        dq = kernel_name("dq", 256, "plain" if features == "plain" else "general")
-        assert _backward_kernels(dev) == (dq, dkdv)
-    ref = refattn.backward(refattn.forward(call), g_o)
-    _check_gradients(runs[0], ref)
-    if call.bias is not None:
-        np.testing.assert_allclose(runs[0].grad_bias, ref.grad_bias, rtol=0,
-                                   atol=1e-12 * np.abs(ref.grad_bias).max())
-    for name in ("grad_q", "grad_k", "grad_v", "grad_bias"):
-        np.testing.assert_array_equal(getattr(runs[1], name), getattr(runs[0], name), name)
+    _, runs, kernels = _backward_twice(limit, call, g_o, BACKWARD, debug=True)
+    dq = kernel_name("dq", 256, "plain" if features == "plain" else "general")
+    assert kernels == [[dq, dkdv]] * 2
+    _check_gradients(runs[0], refattn.backward(refattn.forward(call), g_o))
+    _assert_bit_identical(runs, ("grad_q", "grad_k", "grad_v", "grad_bias"))
 
 
 @pytest.mark.parametrize("feature", ["softcap", "bias", "philox", "dense_dropout"])
@@ -251,11 +267,7 @@ def test_a_backward_with_a_feature_never_runs_the_plain_instances(feature):
     dev = _Device(H100_SHARED)
     grads = launch.backward(dev, launch.forward(dev, call, materialize=False), g_o)
     assert _backward_kernels(dev) == ("attention_dq_d64", "attention_dkdv_d64")
-    ref = refattn.backward(refattn.forward(call), g_o)
-    _check_gradients(grads, ref)
-    if feature == "bias":
-        np.testing.assert_allclose(grads.grad_bias, ref.grad_bias, rtol=0,
-                                   atol=1e-12 * np.abs(ref.grad_bias).max())
+    _check_gradients(grads, refattn.backward(refattn.forward(call), g_o))
 
 
 def test_the_plain_backward_forced_onto_a_softcap_call_is_caught(monkeypatch):

@@ -24,7 +24,12 @@ from gpu_backend.emulator_backend import EmulatorDevice
 from refattn.dropout import Philox
 from refattn.masks import causal
 from tests.gpu.test_emulator import _mutated, assert_matches_reference
-from tests.gpu.test_feature_instances import A100_SHARED, H100_SHARED, _Device
+from tests.gpu.test_feature_instances import (
+    A100_SHARED,
+    H100_SHARED,
+    _assert_bit_identical,
+    _backward_twice,
+)
 
 Q, K = 45, 100  # 2 query blocks of 32 rows (the second ends inside it), 4 key tiles (a tail)
 
@@ -95,25 +100,6 @@ def test_the_sink_counted_by_both_warps_of_a_pair_is_caught(tmp_path):
     call = _call("relation", np.random.default_rng(2))
     out = _outputs(d, call, (0,))[0]
     assert not np.allclose(out, refattn.forward(call).output, rtol=1e-12, atol=1e-12)
-
-
-def _backward_twice(limit: int, call, g_o, prefix: str):
-    """Two forward and backward runs on the emulator with a device's shared-memory limit: the
-    last trace, both runs' gradients, and the kernels whose names start with ``prefix`` that
-    each run launched."""
-    grads, kernels = [], []
-    for _ in range(2):
-        dev = _Device(limit)
-        t = launch.forward(dev, call, materialize=False)
-        grads.append(launch.backward(dev, t, g_o))
-        kernels.append([k for k in dev.kernels if k.startswith(prefix)])
-    return t, grads, kernels
-
-
-def _assert_bit_identical(grads, names) -> None:
-    for name in names:
-        np.testing.assert_array_equal(getattr(grads[1], name), getattr(grads[0], name),
-                                      err_msg=name)
 
 
 @pytest.mark.parametrize("bias_shape", [(1, 2, Q, K), (1, 2, Q, 1), (1, 1, 1, K)],
