@@ -176,7 +176,8 @@ def child_env(threads: int) -> dict[str, Any]:
     chosen_s = time.perf_counter() - t0
     names = [p.name for p in providers.available_providers()]
     env: dict[str, Any] = {
-        "cpu": providers.cpu_model(), "cpu_count": os.cpu_count(),
+        "cpu": providers.cpu_model(), "caches": providers.cpu_caches(),
+        "cpu_count": os.cpu_count(),
         "numba_threads": numba.get_num_threads(),
         "numba_threading_layer": _threading_layer(),
         "provider": provider.key, "provider_version": provider.version,
@@ -460,7 +461,8 @@ def header_lines(env: dict[str, Any], threads: int, unset: bool, dgemm: dict[str
                  ) -> list[str]:
     load = " ".join(f"{x:.2f}" for x in os.getloadavg())
     return [
-        f"cpu: {env['cpu']} ({env['cpu_count']} cpus); load average {load}",
+        f"cpu: {env['cpu']} ({env['cpu_count']} cpus; {env.get('caches') or 'caches unknown'}); "
+        f"load average {load}",
         f"threads: {threads} (torch.set_num_threads, NUMBA_NUM_THREADS, BLAS limit); numba "
         f"threading layer {env['numba_threading_layer']}",
         f"install: {env['install']}; refattn provider {env['provider']} "

@@ -45,7 +45,7 @@ from timing import interleaved  # noqa: E402
 
 from refattn import AttentionCall  # noqa: E402
 from refattn._progress import progress  # noqa: E402
-from refattn.engine.numba import fused_host  # noqa: E402
+from refattn.engine.numba import providers  # noqa: E402
 from refattn.engine.numba.blas import gemm, gemm_pair, gemm_split  # noqa: E402
 from refattn.engine.numba.calibration import current_provider  # noqa: E402
 from refattn.engine.numba.fused_host import (  # noqa: E402
@@ -261,7 +261,8 @@ def main(argv: list[str] | None = None) -> int:
     if args.shape:
         cases = [(tuple(int(x) for x in args.shape.split(",")), args.causal)]
     provider = current_provider()
-    print(f"provider {provider.key} ({provider.version}); numba threads {numba.get_num_threads()}")
+    print(f"cpu: {providers.cpu_model()} ({providers.cpu_caches()}); provider {provider.key} "
+          f"({provider.version}); numba threads {numba.get_num_threads()}")
     for shape, causal in progress(cases, desc="fused floor", unit="shape"):  # terminal only
         r = breakdown(shape, causal=causal, rounds=args.rounds, provider=provider,
                       dgemm=args.dgemm, whole=args.whole)
@@ -288,12 +289,12 @@ def main(argv: list[str] | None = None) -> int:
 def _whole_products(fn: Any) -> Any:
     """``fn`` run with fused_host's small-matrix tiles off (every product issued whole)."""
     def run() -> Any:
-        saved = fused_host.SMALL_GEMM_KERNELS
-        fused_host.SMALL_GEMM_KERNELS = frozenset()
+        saved = providers.SMALL_GEMM_KERNELS
+        providers.SMALL_GEMM_KERNELS = frozenset()
         try:
             return fn()
         finally:
-            fused_host.SMALL_GEMM_KERNELS = saved
+            providers.SMALL_GEMM_KERNELS = saved
     return run
 
 

@@ -42,7 +42,12 @@ from refattn.engine.numba.fused_host import (  # noqa: E402
     score_stride,
     split_tiles,
 )
-from refattn.engine.numba.providers import Provider  # noqa: E402
+from refattn.engine.numba.providers import (  # noqa: E402
+    TILE_KIB,
+    Provider,
+    cpu_caches,
+    cpu_model,
+)
 
 __all__ = ["configs", "rate"]
 
@@ -66,9 +71,14 @@ def configs(bq: int, D: int) -> list[tuple[str, bool, int, int]]:
     def fit(other: int) -> int:
         return max(8, SMALL_GEMM // (other * D) // 8 * 8)
 
-    kern = split_tiles(Provider("openblas", "0 SkylakeX"), Layout(bq, 1, 1, 1), D, D).tolist()
-    out = [(f"O = E V kernel tiles {kern[0]} x {kern[1]}", False, kern[0], kern[1]),
-           (f"dV += E^T G kernel tiles {kern[2]} x {kern[3]}", True, kern[2], kern[3])]
+    out = []
+    for kib in TILE_KIB:  # the tiles of each size a calibration tries
+        kern = split_tiles(Provider("openblas", "0 SkylakeX", tile_kib=kib), Layout(bq, 1, 1, 1),
+                           D, D).tolist()
+        out += [(f"O = E V kernel tiles {kern[0]} x {kern[1]} ({kib} KiB)", False, kern[0],
+                 kern[1]),
+                (f"dV += E^T G kernel tiles {kern[2]} x {kern[3]} ({kib} KiB)", True, kern[2],
+                 kern[3])]
     out += [("O = E V whole", False, WHOLE, WHOLE)]
     out += [(f"O = E V tiles {cm} x {fit(cm)}", False, cm, fit(cm)) for cm in (bq, 64, 32)
             if cm <= bq]
@@ -133,6 +143,7 @@ def main(argv: list[str] | None = None) -> int:
     from threadpoolctl import threadpool_info
 
     kernels = {i.get("architecture") for i in threadpool_info() if i.get("user_api") == "blas"}
+    print(f"cpu: {cpu_model()} ({cpu_caches()})")
     print(f"one thread, CPU time; OpenBLAS kernels {sorted(map(str, kernels))}; load average "
           f"{' '.join(f'{x:.2f}' for x in os.getloadavg())}")
     for bq, K, D in shapes:

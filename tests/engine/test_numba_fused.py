@@ -113,7 +113,6 @@ def test_thin_products_in_small_tiles_match_the_reference(monkeypatch, feature):
     monkeypatch.setattr(fused_host, "SMALL_GEMM", 3072)
     monkeypatch.setattr(fused_host, "NN_ROWS", 16)
     monkeypatch.setattr(fused_host, "TN_INNER", 8)
-    monkeypatch.setattr(fused_host, "NN_B_BYTES", 16 * 8 * 8)  # 16 rows of V or K per O/dQ tile
     rng = np.random.default_rng(7)
     q, g = (rng.standard_normal((1, 2, 70, 8)) for _ in range(2))
     k, v = (rng.standard_normal((1, 2, 90, 8)) for _ in range(2))
@@ -123,10 +122,12 @@ def test_thin_products_in_small_tiles_match_the_reference(monkeypatch, feature):
              "softcap_sink": {"softcap": 3.0, "sink": np.array([0.3, -0.2])}}[feature]
     call = refattn.AttentionCall(q, k, v, **extra)
     openblas = providers.available_providers()[0]  # as if on an AVX-512 kernel
-    provider = providers.Provider("openblas", "0.3 SkylakeX", "heads", load=openblas.load)
+    # 1 KiB of V or K rows: 16 rows of D = 8 per O/dQ tile
+    provider = providers.Provider("openblas", "0.3 SkylakeX", "heads", tile_kib=1,
+                                  load=openblas.load)
     out, grads, info = fused_host.value_and_grad(call, g, provider=provider,
                                                  budget=32 * 90 * 8 * 3)
-    # 3072 // (16 x 8) = 24 keys would fit an O/dQ tile of 16 rows, NN_B_BYTES allows 16;
+    # 3072 // (16 x 8) = 24 keys would fit an O/dQ tile of 16 rows, tile_kib allows 16;
     # 3072 // (8 x 8) = 48 keys per dV/dK tile of 8 inner rows (a multiple of 16); blocks of
     # 32 query rows
     assert info["split_tiles"] == [16, 16, 48, 8] * 2 and info["block_q"] == 32
@@ -160,8 +161,9 @@ def test_calibration_records_every_candidate_and_is_used(tmp_path, monkeypatch):
     record = calibration.calibrate(shapes=((1, 2, 64, 64, 8),), repeats=1)
     names = {p.name for p in providers.available_providers()}
     assert "openblas" in names
-    assert len(record["seconds"]) == len(names) * len(providers.LAYOUTS) * len(
-        calibration.BUDGETS_MIB)
+    tiled = sum(p.with_layout("heads").small_tiles for p in providers.available_providers())
+    assert len(record["seconds"]) == len(calibration.BUDGETS_MIB) * (
+        len(names) * len(providers.LAYOUTS) + tiled * (len(providers.TILE_KIB) - 1))
     saved = json.loads(calibration.calibration_path().read_text())
     assert saved["choice"] == record["choice"] and saved["fingerprint"] == providers.fingerprint()
     assert calibration.current_provider().key == record["choice"]
@@ -192,8 +194,13 @@ def test_the_provider_override_and_its_errors(monkeypatch):
     calibration.current_provider.cache_clear()
     p = calibration.current_provider()
     assert (p.name, p.layout, p.budget) == ("openblas", "blas", 4 << 20)
+    monkeypatch.setenv("REFATTN_BLAS_PROVIDER", "openblas/heads/16/96")
+    calibration.current_provider.cache_clear()
+    p = calibration.current_provider()
+    assert (p.layout, p.budget, p.tile_kib) == ("heads", 16 << 20, 96)
     for bad, message in (("nope", "not available"), ("openblas/sideways", "layout"),
-                         ("openblas/heads/x", "budget")):
+                         ("openblas/heads/x", "budget"), ("openblas/heads/0", "budget"),
+                         ("openblas/heads/8/-4", "tile"), ("openblas/heads/8/24/1", "four")):
         monkeypatch.setenv("REFATTN_BLAS_PROVIDER", bad)
         calibration.current_provider.cache_clear()
         with pytest.raises(refattn.RefAttnError, match=message):

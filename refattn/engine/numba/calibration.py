@@ -20,11 +20,17 @@ import numpy as np
 
 from refattn.call import AttentionCall
 from refattn.engine.numba.fused_host import value_and_grad
-from refattn.engine.numba.providers import LAYOUTS, Provider, available_providers, fingerprint
+from refattn.engine.numba.providers import (
+    LAYOUTS,
+    TILE_KIB,
+    Provider,
+    available_providers,
+    fingerprint,
+)
 from refattn.errors import RefAttnError
 
 __all__ = ["BUDGETS_MIB", "CALIBRATION_SECONDS", "FULL_SHAPES", "QUICK_SHAPES", "calibrate",
-           "calibration_notice", "calibration_path", "current_provider"]
+           "calibration_notice", "calibration_path", "candidates", "current_provider"]
 
 #: per-thread score-buffer budgets a calibration tries. 16 MiB since the O/dQ and dV/dK tiles
 #: fit L1 (issue 27): at (1,16,2048,128) 16 MiB took 0.90-0.92 of 8 MiB's time and 32 MiB
@@ -67,9 +73,34 @@ def calibration_notice() -> str:
             f"{calibration_path()}; run 'refattn calibrate' ahead to avoid this)")
 
 
+def candidates(providers: tuple[Provider, ...]) -> list[Provider]:
+    """Every provider in both layouts at every budget of :data:`BUDGETS_MIB`, and, where the
+    fused kernel tiles its thin products (:attr:`Provider.small_tiles
+    <refattn.engine.numba.providers.Provider.small_tiles>`), at every tile size of
+    :data:`~refattn.engine.numba.providers.TILE_KIB`.
+
+    Examples
+    --------
+    >>> skx = Provider("openblas", "0.3.30 SkylakeX")
+    >>> [p.key for p in candidates((skx,)) if p.budget == 16 << 20]
+    ['openblas/heads/16/24', 'openblas/heads/16/96', 'openblas/blas/16']
+    >>> len(candidates((Provider("openblas", "0.3.30 Haswell"),)))
+    8
+    """
+    out = []
+    for base in providers:
+        for layout in LAYOUTS:
+            for mib in BUDGETS_MIB:
+                p = base.with_layout(layout, mib << 20)
+                out += [p.with_layout(layout, tile_kib=t) for t in TILE_KIB] if p.small_tiles \
+                    else [p]
+    return out
+
+
 def calibrate(*, shapes: tuple[tuple[int, ...], ...] = QUICK_SHAPES, repeats: int = 5,
               write: bool = True) -> dict[str, Any]:
-    """Time every provider, layout and buffer budget on ``value_and_grad`` at ``shapes``.
+    """Time every provider, layout, buffer budget and tile size (:func:`candidates`) on
+    ``value_and_grad`` at ``shapes``.
 
     Returns the record written to :func:`calibration_path`: the fingerprint, every
     ``provider/layout/budget`` time, and the fastest as the choice.
@@ -79,16 +110,15 @@ def calibrate(*, shapes: tuple[tuple[int, ...], ...] = QUICK_SHAPES, repeats: in
     for B, H, Q, K, D in shapes:
         q, k, v = (rng.standard_normal((B, H, n, D)) for n in (Q, K, K))
         calls.append((AttentionCall(q, k, v), rng.standard_normal((B, H, Q, D))))
-    candidates = [base.with_layout(layout, mib << 20) for base in available_providers()
-                  if _loads(base) for layout in LAYOUTS for mib in BUDGETS_MIB]
-    timings = {p.key: 0.0 for p in candidates}
-    for p in candidates:  # warm every candidate (compiles on first use)
+    tried = candidates(tuple(p for p in available_providers() if _loads(p)))
+    timings = {p.key: 0.0 for p in tried}
+    for p in tried:  # warm every candidate (compiles on first use)
         for call, g in calls:
             value_and_grad(call, g, provider=p)
     for call, g in calls:
         best = dict.fromkeys(timings, float("inf"))
         for _ in range(repeats):  # interleaved rounds: drift in the machine hits every one
-            for p in candidates:
+            for p in tried:
                 t0 = time.perf_counter()
                 value_and_grad(call, g, provider=p)
                 best[p.key] = min(best[p.key], time.perf_counter() - t0)
@@ -138,7 +168,8 @@ def current_provider() -> Provider:
     A calibration run from here (no cached one for this machine's fingerprint) first prints
     :func:`calibration_notice` on standard error, once per process (the choice is cached in
     memory and on disk); ``REFATTN_QUIET=1`` silences it.
-    ``REFATTN_BLAS_PROVIDER=name[/layout[/budget MiB]]`` overrides the calibration.
+    ``REFATTN_BLAS_PROVIDER=name[/layout[/budget MiB[/tile KiB]]]`` overrides the calibration
+    (the tile where the provider tiles its thin products; :data:`TILE_KIB`'s first by default).
     """
     wanted = os.environ.get("REFATTN_BLAS_PROVIDER")
     if not wanted:
@@ -151,15 +182,21 @@ def current_provider() -> Provider:
         if os.environ.get("REFATTN_QUIET", "") in ("", "0"):
             print(calibration_notice(), file=sys.stderr, flush=True)
         wanted = calibrate(shapes=QUICK_SHAPES)["choice"]
-    name, layout, budget = [*wanted.split("/"), "", ""][:3]
+    name, layout, budget, tile, *rest = [*wanted.split("/"), "", "", ""]
+    if any(rest):
+        raise RefAttnError(f"REFATTN_BLAS_PROVIDER: {wanted!r} has more than four parts "
+                           "(name/layout/budget MiB/tile KiB)")
     for p in available_providers():
         if p.name == name:
             if layout and layout not in LAYOUTS:
                 raise RefAttnError(f"REFATTN_BLAS_PROVIDER: layout {layout!r} is not one of "
                                    f"{list(LAYOUTS)}")
-            if budget and not budget.isdigit():
-                raise RefAttnError(f"REFATTN_BLAS_PROVIDER: budget {budget!r} is not a whole "
-                                   "number of MiB")
-            return p.with_layout(layout or "heads", int(budget) << 20 if budget else None)
+            for part, what in ((budget, "budget"), (tile, "tile")):
+                if part and not (part.isdigit() and int(part) > 0):
+                    unit = "MiB" if what == "budget" else "KiB"
+                    raise RefAttnError(f"REFATTN_BLAS_PROVIDER: {what} {part!r} is not a "
+                                       f"positive whole number of {unit}")
+            return p.with_layout(layout or "heads", int(budget) << 20 if budget else None,
+                                 tile_kib=int(tile) if tile else None)
     raise RefAttnError(f"REFATTN_BLAS_PROVIDER: provider {name!r} is not available here; "
                        f"available: {[p.name for p in available_providers()]}")

@@ -58,22 +58,12 @@ BUFFER_BYTES = 8 << 20
 #: (``gemm_split``); for the thin products of the fused kernel that measured 0.8-0.99 of square
 #: DGEMM against 0.63-0.76 packed (AMD EPYC, SkylakeX kernel, one thread; issue 27)
 SMALL_GEMM = 100**3
-#: OpenBLAS kernels (threadpoolctl's ``architecture``) with those small-matrix dgemm kernels: the
-#: AVX-512 ones. With the Haswell kernel the tiles measured 4% slower, so they are not used there
-SMALL_GEMM_KERNELS = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
 #: rows of C per tile of ``O`` and ``dQ`` (the inner axis, keys, takes what the bound leaves)
 #: and inner rows per tile of ``dV`` and ``dK`` (their C rows, keys, take the rest). 64 inner
 #: rows (240 keys at D = 64) measured 1.17-1.19 of square DGEMM against 0.85-0.97 for 32 (480
 #: keys) with the padded score stride, one thread, AMD EPYC; in the fused kernel 0.93-0.97 of
 #: the time at (1,8,4096,64) and 0.93 at (1,16,2048,128) (issue 27)
 NN_ROWS, TN_INNER = 64, 64
-#: bytes of the right operand (inner x D rows of ``V`` or ``K``) of one ``O``/``dQ`` tile, which
-#: every row of the tile reads: the small-matrix kernel does not pack it, so it must stay in
-#: the L1 data cache (32-48 KiB on current x86 cores). Measured one thread, AMD EPYC (Zen 5,
-#: 48 KiB L1), SkylakeX kernel, over square DGEMM: (64 x 64) x 48 tiles at D = 64 1.11 against
-#: 0.74-0.79 for (64 x 64) x 240 (120 KiB of V per tile); at D = 128, 24 inner rows 1.07
-#: against 0.79 for 120 (issue 27)
-NN_B_BYTES = 24 << 10
 _WHOLE = np.iinfo(np.int32).max  # a tile no product reaches: issued whole
 
 
@@ -167,15 +157,15 @@ def task_layout(call: AttentionCall, provider: Provider, budget: int) -> Layout:
 def split_tiles(provider: Provider, lay: Layout, Dk: int, Dv: int) -> np.ndarray:
     """Tiles of the fused kernel's thin products ``O``, ``dV``, ``dQ``, ``dK``: (8,) int64.
 
-    Pairs of (rows of C, inner rows) for :func:`~refattn.engine.numba.blas.gemm_split`. With
-    OpenBLAS on an AVX-512 kernel (:data:`SMALL_GEMM_KERNELS`, read from the provider's version
-    string, ``"<version> <architecture>"``) and on one thread per task (the ``heads`` layout),
-    each tile stays within :data:`SMALL_GEMM`, so OpenBLAS runs it unpacked: ``O`` and ``dQ``
-    in :data:`NN_ROWS` query rows by as many keys as fit both the bound and
-    :data:`NN_B_BYTES` of ``V`` or ``K`` rows (that unpacked operand stays in L1); ``dV`` and
-    ``dK`` in :data:`TN_INNER` query rows (their inner axis) by as many keys as fit. Otherwise
-    (another library or kernel, or the library's own threads, which its small-matrix path
-    would not use) every product is issued whole.
+    Pairs of (rows of C, inner rows) for :func:`~refattn.engine.numba.blas.gemm_split`. Where
+    the provider has small-matrix kernels (:attr:`Provider.small_tiles
+    <refattn.engine.numba.providers.Provider.small_tiles>`: OpenBLAS on an AVX-512 kernel, on
+    one thread per task), each tile stays within :data:`SMALL_GEMM`, so OpenBLAS runs it
+    unpacked: ``O`` and ``dQ`` in :data:`NN_ROWS` query rows by as many keys as fit both the
+    bound and the provider's ``tile_kib`` KiB of ``V`` or ``K`` rows (the operand every row
+    of the tile reads, unpacked); ``dV`` and ``dK`` in :data:`TN_INNER` query rows (their inner
+    axis) by as many keys as fit. Otherwise (another library or kernel, or the library's own
+    threads, which its small-matrix path would not use) every product is issued whole.
 
     Examples
     --------
@@ -185,6 +175,8 @@ def split_tiles(provider: Provider, lay: Layout, Dk: int, Dv: int) -> np.ndarray
     [64, 48, 240, 64, 64, 48, 240, 64]
     >>> split_tiles(skx, Layout(256, 1, 2, 1), 128, 128).tolist()
     [64, 24, 120, 64, 64, 24, 120, 64]
+    >>> split_tiles(skx.with_layout("heads", tile_kib=96), Layout(256, 1, 2, 1), 128, 128).tolist()
+    [64, 96, 96, 64, 64, 96, 96, 64]
     >>> whole = int(np.iinfo(np.int32).max)
     >>> int(split_tiles(skx.with_layout("blas"), Layout(128, 1, 1, 2), 64, 64).min()) == whole
     True
@@ -192,16 +184,14 @@ def split_tiles(provider: Provider, lay: Layout, Dk: int, Dv: int) -> np.ndarray
     ...                 64).min()) == whole
     True
     """
-    kernel = provider.version.split()[-1].lower() if provider.version else ""
-    if (provider.name != "openblas" or kernel not in SMALL_GEMM_KERNELS
-            or lay.blas_threads != 1):
+    if not provider.small_tiles or lay.blas_threads != 1:
         return np.full(8, _WHOLE, dtype=np.int64)
 
     def fit(other: int, d: int) -> int:  # the other side of a tile within the bound, >= 8
         return max(8, SMALL_GEMM // (other * d) // 8 * 8)
 
-    def inner(d: int) -> int:  # keys of an O/dQ tile: within the bound, its V or K rows in L1
-        return min(fit(NN_ROWS, d), max(8, NN_B_BYTES // (8 * d) // 8 * 8))
+    def inner(d: int) -> int:  # keys of an O/dQ tile: within the bound and tile_kib of V or K
+        return min(fit(NN_ROWS, d), max(8, (provider.tile_kib << 10) // (8 * d) // 8 * 8))
 
     o, dq = inner(Dv), inner(Dk)  # their key chunks divide dV's, dK's slabs
     return np.array([NN_ROWS, o, max(o, fit(TN_INNER, Dv) // o * o), TN_INNER,

@@ -32,9 +32,21 @@ from typing import Any
 
 from refattn.engine.numba.blas import dgemm_address, single_thread_blas
 
-__all__ = ["LAYOUTS", "Library", "Provider", "available_providers", "cpu_model", "fingerprint"]
+__all__ = ["LAYOUTS", "SMALL_GEMM_KERNELS", "TILE_KIB", "Library", "Provider",
+           "available_providers", "cpu_caches", "cpu_model", "fingerprint"]
 
 LAYOUTS = ("heads", "blas")  # heads on numba threads, one BLAS thread each; or threaded BLAS
+#: OpenBLAS kernels (threadpoolctl's ``architecture``) with small-matrix dgemm kernels, on which
+#: the fused kernel issues its thin products in tiles (``fused_host.split_tiles``): the AVX-512
+#: ones. With the Haswell kernel the tiles measured 4% slower, so they are not used there
+SMALL_GEMM_KERNELS = frozenset({"skylakex", "cooperlake", "sapphirerapids"})
+#: KiB of ``V`` or ``K`` rows that one small-matrix ``O``/``dQ`` tile reads (the small-matrix
+#: kernel does not pack that operand, every row of the tile reads all of it), as calibrations
+#: try them; the first is the default. Which wins depends on the core, so it is timed, not
+#: derived: on an AMD EPYC Zen 5 (48 KiB L1d) 24 KiB (in L1) took 0.91 of the fused time of
+#: 120 KiB tiles at (1,8,4096,64); on a Zen 4 (32 KiB L1d) 96 KiB took 0.92 of 24 KiB's time at
+#: (1,16,2048,128) and 0.95 at (1,8,4096,64), interleaved in one process (issue 27)
+TILE_KIB = (24, 96)
 
 
 @dataclass(frozen=True)
@@ -51,12 +63,24 @@ class Provider:
         a time on the library's own threads).
     budget : int
         Per-thread bytes of the fused kernel's score buffers (sets the query block).
+    tile_kib : int
+        KiB of ``V`` or ``K`` rows per small-matrix ``O``/``dQ`` tile, where the fused kernel
+        issues its thin products in tiles (:attr:`small_tiles`); ignored elsewhere.
+
+    Examples
+    --------
+    >>> p = Provider("openblas", "0.3.30 SkylakeX")
+    >>> p.key, p.with_layout("heads", 16 << 20, tile_kib=96).key, p.with_layout("blas").key
+    ('openblas/heads/8/24', 'openblas/heads/16/96', 'openblas/blas/8')
+    >>> Provider("openblas", "0.3.30 Haswell").key, Provider("mkl", "2026.2").small_tiles
+    ('openblas/heads/8', False)
     """
 
     name: str
     version: str
     layout: str = "heads"
     budget: int = 8 << 20
+    tile_kib: int = TILE_KIB[0]
     load: Callable[[], Library] = field(default=lambda: Library(0), repr=False, compare=False)
 
     @property
@@ -90,18 +114,31 @@ class Provider:
             if saved is not None:
                 self.set_threads(saved)
 
-    def with_layout(self, layout: str, budget: int | None = None) -> Provider:
+    def with_layout(self, layout: str, budget: int | None = None, *,
+                    tile_kib: int | None = None) -> Provider:
         return Provider(self.name, self.version, layout,
-                        self.budget if budget is None else budget, self.load)
+                        self.budget if budget is None else budget,
+                        self.tile_kib if tile_kib is None else tile_kib, self.load)
+
+    @property
+    def small_tiles(self) -> bool:
+        """Whether the fused kernel issues its thin products in small-matrix tiles here:
+        OpenBLAS on an AVX-512 kernel (:data:`SMALL_GEMM_KERNELS`, the last word of its
+        version string) on one thread per task (the ``heads`` layout)."""
+        kernel = self.version.split()[-1].lower() if self.version else ""
+        return self.name == "openblas" and kernel in SMALL_GEMM_KERNELS and self.layout == "heads"
 
     @property
     def key(self) -> str:
-        """``name/layout/budget`` (budget in MiB), as calibrations record the choice."""
-        return f"{self.name}/{self.layout}/{self.budget >> 20}"
+        """``name/layout/budget[/tile]`` (budget in MiB, tile in KiB where :attr:`small_tiles`),
+        as calibrations record the choice."""
+        tile = f"/{self.tile_kib}" if self.small_tiles else ""
+        return f"{self.name}/{self.layout}/{self.budget >> 20}{tile}"
 
     def record(self) -> dict[str, Any]:
         return {"provider": self.name, "version": self.version, "layout": self.layout,
-                "budget_bytes": self.budget}
+                "budget_bytes": self.budget,
+                "tile_kib": self.tile_kib if self.small_tiles else None}
 
 
 @dataclass(frozen=True)
@@ -196,20 +233,50 @@ def available_providers() -> tuple[Provider, ...]:
 
 
 def cpu_model() -> str:
-    """The CPU model name (from /proc/cpuinfo where available)."""
+    """The CPU model name with its family and model numbers (from /proc/cpuinfo where
+    available: a virtual machine may name an AMD Zen 4 and a Zen 5 both ``AMD EPYC``)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        info = dict(line.split(":", 1) for line in
+                    Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0].splitlines()
+                    if ":" in line)
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        info = {}
+    info = {k.strip(): v.strip() for k, v in info.items()}
+    if "model name" not in info:
+        return platform.processor() or platform.machine()
+    numbers = [f"{label} {info[k]}" for k, label in (("cpu family", "family"), ("model", "model"))
+               if k in info]
+    return f"{info['model name']} ({', '.join(numbers)})" if numbers else info["model name"]
+
+
+def cpu_caches() -> str:
+    """CPU 0's data and unified caches as Linux lists them, e.g. ``L1d 32K, L2 1024K, L3
+    32768K`` (empty where /sys does not say).
+
+    Examples
+    --------
+    >>> isinstance(cpu_caches(), str)
+    True
+    """
+    found = []
+    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+        try:
+            level, kind, size = ((index / n).read_text().strip() for n in ("level", "type",
+                                                                            "size"))
+        except OSError:
+            continue
+        if kind != "Instruction":
+            found.append(f"L{level}{'d' if kind == 'Data' else ''} {size}")
+    return ", ".join(found)
 
 
 def fingerprint() -> dict[str, Any]:
-    """What a calibration depends on: the CPU, the core and thread counts, the providers."""
+    """What a calibration depends on: the CPU and its caches, the core and thread counts, the
+    providers, and the tile sizes a calibration tries."""
     import numba
 
-    return {"cpu": cpu_model(), "cpus": os.cpu_count(), "numba_threads": numba.get_num_threads(),
+    return {"cpu": cpu_model(), "caches": cpu_caches(), "cpus": os.cpu_count(),
+            "numba_threads": numba.get_num_threads(),
             "openblas_coretype": os.environ.get("OPENBLAS_CORETYPE"),
-            "providers": [f"{p.name} {p.version}" for p in available_providers()]}
+            "providers": [f"{p.name} {p.version}" for p in available_providers()],
+            "tile_kib": list(TILE_KIB)}
