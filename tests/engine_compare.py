@@ -62,13 +62,20 @@ def natural_scales(call, ref, grads) -> dict[str, float]:
     return {name: max(float(x), np.finfo(float).tiny) for name, x in out.items()}
 
 
-def assert_close(name: str, got, want, scale: float, rtol: float, *, zeros: bool = True) -> None:
+def assert_close(name: str, got, want, scale: float, rtol: float, *,
+                 zeros: bool | np.ndarray = True) -> None:
+    """``got`` within ``rtol * scale`` of ``want`` elementwise, with the same infinities, and 0
+    wherever ``want`` has a structural zero: every exact zero of ``want`` (``zeros`` True),
+    none (False), or where the mask ``zeros`` is set (a zero that rounding may or may not
+    produce, such as ``p (g - D)`` at p = 1 where D = g in one summation order, is not one)."""
     got = np.broadcast_to(got, np.shape(want))
     assert got.shape == want.shape, name
     inf = np.isinf(want)
     np.testing.assert_array_equal(np.isinf(got), inf, err_msg=f"{name}: -inf support differs")
-    if zeros:
-        np.testing.assert_array_equal(got[want == 0.0] == 0.0, True,
-                                      err_msg=f"{name}: an exact zero of the reference is not 0")
+    if zeros is not False:
+        where = want == 0.0 if zeros is True else np.broadcast_to(zeros, want.shape)
+        np.testing.assert_array_equal(got[where] == 0.0, True,
+                                      err_msg=f"{name}: a structural zero of the reference is "
+                                      "not 0")
     err = float(np.max(np.abs(got[~inf] - want[~inf]), initial=0.0))
     assert err <= rtol * scale, f"{name}: error {err:.3e} > {rtol:g} * natural scale {scale:.3e}"
