@@ -15,12 +15,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "calibrate", help="time every BLAS provider, thread layout and buffer budget of the "
         "numba value_and_grad at attention shapes and cache the fastest for this machine",
         description="Time every GEMM provider (OpenBLAS through scipy; oneMKL and BLIS where "
-        "installed), two thread layouts and three score-buffer budgets of the numba "
+        "installed), two thread layouts, four score-buffer budgets and, where OpenBLAS runs "
+        "the thin products in small-matrix tiles, two tile sizes of the numba "
         "value_and_grad, and cache the fastest in $REFATTN_CACHE_DIR/calibration.json "
         "(default ~/.cache/refattn). It runs by itself on first use; "
-        "REFATTN_BLAS_PROVIDER=openblas/heads/8 overrides it.",
+        "REFATTN_BLAS_PROVIDER=openblas/heads/8[/24] (name/layout/MiB[/tile KiB]) overrides it.",
         epilog="examples:\n"
-        "  refattn calibrate                                 # about 5 s (27 s cold)\n"
+        "  refattn calibrate                                 # about 10 s, plus a cold compile\n"
         "  refattn calibrate --full                          # head dims 64 and 128\n"
         "  refattn calibrate --show                          # the cached choice",
     )
