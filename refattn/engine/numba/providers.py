@@ -232,16 +232,24 @@ def available_providers() -> tuple[Provider, ...]:
     return tuple(found)
 
 
-def cpu_model() -> str:
-    """The CPU model name with its family and model numbers (from /proc/cpuinfo where
-    available: a virtual machine may name an AMD Zen 4 and a Zen 5 both ``AMD EPYC``)."""
-    try:
-        info = dict(line.split(":", 1) for line in
-                    Path("/proc/cpuinfo").read_text().split("\n\n", 1)[0].splitlines()
-                    if ":" in line)
-    except OSError:
-        info = {}
-    info = {k.strip(): v.strip() for k, v in info.items()}
+def cpu_model(cpuinfo: str | None = None) -> str:
+    r"""The CPU model name with its family and model numbers, from ``cpuinfo`` (the text of
+    /proc/cpuinfo, read where None and available): a virtual machine may name an AMD Zen 4 and
+    a Zen 5 both ``AMD EPYC``.
+
+    Examples
+    --------
+    >>> cpu_model("processor\t: 0\ncpu family\t: 25\nmodel\t\t: 17\nmodel name\t: AMD EPYC\n")
+    'AMD EPYC (family 25, model 17)'
+    """
+    if cpuinfo is None:
+        try:
+            cpuinfo = Path("/proc/cpuinfo").read_text()
+        except OSError:
+            cpuinfo = ""
+    first = cpuinfo.split("\n\n", 1)[0]  # the first processor's block
+    info = {k.strip(): v.strip() for k, v in
+            (line.split(":", 1) for line in first.splitlines() if ":" in line)}
     if "model name" not in info:
         return platform.processor() or platform.machine()
     numbers = [f"{label} {info[k]}" for k, label in (("cpu family", "family"), ("model", "model"))
@@ -249,17 +257,11 @@ def cpu_model() -> str:
     return f"{info['model name']} ({', '.join(numbers)})" if numbers else info["model name"]
 
 
-def cpu_caches() -> str:
-    """CPU 0's data and unified caches as Linux lists them, e.g. ``L1d 32K, L2 1024K, L3
-    32768K`` (empty where /sys does not say).
-
-    Examples
-    --------
-    >>> isinstance(cpu_caches(), str)
-    True
-    """
+def cpu_caches(root: Path = Path("/sys/devices/system/cpu/cpu0/cache")) -> str:
+    """The data and unified caches under ``root`` (CPU 0's, as Linux lists them), e.g. ``L1d
+    32K, L2 1024K, L3 32768K``; empty where it does not say."""
     found = []
-    for index in sorted(Path("/sys/devices/system/cpu/cpu0/cache").glob("index*")):
+    for index in sorted(root.glob("index*")):
         try:
             level, kind, size = ((index / n).read_text().strip() for n in ("level", "type",
                                                                             "size"))
