@@ -138,7 +138,7 @@ def task_layout(call: AttentionCall, provider: Provider, budget: int) -> Layout:
     >>> lay.block_q, lay.chunks, lay.threads
     (256, 1, 1)
 
-    With a ``visible`` mask or relation, blocks have at most :data:`MASKED_BLOCK_ROWS` rows:
+    A causal relation caps a 512-row block:
 
     >>> from refattn.masks import causal
     >>> y = np.zeros((1, 2, 4096, 64))
