@@ -39,7 +39,7 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 import refattn  # noqa: E402
-from refattn.bundle.sweep import check_spec, expand, load_sweep  # noqa: E402
+from refattn.bundle.sweeps.grid import check_spec, expand, load_sweep  # noqa: E402
 from refattn.distributed import connect, run_sweep, value_and_grad  # noqa: E402
 from refattn.distributed.shard import plan_shards  # noqa: E402
 from refattn.masks import causal  # noqa: E402

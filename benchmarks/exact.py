@@ -216,8 +216,8 @@ def cost() -> None:
     from threadpoolctl import threadpool_info
 
     from refattn.bundle.suites import build_suite
-    from refattn.bundle.verifier import verify
-    from refattn.bundle.write import write_bundle
+    from refattn.bundle.verification.verifier import verify
+    from refattn.bundle.writing.write import write_bundle
 
     blas = [f"{i.get('internal_api')} {i.get('version')} {i.get('architecture')}"
             for i in threadpool_info() if i.get("user_api") == "blas"]

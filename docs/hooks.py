@@ -78,7 +78,7 @@ def figures() -> dict[str, bytes]:
     """The PNG bytes of :data:`FIGURES`, drawn by ``refattn plot``'s own functions."""
     import numpy as np
 
-    from refattn.bundle.spec import case_spec
+    from refattn.bundle.golden.spec import case_spec
     from refattn.bundle.suites import build_suite
     from refattn.plot import plot_case, plot_error
 

@@ -21,6 +21,18 @@ __all__ = ["MOVED", "install"]
 _NUMBA = {f"refattn.engine.numba_{m}": (f"refattn.engine.numba.{m}",)
           for m in ("backend", "blas", "kernels", "math", "operands", "philox", "stream", "tiles")}
 
+#: refattn.bundle's flat modules before its rooms (issue 39); ``comparison`` is a room itself
+_BUNDLE = {f"refattn.bundle.{old}": (f"refattn.bundle.{new}",) for old, new in (
+    ("format", "storage.format"), ("fsio", "storage.fsio"),
+    ("transaction", "storage.transaction"), ("manifest", "storage.manifest"),
+    ("read", "storage.read"), ("cases", "golden.case"), ("quantized", "golden.quantized"),
+    ("spec", "golden.spec"), ("guarantee", "golden.guarantee"), ("write", "writing.write"),
+    ("sweep", "sweeps.grid"), ("diagnosis", "comparison.diagnosis"),
+    ("lowp", "comparison.lowp"), ("tolerances", "comparison.tolerances"),
+    ("candidates", "comparison.candidates"), ("verifier", "verification.verifier"),
+    ("recompute", "verification.recompute"), ("gradients", "verification.gradients"),
+    ("report", "verification.report"), ("checked", "verification.checked"))}
+
 #: old module path -> the modules that now own its names, searched in order
 MOVED: dict[str, tuple[str, ...]] = {
     "refattn._visibility_inputs": ("refattn.masks._inputs",),
@@ -40,14 +52,17 @@ MOVED: dict[str, tuple[str, ...]] = {
     "refattn.trace": ("refattn.engine.trace",),
     "refattn.projection": ("refattn.analysis.projection",),
     "refattn.source_identity": ("refattn.analysis.source_identity",),
-    "refattn.golden": ("refattn.bundle", "refattn.bundle.cases", "refattn.bundle.read",
-                       "refattn.bundle.write", "refattn.bundle.format"),
-    "refattn.case_spec": ("refattn.bundle.spec",),
-    "refattn.verify": ("refattn.bundle.verifier", "refattn.bundle.manifest",
-                       "refattn.bundle.report", "refattn.bundle.gradients"),
-    "refattn.compare": ("refattn.bundle.comparison", "refattn.bundle.candidates"),
-    "refattn.tolerances": ("refattn.bundle.tolerances",),
-    "refattn.lowp": ("refattn.bundle.lowp",),
+    "refattn.golden": ("refattn.bundle", "refattn.bundle.golden.case",
+                       "refattn.bundle.storage.read", "refattn.bundle.writing.write",
+                       "refattn.bundle.storage.format"),
+    "refattn.case_spec": ("refattn.bundle.golden.spec",),
+    "refattn.verify": ("refattn.bundle.verification.verifier", "refattn.bundle.storage.manifest",
+                       "refattn.bundle.verification.report",
+                       "refattn.bundle.verification.gradients"),
+    "refattn.compare": ("refattn.bundle.comparison.harness",
+                        "refattn.bundle.comparison.candidates"),
+    "refattn.tolerances": ("refattn.bundle.comparison.tolerances",),
+    "refattn.lowp": ("refattn.bundle.comparison.lowp",),
     "refattn.suites": ("refattn.bundle.suites",),
     "refattn.suites.contract": ("refattn.bundle.suites.contract",),
     "refattn.suites.conformance": ("refattn.bundle.suites.conformance",),
@@ -55,6 +70,7 @@ MOVED: dict[str, tuple[str, ...]] = {
     **{f"refattn.commands.{c}": (f"refattn.cli.{c}",)
        for c in ("compare", "diagnostics", "golden", "gradcheck", "mask", "verify")},
     **_NUMBA,
+    **_BUNDLE,
 }
 
 

@@ -18,8 +18,8 @@ optional extra ``plot``):
 Every figure is a grid of panels of :data:`PANEL` inches with :data:`MARGIN` inches around them
 at :data:`DPI` dots per inch, so a figure's pixel size follows from its grid alone
 (:func:`figure_pixels`). At most :data:`MAX_PANELS` rows and columns are drawn; the title says
-when a grid was cut. Defers reading to :mod:`refattn.bundle.read` and the verdict to
-:func:`refattn.bundle.comparison.compare`.
+when a grid was cut. Defers reading to :mod:`refattn.bundle.storage.read` and the verdict to
+:func:`refattn.bundle.comparison.harness.compare`.
 """
 
 from __future__ import annotations
@@ -32,10 +32,10 @@ from typing import Any
 import numpy as np
 
 from refattn._checks import format_index
-from refattn.bundle.comparison import TensorReport, compare, plain
-from refattn.bundle.manifest import check_schema, read_manifest
-from refattn.bundle.read import load
-from refattn.bundle.spec import CaseSpec, case_spec
+from refattn.bundle.comparison.harness import TensorReport, compare, plain
+from refattn.bundle.golden.spec import CaseSpec, case_spec
+from refattn.bundle.storage.manifest import check_schema, read_manifest
+from refattn.bundle.storage.read import load
 from refattn.errors import RefAttnError
 
 __all__ = ["DPI", "MARGIN", "MAX_PANELS", "PANEL", "figure_pixels", "load_specs", "plot_case",
@@ -223,7 +223,7 @@ def plot_error(spec: CaseSpec, candidate: Mapping[str, Any], out_dir: str | os.P
         Canonical names to arrays (as for ``refattn compare``).
     out_dir : path
     dtype, tolerances
-        As for :func:`refattn.bundle.comparison.compare` (the worst element and the bound
+        As for :func:`refattn.bundle.comparison.harness.compare` (the worst element and the bound
         drawn are its).
     tensors : sequence of str, optional
         Only these tensors (default: every numerically compared one).

@@ -7,8 +7,8 @@ stays meaningful when an element cancels to nearly 0, where an element-wise rela
 would only measure the noise of the cancellation. Supports, -inf positions and structural
 zeros (products with an exact 0) are compared exactly. Dot-family calls only.
 
-:func:`refattn.bundle.guarantee.natural_scales` is the same formula, but it answers ``{}`` for
-every other score family (``refattn verify`` then applies its normwise rule), and that is
+:func:`refattn.bundle.golden.guarantee.natural_scales` is the same formula, but it answers ``{}``
+for every other score family (``refattn verify`` then applies its normwise rule), and that is
 part of what verify checks. tests/engine/test_exact_decides.py applies this copy to bilinear,
 additive and cosine calls too (the family-independent magnitudes: probs, output, grad_v,
 grad_scores, ...) and adds each family's own gradient magnitudes on top

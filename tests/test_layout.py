@@ -36,14 +36,18 @@ def test_import_contracts_hold():
 
 #: (module to edit, line appended, contract that must break)
 PLANTED = [
-    ("refattn/call/gate.py", "from refattn.bundle import verifier",
+    ("refattn/call/gate.py", "from refattn.bundle.verification import verifier",
      "refattn layers"),
     ("refattn/masks/relation.py", "from refattn.call import AttentionCall",
      "refattn layers"),
     ("refattn/masks/relation.py", "from refattn.masks import constructors",
      "no import cycles"),
-    ("refattn/bundle/read.py", "from refattn.bundle import comparison",
-     "bundle steps read straight through"),
+    ("refattn/bundle/storage/read.py", "from refattn.bundle.comparison import harness",
+     "bundle rooms, bottom up"),
+    ("refattn/bundle/verification/report.py",
+     "from refattn.bundle.verification import recompute", "inside the verification room"),
+    ("refattn/bundle/comparison/tolerances.py",
+     "from refattn.bundle.comparison import lowp", "inside the comparison room"),
     ("gradcheck/api.py", "from refattn.errors import RefAttnError",
      "gradcheck's generic checker imports nothing from refattn"),
     ("refattn/engine/numba/math.py", "from refattn._checks import first_index",
@@ -94,7 +98,7 @@ def test_an_old_path_resolves_to_the_same_objects():
         from refattn.golden import write_bundle
         from refattn.scores import Bilinear
         from refattn.visibility import VisibilityRelation, causal
-    from refattn.bundle.write import write_bundle as new_write
+    from refattn.bundle.writing.write import write_bundle as new_write
     from refattn.call.scores import Bilinear as NewBilinear
     from refattn.masks import VisibilityRelation as NewRelation
     from refattn.masks import causal as new_causal

@@ -204,7 +204,7 @@ def _eligible(name: str) -> int | None:
     None for an example whose count this test does not derive independently."""
     from refattn.adapters import jax as jax_adapter
     from refattn.adapters import torch as torch_adapter
-    from refattn.bundle.spec import case_spec
+    from refattn.bundle.golden.spec import case_spec
     from refattn.bundle.suites import build_suite
 
     specs = [case_spec(c) for c in build_suite("conformance")]

@@ -6,8 +6,8 @@ observed) and :func:`semantic_limits`, the case features every framework's eligi
 check reads. The framework modules (:mod:`refattn.adapters.torch`,
 :mod:`refattn.adapters.jax`) import their stack lazily inside functions; importing this
 package never imports torch, jax or ml_dtypes. Defers the verdict to
-:mod:`refattn.bundle.comparison`. Adapters read golden cases (bundle) and run the engine; nothing
-below them imports an adapter, and only the cli sits above.
+:mod:`refattn.bundle.comparison.harness`. Adapters read golden cases (bundle) and run the engine;
+nothing below them imports an adapter, and only the cli sits above.
 """
 
 from __future__ import annotations
@@ -18,8 +18,8 @@ from typing import Any
 
 import numpy as np
 
-from refattn.bundle.comparison import compare
-from refattn.bundle.spec import CaseSpec
+from refattn.bundle.comparison.harness import compare
+from refattn.bundle.golden.spec import CaseSpec
 
 __all__ = ["AdapterResult", "semantic_limits"]
 
@@ -59,7 +59,7 @@ def semantic_limits(spec: CaseSpec) -> dict[str, Any]:
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites import build_suite
     >>> lim = semantic_limits(case_spec(build_suite("contract")[0]))
     >>> lim["family"], lim["dropout"], lim["softcap"], lim["sink"]

@@ -68,8 +68,8 @@ import numpy as np
 
 from refattn._checks import as_array
 from refattn.adapters import semantic_limits
-from refattn.bundle.spec import CaseSpec
-from refattn.bundle.tolerances import precision_name, resolve_dtype
+from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
+from refattn.bundle.golden.spec import CaseSpec
 from refattn.call.gate import AttentionCall
 from refattn.call.paged import PagedKV, paged_call
 from refattn.call.placement import operand_multipliers
@@ -264,7 +264,7 @@ def ineligible(spec: CaseSpec, variant: str = "flash_attn") -> str | None:
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> ineligible(case_spec(CASES["causal_upper_left_q3_k7"]()))[:64]
     'visibility is not one window band over the whole (Q, K) matrix, '
@@ -421,7 +421,7 @@ def flash_call(spec: CaseSpec, variant: str = "flash_attn", *, dtype: Any = "flo
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> c = flash_call(case_spec(CASES["causal_lower_right_q3_k7"]()))
     >>> c.function, [x.shape for x in c.args], c.kwargs["causal"], c.kwargs["window_size"]

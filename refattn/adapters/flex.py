@@ -39,8 +39,8 @@ from typing import Any
 import numpy as np
 
 from refattn.adapters import semantic_limits
-from refattn.bundle.spec import CaseSpec
-from refattn.bundle.tolerances import precision_name, resolve_dtype
+from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
+from refattn.bundle.golden.spec import CaseSpec
 from refattn.call.placement import operand_multipliers
 from refattn.engine.reduce import sum_heads
 from refattn.errors import RefAttnError
@@ -65,7 +65,7 @@ def ineligible(spec: CaseSpec) -> str | None:
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> ineligible(case_spec(CASES["sink_per_head"]()))
     'sink logit (flex_attention has no extra logit in its softmax)'
@@ -266,7 +266,7 @@ def flex_call(spec: CaseSpec, *, dtype: Any = "float64", device: Any = "cpu",
     Examples
     --------
     >>> import pytest; _ = pytest.importorskip("torch")
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> f = flex_call(case_spec(CASES["gqa_hq8_hkv2_causal"]()), dtype="float32")
     >>> [tuple(x.shape) for x in f.args], f.kwargs["enable_gqa"], f.mask_source

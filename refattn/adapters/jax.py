@@ -16,7 +16,7 @@ compared under the float32 reference-relative rule and its manifest records
 
 jax is imported inside functions only. The lowering decisions (:func:`call_arguments`,
 :func:`ineligible`) are pure numpy and need no jax. Defers the verdict to
-:mod:`refattn.bundle.comparison`.
+:mod:`refattn.bundle.comparison.harness`.
 """
 
 from __future__ import annotations
@@ -29,8 +29,8 @@ from typing import Any, Literal
 import numpy as np
 
 from refattn.adapters import AdapterResult, semantic_limits
-from refattn.bundle.spec import CaseSpec
-from refattn.bundle.tolerances import precision_name, resolve_dtype
+from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
+from refattn.bundle.golden.spec import CaseSpec
 from refattn.call.placement import operand_multipliers
 from refattn.engine.reduce import sum_heads
 from refattn.errors import RefAttnError
@@ -56,7 +56,7 @@ def ineligible(spec: CaseSpec) -> str | None:
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites import build_suite
     >>> ineligible(case_spec(build_suite("contract")[4]))
     'Dk != Dv (value must have the shape of key)'
@@ -150,7 +150,7 @@ def call_arguments(spec: CaseSpec, *, native: Literal["explicit", "auto"] = "exp
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> call_arguments(case_spec(CASES["causal_square"]()), native="auto").is_causal
     True
@@ -277,7 +277,7 @@ def jax_call(spec: CaseSpec, *, dtype: Any = "float64",
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> j = jax_call(case_spec(CASES["gqa_hq8_hkv2_causal"]()), dtype="float32")
     >>> [x.shape for x in j.primals], j.kwargs["mask"].shape, j.query_valid.shape
@@ -353,7 +353,7 @@ def run(spec: CaseSpec, *, dtype: Any = "float64", native: Literal["explicit", "
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> import pytest; _ = pytest.importorskip("jax")  # optional stack
     >>> spec = case_spec(CASES["causal_square"]())

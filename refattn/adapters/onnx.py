@@ -1,6 +1,6 @@
 """ONNX adapter: one golden case as an ONNX ``Attention`` node (opset 23, and 24's additions).
 
-Owns the lowering of a case's semantic call (:class:`~refattn.bundle.spec.CaseSpec`) to the
+Owns the lowering of a case's semantic call (:class:`~refattn.bundle.golden.spec.CaseSpec`) to the
 ``Attention`` operator, running it with the ONNX reference evaluator
 (``onnx.reference.ReferenceEvaluator``) or onnxruntime, and exporting it in ONNX's backend-test
 layout (``model.onnx`` plus ``test_data_set_0/input_*.pb`` and ``output_*.pb``), so runtime
@@ -31,7 +31,7 @@ sinks (no sink input in opsets 23/24), and query rows that are unused (``query_v
 but have legal keys (the operator computes every row). An explicit head map other than the
 grouped one is lowered by expanding K/V to the query heads. onnx and onnxruntime are imported
 inside functions only; the lowering decisions (:func:`lowering`, :func:`ineligible`) are pure
-numpy. Defers the verdict to :mod:`refattn.bundle.comparison`.
+numpy. Defers the verdict to :mod:`refattn.bundle.comparison.harness`.
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ from typing import Any, Literal
 import numpy as np
 
 from refattn.adapters import AdapterResult, semantic_limits
-from refattn.bundle.spec import CaseSpec
+from refattn.bundle.golden.spec import CaseSpec
 from refattn.engine.reduce import gather_heads
 from refattn.errors import RefAttnError
 
@@ -90,7 +90,7 @@ def ineligible(spec: CaseSpec) -> str | None:
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites import build_suite
     >>> ineligible(case_spec(build_suite("contract")[0]))
     'dropout multiplier (the Attention operator has no dropout)'
@@ -176,7 +176,7 @@ def lowering(spec: CaseSpec, *, opset: int = 23, qk_mode: int | None = None,
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> low = lowering(case_spec(CASES["causal_lower_right_q3_k7"]()))
     >>> low.is_causal, low.past, low.mask
@@ -249,7 +249,7 @@ def build(spec: CaseSpec, *, opset: int = 23, qk_mode: int | None = None,
     Examples
     --------
     >>> import pytest; _ = pytest.importorskip("onnx")
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> node = build(case_spec(CASES["causal_lower_right_q3_k7"]()))
     >>> list(node.feeds)
@@ -358,7 +358,7 @@ def run(spec: CaseSpec, *, runtime: Runtime = "reference", opset: int = 23,
     Examples
     --------
     >>> import pytest; _ = pytest.importorskip("onnx")
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites import build_suite
     >>> spec = case_spec(build_suite("contract")[1])
     >>> res = run(spec)
@@ -419,7 +419,7 @@ def export_backend_test(spec: CaseSpec, directory: str | Path, *, opset: int = 2
     Examples
     --------
     >>> import pytest, tempfile; _ = pytest.importorskip("onnx")
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites import build_suite
     >>> out = export_backend_test(case_spec(build_suite("contract")[1]), tempfile.mkdtemp())
     >>> sorted(p.name for p in (out / "test_data_set_0").iterdir())

@@ -37,7 +37,7 @@ from typing import Any
 
 import numpy as np
 
-from refattn.bundle.spec import CaseSpec
+from refattn.bundle.golden.spec import CaseSpec
 
 __all__ = ["PlainCall", "plain_call"]
 
@@ -122,7 +122,7 @@ def plain_call(spec: CaseSpec) -> PlainCall:
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> c = plain_call(case_spec(CASES["gqa_hq8_hkv2_causal"]()))
     >>> c.q.shape, c.k.shape, c.head_map.tolist(), c.visible.shape, c.query_valid.shape

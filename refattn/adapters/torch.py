@@ -1,6 +1,6 @@
 """PyTorch adapter: one golden case through functional SDPA, an eager program and MHA.
 
-Owns the lowering of a case's semantic call (:class:`~refattn.bundle.spec.CaseSpec`) to
+Owns the lowering of a case's semantic call (:class:`~refattn.bundle.golden.spec.CaseSpec`) to
 PyTorch 2.13's public APIs, each with its own conventions made explicit:
 
 - ``"sdpa"``: ``F.scaled_dot_product_attention`` with a boolean mask in SDPA polarity (True
@@ -18,7 +18,7 @@ PyTorch 2.13's public APIs, each with its own conventions made explicit:
 The returned manifest records the requested backend and the one observed (the fused SDPA
 operator seen by a dispatch-mode spy, ``math`` when only its decomposition ran, else
 ``unobserved``). torch is imported inside functions only. Defers the verdict to
-:mod:`refattn.bundle.comparison`.
+:mod:`refattn.bundle.comparison.harness`.
 """
 
 from __future__ import annotations
@@ -30,9 +30,9 @@ from typing import Any, Literal
 import numpy as np
 
 from refattn.adapters import AdapterResult, semantic_limits
-from refattn.bundle.candidates import as_numpy
-from refattn.bundle.spec import CaseSpec, with_strides
-from refattn.bundle.tolerances import precision_name, resolve_dtype
+from refattn.bundle.comparison.candidates import as_numpy
+from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
+from refattn.bundle.golden.spec import CaseSpec, with_strides
 from refattn.call.placement import operand_multipliers
 from refattn.errors import RefAttnError
 
@@ -108,7 +108,7 @@ def ineligible(spec: CaseSpec, path: Path) -> str | None:
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites import build_suite
     >>> ineligible(case_spec(build_suite("contract")[0]), "sdpa")
     'dropout multiplier (SDPA and MHA are run with dropout off)'
@@ -154,7 +154,7 @@ def sdpa_arguments(spec: CaseSpec, *, gqa: Literal["native", "expand"] = "native
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites import build_suite
     >>> a = sdpa_arguments(case_spec(build_suite("contract")[4]))
     >>> a.mask, a.is_causal, a.enable_gqa, round(a.scale, 6)
@@ -225,7 +225,7 @@ def case_tensors(spec: CaseSpec, *, dtype: Any = "float64", requires_grad: bool 
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites import build_suite
     >>> import pytest; _ = pytest.importorskip("torch")  # optional stack
     >>> t = case_tensors(case_spec(build_suite("contract")[4]), dtype="bfloat16")
@@ -462,7 +462,7 @@ def sdpa_call(spec: CaseSpec, *, dtype: Any = "float64",
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> import pytest; torch = pytest.importorskip("torch")  # optional stack
     >>> sdpa = sdpa_call(case_spec(CASES["gqa_hq8_hkv2_causal"]()), dtype="float32")
@@ -707,7 +707,7 @@ def run(spec: CaseSpec, path: Path = "sdpa", *, dtype: Any = "float64",
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites import build_suite
     >>> import pytest; _ = pytest.importorskip("torch")  # optional stack
     >>> spec = case_spec(build_suite("contract")[4])

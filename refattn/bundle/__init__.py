@@ -1,13 +1,20 @@
 """Golden bundles: write, read, verify and compare against the reference's fixture files.
 
-Owns the bundle file format (:mod:`~refattn.bundle.format`), golden cases and what they store
-(:mod:`~refattn.bundle.cases`), writing (:mod:`~refattn.bundle.write`), manifests and reading
-(:mod:`~refattn.bundle.manifest`, :mod:`~refattn.bundle.read`), the call rebuilt from a file
-(:mod:`~refattn.bundle.spec`), the named suites (:mod:`~refattn.bundle.suites`), ``refattn
-verify`` (:mod:`~refattn.bundle.verifier` and the steps it calls) and the comparison harness for
-other stacks' tensors (:mod:`~refattn.bundle.comparison`, tolerances, the low-precision naive
-model, candidate files). It runs the engine and gradcheck; it must not import adapters or cli.
-The names below are imported on first use.
+Each job is a room (a sub-package), listed from the bottom up; a room imports only the rooms
+below it (import-linter checks it):
+
+- :mod:`~refattn.bundle.storage`: format and I/O (the file format, confined reads, the output
+  directory's transaction, manifests, case files);
+- :mod:`~refattn.bundle.golden`: what a golden case is (the call, its tensors, the call rebuilt
+  from a file, the generator's float64 guarantee);
+- :mod:`~refattn.bundle.writing`, :mod:`~refattn.bundle.sweeps`, :mod:`~refattn.bundle.suites`:
+  writing bundles, sweep SPECs, the named suites;
+- :mod:`~refattn.bundle.comparison`: another stack's tensors against a golden (the rules, the
+  naive lower-precision yardstick, candidate files, diagnoses);
+- :mod:`~refattn.bundle.verification`: ``refattn verify``.
+
+It runs the engine and gradcheck; it must not import adapters or cli. The names below are
+imported on first use.
 
 Examples
 --------
@@ -27,17 +34,17 @@ from typing import Any
 #: public name -> the module of this package that owns it (imported on first use, so that
 #: reading a suite or a case file does not load the writer, the certificate or gradcheck)
 _OWNERS: dict[str, str] = {
-    "read_candidate": "candidates", "write_candidate": "candidates",
-    "Computed": "cases", "GoldenCase": "cases", "compute": "cases",
-    "Report": "comparison", "compare": "comparison",
-    "SCHEMA": "format", "SCHEMA_VERSION": "format", "atomic_write": "format",
-    "tensor_sha256": "format",
-    "LoadedCase": "read", "load": "read",
-    "CaseSpec": "spec", "case_spec": "spec",
+    "read_candidate": "comparison.candidates", "write_candidate": "comparison.candidates",
+    "Computed": "golden.case", "GoldenCase": "golden.case", "compute": "golden.case",
+    "Report": "comparison.harness", "compare": "comparison.harness",
+    "SCHEMA": "storage.format", "SCHEMA_VERSION": "storage.format",
+    "atomic_write": "storage.format", "tensor_sha256": "storage.format",
+    "LoadedCase": "storage.read", "load": "storage.read",
+    "CaseSpec": "golden.spec", "case_spec": "golden.spec",
     "SUITES": "suites", "build_suite": "suites",
-    "Tolerances": "tolerances",
-    "verify": "verifier",
-    "write_bundle": "write",
+    "Tolerances": "comparison.tolerances",
+    "verify": "verification.verifier",
+    "write_bundle": "writing.write",
 }
 
 __all__ = sorted(_OWNERS)

@@ -10,11 +10,11 @@ from typing import Any
 
 import numpy as np
 
-from refattn.bundle.candidates import read_candidate
-from refattn.bundle.comparison import compare
-from refattn.bundle.manifest import check_schema, read_manifest
-from refattn.bundle.read import load
-from refattn.bundle.tolerances import Tolerances
+from refattn.bundle.comparison.candidates import read_candidate
+from refattn.bundle.comparison.harness import compare
+from refattn.bundle.comparison.tolerances import Tolerances
+from refattn.bundle.storage.manifest import check_schema, read_manifest
+from refattn.bundle.storage.read import load
 from refattn.errors import RefAttnError
 
 __all__ = ["add_parser"]
@@ -112,7 +112,7 @@ def _compare_quantized(args: argparse.Namespace, loaded: Any) -> int:
     (verify checks them against the stored ones bit for bit)."""
     from dataclasses import asdict
 
-    from refattn.bundle.spec import case_spec
+    from refattn.bundle.golden.spec import case_spec
     from refattn.quant.check import check_candidate
     from refattn.quant.pipeline import quantized
 

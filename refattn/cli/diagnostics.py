@@ -17,7 +17,7 @@ from typing import Any
 
 import numpy as np
 
-from refattn.bundle.read import load
+from refattn.bundle.storage.read import load
 from refattn.errors import RefAttnError
 from refattn.softmax import diagnostics
 
@@ -109,7 +109,7 @@ def summarize(path: str | Path, *, k: int = 2) -> dict[str, Any]:
     Examples
     --------
     >>> import tempfile
-    >>> from refattn.bundle.write import write_bundle
+    >>> from refattn.bundle.writing.write import write_bundle
     >>> from refattn.bundle.suites.contract import cases
     >>> with tempfile.TemporaryDirectory() as out:
     ...     _ = write_bundle(out, cases()[:1], suite="contract")

@@ -6,10 +6,10 @@ import argparse
 import os
 from pathlib import Path
 
-from refattn.bundle.cases import GENERATORS
-from refattn.bundle.manifest import check_schema, read_manifest
+from refattn.bundle.golden.case import GENERATORS
+from refattn.bundle.storage.manifest import check_schema, read_manifest
 from refattn.bundle.suites import SUITES, build_suite
-from refattn.bundle.write import write_bundle
+from refattn.bundle.writing.write import write_bundle
 from refattn.errors import RefAttnError
 
 __all__ = ["add_parser"]

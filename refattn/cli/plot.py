@@ -15,7 +15,7 @@ from pathlib import Path
 
 from refattn._install import install_hint
 from refattn._progress import progress
-from refattn.bundle.candidates import read_candidate
+from refattn.bundle.comparison.candidates import read_candidate
 from refattn.errors import RefAttnError
 
 __all__ = ["add_parser", "run"]

@@ -6,8 +6,8 @@ import argparse
 import json
 import sys
 
-from refattn.bundle.gradients import GradcheckMethod
-from refattn.bundle.recompute import REQUIREMENTS
+from refattn.bundle.verification.gradients import GradcheckMethod
+from refattn.bundle.verification.recompute import REQUIREMENTS
 from refattn.cli.sweep import add_cluster_arguments
 from refattn.distributed.cluster import connect
 from refattn.distributed.verification import verify

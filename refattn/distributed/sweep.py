@@ -1,9 +1,9 @@
 """``refattn sweep``: a SPEC's cases computed here or on dask workers, written as one bundle.
 
 Owns :func:`run_sweep`. The SPEC is expanded and every case validated first
-(:mod:`refattn.bundle.sweep`); then :func:`refattn.bundle.write.write_sweep` takes over the
-output directory (locked, checked, resumed from what an interrupted run staged) and asks for
-the cases still missing. Without a client they are computed here, one after another; with one
+(:mod:`refattn.bundle.sweeps.grid`); then :func:`refattn.bundle.writing.write.write_sweep` takes
+over the output directory (locked, checked, resumed from what an interrupted run staged) and asks
+for the cases still missing. Without a client they are computed here, one after another; with one
 they are dealt into tasks of similar estimated cost (largest first) and each task returns its
 cases' file bytes and manifest entries. Only this process writes: a case reaches the staging
 directory only once its whole result has arrived, so a worker killed mid-case leaves nothing
@@ -27,7 +27,7 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from refattn._progress import progress as progress_bar
-from refattn.bundle.sweep import (
+from refattn.bundle.sweeps.grid import (
     Sweep,
     SweepCase,
     build_case,
@@ -36,7 +36,7 @@ from refattn.bundle.sweep import (
     cost,
     load_sweep,
 )
-from refattn.bundle.write import Encoded, bundle_generator, encode_case, write_sweep
+from refattn.bundle.writing.write import Encoded, bundle_generator, encode_case, write_sweep
 from refattn.distributed.cluster import DEFAULT_TIMEOUT, Watchdog, worker_threads
 from refattn.engine.memory import available_bytes
 from refattn.errors import RefAttnError
@@ -86,7 +86,7 @@ def encode_batch(descriptions: Sequence[tuple[str, dict[str, Any]]]
 
     Examples
     --------
-    >>> from refattn.bundle.sweep import normalize, case_id
+    >>> from refattn.bundle.sweeps.grid import normalize, case_id
     >>> d = normalize({"shape": [1, 1, 1, 2, 3, 4, 4]})
     >>> (enc,), seconds = encode_batch([(case_id(d), d)])
     >>> enc.entry["file"] == f"cases/{enc.case_id}.safetensors", seconds > 0
@@ -103,13 +103,13 @@ def encode_batch(descriptions: Sequence[tuple[str, dict[str, Any]]]
 def deal(cases: Sequence[SweepCase], tasks: int) -> list[list[SweepCase]]:
     """Deal cases into at most ``tasks`` batches of similar estimated cost, largest first.
 
-    Longest-processing-time first: each case, by decreasing :func:`~refattn.bundle.sweep.cost`,
-    goes to the batch with the least cost so far. Deterministic; the batches come back by
-    decreasing total cost (the order they are submitted in).
+    Longest-processing-time first: each case, by decreasing
+    :func:`~refattn.bundle.sweeps.grid.cost`, goes to the batch with the least cost so far.
+    Deterministic; the batches come back by decreasing total cost (the order they are submitted in).
 
     Examples
     --------
-    >>> from refattn.bundle.sweep import normalize, case_id
+    >>> from refattn.bundle.sweeps.grid import normalize, case_id
     >>> cs = [SweepCase(case_id(d), d, "") for d in
     ...       (normalize({"shape": [1, 1, 1, q, q, 4, 4]}) for q in (2, 4, 8, 16))]
     >>> [[c.description["shape"]["Q"] for c in b] for b in deal(cs, 2)]
@@ -140,7 +140,7 @@ def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
     Parameters
     ----------
     spec : path or Sweep
-        A SPEC file (TOML or YAML) or an expanded :class:`~refattn.bundle.sweep.Sweep`.
+        A SPEC file (TOML or YAML) or an expanded :class:`~refattn.bundle.sweeps.grid.Sweep`.
     out : path
         The bundle directory: absent, empty, or this sweep's own (finished or interrupted).
     client : distributed.Client, optional
@@ -156,7 +156,7 @@ def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
     timeout : float
         With a client: seconds the scheduler may leave a request unanswered before the run
         is given up (``--timeout``); each task's result is awaited at most its cases'
-        estimated seconds (:func:`~refattn.bundle.sweep.case_budget`) times
+        estimated seconds (:func:`~refattn.bundle.sweeps.grid.case_budget`) times
         :data:`~refattn.distributed.cluster.SAFETY_FACTOR`, plus
         :data:`~refattn.distributed.cluster.STARTUP_SECONDS` and ``timeout``.
 

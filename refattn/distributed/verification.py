@@ -2,10 +2,10 @@
 
 Owns :func:`verify`. This process reads and checks everything that touches the directory (the
 manifest and its schema, each case file from inside the bundle with its checksums, the listing
-of ``cases/``), exactly as :func:`refattn.bundle.verifier.verify` does; each case whose file
-passes is sent to a worker as bytes (workers need no access to the directory) and checked
-there by :func:`~refattn.bundle.verifier.verify_case_bytes`, the function the serial verify
-runs for it. The report lists the cases in the same order with the same verdicts. Every wait
+of ``cases/``), exactly as :func:`refattn.bundle.verification.verifier.verify` does; each case whose
+file passes is sent to a worker as bytes (workers need no access to the directory) and checked
+there by :func:`~refattn.bundle.verification.verifier.verify_case_bytes`, the function the serial
+verify runs for it. The report lists the cases in the same order with the same verdicts. Every wait
 is bounded (:class:`~refattn.distributed.cluster.Watchdog`): a scheduler silent for
 ``timeout`` seconds, or a case without a verdict within its estimated time (the exact
 generator's estimate from the manifest's axes, at most ``exact_max_seconds``) times
@@ -18,10 +18,10 @@ import os
 from typing import Any
 
 from refattn._progress import progress as progress_bar
-from refattn.bundle.gradients import GradcheckMethod
-from refattn.bundle.report import CaseResult, VerifyReport
-from refattn.bundle.verifier import check_file, open_bundle, verify_case_bytes
-from refattn.bundle.verifier import verify as verify_serial
+from refattn.bundle.verification.gradients import GradcheckMethod
+from refattn.bundle.verification.report import CaseResult, VerifyReport
+from refattn.bundle.verification.verifier import check_file, open_bundle, verify_case_bytes
+from refattn.bundle.verification.verifier import verify as verify_serial
 from refattn.distributed.cluster import DEFAULT_TIMEOUT, Watchdog
 from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS, SECONDS_PER_ELEMENT
 from refattn.errors import RefAttnError
@@ -41,9 +41,9 @@ def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool 
     directory : path
         A bundle (``manifest.json`` and ``cases/``).
     client : distributed.Client, optional
-        Where the cases run; None runs :func:`refattn.bundle.verifier.verify` here.
+        Where the cases run; None runs :func:`refattn.bundle.verification.verifier.verify` here.
     recompute, gradcheck, gradcheck_method, backend, exact, require, exact_max_seconds
-        As for :func:`refattn.bundle.verifier.verify`.
+        As for :func:`refattn.bundle.verification.verifier.verify`.
     progress : bool or None
         A bar of cases verified on standard error: None on a terminal only, False never.
     timeout : float
@@ -57,7 +57,7 @@ def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool 
     Examples
     --------
     >>> import tempfile
-    >>> from refattn.bundle.write import write_bundle
+    >>> from refattn.bundle.writing.write import write_bundle
     >>> from refattn.bundle.suites import build_suite
     >>> d = tempfile.mkdtemp()
     >>> _ = write_bundle(d, build_suite("contract")[:1], suite="contract")

@@ -1,10 +1,10 @@
 """One golden case as a test parameter: its tensors, the plain-NumPy description and the
 framework lowerings, in the dtype of the run.
 
-Owns :class:`Case` (a :class:`~refattn.bundle.spec.CaseSpec` bound to a dtype; ``case.inputs``,
-``case.visible``, ``case.query_valid``, ``case.to_torch_sdpa()``, ``case.to_jax()``) and
-:func:`load_cases` (the installed conformance suite, generated in this process by the exact
-generator, or the cases of a bundle directory). Defers the lowerings to
+Owns :class:`Case` (a :class:`~refattn.bundle.golden.spec.CaseSpec` bound to a dtype;
+``case.inputs``, ``case.visible``, ``case.query_valid``, ``case.to_torch_sdpa()``,
+``case.to_jax()``) and :func:`load_cases` (the installed conformance suite, generated in this
+process by the exact generator, or the cases of a bundle directory). Defers the lowerings to
 :mod:`refattn.adapters.plain`, :mod:`refattn.adapters.torch` and :mod:`refattn.adapters.jax`,
 which import their frameworks only when called.
 """
@@ -25,9 +25,9 @@ from refattn.adapters import flex as flex_adapter
 from refattn.adapters import jax as jax_adapter
 from refattn.adapters import torch as torch_adapter
 from refattn.adapters.plain import PlainCall, plain_call
-from refattn.bundle.spec import CaseSpec, case_spec
+from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
+from refattn.bundle.golden.spec import CaseSpec, case_spec
 from refattn.bundle.suites import build_suite
-from refattn.bundle.tolerances import precision_name, resolve_dtype
 from refattn.errors import RefAttnError
 
 __all__ = ["TARGETS", "Case", "causal_alignments", "flash_window", "load_cases"]
@@ -91,7 +91,7 @@ class Case:
 
     @property
     def quant(self) -> Any:
-        """A quantised case's :class:`~refattn.bundle.quantized.QuantCase` (``.spec``, the
+        """A quantised case's :class:`~refattn.bundle.golden.quantized.QuantCase` (``.spec``, the
         kernel's :class:`~refattn.quant.spec.QuantSpec` with its scales; ``.call``, the call
         as the kernel receives it: FP8 codes decoded, or the values it casts itself), or None.
         ``case.q``, ``case.k``, ``case.v`` are the dequantised inputs of the real result.
@@ -378,7 +378,7 @@ def _suite(name: str) -> tuple[CaseSpec, ...]:
 
 
 def _bundle(directory: Path) -> tuple[CaseSpec, ...]:
-    from refattn.bundle.checked import checked_cases  # verify's reading checks
+    from refattn.bundle.verification.checked import checked_cases  # verify's reading checks
 
     cases = checked_cases(directory)
     for c in cases:

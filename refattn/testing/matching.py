@@ -1,7 +1,7 @@
 """``assert_matches``: a function's outputs against a golden case, as one pytest assertion.
 
 Owns the assertion and its message: the same tolerance model as ``refattn compare``
-(:func:`refattn.bundle.comparison.compare`: the float64 rule per element, the
+(:func:`refattn.bundle.comparison.harness.compare`: the float64 rule per element, the
 reference-relative rule for float32, float16 and bfloat16), failing with the worst element, its
 index, the two values and the tolerance of every failing tensor.
 """
@@ -12,8 +12,8 @@ from collections.abc import Mapping
 from typing import Any
 
 from refattn._checks import format_index
-from refattn.bundle.comparison import Report, TensorReport, compare, plain
-from refattn.bundle.spec import CaseSpec
+from refattn.bundle.comparison.harness import Report, TensorReport, compare, plain
+from refattn.bundle.golden.spec import CaseSpec
 from refattn.testing.case import Case
 
 __all__ = ["assert_matches"]
@@ -66,7 +66,7 @@ def assert_matches(case: Case | CaseSpec | Any, outputs: Mapping[str, Any], *,
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> case = Case(case_spec(CASES["causal_square"]()))
     >>> out = case.expected["output"].copy()

@@ -6,8 +6,8 @@ suite, or of a bundle directory (``bundle=``, ``--refattn-bundle DIR`` or the in
 ``refattn_bundle``), once per dtype the :class:`~refattn.testing.Supports` declares; test ids
 are the case names (``causal_square``, or ``causal_square-float32`` when several dtypes run).
 A case outside the declaration is collected as skipped, with the reason. A bundle's cases are
-read with verify's checks (:func:`refattn.bundle.checked.checked_cases`: confined reads,
-header and hashes first, the call rebuilt through the gate, finite inputs); a case that fails
+read with verify's checks (:func:`refattn.bundle.verification.checked.checked_cases`: confined
+reads, header and hashes first, the call rebuilt through the gate, finite inputs); a case that fails
 them is collected as a test that FAILS with the reason, never skipped.
 
 Importing this module (pytest does it in every session once refattn is installed) imports
@@ -126,8 +126,8 @@ def _params(config: pytest.Config, supports: Any, suite: str, bundle: Any) -> li
 
 def _bundle_cases(directory: Path, supports: Any, several: bool) -> tuple[list[Any], list[Any]]:
     """The specs of a bundle's cases that pass verify's reading checks, and one failing
-    parameter per case that does not (:func:`refattn.bundle.checked.checked_cases`)."""
-    from refattn.bundle.checked import checked_cases
+    parameter per case that does not (:func:`refattn.bundle.verification.checked.checked_cases`)."""
+    from refattn.bundle.verification.checked import checked_cases
     from refattn.errors import RefAttnError
 
     if not directory.is_dir():

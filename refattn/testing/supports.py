@@ -4,7 +4,7 @@ Owns :class:`Supports` (a user's declaration: score families, dropout kinds, gro
 head maps, bias, masks dense or causal-only, softcap, sinks, value width, dtypes, quantised
 pipelines) and
 :func:`ineligibility`, the one-line reason a golden case is skipped for it. Reads cases through
-:class:`~refattn.bundle.spec.CaseSpec`; runs nothing.
+:class:`~refattn.bundle.golden.spec.CaseSpec`; runs nothing.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any, Literal
 
 import numpy as np
 
-from refattn.bundle.spec import CaseSpec
-from refattn.bundle.tolerances import precision_name, resolve_dtype
+from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
+from refattn.bundle.golden.spec import CaseSpec
 from refattn.errors import RefAttnError
 
 __all__ = ["DROPOUT_KINDS", "Supports", "ineligibility", "quant_preset"]
@@ -210,7 +210,7 @@ def quant_preset(spec: CaseSpec) -> str | None:
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> quant_preset(case_spec(CASES["causal_square"]())) is None
     True
@@ -253,7 +253,7 @@ def ineligibility(spec: CaseSpec, supports: Supports, dtype: Any = "float64") ->
 
     Examples
     --------
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> from refattn.bundle.suites.conformance import CASES
     >>> ineligibility(case_spec(CASES["dropout_philox"]()), Supports())
     "needs dropout: refattn's Philox stream (Supports.dropout: 'multiplier' or 'philox')"

@@ -8,7 +8,7 @@ import pytest
 
 from refattn import RefAttnError
 from refattn.adapters import jax as adapter
-from refattn.bundle.spec import case_spec
+from refattn.bundle.golden.spec import case_spec
 from refattn.bundle.suites.conformance import CASES
 
 

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from refattn import RefAttnError
-from refattn.bundle.spec import case_spec
+from refattn.bundle.golden.spec import case_spec
 from refattn.bundle.suites import build_suite
 from refattn.bundle.suites.conformance import CASES
 

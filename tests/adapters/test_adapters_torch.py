@@ -18,10 +18,10 @@ import torch.nn.functional as F  # noqa: E402
 
 from refattn import RefAttnError  # noqa: E402
 from refattn.adapters import torch as adapter  # noqa: E402
-from refattn.bundle.comparison import compare  # noqa: E402
-from refattn.bundle.spec import case_spec  # noqa: E402
+from refattn.bundle.comparison.harness import compare  # noqa: E402
+from refattn.bundle.comparison.tolerances import Tolerances  # noqa: E402
+from refattn.bundle.golden.spec import case_spec  # noqa: E402
 from refattn.bundle.suites.conformance import CASES  # noqa: E402
-from refattn.bundle.tolerances import Tolerances  # noqa: E402
 from tests.strategies import engine_calls  # noqa: E402
 
 pytestmark = pytest.mark.torch
@@ -69,7 +69,7 @@ def test_flash_backward_is_judged_against_the_lse_recompute_route(specs):
     """flash_attention_cpu recomputes P = exp(S - lse) from a float32 lse near -1000; the
     naive yardstick includes that saved-state route, so the fused kernel and the math
     backend both meet the default rule."""
-    from refattn.bundle.lowp import naive_lowp
+    from refattn.bundle.comparison.lowp import naive_lowp
 
     spec = specs["large_logits_negative"]
     fused = adapter.run(spec, "sdpa", dtype="float32")
@@ -268,8 +268,8 @@ def test_case_tensors_keep_dtype_and_recorded_strides(specs):
 
 
 def test_bfloat16_inputs_round_once_like_the_naive_reference(specs):
-    from refattn.bundle.lowp import naive_lowp
-    from refattn.bundle.tolerances import resolve_dtype
+    from refattn.bundle.comparison.lowp import naive_lowp
+    from refattn.bundle.comparison.tolerances import resolve_dtype
 
     spec = specs["bias_full"]
     tc = adapter.case_tensors(spec, dtype="bfloat16")

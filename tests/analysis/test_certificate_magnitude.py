@@ -120,8 +120,8 @@ def test_a_golden_at_logits_1e300_is_written_with_a_json_manifest(tmp_path):
     import json
 
     from refattn.analysis.reference_error import LARGEST_RECORDED
-    from refattn.bundle.cases import GoldenCase
-    from refattn.bundle.write import write_bundle
+    from refattn.bundle.golden.case import GoldenCase
+    from refattn.bundle.writing.write import write_bundle
 
     call = _call_at(1e300)
     case = GoldenCase("logits_1e300", call, np.array([1.0, -2.0]).reshape(1, 1, 2, 1), "1e300")

@@ -11,7 +11,7 @@ import numpy as np
 from safetensors.numpy import load as st_load
 from safetensors.numpy import save as st_save
 
-from refattn.bundle.format import META_KEY, tensor_sha256
+from refattn.bundle.storage.format import META_KEY, tensor_sha256
 
 
 def reseal_case_file(bundle: Path, case: str,

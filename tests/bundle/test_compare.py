@@ -9,12 +9,12 @@ import pytest
 
 from refattn import RefAttnError
 from refattn.bundle import load, write_bundle
-from refattn.bundle.candidates import read_candidate, write_candidate
-from refattn.bundle.comparison import compare
-from refattn.bundle.lowp import naive_lowp
-from refattn.bundle.spec import case_spec
+from refattn.bundle.comparison.candidates import read_candidate, write_candidate
+from refattn.bundle.comparison.harness import compare
+from refattn.bundle.comparison.lowp import naive_lowp
+from refattn.bundle.comparison.tolerances import Tolerances, resolve_dtype, rounding_floor
+from refattn.bundle.golden.spec import case_spec
 from refattn.bundle.suites import build_suite
-from refattn.bundle.tolerances import Tolerances, resolve_dtype, rounding_floor
 from refattn.cli import main
 
 ml_dtypes = pytest.importorskip("ml_dtypes")
@@ -311,8 +311,8 @@ def test_core_and_adapters_import_no_optional_stack():
     from pathlib import Path
 
     code = (
-        "import sys, refattn, refattn.bundle.comparison, refattn.bundle.verifier, "
-        "refattn.bundle.lowp, "
+        "import sys, refattn, refattn.bundle.comparison.harness, "
+        "refattn.bundle.verification.verifier, refattn.bundle.comparison.lowp, "
         "refattn.adapters, refattn.adapters.torch, refattn.adapters.jax, "
         "refattn.bundle.suites.conformance, refattn.cli; refattn.cli.build_parser(); "
         "print(sorted(m for m in ('torch', 'jax', 'ml_dtypes') if m in sys.modules))"

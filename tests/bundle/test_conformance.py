@@ -15,10 +15,10 @@ import numpy as np
 import pytest
 
 from refattn.bundle import write_bundle
-from refattn.bundle.spec import case_spec
+from refattn.bundle.golden.spec import case_spec
 from refattn.bundle.suites import SUITES, build_suite
 from refattn.bundle.suites.conformance import CASES
-from refattn.bundle.verifier import verify
+from refattn.bundle.verification.verifier import verify
 from refattn.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]

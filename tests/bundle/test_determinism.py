@@ -18,7 +18,7 @@ GENERATE = """
 import sys, numba, numpy
 from threadpoolctl import threadpool_limits
 from refattn.bundle.suites import build_suite
-from refattn.bundle.write import write_bundle
+from refattn.bundle.writing.write import write_bundle
 out, backend, threads = sys.argv[1], sys.argv[2], int(sys.argv[3])
 if threads:
     numba.set_num_threads(threads)
@@ -98,7 +98,7 @@ def test_the_numpy_generator_runs_blas_on_one_thread(monkeypatch):
     (a threaded BLAS may split a product's sum differently with more threads)."""
     from threadpoolctl import threadpool_info, threadpool_limits
 
-    from refattn.bundle import cases
+    from refattn.bundle.golden import case as cases
     from refattn.bundle.suites import build_suite
 
     seen: list[int] = []

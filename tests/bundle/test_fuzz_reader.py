@@ -17,10 +17,10 @@ from hypothesis import strategies as st
 
 from refattn import RefAttnError
 from refattn.bundle import write_bundle
-from refattn.bundle.candidates import read_candidate
-from refattn.bundle.read import load
+from refattn.bundle.comparison.candidates import read_candidate
+from refattn.bundle.storage.read import load
 from refattn.bundle.suites import build_suite
-from refattn.bundle.verifier import verify
+from refattn.bundle.verification.verifier import verify
 
 LOOP7 = "loop7_cross_attention_padded_source"
 FUZZ = settings(max_examples=60, deadline=None,

@@ -12,13 +12,13 @@ import numpy as np
 import pytest
 
 from refattn.bundle import write_bundle
-from refattn.bundle.candidates import write_candidate
-from refattn.bundle.format import tensor_sha256
-from refattn.bundle.manifest import check_schema
-from refattn.bundle.read import load
-from refattn.bundle.spec import case_spec
+from refattn.bundle.comparison.candidates import write_candidate
+from refattn.bundle.golden.spec import case_spec
+from refattn.bundle.storage.format import tensor_sha256
+from refattn.bundle.storage.manifest import check_schema
+from refattn.bundle.storage.read import load
 from refattn.bundle.suites.conformance import CASES
-from refattn.bundle.verifier import verify
+from refattn.bundle.verification.verifier import verify
 from refattn.cli import main
 from refattn.errors import RefAttnError
 from refattn.quant.pipeline import emulate

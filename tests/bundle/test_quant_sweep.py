@@ -8,8 +8,8 @@ import json
 import numpy as np
 import pytest
 
-from refattn.bundle.sweep import build_case, case_id, check_spec, expand, normalize
-from refattn.bundle.verifier import verify
+from refattn.bundle.sweeps.grid import build_case, case_id, check_spec, expand, normalize
+from refattn.bundle.verification.verifier import verify
 from refattn.cli import main
 from refattn.quant.presets import PRESETS
 
@@ -83,7 +83,7 @@ def test_every_preset_builds_at_both_scale_extremes(values):
 
 def test_the_example_spec_in_this_file_is_valid(tmp_path):
     (tmp_path / "s.toml").write_text(SPEC)
-    from refattn.bundle.sweep import load_sweep
+    from refattn.bundle.sweeps.grid import load_sweep
 
     sweep = load_sweep(tmp_path / "s.toml", validate=False)
     assert len(sweep.cases) == 36 and sweep.name == "quant"
@@ -91,7 +91,7 @@ def test_the_example_spec_in_this_file_is_valid(tmp_path):
 
 
 def test_a_quantised_case_s_budget_counts_the_emulation():
-    from refattn.bundle.sweep import case_budget
+    from refattn.bundle.sweeps.grid import case_budget
 
     shape = [1, 2, 1, 256, 256, 64, 64]
     plain = case_budget(normalize({"shape": shape}))

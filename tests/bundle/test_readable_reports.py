@@ -11,10 +11,10 @@ import numpy as np
 import pytest
 from safetensors.numpy import load_file, save_file
 
-from refattn.bundle.comparison import LEGEND, compare, plain
-from refattn.bundle.report import LEGEND as VERIFY_LEGEND
-from refattn.bundle.spec import case_spec
+from refattn.bundle.comparison.harness import LEGEND, compare, plain
+from refattn.bundle.golden.spec import case_spec
 from refattn.bundle.suites import build_suite
+from refattn.bundle.verification.report import LEGEND as VERIFY_LEGEND
 from refattn.cli import main
 
 CASE = "loop7_cross_attention_padded_source"

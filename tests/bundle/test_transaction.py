@@ -18,7 +18,7 @@ import pytest
 from refattn import RefAttnError
 from refattn.bundle import fsio, transaction, write_bundle
 from refattn.bundle.suites import build_suite
-from refattn.bundle.verifier import verify
+from refattn.bundle.verification.verifier import verify
 from refattn.cli import main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -158,9 +158,9 @@ def test_files_and_directories_are_fsynced_before_the_swap(tmp_path, monkeypatch
 
 KILL_AFTER_TWO_FILES = """
 import os, signal, sys
-from refattn.bundle import transaction
+from refattn.bundle.storage import transaction
 from refattn.bundle.suites import build_suite
-from refattn.bundle.write import write_bundle
+from refattn.bundle.writing.write import write_bundle
 real, count = transaction.write_new, [0]
 def dying(path, data, **kw):
     count[0] += 1
@@ -264,7 +264,7 @@ def test_the_cli_turns_a_stray_oserror_into_one_line(monkeypatch, capsys, tmp_pa
 
 
 def test_writing_a_candidate_file_reports_os_errors_by_name(tmp_path):
-    from refattn.bundle.format import atomic_write
+    from refattn.bundle.storage.format import atomic_write
 
     (tmp_path / "a_file").write_text("x")
     with pytest.raises(RefAttnError, match="cannot write"):

@@ -13,9 +13,9 @@ from pathlib import Path
 import pytest
 
 from refattn import RefAttnError
-from refattn.bundle.fsio import read_confined
-from refattn.bundle.manifest import check_schema, read_manifest
-from refattn.bundle.verifier import verify
+from refattn.bundle.storage.fsio import read_confined
+from refattn.bundle.storage.manifest import check_schema, read_manifest
+from refattn.bundle.verification.verifier import verify
 from refattn.cli import main
 
 LOOP6 = "loop6_two_query_training_trace"

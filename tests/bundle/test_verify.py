@@ -15,10 +15,10 @@ from hypothesis import given, settings
 import refattn
 from refattn import RefAttnError
 from refattn.bundle import SCHEMA_VERSION, write_bundle
-from refattn.bundle.gradients import gradient_check
-from refattn.bundle.manifest import READERS, check_schema
+from refattn.bundle.storage.manifest import READERS, check_schema
 from refattn.bundle.suites import build_suite
-from refattn.bundle.verifier import verify
+from refattn.bundle.verification.gradients import gradient_check
+from refattn.bundle.verification.verifier import verify
 from refattn.cli import main
 from tests.strategies import engine_calls
 

@@ -21,17 +21,17 @@ from safetensors.numpy import load as st_load
 
 import refattn
 from refattn.bundle import write_bundle
-from refattn.bundle.cases import case_tensors
-from refattn.bundle.format import tensor_sha256
-from refattn.bundle.guarantee import (
+from refattn.bundle.golden.case import case_tensors
+from refattn.bundle.golden.guarantee import (
     FORWARD_BOUND,
     GRADIENT_BOUND,
     check_bound,
     kappa,
     natural_scales,
 )
+from refattn.bundle.storage.format import tensor_sha256
 from refattn.bundle.suites import build_suite
-from refattn.bundle.verifier import verify
+from refattn.bundle.verification.verifier import verify
 from refattn.cli import main
 from tests.bundle.resealing import reseal_case_file
 from tests.strategies import engine_calls
@@ -335,7 +335,7 @@ def test_integer_tensors_and_structural_zeros_must_be_equal():
 def test_a_workers_task_applies_the_same_requirement(numpy_bundle):
     """``refattn verify --workers`` sends each case's bytes to verify_case_bytes: --require
     and --exact-max-seconds travel with them, so a worker's verdict is the serial one."""
-    from refattn.bundle.verifier import check_file, verify_case_bytes
+    from refattn.bundle.verification.verifier import check_file, verify_case_bytes
 
     manifest = json.loads((numpy_bundle / "manifest.json").read_text())
     serial = {c.case_id: c for c in verify(numpy_bundle, gradcheck=False, require="exact").cases}

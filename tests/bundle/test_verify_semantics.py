@@ -11,12 +11,12 @@ from pathlib import Path
 import pytest
 
 from refattn.bundle import write_bundle
-from refattn.bundle.candidates import write_candidate
-from refattn.bundle.comparison import compare, required_tensors
-from refattn.bundle.format import tensor_sha256
-from refattn.bundle.read import load
+from refattn.bundle.comparison.candidates import write_candidate
+from refattn.bundle.comparison.harness import compare, required_tensors
+from refattn.bundle.storage.format import tensor_sha256
+from refattn.bundle.storage.read import load
 from refattn.bundle.suites import build_suite
-from refattn.bundle.verifier import verify
+from refattn.bundle.verification.verifier import verify
 from refattn.cli import main
 from tests.bundle.resealing import reseal_case_file
 

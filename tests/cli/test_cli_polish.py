@@ -27,8 +27,8 @@ import pytest
 from safetensors.numpy import save_file
 
 from refattn import _install
-from refattn.bundle.comparison import INPUT_NAMES, compare
-from refattn.bundle.read import load
+from refattn.bundle.comparison.harness import INPUT_NAMES, compare
+from refattn.bundle.storage.read import load
 from refattn.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -70,7 +70,7 @@ def test_every_subcommand_help_has_a_description_and_examples_that_parse(name, c
 
 _SLOW_GOLDEN = """
 import sys, time
-import refattn.bundle.write as w
+import refattn.bundle.writing.write as w
 from refattn.cli import main
 encode = w.encode_case
 def slow(*args, **kwargs):  # the real computation, slowed so that Ctrl-C lands inside it
@@ -109,7 +109,7 @@ def test_ctrl_c_prints_one_line_exits_130_and_leaves_no_directory(tmp_path):
 
 def test_ctrl_c_keeps_a_directory_that_existed(tmp_path):
     """Only what the run created is removed: an existing (empty) --out stays."""
-    from refattn.bundle.transaction import BundleTransaction
+    from refattn.bundle.storage.transaction import BundleTransaction
 
     out = tmp_path / "mine"
     out.mkdir()

@@ -4,7 +4,7 @@ suite does not have are named, never removed silently; a file as --out is one li
 from __future__ import annotations
 
 from refattn.bundle.suites import build_suite
-from refattn.bundle.write import write_bundle
+from refattn.bundle.writing.write import write_bundle
 from refattn.cli import main
 
 

@@ -17,8 +17,8 @@ import pytest
 distributed = pytest.importorskip("distributed")
 
 import refattn  # noqa: E402
-from refattn.bundle.sweep import check_spec, expand  # noqa: E402
-from refattn.bundle.verifier import verify as verify_serial  # noqa: E402
+from refattn.bundle.sweeps.grid import check_spec, expand  # noqa: E402
+from refattn.bundle.verification.verifier import verify as verify_serial  # noqa: E402
 from refattn.cli import main  # noqa: E402
 from refattn.distributed import connect, run_sweep, value_and_grad  # noqa: E402
 from refattn.distributed import verify as verify_parallel  # noqa: E402

@@ -6,11 +6,11 @@ from pathlib import Path
 
 import pytest
 
-from refattn.bundle.manifest import check_schema, read_manifest
-from refattn.bundle.sweep import check_spec, expand
-from refattn.bundle.transaction import RESUME_MARK
-from refattn.bundle.verifier import verify
-from refattn.bundle.write import write_bundle
+from refattn.bundle.storage.manifest import check_schema, read_manifest
+from refattn.bundle.storage.transaction import RESUME_MARK
+from refattn.bundle.sweeps.grid import check_spec, expand
+from refattn.bundle.verification.verifier import verify
+from refattn.bundle.writing.write import write_bundle
 from refattn.cli import main
 from refattn.distributed.sweep import run_sweep
 from refattn.errors import RefAttnError

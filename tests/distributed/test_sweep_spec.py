@@ -8,7 +8,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from refattn.bundle.sweep import (
+from refattn.bundle.sweeps.grid import (
     build_case,
     case_id,
     check_spec,
@@ -162,7 +162,7 @@ def test_cli_bad_spec_is_one_line_and_exit_2(tmp_path, capsys):
 
 
 def test_schema_is_valid_json_schema():
-    from refattn.bundle.sweep import spec_schema
+    from refattn.bundle.sweeps.grid import spec_schema
 
     doc = spec_schema()
     assert doc["$schema"].endswith("2020-12/schema")

@@ -1,5 +1,5 @@
 """The engine tests' natural magnitudes (tests/engine_compare.py) and verify's
-(refattn.bundle.guarantee.natural_scales) are one formula on dot calls, entry for entry; on
+(refattn.bundle.golden.guarantee.natural_scales) are one formula on dot calls, entry for entry; on
 other score families only the tests' copy answers (why the tests keep it: its docstring)."""
 
 from __future__ import annotations
@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 
 import refattn
-from refattn.bundle.guarantee import natural_scales as verify_scales
+from refattn.bundle.golden.guarantee import natural_scales as verify_scales
 from refattn.call.scores import Bilinear
 from tests.engine_compare import natural_scales as copied_scales
 

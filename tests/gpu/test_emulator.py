@@ -26,8 +26,8 @@ from gpu_backend.emulator.module import EmulatedModule
 from gpu_backend.emulator_backend import EmulatorDevice
 from gpu_backend.source import KERNEL_DIR
 from refattn.bundle.suites import build_suite
-from refattn.bundle.verifier import verify
-from refattn.bundle.write import write_bundle
+from refattn.bundle.verification.verifier import verify
+from refattn.bundle.writing.write import write_bundle
 from refattn.dropout import Philox
 from refattn.masks import causal
 from tests.engine_compare import assert_close, natural_scales

@@ -24,8 +24,8 @@ from pathlib import Path
 
 import pytest
 
-from refattn.bundle import sweep as sweep_module
-from refattn.bundle.sweep import (
+from refattn.bundle.sweeps import grid as sweep_module
+from refattn.bundle.sweeps.grid import (
     MAX_SPEC_DEPTH,
     MAX_SPEC_VALUES,
     build_case,
@@ -414,7 +414,7 @@ def test_the_memory_estimate_bounds_the_measured_peak(fields):
     estimate, and the estimate is not more than 4x (plus 8 MiB) above it. Linux only: the
     peak is reset (``/proc/self/clear_refs``) after imports and warm-up."""
     code = textwrap.dedent(f"""
-        from refattn.bundle.sweep import case_id, normalize
+        from refattn.bundle.sweeps.grid import case_id, normalize
         from refattn.distributed.sweep import encode_batch
 
         def kib(field):
@@ -573,7 +573,7 @@ def test_a_scheduler_paused_mid_sweep_ends_the_sweep_in_one_line_and_it_resumes(
     import signal
     import time
 
-    from refattn.bundle.transaction import RESUME_MARK
+    from refattn.bundle.storage.transaction import RESUME_MARK
 
     spec = tmp_path / "s.toml"
     spec.write_text('name = "paused"\n[[grid]]\nshape = [[1, 2, 1, 64, 64, 32, 32]]\n'

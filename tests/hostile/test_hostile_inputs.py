@@ -26,9 +26,9 @@ import pytest
 import refattn
 from refattn import RefAttnError
 from refattn.bundle import tensor_sha256, write_bundle
-from refattn.bundle.read import decode_safetensors, load, parse_header
+from refattn.bundle.storage.read import decode_safetensors, load, parse_header
 from refattn.bundle.suites import build_suite
-from refattn.bundle.verifier import verify
+from refattn.bundle.verification.verifier import verify
 
 pytest_plugins = ["pytester"]
 
@@ -144,9 +144,9 @@ def test_a_sparse_case_file_claiming_a_huge_q_is_refused_in_bounded_memory(bundl
     peak, out = _peak_rss(f"""
         from pathlib import Path
         from refattn import RefAttnError
-        from refattn.bundle.read import load
-        from refattn.bundle.manifest import check_schema, read_manifest
-        from refattn.bundle.verifier import verify
+        from refattn.bundle.storage.read import load
+        from refattn.bundle.storage.manifest import check_schema, read_manifest
+        from refattn.bundle.verification.verifier import verify
         from refattn.cli.diagnostics import summarize
         d = Path({str(bundle)!r}); f = d / "cases" / "{LOOP7}.safetensors"
         r = verify(d, progress=False)
@@ -177,7 +177,7 @@ def test_a_sparse_candidate_file_is_refused_unread(tmp_path):
         fh.truncate(GiB)  # a 1 GiB hole after an honest header
     peak, out = _peak_rss(f"""
         from refattn import RefAttnError
-        from refattn.bundle.candidates import read_candidate
+        from refattn.bundle.comparison.candidates import read_candidate
         try:
             read_candidate({str(path)!r})
         except RefAttnError as exc:

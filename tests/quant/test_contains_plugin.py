@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import pytest
 
-from refattn.bundle.spec import case_spec
+from refattn.bundle.golden.spec import case_spec
 from refattn.bundle.suites.conformance import CASES
 from refattn.errors import RefAttnError
 from refattn.quant.presets import PRESETS, preset

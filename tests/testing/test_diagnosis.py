@@ -11,7 +11,7 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from refattn.bundle.comparison import compare
+from refattn.bundle.comparison.harness import compare
 from refattn.testing import Case, assert_matches, load_cases
 
 SPECS = {s.case_id: s for s in load_cases()}

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 from refattn.bundle.suites import build_suite
-from refattn.bundle.write import write_bundle
+from refattn.bundle.writing.write import write_bundle
 
 pytest_plugins = ["pytester"]
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
-from refattn.bundle.cases import GoldenCase
+from refattn.bundle.golden.case import GoldenCase
 from refattn.bundle.suites import conformance, contract
 from refattn.errors import RefAttnError
 

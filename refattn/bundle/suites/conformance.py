@@ -30,8 +30,8 @@ from typing import Any
 
 import numpy as np
 
-from refattn.bundle.cases import GoldenCase
-from refattn.bundle.quantized import quant_case
+from refattn.bundle.golden.case import GoldenCase
+from refattn.bundle.golden.quantized import quant_case
 from refattn.bundle.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call, loop7_call
 from refattn.call import AttentionCall
 from refattn.call.bias import alibi, alibi_slopes

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from refattn.bundle.cases import GoldenCase
+from refattn.bundle.golden.case import GoldenCase
 from refattn.call import AttentionCall
 
 __all__ = ["cases", "loop6_call", "loop7_call"]

@@ -4,7 +4,8 @@ Owns :class:`BundleTransaction`, the write side of ``refattn golden --out DIR``:
 
 1. ``DIR`` must be a real directory (or absent): a symbolic link or an existing file is
    refused, never followed or replaced.
-2. The writer takes an exclusive lock on ``DIR`` (:class:`~refattn.bundle.fsio.DirectoryLock`);
+2. The writer takes an exclusive lock on ``DIR``
+(:class:`~refattn.bundle.storage.fsio.DirectoryLock`);
    a second writer is refused with a clear message.
 3. ``DIR`` is surveyed. refattn's own files are a ``manifest.json`` whose schema is
    ``refattn_golden``, the case files in ``cases/`` that carry refattn's metadata, and the
@@ -31,7 +32,7 @@ Owns :class:`BundleTransaction`, the write side of ``refattn golden --out DIR``:
    directory. A resume directory of another key beside ``DIR`` is another run's unfinished
    work: it is refused, never removed.
 
-Defers the primitives to :mod:`refattn.bundle.fsio`; knows nothing of cases or engines.
+Defers the primitives to :mod:`refattn.bundle.storage.fsio`; knows nothing of cases or engines.
 """
 
 from __future__ import annotations
@@ -45,8 +46,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from refattn.bundle.format import META_KEY, SCHEMA
-from refattn.bundle.fsio import (
+from refattn.bundle.storage.format import META_KEY, SCHEMA
+from refattn.bundle.storage.fsio import (
     MAX_MANIFEST_BYTES,
     DirectoryLock,
     exchange,

@@ -12,7 +12,7 @@ the other causal triangle, the key padding ignored, a window one key wider or na
 the kv gradients of one query head of each group (the sum over the heads that share a kv
 head missing). Recomputations run refattn's numpy engine on the rebuilt call, for calls of
 at most :data:`MAX_RECOMPUTED_SCORES` scores (larger ones get the other hypotheses). Called by
-:func:`refattn.bundle.comparison.compare`, which owns the rules and passes them in.
+:func:`refattn.bundle.comparison.harness.compare`, which owns the rules and passes them in.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from typing import Any
 
 import numpy as np
 
-from refattn.bundle.spec import CaseSpec
+from refattn.bundle.golden.spec import CaseSpec
 from refattn.engine import backward, forward
 from refattn.errors import RefAttnError
 

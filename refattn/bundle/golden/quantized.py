@@ -7,7 +7,7 @@ of :func:`refattn.quant.pipeline.dequantized_call`, from one set of arrays),
 canonical tensors of its real result) and :func:`kernel_inputs` (the kernel's q, k, v read back
 from a case file's codes). Defers the spec, the casts and the emulated pipeline to
 :mod:`refattn.quant`; the rest of a case (its real result, the file, the manifest) is
-:mod:`refattn.bundle.cases`' and :mod:`refattn.bundle.write`'s.
+:mod:`refattn.bundle.golden.case`' and :mod:`refattn.bundle.writing.write`'s.
 
 A quantised case file stores, beside the real call's canonical tensors (q, k, v are the
 dequantised inputs; output, lse, ..., the gradients as for any case):

@@ -4,8 +4,8 @@ Owns :func:`naive_lowp`, which reruns a golden case's forward and backward in fl
 bfloat16 the way an unfused framework does: inputs rounded to the dtype, every operation evaluated
 in float32 and its result rounded to the dtype (PyTorch's convention for low-precision ops), BLAS
 pinned to one thread so the yardstick is deterministic. Its distance to the float64 golden is the
-error that precision cannot avoid; :mod:`refattn.bundle.comparison` allows a candidate a fixed
-multiple of it. Defers the tolerance settings to :mod:`refattn.bundle.tolerances`.
+error that precision cannot avoid; :mod:`refattn.bundle.comparison.harness` allows a candidate a
+fixed multiple of it. Defers the tolerance settings to :mod:`refattn.bundle.comparison.tolerances`.
 """
 
 from __future__ import annotations
@@ -15,8 +15,8 @@ from typing import Any
 import numpy as np
 from threadpoolctl import threadpool_limits
 
-from refattn.bundle.spec import CaseSpec
-from refattn.bundle.tolerances import round_to
+from refattn.bundle.comparison.tolerances import round_to
+from refattn.bundle.golden.spec import CaseSpec
 from refattn.call.placement import operand_multipliers
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
 from refattn.errors import RefAttnError
@@ -63,7 +63,7 @@ def naive_lowp(spec: CaseSpec, dtype: np.dtype, *, route: str = "stored_probs"
     Examples
     --------
     >>> from refattn.bundle.suites import build_suite
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> spec = case_spec(build_suite("contract")[1])
     >>> lp = naive_lowp(spec, np.dtype(np.float32))
     >>> err = np.abs(lp["output"] - spec.tensors["output"]).max()

@@ -5,9 +5,10 @@ integers, equal NaN/inf positions), then per tensor either the float64 rule
 ``|a - g| <= atol + rtol * |g|`` or, for float32/float16/bfloat16 candidates, the
 reference-relative rule ``max|a - g| <= k * max|naive_lp - g| + floor`` where ``naive_lp`` is
 refattn's own naive algorithm run in the candidate's dtype. Defers candidate files to
-:mod:`refattn.bundle.candidates`, the tolerance settings to :mod:`refattn.bundle.tolerances`,
-the naive reference to :mod:`refattn.bundle.lowp` and the reading of golden cases to
-:mod:`refattn.bundle.spec`.
+:mod:`refattn.bundle.comparison.candidates`, the tolerance settings to
+:mod:`refattn.bundle.comparison.tolerances`, the naive reference to
+:mod:`refattn.bundle.comparison.lowp` and the reading of golden cases to
+:mod:`refattn.bundle.golden.spec`.
 """
 
 from __future__ import annotations
@@ -20,19 +21,19 @@ from typing import Any, SupportsFloat, cast
 import numpy as np
 
 from refattn._checks import first_index, format_index
-from refattn.bundle.candidates import as_numpy
-from refattn.bundle.cases import GoldenCase
-from refattn.bundle.diagnosis import Diagnosis, diagnose
-from refattn.bundle.lowp import naive_lowp
-from refattn.bundle.read import LoadedCase
-from refattn.bundle.spec import CaseSpec, case_spec
-from refattn.bundle.tolerances import (
+from refattn.bundle.comparison.candidates import as_numpy
+from refattn.bundle.comparison.diagnosis import Diagnosis, diagnose
+from refattn.bundle.comparison.lowp import naive_lowp
+from refattn.bundle.comparison.tolerances import (
     LOWER_PRECISIONS,
     Tolerances,
     precision_name,
     resolve_dtype,
     rounding_floor,
 )
+from refattn.bundle.golden.case import GoldenCase
+from refattn.bundle.golden.spec import CaseSpec, case_spec
+from refattn.bundle.storage.read import LoadedCase
 from refattn.errors import RefAttnError
 
 __all__ = ["CHECKS", "LEGEND", "TRACE_ORDER", "Report", "TensorReport", "compare", "plain",
@@ -252,7 +253,7 @@ class Report:
         The first failing tensor in trace order.
     diagnoses : tuple of Diagnosis
         The kinds of error that were recomputed and found to fit the failures
-        (:mod:`refattn.bundle.diagnosis`): a constant ratio, a sign flip, another scale,
+        (:mod:`refattn.bundle.comparison.diagnosis`): a constant ratio, a sign flip, another scale,
         another probability support, a missing GQA sum, a transposed layout, a missing
         ``query_valid`` zeroing. Empty when the candidate passes or nothing fits.
     """
@@ -324,7 +325,7 @@ class Report:
         Examples
         --------
         >>> from refattn.bundle.suites import build_suite
-        >>> from refattn.bundle.spec import case_spec
+        >>> from refattn.bundle.golden.spec import case_spec
         >>> spec = case_spec(build_suite("contract")[1])
         >>> d = compare({"output": spec.tensors["output"]}, spec).to_dict()
         >>> d["passed"], d["tensors"][0]["name"], d["rule"]
@@ -530,7 +531,7 @@ def compare(
     Examples
     --------
     >>> from refattn.bundle.suites import build_suite
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> spec = case_spec(build_suite("contract")[1])
     >>> out = spec.tensors["output"]
     >>> compare({"output": out}, spec).passed

@@ -6,7 +6,7 @@ JSON Schema ``schema/sweep-v1.json``, validated with ``jsonschema``: an unknown 
 grid or an empty list of values is a named error), :func:`expand` (every grid's combinations
 and every listed case, normalised, deduplicated and validated by building each call),
 :func:`case_budget` (a case's seconds and bytes, estimated from its shape before any tensor
-exists) and :func:`build_case` (the :class:`~refattn.bundle.cases.GoldenCase` of one
+exists) and :func:`build_case` (the :class:`~refattn.bundle.golden.case.GoldenCase` of one
 normalised description).
 
 A SPEC is untrusted input, bounded before it is believed: at most 4 MiB of text and
@@ -19,8 +19,8 @@ are drawn.
 A case's id is a readable slug and the first 12 hex digits of the sha256 of its normalised
 description (canonical JSON), and its random tensors come from a generator seeded by the same
 hash: the id and the bytes of a case depend on the case alone, never on the grid's order or
-on the other cases. Writing the bundle is :mod:`refattn.bundle.write`'s; running the cases on
-workers is :mod:`refattn.distributed`'s.
+on the other cases. Writing the bundle is :mod:`refattn.bundle.writing.write`'s; running the cases
+on workers is :mod:`refattn.distributed`'s.
 """
 
 from __future__ import annotations
@@ -40,9 +40,9 @@ from typing import Any, NamedTuple
 import jsonschema
 import numpy as np
 
-from refattn.bundle.cases import GoldenCase
-from refattn.bundle.fsio import read_regular
-from refattn.bundle.quantized import quant_case
+from refattn.bundle.golden.case import GoldenCase
+from refattn.bundle.golden.quantized import quant_case
+from refattn.bundle.storage.fsio import read_regular
 from refattn.call import AttentionCall
 from refattn.call.bias import alibi, alibi_slopes
 from refattn.call.scores import Additive, Bilinear, Cosine

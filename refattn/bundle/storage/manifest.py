@@ -20,8 +20,8 @@ from typing import Any
 
 import jsonschema
 
-from refattn.bundle.format import SCHEMA, SCHEMA_VERSION
-from refattn.bundle.fsio import MAX_MANIFEST_BYTES, read_confined
+from refattn.bundle.storage.format import SCHEMA, SCHEMA_VERSION
+from refattn.bundle.storage.fsio import MAX_MANIFEST_BYTES, read_confined
 from refattn.errors import RefAttnError
 
 __all__ = ["READERS", "SCHEMA_FILES", "check_schema", "parse_manifest", "read_manifest",
@@ -174,7 +174,7 @@ def read_manifest(path: str | os.PathLike) -> Any:
     :func:`check_schema`).
 
     The file is opened from its directory without following a link, only if it is a regular
-    file of at most :data:`~refattn.bundle.fsio.MAX_MANIFEST_BYTES` bytes.
+    file of at most :data:`~refattn.bundle.storage.fsio.MAX_MANIFEST_BYTES` bytes.
 
     Raises
     ------

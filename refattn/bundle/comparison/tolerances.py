@@ -2,8 +2,8 @@
 
 Owns the :class:`Tolerances` settings, the precision names (float64, float32, float16, bfloat16;
 bfloat16 through ``ml_dtypes``, imported lazily) and the rounding floor ``2 * max|fl(g + 0.3 - 0.3)
-- g|``. Defers the comparison itself to :mod:`refattn.bundle.comparison` and the naive
-lower-precision reference to :mod:`refattn.bundle.lowp`.
+- g|``. Defers the comparison itself to :mod:`refattn.bundle.comparison.harness` and the naive
+lower-precision reference to :mod:`refattn.bundle.comparison.lowp`.
 
 Two rules:
 
@@ -185,8 +185,8 @@ class Tolerances:
         below one unit in the last place of ``max|g| + floor_shift`` (see
         :func:`rounding_floor`).
     naive_routes : tuple of str
-        Saved-state routes of the naive reference (:data:`refattn.bundle.lowp.ROUTES`); the
-        reference error is the largest over them. ``"stored_probs"`` keeps P for the
+        Saved-state routes of the naive reference (:data:`refattn.bundle.comparison.lowp.ROUTES`);
+        the reference error is the largest over them. ``"stored_probs"`` keeps P for the
         backward; ``"lse_recompute"`` keeps the log-partition and recomputes P, with
         ``D = sum(G_O * O)``, as FlashAttention-style kernels legitimately do.
     k_overrides : mapping of str to float

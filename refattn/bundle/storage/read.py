@@ -26,16 +26,16 @@ from typing import Any
 
 import numpy as np
 
-from refattn.bundle.format import META_KEY, tensor_sha256
-from refattn.bundle.fsio import (
+from refattn.bundle.storage.format import META_KEY, tensor_sha256
+from refattn.bundle.storage.fsio import (
     MAX_CASE_BYTES,
     check_relative,
     open_confined,
     read_fd,
     read_regular,
 )
-from refattn.bundle.manifest import check_schema, read_manifest
-from refattn.bundle.report import Problem, Stage
+from refattn.bundle.storage.manifest import check_schema, read_manifest
+from refattn.bundle.storage.problems import Problem, Stage
 from refattn.errors import RefAttnError
 
 __all__ = ["LoadedCase", "SafetensorsHeader", "case_size_limit", "check_case_file",
@@ -72,7 +72,7 @@ def _find_manifest(path: Path) -> dict[str, Any] | None:
 
 def case_size_limit(entry: Mapping[str, Any]) -> int:
     """The most bytes a case file may have: its tensors' bytes as the manifest lists them,
-    plus room for the header (never more than :data:`~refattn.bundle.fsio.MAX_CASE_BYTES`).
+    plus room for the header (never more than :data:`~refattn.bundle.storage.fsio.MAX_CASE_BYTES`).
 
     Examples
     --------
@@ -280,7 +280,7 @@ def _hash_range(fd: int, start: int, stop: int) -> str:
 
 
 def layout_inspector(shown: str, *, bfloat16: bool = False) -> Callable[[int, int], None]:
-    """``inspect(fd, size)`` for :func:`~refattn.bundle.fsio.read_regular` that checks a
+    """``inspect(fd, size)`` for :func:`~refattn.bundle.storage.fsio.read_regular` that checks a
     safetensors file's header and tensor layout (no duplicated key; sizes that match the
     shapes; data covering the file exactly once) before the file is read: a file whose
     header describes less than its size, or more, is refused unread. ``bfloat16``: accept
@@ -305,7 +305,7 @@ def layout_inspector(shown: str, *, bfloat16: bool = False) -> Callable[[int, in
 
 
 def _manifest_inspector(entry: Mapping[str, Any] | None, shown: str):
-    """``inspect(fd, size)`` for :func:`~refattn.bundle.fsio.read_regular`: the header, the
+    """``inspect(fd, size)`` for :func:`~refattn.bundle.storage.fsio.read_regular`: the header, the
     tensor layout and every embedded tensor hash, and with a manifest entry the file's size
     and sha256, all checked (hashed in pieces) before the file is read into memory."""
     def inspect(fd: int, size: int) -> None:
@@ -349,7 +349,7 @@ def load(path: str | os.PathLike, *, manifest: Mapping[str, Any] | None = None) 
     The tensor hashes embedded in the file are always checked; when the bundle's
     ``manifest.json`` sits beside ``cases/`` (or is passed), the file hash, the manifest's file
     name and its tensor list are checked too. Only a regular file is read (a FIFO or device is
-    refused without blocking), at most :data:`~refattn.bundle.fsio.MAX_CASE_BYTES` bytes.
+    refused without blocking), at most :data:`~refattn.bundle.storage.fsio.MAX_CASE_BYTES` bytes.
 
     Parameters
     ----------

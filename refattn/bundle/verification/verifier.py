@@ -2,17 +2,17 @@
 
 Owns :func:`verify` (``refattn verify DIR``). For every case, in order and each step owned by
 one module: (1) the manifest is read from inside the bundle and validated against its
-published JSON Schema (:mod:`refattn.bundle.manifest`); (2) each case file is read from inside
-the bundle only (no link followed, regular files only, size bounded), the file's and every
-tensor's sha256 are checked and the case is loaded (:mod:`refattn.bundle.read`); (3) the call
-is rebuilt from the file (:mod:`refattn.bundle.spec`) and the recorded conventions and flags
-are checked against it; (4) the exact generator recomputes it, whatever the manifest says made
+published JSON Schema (:mod:`refattn.bundle.storage.manifest`); (2) each case file is read from
+inside the bundle only (no link followed, regular files only, size bounded), the file's and every
+tensor's sha256 are checked and the case is loaded (:mod:`refattn.bundle.storage.read`); (3) the
+call is rebuilt from the file (:mod:`refattn.bundle.golden.spec`) and the recorded conventions and
+flags are checked against it; (4) the exact generator recomputes it, whatever the manifest says made
 it, and every stored tensor is compared with the correctly rounded result: bit-identical, or
-within the documented float64 backend bound of it (:mod:`refattn.bundle.recompute`,
-:mod:`refattn.bundle.guarantee`); (5) the stored backward is checked against numeric
-derivatives (:mod:`refattn.bundle.gradients`); (6) with ``exact``, every element is confirmed
-correctly rounded (:mod:`refattn.analysis.certificate`); (7) the verdicts are collected
-(:mod:`refattn.bundle.report`). No step reaches back up.
+within the documented float64 backend bound of it (:mod:`refattn.bundle.verification.recompute`,
+:mod:`refattn.bundle.golden.guarantee`); (5) the stored backward is checked against numeric
+derivatives (:mod:`refattn.bundle.verification.gradients`); (6) with ``exact``, every element is
+confirmed correctly rounded (:mod:`refattn.analysis.certificate`); (7) the verdicts are collected
+(:mod:`refattn.bundle.verification.report`). No step reaches back up.
 """
 
 from __future__ import annotations
@@ -26,15 +26,20 @@ from typing import Any, NamedTuple
 
 from refattn._progress import progress as progress_bar
 from refattn.analysis.certificate import certify
-from refattn.bundle.cases import numpy_environment
-from refattn.bundle.fsio import list_confined
-from refattn.bundle.gradients import GradcheckMethod, check_method, check_stored_gradients
-from refattn.bundle.manifest import check_schema, read_manifest
-from refattn.bundle.read import check_case_file, load_bytes
-from refattn.bundle.recompute import REQUIREMENTS, Unsupported, check_recorded
-from refattn.bundle.recompute import recompute as recompute_case
-from refattn.bundle.report import CaseResult, Problem, VerifyReport
-from refattn.bundle.spec import case_spec
+from refattn.bundle.golden.case import numpy_environment
+from refattn.bundle.golden.spec import case_spec
+from refattn.bundle.storage.fsio import list_confined
+from refattn.bundle.storage.manifest import check_schema, read_manifest
+from refattn.bundle.storage.problems import Problem
+from refattn.bundle.storage.read import check_case_file, load_bytes
+from refattn.bundle.verification.gradients import (
+    GradcheckMethod,
+    check_method,
+    check_stored_gradients,
+)
+from refattn.bundle.verification.recompute import REQUIREMENTS, Unsupported, check_recorded
+from refattn.bundle.verification.recompute import recompute as recompute_case
+from refattn.bundle.verification.report import CaseResult, VerifyReport
 from refattn.engine import BACKENDS
 from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS
 from refattn.errors import RefAttnError
@@ -191,7 +196,7 @@ def verify(directory: str | os.PathLike, *, recompute: bool = True,
     Examples
     --------
     >>> import tempfile
-    >>> from refattn.bundle.write import write_bundle
+    >>> from refattn.bundle.writing.write import write_bundle
     >>> from refattn.bundle.suites import build_suite
     >>> d = tempfile.mkdtemp()
     >>> _ = write_bundle(d, build_suite("contract")[:2], suite="contract")
@@ -240,7 +245,7 @@ def open_bundle(directory: str | os.PathLike, *, backend: str | None,
     Examples
     --------
     >>> import tempfile
-    >>> from refattn.bundle.write import write_bundle
+    >>> from refattn.bundle.writing.write import write_bundle
     >>> from refattn.bundle.suites import build_suite
     >>> d = tempfile.mkdtemp()
     >>> _ = write_bundle(d, build_suite("contract")[:1], suite="contract")

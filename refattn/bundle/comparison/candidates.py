@@ -2,7 +2,7 @@
 
 Owns :func:`as_numpy` (numpy, ``__array__``, DLPack and PyTorch bfloat16 tensors read without a
 dtype change), :func:`read_candidate` (a safetensors file, BF16 through ml_dtypes) and
-:func:`write_candidate`. The comparison itself is :mod:`refattn.bundle.comparison`'s.
+:func:`write_candidate`. The comparison itself is :mod:`refattn.bundle.comparison.harness`'s.
 """
 
 from __future__ import annotations
@@ -17,10 +17,10 @@ import numpy as np
 from safetensors.numpy import save
 
 from refattn._checks import as_array
-from refattn.bundle.format import atomic_write
-from refattn.bundle.fsio import MAX_CASE_BYTES, read_regular
-from refattn.bundle.read import layout_inspector
-from refattn.bundle.tolerances import resolve_dtype
+from refattn.bundle.comparison.tolerances import resolve_dtype
+from refattn.bundle.storage.format import atomic_write
+from refattn.bundle.storage.fsio import MAX_CASE_BYTES, read_regular
+from refattn.bundle.storage.read import layout_inspector
 from refattn.errors import RefAttnError
 
 __all__ = ["as_numpy", "read_candidate", "write_candidate"]

@@ -17,9 +17,9 @@ import numpy as np
 
 from gradcheck.attention import check_attention
 from gradcheck.finite_difference import central_difference
-from refattn.bundle.cases import GoldenCase
-from refattn.bundle.report import Problem
-from refattn.bundle.spec import CaseSpec
+from refattn.bundle.golden.case import GoldenCase
+from refattn.bundle.golden.spec import CaseSpec
+from refattn.bundle.storage.problems import Problem
 from refattn.engine import forward
 from refattn.engine.reduce import gather_heads
 from refattn.errors import RefAttnError

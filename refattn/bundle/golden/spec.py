@@ -3,7 +3,8 @@
 Owns the reconstruction of an :class:`~refattn.AttentionCall` from a golden file (inputs,
 scale, head map, policies, dropout multiplier, the recorded strides of non-contiguous inputs)
 so that ``refattn verify``, the comparison harness and the framework adapters all consume one
-description of the call. Defers reading and checksum verification to :mod:`refattn.bundle.read`.
+description of the call. Defers reading and checksum verification to
+:mod:`refattn.bundle.storage.read`.
 """
 
 from __future__ import annotations
@@ -16,15 +17,15 @@ from typing import Any
 
 import numpy as np
 
-from refattn.bundle.cases import (
+from refattn.bundle.golden.case import (
     GoldenCase,
     case_conventions,
     case_tensors,
     compute,
     emulated_tensors,
 )
-from refattn.bundle.quantized import QuantCase, kernel_inputs
-from refattn.bundle.read import LoadedCase, load
+from refattn.bundle.golden.quantized import QuantCase, kernel_inputs
+from refattn.bundle.storage.read import LoadedCase, load
 from refattn.call import AttentionCall, scores
 from refattn.call.gate import AllMaskedRows, ReturnedWeights
 from refattn.call.paged import PagedKV
@@ -292,7 +293,7 @@ class CaseSpec:
             raise RefAttnError(f"{self.case_id}: manifest quant: {exc}") from None
 
     def quant_case(self) -> QuantCase | None:
-        """A quantised case's :class:`~refattn.bundle.quantized.QuantCase` (its spec and the
+        """A quantised case's :class:`~refattn.bundle.golden.quantized.QuantCase` (its spec and the
         call as the kernel receives it: q, k, v decoded from the stored codes, or the stored
         inputs where the kernel casts them), or None.
 

@@ -2,8 +2,8 @@
 
 Owns :class:`GoldenCase` (what a suite defines), :func:`compute` (forward and backward on the
 reference backend with BLAS pinned to one thread) and the selection of stored tensors and
-recorded conventions of one case. The file format is :mod:`refattn.bundle.format`'s; writing a
-bundle is :mod:`refattn.bundle.write`'s.
+recorded conventions of one case. The file format is :mod:`refattn.bundle.storage.format`'s; writing
+a bundle is :mod:`refattn.bundle.writing.write`'s.
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
 from refattn._checks import format_index
-from refattn.bundle.quantized import INPUTS, PREFIX, quant_tensors
+from refattn.bundle.golden.quantized import INPUTS, PREFIX, quant_tensors
 from refattn.call import AttentionCall
 from refattn.engine import backward, forward
 from refattn.engine.trace import Gradients, Trace
@@ -55,7 +55,7 @@ class GoldenCase:
         paged KV cache): they are stored as given beside the canonical tensors, with the
         page gradients ``grad_k_pages`` and ``grad_v_pages``.
     quant : QuantCase, optional
-        A quantised case (:class:`refattn.bundle.quantized.QuantCase`: the
+        A quantised case (:class:`refattn.bundle.golden.quantized.QuantCase`: the
         :class:`~refattn.quant.spec.QuantSpec` and the call as the kernel receives it);
         ``call`` is then its real call (the dequantised inputs), whose canonical tensors are
         stored as for any case, beside the codes, scales and emulated intervals.
@@ -111,7 +111,7 @@ def compute(case: GoldenCase, backend: str = "exact") -> Computed:
 
 def emulated_tensors(case: GoldenCase) -> dict[str, np.ndarray]:
     """The ``quant_*`` tensors of a quantised case: its codes, scales and the emulated
-    pipeline's intervals (:mod:`refattn.bundle.quantized`), computed from the kernel's call.
+    pipeline's intervals (:mod:`refattn.bundle.golden.quantized`), computed from the kernel's call.
 
     The case's real call must hold exactly the dequantised kernel inputs
     (:func:`~refattn.quant.pipeline.dequantized_call`): a case whose q, k or v is not

@@ -22,8 +22,8 @@ tests/bundle/test_verify_guarantees.py):
   kappa`` and every element within ``GRADIENT_BOUND * kappa * max|reference|``;
 - non-finite positions and values, and every integer or boolean tensor, equal.
 
-The recomputation that produces the reference is :mod:`refattn.bundle.recompute`'s; the
-record of which guarantee held is :class:`refattn.bundle.report.Guarantee`.
+The recomputation that produces the reference is :mod:`refattn.bundle.verification.recompute`'s; the
+record of which guarantee held is :class:`refattn.bundle.verification.report.Guarantee`.
 """
 
 from __future__ import annotations

@@ -1,9 +1,9 @@
 """Recompute a golden case and say which guarantee its stored tensors meet.
 
-Owns :func:`recompute`: the call rebuilt from the file (:mod:`refattn.bundle.spec`) runs
+Owns :func:`recompute`: the call rebuilt from the file (:mod:`refattn.bundle.golden.spec`) runs
 forward and backward again on the ``exact`` generator, whatever the manifest says made it, and
 every stored tensor is compared with that correctly rounded result: bit-identical, or within
-the documented float64 backend bound of it (:mod:`refattn.bundle.guarantee`); where the exact
+the documented float64 backend bound of it (:mod:`refattn.bundle.golden.guarantee`); where the exact
 generator does not run the call, within twice that bound of an independent float64
 recomputation, and the case says so. The manifest's claims can only add checks: a case that
 claims the exact generator must be bit-identical, a ``numpy`` case written on this machine's
@@ -22,24 +22,25 @@ import numpy as np
 from threadpoolctl import threadpool_limits
 
 from refattn._checks import format_index
-from refattn.bundle.cases import (
+from refattn.bundle.comparison.harness import compare
+from refattn.bundle.golden.case import (
     GENERATORS,
     GoldenCase,
     case_conventions,
     case_tensors,
     emulated_tensors,
 )
-from refattn.bundle.comparison import compare
-from refattn.bundle.guarantee import (
+from refattn.bundle.golden.guarantee import (
     FORWARD_BOUND,
     GRADIENT_BOUND,
     check_bound,
     kappa,
     natural_scales,
 )
-from refattn.bundle.quantized import quant_tensor_names
-from refattn.bundle.report import Guarantee, Problem
-from refattn.bundle.spec import CaseSpec
+from refattn.bundle.golden.quantized import quant_tensor_names
+from refattn.bundle.golden.spec import CaseSpec
+from refattn.bundle.storage.problems import Problem
+from refattn.bundle.verification.report import Guarantee
 from refattn.call import AttentionCall
 from refattn.engine import backward, forward
 from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS
@@ -141,7 +142,7 @@ def check_recorded(spec: CaseSpec, call: AttentionCall) -> list[Problem]:
     Examples
     --------
     >>> from refattn.bundle.suites import build_suite
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> spec = case_spec(build_suite("contract")[0])
     >>> check_recorded(spec, spec.to_call())
     []
@@ -218,7 +219,7 @@ def recompute(spec: CaseSpec, backend: str | None = None, *,
     recomputes it (where its time estimate is within ``exact_max_seconds`` and it runs the
     call) and every stored tensor is compared with that correctly rounded result: bit-identical
     is the ``bit_identical`` guarantee; otherwise each tensor must be within the documented
-    float64 backend bound of it (:mod:`refattn.bundle.guarantee`), the ``within_bound``
+    float64 backend bound of it (:mod:`refattn.bundle.golden.guarantee`), the ``within_bound``
     guarantee. A case the manifest says the exact generator wrote must be bit-identical. Where
     the exact generator does not run the case, the reason is noted and the tensors must be
     within twice that bound of an independent float64 (numpy) recomputation (both are within
@@ -232,7 +233,7 @@ def recompute(spec: CaseSpec, backend: str | None = None, *,
     spec : CaseSpec
     backend : str, optional
         Another engine to run too (e.g. ``"numba"``): its tensors must meet the float64 rule
-        of :mod:`refattn.bundle.comparison` against the stored ones; a call it cannot run is
+        of :mod:`refattn.bundle.comparison.harness` against the stored ones; a call it cannot run is
         noted, not failed. ``"exact"`` adds nothing.
     bit_identical : bool, optional
         Whether the case's claimed ``numpy`` generator must regenerate it bit for bit (the
@@ -250,7 +251,7 @@ def recompute(spec: CaseSpec, backend: str | None = None, *,
     Examples
     --------
     >>> from refattn.bundle.suites import build_suite
-    >>> from refattn.bundle.spec import case_spec
+    >>> from refattn.bundle.golden.spec import case_spec
     >>> r = recompute(case_spec(build_suite("contract")[0]))
     >>> r.guarantee.text, r.problems
     ('bit-identical to the correctly rounded result', [])

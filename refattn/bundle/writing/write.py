@@ -5,12 +5,12 @@ foreign manifest or a concurrent writer is refused before any arithmetic), every
 computed before anything is written (a failing case writes nothing), each case file is a
 safetensors file whose one metadata key lists its tensor hashes, and the manifest records the
 call manifest, conventions and sha256 of every file and tensor. The files reach the directory
-through :class:`~refattn.bundle.transaction.BundleTransaction` (staged, fsynced, swapped in with
-one rename). Byte-for-byte reproducible: C-contiguous little-endian tensors, sorted JSON keys.
+through :class:`~refattn.bundle.storage.transaction.BundleTransaction` (staged, fsynced, swapped in
+with one rename). Byte-for-byte reproducible: C-contiguous little-endian tensors, sorted JSON keys.
 
 Also owns :func:`write_sweep`, the resumable form that ``refattn sweep`` uses: the cases are
 computed by a caller-supplied function (in this process or on workers), each finished case is
-staged durably as it arrives (:class:`~refattn.bundle.transaction.BundleTransaction` with
+staged durably as it arrives (:class:`~refattn.bundle.storage.transaction.BundleTransaction` with
 ``resume=``), a rerun reuses every staged case whose file matches its recorded sha256, and the
 bundle appears in ``DIR`` only when complete. The manifest is a function of the cases alone, so
 the bytes do not depend on who computed them, in which order, or over how many runs.
@@ -31,7 +31,7 @@ from safetensors.numpy import save
 from refattn._progress import progress as progress_bar
 from refattn._version import __version__
 from refattn.analysis.reference_error import reference_error
-from refattn.bundle.cases import (
+from refattn.bundle.golden.case import (
     GENERATORS,
     GoldenCase,
     case_conventions,
@@ -40,16 +40,16 @@ from refattn.bundle.cases import (
     emulated_tensors,
     numpy_environment,
 )
-from refattn.bundle.format import (
+from refattn.bundle.storage.format import (
     META_KEY,
     SCHEMA,
     SCHEMA_VERSION,
     dump_json,
     tensor_sha256,
 )
-from refattn.bundle.fsio import MAX_MANIFEST_BYTES, read_confined
-from refattn.bundle.manifest import parse_manifest
-from refattn.bundle.transaction import BundleTransaction
+from refattn.bundle.storage.fsio import MAX_MANIFEST_BYTES, read_confined
+from refattn.bundle.storage.manifest import parse_manifest
+from refattn.bundle.storage.transaction import BundleTransaction
 from refattn.engine.exact.program import ROUNDING_POINTS
 from refattn.errors import RefAttnError
 
@@ -187,8 +187,8 @@ def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: 
     ------
     RefAttnError
         On duplicate case ids, an output directory that is not refattn's to write (see
-        :mod:`refattn.bundle.transaction`), a concurrent writer, or a write that fails (a full
-        disk, a read-only directory): the previous bundle is then left as it was.
+        :mod:`refattn.bundle.storage.transaction`), a concurrent writer, or a write that fails (a
+        full disk, a read-only directory): the previous bundle is then left as it was.
 
     Examples
     --------

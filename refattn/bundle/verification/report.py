@@ -1,9 +1,10 @@
 """Verdicts of ``refattn verify``: problems, per-case results and the bundle report.
 
-Owns :class:`Problem` (which case, which tensor, which stage, why), :class:`CaseResult` and
-:class:`VerifyReport` with the table ``refattn verify`` prints. Holds no logic beyond
-formatting; the checks that fill them live in :mod:`refattn.bundle.read`,
-:mod:`refattn.bundle.recompute`, :mod:`refattn.bundle.gradients` and :mod:`refattn.bundle.verifier`.
+Owns :class:`CaseResult` and :class:`VerifyReport` (and re-exports
+:class:`~refattn.bundle.storage.problems.Problem`, which the readers fill too) with the table
+``refattn verify`` prints. Holds no logic beyond formatting; the checks that fill them live in
+:mod:`refattn.bundle.storage.read`, :mod:`refattn.bundle.verification.recompute`,
+:mod:`refattn.bundle.verification.gradients` and :mod:`refattn.bundle.verification.verifier`.
 """
 
 from __future__ import annotations
@@ -11,6 +12,8 @@ from __future__ import annotations
 import math
 from dataclasses import asdict, dataclass
 from typing import Any, Literal
+
+from refattn.bundle.storage.problems import Problem, Stage
 
 __all__ = ["LEGEND", "CaseResult", "Guarantee", "GuaranteeKind", "Problem", "Stage",
            "VerifyReport"]
@@ -38,7 +41,6 @@ def _json_float(x: float | None) -> float | str | None:
         return x
     return repr(float(x))
 
-Stage = Literal["bundle", "file", "tensor", "recompute", "manifest", "gradcheck", "certificate"]
 
 #: which guarantee a verified case met: ``bit_identical`` (every stored tensor equals the
 #: correctly rounded result), ``within_bound`` (within the documented float64 backend bound of
@@ -124,20 +126,6 @@ class Guarantee:
     def to_dict(self) -> dict[str, Any]:
         """JSON-ready values, ``text`` included."""
         return {**asdict(self), "text": self.text}
-
-
-@dataclass(frozen=True)
-class Problem:
-    """One failure: which case, which tensor (if any), at which stage, and why."""
-
-    case_id: str | None
-    tensor: str | None
-    stage: Stage
-    reason: str
-
-    def __str__(self) -> str:
-        where = f"case={self.case_id or '-'} tensor={self.tensor or '-'}"
-        return f"FAIL {where} [{self.stage}]: {self.reason}"
 
 
 @dataclass(frozen=True)

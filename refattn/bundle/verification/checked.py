@@ -2,12 +2,12 @@
 verify's own checks.
 
 Owns :func:`checked_cases`: the manifest is read from inside the bundle and validated against
-its schema (:mod:`refattn.bundle.manifest`); each case file goes through verify's reading
-(:func:`refattn.bundle.verifier.check_file`: the path the manifest must give, no link followed,
-a regular file whose size the manifest bounds, its header and every hash checked in pieces
+its schema (:mod:`refattn.bundle.storage.manifest`); each case file goes through verify's reading
+(:func:`refattn.bundle.verification.verifier.check_file`: the path the manifest must give, no link
+followed, a regular file whose size the manifest bounds, its header and every hash checked in pieces
 before it is read into memory); the case is loaded, its call rebuilt through the gate
 (:class:`~refattn.AttentionCall`: float64, shapes, finite inputs, head map) and its recorded
-conventions checked against it (:func:`refattn.bundle.recompute.check_recorded`); its
+conventions checked against it (:func:`refattn.bundle.verification.recompute.check_recorded`); its
 ``grad_output`` must be finite float64 of the output's shape. A case that fails any step is
 returned with the reason, never dropped: a test parametrised with it FAILS (a NaN in ``q``
 must never turn into a skipped test and a green CI). Defers the arithmetic to verify itself;
@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any, NamedTuple
 
 from refattn._checks import check_finite, check_float64, check_shape
-from refattn.bundle.manifest import check_schema, read_manifest
-from refattn.bundle.read import load_bytes
-from refattn.bundle.recompute import check_recorded
-from refattn.bundle.spec import CaseSpec, case_spec
-from refattn.bundle.verifier import check_file
+from refattn.bundle.golden.spec import CaseSpec, case_spec
+from refattn.bundle.storage.manifest import check_schema, read_manifest
+from refattn.bundle.storage.read import load_bytes
+from refattn.bundle.verification.recompute import check_recorded
+from refattn.bundle.verification.verifier import check_file
 from refattn.errors import RefAttnError
 
 __all__ = ["CheckedCase", "checked_cases"]
@@ -91,7 +91,7 @@ def checked_cases(directory: str | os.PathLike) -> list[CheckedCase]:
     Examples
     --------
     >>> import tempfile
-    >>> from refattn.bundle.write import write_bundle
+    >>> from refattn.bundle.writing.write import write_bundle
     >>> from refattn.bundle.suites import build_suite
     >>> d = tempfile.mkdtemp()
     >>> _ = write_bundle(d, build_suite("contract")[:1], suite="contract")
