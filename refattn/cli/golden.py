@@ -8,7 +8,7 @@ from pathlib import Path
 
 from refattn.bundle.golden.case import GENERATORS
 from refattn.bundle.storage.manifest import check_schema, read_manifest
-from refattn.bundle.suites import SUITES, build_suite
+from refattn.bundle.suites import SUITES, build_suite, default_generator
 from refattn.bundle.writing.write import write_bundle
 from refattn.errors import RefAttnError
 
@@ -24,6 +24,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "bundle is written as one transaction: Ctrl-C or an error leaves DIR as it was.",
         epilog="examples:\n"
         "  refattn golden --out goldens                      # the 79 conformance cases\n"
+        "  refattn golden --suite kernels --out kgoldens     # 304 cases at kernel shapes\n"
         "  refattn golden --suite contract --out contract    # the contract's fixtures only\n"
         "  refattn golden --out goldens --backend numpy      # machine-dependent float64",
     )
@@ -35,9 +36,13 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "a foreign manifest.json or a foreign file in cases/ is refused even so)")
     p.add_argument("--suite", default="conformance", choices=sorted(SUITES),
                    help="which suite of cases to write (default: conformance)")
-    p.add_argument("--backend", default="exact", choices=GENERATORS,
-                   help="generator: exact (default; every tensor correctly rounded, the same "
-                   "bytes on every machine) or numpy (float64 in BLAS order, machine-dependent)")
+    p.add_argument("--backend", default=None, choices=GENERATORS,
+                   help="generator (default: the suite's own, exact for contract and "
+                   "conformance, numba for kernels): exact (every tensor correctly rounded, "
+                   "the same bytes on every machine), numpy (the full trace in float64, "
+                   "BLAS order) or numba (the fused kernel's saved-state tensors, fast at "
+                   "kernel shapes); numpy and numba record each tensor's bound against the "
+                   "correctly rounded result, which verify applies")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (one is drawn only on a terminal anyway)")
     p.set_defaults(func=run)
@@ -56,11 +61,12 @@ def _earlier_cases(out: Path) -> set[str]:
 def run(args: argparse.Namespace) -> int:
     earlier = _earlier_cases(Path(args.out))
     cases = build_suite(args.suite)
-    path = write_bundle(args.out, cases, suite=args.suite, backend=args.backend,
+    backend = args.backend or default_generator(args.suite)
+    path = write_bundle(args.out, cases, suite=args.suite, backend=backend,
                         force=args.force, progress=False if args.quiet else None)
-    print(f"wrote {len(cases)} case(s) of suite {args.suite!r} ({args.backend}) to "
+    print(f"wrote {len(cases)} case(s) of suite {args.suite!r} ({backend}) to "
           f"{path.parent} ({path.name})")
-    removed = sorted(earlier - {c.case_id for c in cases})
+    removed = sorted(earlier - _earlier_cases(path.parent))  # the new bundle's ids
     if removed:  # the earlier bundle's own files, replaced: say which ones are gone
         shown = ", ".join(removed[:5]) + (", ..." if len(removed) > 5 else "")
         print(f"replaced the earlier bundle: removed {len(removed)} case file(s) that suite "

@@ -73,7 +73,8 @@ def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool 
                          require=require, recompute=recompute,
                          exact_max_seconds=exact_max_seconds)
     directory, manifest = bundle.directory, bundle.manifest
-    options.update(method=gradcheck_method, bit_identical=bundle.bit_identical)
+    options.update(method=gradcheck_method, bit_identical=bundle.bit_identical,
+                   generator=manifest.get("generator"))
     watch = Watchdog(client, timeout, "verify")
     results: dict[str, CaseResult] = {}
     futures = {}

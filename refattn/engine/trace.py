@@ -20,6 +20,8 @@ __all__ = [
     "GRADIENT_NAMES",
     "OPTIONAL_FORWARD_NAMES",
     "OPTIONAL_GRADIENT_NAMES",
+    "SAVED_STATE_NAMES",
+    "SAVED_STATE_OMITS",
     "Gradients",
     "Trace",
 ]
@@ -32,6 +34,14 @@ GRADIENT_NAMES = (
     "grad_output", "grad_v", "grad_consumed", "grad_probs", "row_dot", "row_dot_output",
     "grad_scores", "grad_q", "grad_k", "grad_bias",
 )
+#: what a saved-state trace keeps of the forward (a kernel's saved state: the numba golden
+#: generator, :mod:`refattn.engine.numba.generator`): no (B, Hq, Q, K) tensor
+SAVED_STATE_NAMES = ("row_max", "lse", "output", "sanitized_rows")
+#: the trace and gradient tensors a saved-state case does not store: every (B, Hq, Q, K) stage
+SAVED_STATE_OMITS = frozenset(
+    [n for n in FORWARD_NAMES if n not in SAVED_STATE_NAMES]
+    + ["softcap_input", "sink_probs", "grad_consumed", "grad_probs", "grad_scores",
+       "grad_softcap_input"])
 #: tensors that exist only when a score modifier is on (softcap, sink); None otherwise
 OPTIONAL_FORWARD_NAMES = ("softcap_input", "sink_probs")
 OPTIONAL_GRADIENT_NAMES = ("grad_softcap_input", "grad_sink")

@@ -16,7 +16,8 @@ from pathlib import Path
 import pytest
 
 from refattn import RefAttnError
-from refattn.bundle import fsio, transaction, write_bundle
+from refattn.bundle import write_bundle
+from refattn.bundle.storage import fsio, transaction
 from refattn.bundle.suites import build_suite
 from refattn.bundle.verification.verifier import verify
 from refattn.cli import main

@@ -34,10 +34,12 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from refattn._checks import format_index
+from refattn.call.placement import operand_multipliers
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
 
-__all__ = ["FORWARD_BOUND", "FORWARD_TENSORS", "GRADIENT_BOUND", "STRUCTURAL_ZEROS",
-           "TensorBound", "check_bound", "kappa", "natural_scales"]
+__all__ = ["BLOCK_ELEMENTS", "FORWARD_BOUND", "FORWARD_TENSORS", "GRADIENT_BOUND",
+           "RECORD_RULE", "STRUCTURAL_ZEROS", "TensorBound", "audit_record", "check_bound",
+           "guarantee_record", "kappa", "natural_scales", "saved_state_scales"]
 
 #: normwise relative bound of the forward tensors, times kappa (README, docs/verify.md)
 FORWARD_BOUND = 1e-14
@@ -123,7 +125,8 @@ def natural_scales(call: Any, trace: Any, grads: Any) -> dict[str, float]:
         "row_max": biased.max(), "lse": biased.max() + np.log(call.score_shape[3]) + 1.0,
         "probs": 1.0, "dropout_multiplier": a(z).max(), "consumed": a(z).max(),
         "output": (a(trace.consumed) @ a(v_eff)).max(),
-        "grad_v": (a(trace.consumed).swapaxes(-1, -2) @ a(g_o)).max(),
+        "grad_v": sum_heads(a(trace.consumed).swapaxes(-1, -2) @ a(g_o), call.head_map,
+                            call.v.shape[1]).max(),
         "grad_consumed": (a(g_o) @ a(v_eff).swapaxes(-1, -2)).max(),
         "grad_probs": g_probs.max(), "row_dot": (trace.probs * g_probs).sum(-1).max(),
         "row_dot_output": (a(g_o) * a(trace.output)).sum(-1).max(),
@@ -257,3 +260,260 @@ def check_bound(stored: Mapping[str, np.ndarray], reference: Mapping[str, np.nda
         out.append(_tensor_bound(name, np.asarray(stored[name]), np.asarray(reference[name]),
                                  kappa, scale, factor, what))
     return out
+
+
+#: (B, Hq, Q, K) elements per block of :func:`saved_state_scales` (about 16 MiB per array)
+BLOCK_ELEMENTS = 1 << 21
+
+
+def _z_block(call: Any, b: int, i0: int, i1: int) -> np.ndarray | float:
+    """|Z| of batch row ``b``, every head, query rows ``[i0, i1)``: (Hq, r, K), or 1.0."""
+    source = call.dropout
+    if source is None:
+        return 1.0
+    _, Hq, _, K = call.score_shape
+    if isinstance(source, np.ndarray):
+        full = np.broadcast_to(source, call.score_shape)
+        return np.abs(full[b, :, i0:i1])
+    return np.abs(np.stack([source.multiplier_block(b, h, i0, i1, 0, K, Hq=Hq)
+                            for h in range(Hq)]))
+
+
+def _visible_block(call: Any, b: int, i0: int, i1: int) -> np.ndarray:
+    """(Hq, r, K) bool: the support of the probabilities (sanitised rows read key 0)."""
+    _, Hq, _, K = call.score_shape
+    rel = call.relation
+    if rel is not None:  # evaluated on this block only, at its broadcast batch and head
+        rb = b if rel.shape[0] > 1 else 0
+        if rel.shape[1] > 1:
+            vis = np.stack([rel.tile(rb, i0, i1, 0, K, h=h) for h in range(Hq)])
+        else:
+            vis = np.broadcast_to(rel.tile(rb, i0, i1, 0, K), (Hq, i1 - i0, K))
+    else:
+        vis = call.visible_full()[b, :, i0:i1]
+    sanitized = call.sanitized_rows()[b, :, i0:i1]  # (Hq, r)
+    if sanitized.any():
+        vis = vis.copy()
+        vis[..., 0] |= sanitized
+    return vis
+
+
+def saved_state_scales(call: Any, trace: Any, grads: Any) -> tuple[float, dict[str, float]]:
+    """:func:`kappa` of the call's scores and :func:`natural_scales` of a saved-state trace.
+
+    The same quantities as the dense functions, computed in blocks of query rows (at most
+    :data:`BLOCK_ELEMENTS` scores each) from the inputs, the trace's ``lse`` and ``output`` and
+    the gradients' ``row_dot``: a generator that stores no ``(B, Hq, Q, K)`` tensor records its
+    bound without ever holding one. Natural magnitudes are those of the tensors a saved-state
+    case stores (row_max, lse, output, grad_v, row_dot, row_dot_output, grad_q, grad_k,
+    grad_bias), dot-family calls only (``{}`` otherwise, as :func:`natural_scales`).
+
+    Parameters
+    ----------
+    call : AttentionCall
+    trace : Trace
+        With ``lse`` (B, Hq, Q) and ``output`` (B, Hq, Q, Dv).
+    grads : Gradients
+        With ``grad_output`` and ``row_dot`` (B, Hq, Q).
+
+    Returns
+    -------
+    (float, dict of str to float)
+
+    Examples
+    --------
+    >>> import refattn
+    >>> rng = np.random.default_rng(3)
+    >>> q, k, v = (rng.standard_normal((2, 2, 5, 4)) for _ in range(3))
+    >>> call = refattn.AttentionCall(q, k, v, bias=rng.standard_normal((5, 5)))
+    >>> t = refattn.forward(call)
+    >>> g = refattn.backward(t, rng.standard_normal((2, 2, 5, 4)))
+    >>> kap, scales = saved_state_scales(call, t, g)
+    >>> dense = natural_scales(call, t, g)
+    >>> kap == kappa(t.scores), all(np.isclose(scales[n], dense[n], rtol=1e-13) for n in scales)
+    (True, True)
+    """
+    B, Hq, Q, K = call.score_shape
+    Hkv, Dk, Dv = call.k.shape[1], call.q.shape[3], call.v.shape[3]
+    head_map = call.head_map
+    mult = operand_multipliers(call.scale, call.scale_placement)
+    family = call.score
+    dot = family.name == "dot"
+    q_s = call.q if mult.query == 1.0 else call.q * mult.query  # the placement's operands
+    k_s = gather_heads(call.k if mult.key == 1.0 else call.k * mult.key, head_map)
+    a = np.abs
+    k_eff, v_eff = a(gather_heads(call.k, head_map)), a(gather_heads(call.v, head_map))
+    qv = np.broadcast_to(call.query_valid_full(), (B, 1, Q, 1))
+    bias4 = None if call.bias is None else call.bias.reshape((1,) * (4 - call.bias.ndim)
+                                                             + call.bias.shape)
+    rows = max(1, min(Q, BLOCK_ELEMENTS // max(1, Hq * K)))
+    big = {"kappa": 0.0, "scores": 0.0, "biased": 0.0, "output": 0.0, "row_dot": 0.0,
+           "row_dot_output": 0.0, "grad_q": 0.0, "grad_v": 0.0, "grad_k": 0.0}
+    g_bias = None if bias4 is None else np.zeros(bias4.shape)
+    for b in range(B):
+        dv_acc, dk_acc = np.zeros((Hkv, K, Dv)), np.zeros((Hkv, K, Dk))
+        for i0 in range(0, Q, rows):
+            i1 = min(Q, i0 + rows)
+            s = family.compatibility(q_s[b:b + 1, :, i0:i1], k_s[b:b + 1])[0]  # (Hq, r, K)
+            if mult.post != 1.0:
+                s = s * mult.post
+            if call.softcap is not None:
+                s = call.softcap * np.tanh(s / call.softcap)
+            fin = a(s[np.isfinite(s)])
+            big["kappa"] = max(big["kappa"], float(fin.max()) if fin.size else 0.0)
+            if not dot:
+                continue
+            bias_blk = 0.0 if bias4 is None else np.broadcast_to(
+                bias4, (B, Hq, Q, K))[b, :, i0:i1]  # (Hq, r, K)
+            s_nat = call.scale * (a(call.q[b, :, i0:i1]) @ k_eff[b].swapaxes(-1, -2))
+            big["scores"] = max(big["scores"], float(s_nat.max()))
+            big["biased"] = max(big["biased"], float((s_nat + a(bias_blk)).max()))
+            vis = _visible_block(call, b, i0, i1)
+            with np.errstate(under="ignore", over="ignore"):
+                p = np.where(vis, np.exp(np.where(vis, s + bias_blk, 0.0)
+                                         - trace.lse[b, :, i0:i1, None]), 0.0)  # (Hq, r, K)
+            z = _z_block(call, b, i0, i1)
+            pz = p * z
+            g_o = a(np.where(qv[b, :, i0:i1], grads.grad_output[b, :, i0:i1], 0.0))  # (Hq,r,Dv)
+            big["output"] = max(big["output"], float((pz @ v_eff[b]).max()))
+            big["row_dot_output"] = max(big["row_dot_output"], float(
+                (g_o * a(trace.output[b, :, i0:i1])).sum(-1).max()))
+            g_probs = (g_o @ v_eff[b].swapaxes(-1, -2)) * z  # (Hq, r, K)
+            big["row_dot"] = max(big["row_dot"], float((p * g_probs).sum(-1).max()))
+            g_scores = p * (g_probs + a(grads.row_dot[b, :, i0:i1])[..., None])
+            big["grad_q"] = max(big["grad_q"], float((g_scores @ k_eff[b]).max()))
+            for h in range(Hq):  # kv gradients summed over the heads that share a kv head
+                dv_acc[head_map[h]] += pz[h].T @ g_o[h]
+                dk_acc[head_map[h]] += g_scores[h].T @ a(call.q[b, h, i0:i1])
+            if g_bias is not None:  # summed over the axes the bias broadcasts along
+                _, Hb, Qb, Kb = g_bias.shape
+                part = reduce_to_shape(g_scores[None], (1, Hb, i1 - i0 if Qb > 1 else 1, Kb))
+                rows_at = slice(i0, i1) if Qb > 1 else slice(0, 1)
+                g_bias[b if g_bias.shape[0] > 1 else 0, :, rows_at] += part[0]
+        big["grad_v"] = max(big["grad_v"], float(dv_acc.max(initial=0.0)))
+        big["grad_k"] = max(big["grad_k"], float(dk_acc.max(initial=0.0)))
+    kap = max(1.0, big["kappa"] / 16)
+    if not dot:
+        return kap, {}
+    out = {"row_max": big["biased"], "lse": big["biased"] + np.log(K) + 1.0,
+           "output": big["output"], "grad_v": big["grad_v"], "row_dot": big["row_dot"],
+           "row_dot_output": big["row_dot_output"], "grad_q": call.scale * big["grad_q"],
+           "grad_k": call.scale * big["grad_k"]}
+    if g_bias is not None:
+        out["grad_bias"] = float(g_bias.max())
+    return kap, {name: max(float(x), float(np.finfo(float).tiny)) for name, x in out.items()}
+
+
+#: the rule a recorded guarantee names (docs/verify.md, "The float64 backends against exact")
+RECORD_RULE = "float64_backend_bound"
+#: tensors a record never lists: the call's inputs, stored as given
+_INPUTS = frozenset({"q", "k", "v", "head_map", "visible", "query_valid", "bias", "dropout",
+                     "sink", "grad_output", "k_pages", "v_pages", "block_table", "seqlens"})
+
+
+def _allowance(name: str, t: np.ndarray, kap: float, scale: float | None) -> dict[str, float]:
+    """The bound of one tensor as :func:`check_bound` applies it (factor 1)."""
+    forward = name in FORWARD_TENSORS
+    if scale is not None:
+        rec = {"elementwise": GRADIENT_BOUND * kap * scale}
+    else:
+        fin = t[np.isfinite(t)]
+        rec = {"elementwise": GRADIENT_BOUND * kap * (float(np.abs(fin).max()) if fin.size
+                                                        else 0.0)}
+    if forward or scale is None:
+        rec["normwise_relative"] = (FORWARD_BOUND if forward else GRADIENT_BOUND) * kap
+    return rec
+
+
+def guarantee_record(backend: str, tensors: Mapping[str, np.ndarray], kap: float,
+                     scales: Mapping[str, float]) -> dict[str, Any]:
+    """The manifest's ``guarantee`` record of a float64-generated case: per computed tensor,
+    the bound verify applies against the correctly rounded result.
+
+    ``elementwise``: the largest ``|stored - correctly rounded|`` allowed at any element
+    (``GRADIENT_BOUND x kappa x`` the tensor's natural magnitude, or its largest value where
+    none is defined); ``normwise_relative``: the allowed ``||stored - ref|| / ||ref||`` (forward
+    tensors: ``FORWARD_BOUND x kappa``). Integer and boolean tensors must be equal.
+
+    Examples
+    --------
+    >>> rec = guarantee_record("numba", {"output": np.ones(3), "q": np.ones(3)}, 2.0,
+    ...                        {"output": 4.0})
+    >>> rec["tensors"], rec["kappa"]
+    ({'output': {'elementwise': 8e-12, 'normwise_relative': 2e-14}}, 2.0)
+    """
+    listed: dict[str, Any] = {}
+    for name in sorted(tensors):
+        t = np.asarray(tensors[name])
+        if name in _INPUTS or name.startswith(("score_", "quant_")):
+            continue
+        if t.dtype.kind != "f":
+            listed[name] = {"equal": True}
+            continue
+        listed[name] = _allowance(name, t, kap, scales.get(name))
+    return {"generator": backend, "rule": RECORD_RULE, "reference": "correctly rounded",
+            "forward_bound": FORWARD_BOUND, "gradient_bound": GRADIENT_BOUND, "kappa": kap,
+            "tensors": listed}
+
+
+def audit_record(record: Any, claimed: str, reference: Mapping[str, np.ndarray], kap: float,
+                 scales: Mapping[str, float], stored: Any) -> list[str]:
+    """What is wrong with a case's recorded guarantee, against verify's own bound.
+
+    The record must name the claimed generator and the float64 backend rule with its
+    constants, list exactly the computed tensors the case stores, and allow no tensor more
+    than verify's own allowance, computed from ``reference`` (the correctly rounded or float64
+    recomputation), its ``kap`` and ``scales`` (a relative slack of 1e-6 for the two runs'
+    roundings). Verify applies its own bound whatever the record says; a looser record is a
+    false claim about the file.
+
+    Returns
+    -------
+    list of str
+        One reason per problem (empty: the record is honest).
+
+    Examples
+    --------
+    >>> ref = {"output": np.ones(3)}
+    >>> rec = guarantee_record("numba", ref, 1.0, {"output": 1.0})
+    >>> audit_record(rec, "numba", ref, 1.0, {"output": 1.0}, ref)
+    []
+    >>> rec["tensors"]["output"]["elementwise"] = 1e-9
+    >>> audit_record(rec, "numba", ref, 1.0, {"output": 1.0}, ref)[0][:58]
+    'output: the record allows elementwise 1e-09, looser than t'
+    """
+    if not isinstance(record, Mapping):
+        return ["the guarantee record is not an object"]
+    problems = []
+    for key, want in (("generator", claimed), ("rule", RECORD_RULE),
+                      ("forward_bound", FORWARD_BOUND), ("gradient_bound", GRADIENT_BOUND)):
+        if record.get(key) != want:
+            problems.append(f"the guarantee record's {key} is {record.get(key)!r}, expected "
+                            f"{want!r} (the {claimed} generator's float64 backend bound)")
+    listed = record.get("tensors")
+    if not isinstance(listed, Mapping):
+        return [*problems, "the guarantee record lists no tensors"]
+    computed = {n for n in stored if n not in _INPUTS and not n.startswith(("score_", "quant_"))}
+    for name in sorted(computed ^ set(listed)):
+        where = "stored but not listed" if name in computed else "listed but not stored"
+        problems.append(f"{name}: {where} in the guarantee record")
+    for name in sorted(computed & set(listed) & set(reference)):
+        got, ref = listed[name], np.asarray(reference[name])
+        if not isinstance(got, Mapping):
+            problems.append(f"{name}: the guarantee record's entry is not an object")
+            continue
+        if ref.dtype.kind != "f":
+            if got != {"equal": True}:
+                problems.append(f"{name}: {ref.dtype} values must be recorded as equal")
+            continue
+        own = _allowance(name, ref, kap, scales.get(name))
+        for key in sorted(set(got) | set(own)):
+            value = got.get(key)
+            if key not in own or not isinstance(value, (int, float)) or isinstance(
+                    value, bool) or not np.isfinite(value):
+                problems.append(f"{name}: the guarantee record's {key!r} is {value!r}; "
+                                f"verify's bound has {sorted(own)}")
+            elif value > own[key] * (1 + 1e-6):
+                problems.append(f"{name}: the record allows {key} {value:.3g}, looser than the "
+                                f"{claimed} guarantee verify applies ({own[key]:.3g})")
+    return problems

@@ -87,6 +87,10 @@ class CaseSpec:
     comment : str
     quant : dict, optional
         A quantised case's manifest record (``{"spec": QuantSpec.to_manifest()}``), or None.
+    guarantee : dict, optional
+        A float64-generated case's recorded bound (its manifest entry's ``guarantee``,
+        :func:`~refattn.bundle.golden.guarantee.guarantee_record`), as the file claims it:
+        verify audits it and applies its own.
     """
 
     case_id: str
@@ -96,6 +100,13 @@ class CaseSpec:
     flags: tuple[str, ...] = ()
     comment: str = ""
     quant: Mapping[str, Any] | None = None
+    guarantee: Mapping[str, Any] | None = None
+
+    @property
+    def generator(self) -> str:
+        """The backend the call manifest says generated the case (``exact``, ``numpy`` or
+        ``numba``; a claim, which verify checks)."""
+        return str(self.call_manifest.get("backend", {}).get("selected_backend", "numpy"))
 
     # -- scalar fields ------------------------------------------------------------------
     @property
@@ -333,8 +344,12 @@ def _stream_from_manifest(record: Mapping[str, Any]) -> Any:
     raise RefAttnError(f"dropout: cannot rebuild stream {record.get('algorithm')!r}")
 
 
-def case_spec(source: LoadedCase | GoldenCase | str | os.PathLike) -> CaseSpec:
+def case_spec(source: LoadedCase | GoldenCase | str | os.PathLike, *,
+              backend: str = "exact") -> CaseSpec:
     """The :class:`CaseSpec` of a loaded case, a case file path or an in-memory GoldenCase.
+
+    An in-memory GoldenCase is computed by the generator ``backend`` (``exact`` by default;
+    :data:`~refattn.bundle.golden.case.GENERATORS`).
 
     Examples
     --------
@@ -346,7 +361,7 @@ def case_spec(source: LoadedCase | GoldenCase | str | os.PathLike) -> CaseSpec:
     if isinstance(source, (str, os.PathLike)):
         source = load(Path(source))
     if isinstance(source, GoldenCase):
-        trace, grads = compute(source)
+        trace, grads = compute(source, backend)
         tensors = case_tensors(trace, grads, source.layout)
         quant = None
         if source.quant is not None:
@@ -364,7 +379,7 @@ def case_spec(source: LoadedCase | GoldenCase | str | os.PathLike) -> CaseSpec:
             )
         return CaseSpec(source.case_id, source.tensors, entry["call"],
                         entry.get("conventions", {}), tuple(entry.get("flags", ())),
-                        entry.get("comment", ""), entry.get("quant"))
+                        entry.get("comment", ""), entry.get("quant"), entry.get("guarantee"))
     raise RefAttnError(
         f"golden: expected a LoadedCase, GoldenCase or case file path, got {type(source).__name__}"
     )

@@ -42,7 +42,8 @@ import os
 import re
 import secrets
 import stat
-from collections.abc import Mapping
+from collections import ChainMap
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -223,6 +224,25 @@ def _discard_staging(staging: Path) -> None:
     _rmdir_quiet(staging)
 
 
+class _Staged(Mapping[str, bytes]):
+    """The files :meth:`BundleTransaction.add` staged, read back when asked for (one at a
+    time: the in-place commit replaces them one by one)."""
+
+    def __init__(self, staging: Path, rels: list[str]) -> None:
+        self.staging, self.rels = staging, list(rels)
+
+    def __getitem__(self, rel: str) -> bytes:
+        if rel not in self.rels:
+            raise KeyError(rel)
+        return bytes(read_confined(self.staging, rel, max_bytes=2**40, what="staged file"))
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.rels)
+
+    def __len__(self) -> int:
+        return len(self.rels)
+
+
 class BundleTransaction:
     """Lock, check and (on :meth:`commit`) replace a bundle directory in one step.
 
@@ -253,6 +273,8 @@ class BundleTransaction:
         self.resume = resume
         self.resume_dir: Path | None = None
         self.created: list[Path] = []  # directories __enter__ made (removed again on failure)
+        self.staging: Path | None = None  # add()'s staging directory (until commit)
+        self.added: list[str] = []  # the bundle paths add() staged, in order
 
     # -- entry: refuse early, before any arithmetic -----------------------------------------
     def __enter__(self) -> BundleTransaction:
@@ -292,9 +314,14 @@ class BundleTransaction:
         return self
 
     def __exit__(self, exc_type: object, *exc: object) -> None:
-        self.lock.__exit__()
-        if exc_type is not None:  # failed or interrupted (Ctrl-C) before the swap
-            self._remove_created()
+        try:
+            if self.staging is not None:  # added but never committed: nothing reaches DIR
+                _discard_staging(self.staging)
+                self.staging = None
+        finally:
+            self.lock.__exit__()
+            if exc_type is not None:  # failed or interrupted (Ctrl-C) before the swap
+                self._remove_created()
 
     def _remove_created(self) -> None:
         """Remove the directories this transaction created, deepest first, if still empty."""
@@ -443,12 +470,48 @@ class BundleTransaction:
         fsync_dir(self.out.parent)
         self.resume_dir = None
 
-    # -- the commit ---------------------------------------------------------------------------
+    # -- files one at a time, then the commit ---------------------------------------------------
+    def add(self, rel: str, data: bytes | bytearray) -> None:
+        """Write one file of the new bundle now, into the staging directory (nothing reaches
+        ``DIR`` before :meth:`commit`; a failure or Ctrl-C removes the staging directory).
+
+        A bundle of any size is then written holding one file in memory at a time.
+        ``rel`` is a bundle path (``cases/<case_id>.safetensors``); added once.
+
+        Examples
+        --------
+        >>> import tempfile
+        >>> d = Path(tempfile.mkdtemp()) / "bundle"
+        >>> with BundleTransaction(d) as tx:
+        ...     tx.add("cases/a.safetensors", b"x")
+        ...     tx.commit({"manifest.json": b"{}"})
+        >>> sorted(str(p.relative_to(d)) for p in d.rglob("*"))
+        ['cases', 'cases/a.safetensors', 'manifest.json']
+        """
+        if self.lock.fd is None:
+            raise RefAttnError("bundle transaction: add() outside its with block")
+        if self.resume_dir is not None:
+            self.stage(rel, data)
+            return
+        if not (rel.startswith("cases/") and _CASE_NAME.match(rel[len("cases/"):])):
+            raise RefAttnError(f"add: {rel!r} is not a case file (cases/<case_id>.safetensors)")
+        if rel in self.added:
+            raise RefAttnError(f"add: {rel!r} was added already")
+        if self.staging is None:
+            self.staging = self._new_staging()
+            try:
+                (self.staging / "cases").mkdir()
+            except OSError as exc:
+                raise os_error(self.staging, exc, "cannot create") from None
+        write_new(self.staging / rel, data)
+        self.added.append(rel)
+
     def commit(self, files: Mapping[str, bytes]) -> None:
         """Write ``files`` (relative path -> bytes; ``manifest.json`` among them) as the
         bundle, replacing refattn's previous files and nothing else.
 
-        A resumable transaction's bundle is its staged files plus ``files``."""
+        The bundle is the files :meth:`add` staged (or, resumable, :meth:`stage`) plus
+        ``files``."""
         if self.lock.fd is None:
             raise RefAttnError("bundle transaction: commit() outside its with block")
         s = survey(self.out)  # again, under the lock: the user may have added files
@@ -456,19 +519,29 @@ class BundleTransaction:
         if self.resume_dir is not None:
             self._commit_resume(files, s)
         elif s.foreign:
+            staged = self.staging
+            if staged is not None:  # read back one at a time as they are replaced
+                files = ChainMap(dict(files), _Staged(staged, self.added))
             self._commit_in_place(files, s)
+            if staged is not None:
+                _discard_staging(staged)
+                self.staging = None
         else:
             self._commit_swap(files, s)
 
-    def _stage(self, files: Mapping[str, bytes]) -> Path:
-        parent = self.out.parent
-        staging = parent / f".{self.out.name}{STAGING_MARK}{secrets.token_hex(6)}"
+    def _new_staging(self) -> Path:
+        staging = self.out.parent / f".{self.out.name}{STAGING_MARK}{secrets.token_hex(6)}"
         try:
             staging.mkdir()
         except OSError as exc:
             raise os_error(staging, exc, "cannot create the staging directory") from None
+        return staging
+
+    def _stage(self, files: Mapping[str, bytes]) -> Path:
+        staging = self.staging or self._new_staging()
+        self.staging = None  # from here on this method owns (and on failure removes) it
         try:
-            dirs = {staging}
+            dirs = {staging, *({staging / "cases"} if self.added else ())}
             for rel, data in sorted(files.items(), key=lambda kv: kv[0] == "manifest.json"):
                 path = staging / rel
                 if path.parent not in dirs:

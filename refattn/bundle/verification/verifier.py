@@ -44,7 +44,8 @@ from refattn.engine import BACKENDS
 from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS
 from refattn.errors import RefAttnError
 
-__all__ = ["OpenedBundle", "check_file", "open_bundle", "verify", "verify_case_bytes"]
+__all__ = ["OpenedBundle", "check_file", "open_bundle", "same_environment", "verify",
+           "verify_case_bytes"]
 
 
 # -- one case --------------------------------------------------------------------------------
@@ -72,10 +73,15 @@ def verify_case_bytes(case_id: str, entry: Mapping[str, Any], data: bytes | byte
                       method: GradcheckMethod = "auto", backend: str | None = None,
                       exact: bool = False, bit_identical: bool | None = None,
                       require: str = "float64",
-                      exact_max_seconds: float = DEFAULT_MAX_SECONDS) -> CaseResult:
+                      exact_max_seconds: float = DEFAULT_MAX_SECONDS,
+                      generator: Mapping[str, Any] | None = None) -> CaseResult:
     """Steps (3)-(6) of one case whose bytes :func:`check_file` read (a worker's task in
-    ``refattn verify --workers``): the verdict :func:`verify` gives that case."""
-    return _verify_case(Path("."), case_id, entry, {"cases": {case_id: entry}},
+    ``refattn verify --workers``): the verdict :func:`verify` gives that case (``generator``:
+    the bundle manifest's record, checked against the case's own claim)."""
+    manifest: dict[str, Any] = {"cases": {case_id: entry}}
+    if generator is not None:
+        manifest["generator"] = generator
+    return _verify_case(Path("."), case_id, entry, manifest,
                         recompute=recompute, gradcheck=gradcheck, method=method,
                         backend=backend, exact=exact, bit_identical=bit_identical,
                         require=require, exact_max_seconds=exact_max_seconds,
@@ -102,6 +108,7 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
                                f"{case_id!r}")
         spec = case_spec(case_file)
         problems += check_recorded(spec, spec.to_call())
+        problems += _generator_claims(spec, manifest)
     except RefAttnError as exc:
         return CaseResult(case_id, checked, problems=(Problem(case_id, None, "file", str(exc)),))
     max_err = identical = grad_err = guarantee = backend_error = None
@@ -143,6 +150,20 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
     return CaseResult(case_id, checked, max_err, identical, grad_err, inputs, grad_method,
                       tuple(problems), tuple(notes), certified, guarantee,
                       backend if backend_error is not None else None, backend_error)
+
+
+def _generator_claims(spec: Any, manifest: Any) -> list[Problem]:
+    """The bundle's generator record against the case's own claim (its call manifest): one
+    backend names every case's; ``mixed`` lists each case's."""
+    generator = manifest.get("generator") if isinstance(manifest, Mapping) else None
+    if not isinstance(generator, Mapping) or "backend" not in generator:
+        return []
+    named = generator.get("backend")
+    allowed = set(generator.get("backends") or ()) if named == "mixed" else {named}
+    if spec.generator in allowed:
+        return []
+    return [Problem(spec.case_id, None, "manifest", f"the bundle's generator record names "
+                    f"{sorted(allowed)}, the case's call manifest {spec.generator!r}")]
 
 
 # -- the bundle -----------------------------------------------------------------------------
@@ -225,8 +246,8 @@ class OpenedBundle(NamedTuple):
     directory: Path
     raw: Mapping[str, Any]
     manifest: Mapping[str, Any]
-    #: True where the bundle's numpy generator ran on this very environment (its bytes must
-    #: then come back identical), else None (the float64 rule applies)
+    #: True where the bundle's numpy or numba generator ran on this very environment (its
+    #: bytes must then come back identical), else None (the float64 rule applies)
     bit_identical: bool | None
 
     def report(self, results: Sequence[CaseResult]) -> VerifyReport:
@@ -267,10 +288,32 @@ def open_bundle(directory: str | os.PathLike, *, backend: str | None,
     directory = Path(directory)
     raw = read_manifest(directory / "manifest.json")
     manifest = check_schema(raw)
-    generator = manifest.get("generator") or {}
-    same_numpy = generator.get("backend") == "numpy" and all(
-        generator.get(k) == v for k, v in numpy_environment().items())
-    return OpenedBundle(directory, raw, manifest, True if same_numpy else None)
+    return OpenedBundle(directory, raw, manifest,
+                        True if same_environment(manifest.get("generator") or {}) else None)
+
+
+def same_environment(generator: Mapping[str, Any]) -> bool:
+    """Whether a bundle's float64 generator ran on this very environment, so that its bytes
+    must come back identical: numpy with the same numpy and BLAS, or numba with the same
+    numba, numpy, OpenBLAS (library, version and kernel) and generator layout.
+
+    Examples
+    --------
+    >>> same_environment({"backend": "exact"}), same_environment({"backend": "numpy"})
+    (False, False)
+    >>> same_environment({"backend": "numpy", **numpy_environment()})
+    True
+    """
+    match generator.get("backend"):
+        case "numpy":
+            here = numpy_environment()
+        case "numba":
+            from refattn.engine.numba.generator import environment  # loads numba
+
+            here = {**environment(), "numpy": numpy_environment()["numpy"]}
+        case _:
+            return False
+    return all(generator.get(k) == v for k, v in here.items())
 
 
 def _listing_problems(directory: Path, manifest: Mapping[str, Any]) -> list[Problem]:

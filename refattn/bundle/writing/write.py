@@ -40,6 +40,13 @@ from refattn.bundle.golden.case import (
     emulated_tensors,
     numpy_environment,
 )
+from refattn.bundle.golden.guarantee import (
+    RECORD_RULE,
+    guarantee_record,
+    kappa,
+    natural_scales,
+    saved_state_scales,
+)
 from refattn.bundle.storage.format import (
     META_KEY,
     SCHEMA,
@@ -50,11 +57,13 @@ from refattn.bundle.storage.format import (
 from refattn.bundle.storage.fsio import MAX_MANIFEST_BYTES, read_confined
 from refattn.bundle.storage.manifest import parse_manifest
 from refattn.bundle.storage.transaction import BundleTransaction
+from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS, estimate_seconds
 from refattn.engine.exact.program import ROUNDING_POINTS
+from refattn.engine.memory import available_bytes, dense_bytes
 from refattn.errors import RefAttnError
 
-__all__ = ["Encoded", "SweepWrite", "bundle_generator", "encode_case", "write_bundle",
-           "write_sweep"]
+__all__ = ["Encoded", "SweepWrite", "bundle_generator", "check_generator", "encode_case",
+           "write_bundle", "write_sweep"]
 
 
 class Encoded(NamedTuple):
@@ -79,7 +88,11 @@ def encode_case(case: GoldenCase, backend: str = "exact") -> tuple[bytes, dict[s
 
     The entry records, besides the call manifest and checksums, the error of the stored
     tensors against the exact real result of the whole computation
-    (:func:`~refattn.analysis.reference_error.reference_error`).
+    (:func:`~refattn.analysis.reference_error.reference_error`; ``exact`` and ``numpy``
+    cases, whose real result is evaluated in arbitrary precision), and for a float64 generator
+    (``numpy``, ``numba``) the bound each stored tensor is within of the correctly rounded
+    result, the ``guarantee`` that ``refattn verify`` applies
+    (:func:`~refattn.bundle.golden.guarantee.guarantee_record`).
 
     Examples
     --------
@@ -110,8 +123,13 @@ def encode_case(case: GoldenCase, backend: str = "exact") -> tuple[bytes, dict[s
         "conventions": case_conventions(case),
         "call": trace.manifest(),
         "tensors": records,
-        "reference_error": reference_error(case.call, tensors),
     }
+    if backend != "numba":  # arbitrary precision: affordable at the miniatures' shapes only
+        entry["reference_error"] = reference_error(case.call, tensors)
+    if backend != "exact":
+        kap, scales = (saved_state_scales(case.call, trace, grads) if backend == "numba" else
+                       (kappa(trace.scores), natural_scales(case.call, trace, grads)))
+        entry["guarantee"] = guarantee_record(backend, tensors, kap, scales)
     if case.quant is not None:
         entry["quant"] = case.quant.manifest()
     return data, entry
@@ -151,9 +169,63 @@ def _generator(backend: str) -> dict[str, Any]:
                                "rounding": "binary64 round to nearest, ties to even",
                                "specification": "docs/EXACT_ROUNDING.md",
                                "rounding_points": dict(ROUNDING_POINTS)}}
+    if backend == "numba":
+        from refattn.engine.numba.generator import environment  # loads numba: here only
+
+        return {"refattn": __version__, "backend": backend, **environment(),
+                "numpy": numpy_environment()["numpy"], "safetensors": safetensors.__version__,
+                "arithmetic": {"mode": "ieee754_binary64", "guarantee": RECORD_RULE}}
     return {"refattn": __version__, "backend": backend, **numpy_environment(),
             "safetensors": safetensors.__version__,
-            "arithmetic": {"mode": "ieee754_binary64"}}
+            "arithmetic": {"mode": "ieee754_binary64", "guarantee": RECORD_RULE}}
+
+
+def check_generator(case: GoldenCase, backend: str) -> None:
+    """Refuse, before any arithmetic, a case that generator ``backend`` cannot write here:
+    ``exact`` over its time limit (its own estimate), ``numpy`` over the memory available
+    (its full trace), ``numba`` for a call its fused kernel does not run. The message names
+    the case, the estimate and the generator that would write it.
+
+    Examples
+    --------
+    >>> import numpy as np
+    >>> from refattn.call import AttentionCall
+    >>> x = np.zeros((1, 4, 4096, 128))
+    >>> try:
+    ...     check_generator(GoldenCase("long", AttentionCall(x, x, x), x, ""), "exact")
+    ... except RefAttnError as exc:
+    ...     print(str(exc)[:71])
+    --backend exact: case 'long' would take about 1.1e+03 s correctly rounded
+    """
+    call = case.call
+    match backend:
+        case "exact":
+            seconds = estimate_seconds(call)
+            if seconds > DEFAULT_MAX_SECONDS:
+                raise RefAttnError(
+                    f"--backend exact: case {case.case_id!r} would take about {seconds:.2g} s "
+                    f"correctly rounded, over the exact generator's limit of "
+                    f"{DEFAULT_MAX_SECONDS:g} s per case; generate it with --backend numba "
+                    "(float64 within the bound of the correctly rounded result that the "
+                    "manifest records and verify applies)")
+        case "numpy":
+            need = max(dense_bytes(call, "forward"), dense_bytes(call, "backward"))
+            have = available_bytes()
+            if have is not None and need > have:
+                raise RefAttnError(
+                    f"--backend numpy: case {case.case_id!r} needs about {need / 2**30:.1f} "
+                    f"GiB for its full (B, Hq, Q, K) trace, more than the {have / 2**30:.1f} "
+                    "GiB available; generate it with --backend numba (no (B, Hq, Q, K) "
+                    "tensor)")
+        case "numba":
+            from refattn.engine.numba.generator import refusal  # loads numba: here only
+
+            why = refusal(call)
+            if why is not None:
+                raise RefAttnError(f"--backend numba: case {case.case_id!r}: {why}")
+        case _:
+            raise RefAttnError(f"backend: golden bundles are generated by one of "
+                               f"{list(GENERATORS)}, got {backend!r}")
 
 
 def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: str,
@@ -169,8 +241,10 @@ def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: 
     cases : iterable of GoldenCase
     suite : str
         Name recorded in the manifest.
-    backend : {"exact", "numpy"}
-        Generator: ``exact`` (default) writes the same bytes on every machine.
+    backend : {"exact", "numpy", "numba"}
+        Generator: ``exact`` (default) writes the same bytes on every machine; ``numpy`` the
+        full float64 trace; ``numba`` the saved-state tensors of the fused kernel, fast at
+        kernel shapes (:data:`~refattn.bundle.golden.case.GENERATORS`).
     force : bool
         Write beside files refattn did not write (they are left untouched). A foreign
         ``manifest.json`` or a foreign file inside ``cases/`` is refused even then.
@@ -188,7 +262,8 @@ def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: 
     RefAttnError
         On duplicate case ids, an output directory that is not refattn's to write (see
         :mod:`refattn.bundle.storage.transaction`), a concurrent writer, or a write that fails (a
-        full disk, a read-only directory): the previous bundle is then left as it was.
+        full disk, a read-only directory): the previous bundle is then left as it was; a
+        case the generator cannot write (:func:`check_generator`), before any arithmetic.
 
     Examples
     --------
@@ -209,20 +284,22 @@ def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: 
                            f"got {backend!r}")
     out = Path(out)
     with BundleTransaction(out, force=force) as tx:  # refuse before any arithmetic
-        encoded: dict[str, tuple[bytes, dict[str, Any]]] = {}
-        cases = list(cases)
-        for case in progress_bar(cases, desc=f"golden {suite}", enabled=progress):
-            # compute everything first: a failing case writes nothing
-            if case.case_id in encoded:
+        entries: dict[str, dict[str, Any]] = {}
+        todo = cases if isinstance(cases, Sequence) else list(cases)
+        for case in todo:  # every case the generator cannot write, named before any work
+            check_generator(case, backend)
+        for case in progress_bar(todo, desc=f"golden {suite}", enabled=progress):
+            # each file staged as it is computed (one in memory at a time); a failing case
+            # discards the staging, so nothing reaches ``out``
+            if case.case_id in entries:
                 raise RefAttnError(f"case_id: duplicate case {case.case_id!r} in suite "
                                    f"{suite!r}")
-            encoded[case.case_id] = encode_case(case, backend)
+            data, entry = encode_case(case, backend)
+            tx.add(entry["file"], data)
+            entries[case.case_id] = entry
         manifest = {"schema": SCHEMA, "schema_version": SCHEMA_VERSION, "suite": suite,
-                    "generator": _generator(backend),
-                    "cases": {case_id: entry for case_id, (_, entry) in encoded.items()}}
-        files = {entry["file"]: data for data, entry in encoded.values()}
-        files["manifest.json"] = dump_json(manifest)
-        tx.commit(files)
+                    "generator": _generator(backend), "cases": entries}
+        tx.commit({"manifest.json": dump_json(manifest)})
     return tx.out / "manifest.json"
 
 

@@ -118,8 +118,14 @@ def block_rows(Q: int, K: int, buffers: int, budget: int = BUFFER_BYTES) -> int:
     return min(Q, max(32, fit // 32 * 32))
 
 
-def task_layout(call: AttentionCall, provider: Provider, budget: int) -> Layout:
+def task_layout(call: AttentionCall, provider: Provider, budget: int, *,
+                nominal_threads: int | None = None) -> Layout:
     """The query block and thread layout of ``call`` under ``provider`` and ``budget`` bytes.
+
+    ``nominal_threads`` (``heads`` layout): size the query chunks for that many threads
+    instead of numba's current count, so that the blocks, the chunks and with them every bit
+    of the result are the same whatever the number of threads that runs them (the golden
+    generator's layout, :mod:`refattn.engine.numba.generator`).
 
     Blocks are as large as the budget allows (:func:`block_rows`), but at most
     :data:`MASKED_BLOCK_ROWS` rows where a ``visible`` mask or relation can skip key chunks.
@@ -167,9 +173,10 @@ def task_layout(call: AttentionCall, provider: Provider, budget: int) -> Layout:
     groups = a["B"] * a["Hkv"]
     if provider.layout == "blas":
         return Layout(BQ, 1, 1, threads)  # one task at a time on threaded BLAS
-    if groups >= threads:
+    sized_for = threads if nominal_threads is None else nominal_threads
+    if groups >= sized_for:
         return Layout(BQ, 1, threads, 1)
-    want = math.ceil(threads / groups)  # query chunks per group to occupy every thread
+    want = math.ceil(sized_for / groups)  # query chunks per group to occupy every thread
     if nqb < want:  # smaller blocks, so that there are chunks to share out
         BQ = min(BQ, max(32, -(-math.ceil(a["Q"] / want) // 32) * 32))
         nqb = -(-a["Q"] // BQ)
@@ -293,7 +300,8 @@ def _gbias(call: AttentionCall, C: int) -> tuple[int, tuple[int, ...]]:
 
 def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np.ndarray,
           *, post: float, fq: float, fk: float, provider: Provider,
-          budget: int | None = None) -> tuple[np.ndarray, dict[str, Any]]:
+          budget: int | None = None, nominal_threads: int | None = None
+          ) -> tuple[np.ndarray, dict[str, Any]]:
     """Run the fused kernel on dot-score operands; return the output and raw gradients.
 
     ``q_s`` (B, Hq, Q, D) and ``k_s`` (B, Hkv, K, D) are the operands whose dot product,
@@ -303,7 +311,8 @@ def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np
     """
     B, Hq, Q, K = call.score_shape
     Hkv, Dk, Dv = call.k.shape[1], q_s.shape[3], call.v.shape[3]
-    lay = task_layout(call, provider, provider.budget if budget is None else budget)
+    lay = task_layout(call, provider, provider.budget if budget is None else budget,
+                      nominal_threads=nominal_threads)
     drop, zop = _dropout(call)
     mode, gshape = _gbias(call, lay.chunks)
     full = call.score_shape
@@ -338,7 +347,7 @@ def fused(call: AttentionCall, grad_output: np.ndarray, q_s: np.ndarray, k_s: np
     return out, {
         "dq": dq, "dk": dk.sum(axis=0) if C > 1 else dk[0],
         "dv": dv.sum(axis=0) if C > 1 else dv[0], "row_dot": rowdot, "row_dot_output": dvec,
-        "lse": lse, "grad_bias": grad_bias, "sanitized": sanitized,
+        "lse": lse, "row_max": row_max, "grad_bias": grad_bias, "sanitized": sanitized,
         "info": {"block_q": lay.block_q, "chunks": C, "threads": lay.threads,
                  "blas_threads": lay.blas_threads, **provider.record(),
                  "split_tiles": split_tiles(provider, lay, Dk, Dv).tolist(),
@@ -360,8 +369,13 @@ def _unit_backward(g_hat: np.ndarray, x_hat: np.ndarray, n: np.ndarray,
 
 
 def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *, provider: Provider,
-                   budget: int | None = None) -> tuple[np.ndarray, Gradients, dict[str, Any]]:
-    """Output, Gradients and the run's layout record of ``call`` on the fused kernel.
+                   budget: int | None = None, nominal_threads: int | None = None
+                   ) -> tuple[np.ndarray, Gradients, dict[str, Any]]:
+    """Output, Gradients and the run's record of ``call`` on the fused kernel.
+
+    The record holds the layout and tile counts, and the forward's saved rows ``lse`` and
+    ``row_max`` (B, Hq, Q) and ``sanitized`` (B, Hq, Q) bool. ``nominal_threads``: as
+    :func:`task_layout`'s.
 
     Raises
     ------
@@ -371,11 +385,12 @@ def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *, provider: Pr
     # the host's own products (q W, dq W^T, ...) run on this thread: a threaded BLAS call
     # here leaves the library's workers spinning against numba's threads for about 0.1 s
     with single_thread_blas():
-        return _value_and_grad(call, grad_output, provider, budget)
+        return _value_and_grad(call, grad_output, provider, budget, nominal_threads)
 
 
 def _value_and_grad(call: AttentionCall, grad_output: np.ndarray, provider: Provider,
-                    budget: int | None) -> tuple[np.ndarray, Gradients, dict[str, Any]]:
+                    budget: int | None, nominal_threads: int | None
+                    ) -> tuple[np.ndarray, Gradients, dict[str, Any]]:
     fam = call.score
     mult = operand_multipliers(call.scale, call.scale_placement)
     q_s = call.q if mult.query == 1.0 else call.q * mult.query
@@ -385,13 +400,14 @@ def _value_and_grad(call: AttentionCall, grad_output: np.ndarray, provider: Prov
         case "dot":
             out, r = fused(call, grad_output, q_s, k_s, post=mult.post,
                            fq=mult.query * mult.post, fk=mult.key * mult.post,
-                           provider=provider, budget=budget)
+                           provider=provider, budget=budget, nominal_threads=nominal_threads)
             grad_q = r["dq"]
         case "bilinear":  # u = (q_s W) . k_s: the dot kernel on q' = q_s W
             W = fam.W if fam.W.ndim == 2 else fam.W[None]
             q_m = q_s @ W  # (B, Hq, Q, Dk)
             out, r = fused(call, grad_output, q_m, k_s, post=mult.post, fq=mult.post,
-                           fk=mult.key * mult.post, provider=provider, budget=budget)
+                           fk=mult.key * mult.post, provider=provider, budget=budget,
+                           nominal_threads=nominal_threads)
             grad_q = (r["dq"] @ W.swapaxes(-1, -2)) * mult.query  # (B, Hq, Q, Dq)
             per_head = (q_s.swapaxes(-1, -2) @ r["dq"]).sum(axis=0)  # (Hq, Dq, Dk) on BLAS
             extra["grad_score_params"] = {"W": per_head.sum(axis=0) if fam.W.ndim == 2
@@ -400,7 +416,8 @@ def _value_and_grad(call: AttentionCall, grad_output: np.ndarray, provider: Prov
             q_hat, nq, cq = _unit(q_s, fam.eps)
             k_hat, nk, ck = _unit(k_s, fam.eps)
             out, r = fused(call, grad_output, q_hat, k_hat, post=mult.post, fq=mult.post,
-                           fk=mult.post, provider=provider, budget=budget)
+                           fk=mult.post, provider=provider, budget=budget,
+                           nominal_threads=nominal_threads)
             grad_q = _unit_backward(r["dq"], q_hat, nq, cq)
             r["dk"] = _unit_backward(r["dk"], k_hat, nk, ck)
         case other:
@@ -412,4 +429,5 @@ def _value_and_grad(call: AttentionCall, grad_output: np.ndarray, provider: Prov
                       grad_probs=None, row_dot=r["row_dot"], row_dot_output=r["row_dot_output"],
                       grad_scores=None, grad_q=grad_q, grad_k=r["dk"], grad_bias=r["grad_bias"],
                       **extra)
-    return out, grads, r["info"]
+    return out, grads, {**r["info"], "lse": r["lse"], "row_max": r["row_max"],
+                        "sanitized": r["sanitized"]}
