@@ -194,7 +194,7 @@ def check_generator(case: GoldenCase, backend: str) -> None:
     >>> try:
     ...     check_generator(GoldenCase("long", AttentionCall(x, x, x), x, ""), "exact")
     ... except RefAttnError as exc:
-    ...     print(str(exc)[:71])
+    ...     print(str(exc)[:73])
     --backend exact: case 'long' would take about 1.1e+03 s correctly rounded
     """
     call = case.call
