@@ -166,8 +166,14 @@ class CaseSpec:
         return np.broadcast_to(np.True_ if qv is None else qv, (a["B"], 1, a["Q"], 1))
 
     def multiplier_full(self) -> np.ndarray:
-        """(B, Hq, Q, K) dropout multiplier Z as stored (all ones without dropout)."""
+        """(B, Hq, Q, K) dropout multiplier Z (all ones without dropout): as stored, or where
+        a case stores no trace of it (a saved-state case), the multiplier as given or
+        regenerated from its stream."""
         z = self.tensors.get("dropout_multiplier")
+        if z is None and self.has_dropout:
+            source = self._dropout_argument()
+            z = source if isinstance(source, np.ndarray) else source.multiplier(
+                *self.score_shape)
         return np.broadcast_to(np.float64(1.0) if z is None else z, self.score_shape)
 
     @property
