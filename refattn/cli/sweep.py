@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 
 from refattn._install import install_hint
+from refattn.bundle.golden.case import GENERATORS
 from refattn.distributed.cluster import DEFAULT_TIMEOUT, connect
 from refattn.distributed.sweep import describe, run_sweep
 
@@ -39,6 +40,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         epilog="examples:\n"
         "  refattn sweep sweep.toml --out sweep-bundle\n"
         "  refattn sweep sweep.toml --out sweep-bundle --workers 2   # a local dask cluster\n"
+        "  refattn sweep sweep.toml --out sweep-bundle --backend numba   # kernel shapes\n"
         "  refattn sweep sweep.toml --out sweep-bundle --scheduler tcp://host:8786")
     p.add_argument("spec", metavar="SPEC", help="the sweep SPEC (.toml, .yaml or .yml); see "
                    "examples/sweep.toml")
@@ -47,6 +49,11 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "sweep's unfinished work is refused)")
     p.add_argument("--force", action="store_true",
                    help="write beside files refattn did not write (they are left untouched)")
+    p.add_argument("--backend", default=None, choices=GENERATORS,
+                   help="generator of every case (default: the SPEC's generator, exact where "
+                   "it names none): exact (correctly rounded), numpy (the full float64 "
+                   "trace) or numba (the fused kernel's saved-state tensors, fast at kernel "
+                   "shapes; each tensor's bound recorded); a SPEC naming another is refused")
     add_cluster_arguments(p)
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (one is drawn only on a terminal anyway)")
@@ -56,6 +63,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 def run(args: argparse.Namespace) -> int:
     with connect(workers=args.workers, scheduler=args.scheduler, timeout=args.timeout) as client:
         result = run_sweep(args.spec, args.out, client=client, force=args.force,
-                           progress=False if args.quiet else None, timeout=args.timeout)
+                           progress=False if args.quiet else None, timeout=args.timeout,
+                           backend=args.backend)
     print(describe(result, args.out))
     return 0

@@ -134,7 +134,8 @@ def _task_count(n: int, threads: int) -> int:
 
 def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
               client: Any = None, force: bool = False, progress: bool | None = None,
-              tasks: int | None = None, timeout: float = DEFAULT_TIMEOUT) -> SweepResult:
+              tasks: int | None = None, timeout: float = DEFAULT_TIMEOUT,
+              backend: str | None = None) -> SweepResult:
     """Compute every case of a sweep SPEC and write them as one golden bundle.
 
     Parameters
@@ -159,6 +160,9 @@ def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
         estimated seconds (:func:`~refattn.bundle.sweeps.grid.case_budget`) times
         :data:`~refattn.distributed.cluster.SAFETY_FACTOR`, plus
         :data:`~refattn.distributed.cluster.STARTUP_SECONDS` and ``timeout``.
+    backend : {"exact", "numpy", "numba"}, optional
+        The generator of every case (``--backend``; a SPEC that names another is refused);
+        None: the SPEC's own (``exact`` where it names none). Ignored for a ``Sweep``.
 
     Returns
     -------
@@ -196,7 +200,7 @@ def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
             except RefAttnError as exc:
                 raise RefAttnError(f"sweep {sweep.name}: {case.origin}: {exc}") from None
     else:
-        sweep = load_sweep(spec, max_bytes=max_bytes)
+        sweep = load_sweep(spec, max_bytes=max_bytes, backend=backend)
     by_id = {c.case_id: c for c in sweep.cases}
     stats = {"tasks": 0, "task_seconds": 0.0, "t0": 0.0, "t1": 0.0}
 

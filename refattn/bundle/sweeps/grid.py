@@ -40,7 +40,7 @@ from typing import Any, NamedTuple
 import jsonschema
 import numpy as np
 
-from refattn.bundle.golden.case import GoldenCase
+from refattn.bundle.golden.case import GoldenCase, check_generator
 from refattn.bundle.golden.quantized import quant_case
 from refattn.bundle.storage.fsio import read_regular
 from refattn.call import AttentionCall
@@ -91,6 +91,15 @@ _BYTES_PER_W_USE = 256
 #: rounded up
 _QUANT_SECONDS_PER_SCORE = 1.2e-5
 _QUANT_BYTES_PER_SCORE = 512
+#: the numba generator (the fused kernel and the blocked natural magnitudes of the recorded
+#: bound; no reference error in arbitrary precision): measured 1.3e-7 s per score element at
+#: Dk + Dv = 256 over the kernel suite (304 cases, 2-core AMD EPYC), about 5e-10 s per score
+#: element and unit of Dk + Dv; rounded up 4x. Memory: the inputs, outputs and gradients about
+#: four times over, and the blocks of the natural magnitudes (16 MiB arrays) and the kernel's
+#: per-thread buffers, 256 MiB in all
+_NUMBA_SECONDS_PER_SCORE_WIDTH = 2e-9
+_NUMBA_TENSOR_COPIES = 4
+_NUMBA_FIXED_BYTES = 256 << 20
 _SHAPE_AXES = ("B", "Hq", "Hkv", "Q", "K", "Dk", "Dv")
 _BUILTIN_DEFAULTS: dict[str, Any] = {
     "score": "dot", "scale": "default", "mask": "none", "bias": "none", "dropout": "none",
@@ -490,7 +499,8 @@ def case_id(description: Mapping[str, Any]) -> str:
 
 # -- expansion --------------------------------------------------------------------------------
 def expand(doc: Mapping[str, Any], *, validate: bool = True, shown: str = "SPEC",
-           max_bytes: int | None = None, max_seconds: float = MAX_CASE_SECONDS) -> Sweep:
+           max_bytes: int | None = None, max_seconds: float = MAX_CASE_SECONDS,
+           backend: str | None = None) -> Sweep:
     """Every case of a checked SPEC, normalised, deduplicated, sorted by id.
 
     Parameters
@@ -507,13 +517,17 @@ def expand(doc: Mapping[str, Any], *, validate: bool = True, shown: str = "SPEC"
         Memory one case may need (default: the memory available now, when it can be read).
     max_seconds : float
         Estimated seconds one case may take (default :data:`MAX_CASE_SECONDS`).
+    backend : {"exact", "numpy", "numba"}, optional
+        The generator of every case (``refattn sweep --backend``): a SPEC that names another
+        one for some case is refused (say it once); None: the SPEC's, ``exact`` where it
+        names none.
 
     Raises
     ------
     RefAttnError
         Naming the grid or case, the case's id and what is wrong (a case over the time or
-        memory limit: its estimate and the limit); or when the SPEC expands to more than
-        :data:`MAX_CASES` cases.
+        memory limit: its estimate and the limit; a call its generator does not write); or
+        when the SPEC expands to more than :data:`MAX_CASES` cases.
 
     Examples
     --------
@@ -535,8 +549,15 @@ def expand(doc: Mapping[str, Any], *, validate: bool = True, shown: str = "SPEC"
 
     def add(fields: Mapping[str, Any], origin: str) -> None:
         nonlocal duplicates
+        merged = {**defaults, **fields}
+        if backend is not None:
+            named = merged.get("generator", backend)
+            if named != backend:
+                raise RefAttnError(f"{shown}: {origin}: generator: the SPEC names {named!r} "
+                                   f"and --backend {backend!r}; give the generator once")
+            merged["generator"] = backend
         try:
-            description = normalize({**defaults, **fields})
+            description = normalize(merged)
         except RefAttnError as exc:
             raise RefAttnError(f"{shown}: {origin}: {exc}") from None
         cid = case_id(description)
@@ -549,7 +570,9 @@ def expand(doc: Mapping[str, Any], *, validate: bool = True, shown: str = "SPEC"
             except RefAttnError as exc:
                 raise RefAttnError(f"{shown}: {origin}: {exc}") from None
             try:
-                build_case(description, cid)
+                built = build_case(description, cid)
+                if description["generator"] == "numba":
+                    check_generator(built, "numba")
             except RefAttnError as exc:
                 raise RefAttnError(f"{shown}: {origin}: case {cid}: {exc}") from None
             except MemoryError:  # the estimate bounds the inputs; this is a last resort
@@ -582,7 +605,7 @@ def expand(doc: Mapping[str, Any], *, validate: bool = True, shown: str = "SPEC"
 
 
 def load_sweep(path: str | os.PathLike, *, validate: bool = True, max_bytes: int | None = None,
-               max_seconds: float = MAX_CASE_SECONDS) -> Sweep:
+               max_seconds: float = MAX_CASE_SECONDS, backend: str | None = None) -> Sweep:
     """:func:`read_spec`, :func:`check_spec` and :func:`expand` of one SPEC file.
 
     Examples
@@ -596,7 +619,7 @@ def load_sweep(path: str | os.PathLike, *, validate: bool = True, max_bytes: int
     """
     shown = f"SPEC {path}"
     return expand(check_spec(read_spec(path), shown), validate=validate, shown=shown,
-                  max_bytes=max_bytes, max_seconds=max_seconds)
+                  max_bytes=max_bytes, max_seconds=max_seconds, backend=backend)
 
 
 # -- one case ---------------------------------------------------------------------------------
@@ -799,8 +822,9 @@ class CaseBudget(NamedTuple):
     seconds : float
         Computing it and checking it against the exact real result: the exact generator's
         own estimate (:func:`refattn.engine.exact.backend.estimate_seconds`), which the
-        reference-error check every case gets costs about as much as; for the bilinear
-        family, plus the products with W, which that estimate leaves out.
+        reference-error check every exact or numpy case gets costs about as much as; for the
+        bilinear family, plus the products with W, which that estimate leaves out. A numba
+        case (no reference error): the fused kernel and its recorded bound, measured.
     bytes : int
         Peak memory of computing and checking it (an upper estimate, measured).
     input_bytes : int
@@ -828,6 +852,10 @@ def case_budget(description: Mapping[str, Any]) -> CaseBudget:
     (32768, 0.79, 88)
     >>> case_budget(normalize({"shape": [65536] * 7})).bytes > 2**74   # no overflow
     True
+    >>> fast = case_budget(normalize({"shape": [1, 8, 2, 2048, 2048, 128, 128],
+    ...                               "generator": "numba"}))
+    >>> round(fast.seconds, 1), fast.bytes // 2**20
+    (17.2, 456)
     """
     s = description["shape"]
     B, Hq, Hkv, Q, K, Dk, Dv = (int(s[a]) for a in _SHAPE_AXES)
@@ -850,6 +878,9 @@ def case_budget(description: Mapping[str, Any]) -> CaseBudget:
     peak = (_BYTES_PER_SCORE + _BYTES_PER_SCORE_PER_DA * da) * n + _BYTES_PER_ROW_ELEMENT * rows
     if w:
         peak += _BYTES_PER_W * w + _BYTES_PER_W_USE * B * Hq * Dk * Dk
+    if description.get("generator") == "numba":  # saved state: no (B, Hq, Q, K) tensor
+        seconds = _NUMBA_SECONDS_PER_SCORE_WIDTH * n * (Dk + Dv) + SECONDS_PER_ELEMENT * w
+        peak = _NUMBA_FIXED_BYTES + _NUMBA_TENSOR_COPIES * 8 * inputs
     if description.get("quant") is not None:  # the emulated pipeline, besides the real result
         seconds += _QUANT_SECONDS_PER_SCORE * n
         peak += _QUANT_BYTES_PER_SCORE * n

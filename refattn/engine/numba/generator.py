@@ -56,12 +56,12 @@ def environment() -> dict[str, Any]:
     Examples
     --------
     >>> sorted(environment())
-    ['blas', 'layout', 'numba']
+    ['blas_provider', 'layout', 'numba']
     """
     record = _provider().record()
     return {"numba": numba.__version__,
-            "blas": {"library": record["provider"], "version": record["version"],
-                     "tile_kib": record["tile_kib"]},
+            "blas_provider": {"library": record["provider"], "version": record["version"],
+                              "tile_kib": record["tile_kib"]},
             "layout": {"nominal_threads": NOMINAL_THREADS, "budget_bytes": BUDGET,
                        "key_chunk": KEY_CHUNK}}
 
