@@ -9,7 +9,8 @@ from pathlib import Path
 from refattn.bundle.golden.case import GENERATORS
 from refattn.bundle.storage.manifest import check_schema, read_manifest
 from refattn.bundle.suites import SUITES, build_suite, default_generator
-from refattn.bundle.writing.write import write_bundle
+from refattn.bundle.writing.write import MAX_EXACT_SECONDS, write_bundle
+from refattn.cli.verify import seconds_value
 from refattn.errors import RefAttnError
 
 __all__ = ["add_parser"]
@@ -43,6 +44,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "BLAS order) or numba (the fused kernel's saved-state tensors, fast at "
                    "kernel shapes); numpy and numba record each tensor's bound against the "
                    "correctly rounded result, which verify applies")
+    p.add_argument("--max-seconds", type=seconds_value, default=MAX_EXACT_SECONDS,
+                   metavar="S", help="refuse, before any work, a bundle whose exact generation "
+                   f"is estimated above S seconds in all (default {MAX_EXACT_SECONDS:g})")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (one is drawn only on a terminal anyway)")
     p.set_defaults(func=run)
@@ -63,7 +67,8 @@ def run(args: argparse.Namespace) -> int:
     cases = build_suite(args.suite)
     backend = args.backend or default_generator(args.suite)
     path = write_bundle(args.out, cases, suite=args.suite, backend=backend,
-                        force=args.force, progress=False if args.quiet else None)
+                        force=args.force, progress=False if args.quiet else None,
+                        max_seconds=args.max_seconds)
     print(f"wrote {len(cases)} case(s) of suite {args.suite!r} ({backend}) to "
           f"{path.parent} ({path.name})")
     removed = sorted(earlier - _earlier_cases(path.parent))  # the new bundle's ids

@@ -13,7 +13,7 @@ from refattn.distributed.cluster import connect
 from refattn.distributed.verification import verify
 from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS
 
-__all__ = ["GRADCHECK_METHODS", "add_parser"]
+__all__ = ["GRADCHECK_METHODS", "add_parser", "seconds_value"]
 
 #: the spellings of ``--gradcheck-method`` (those of ``refattn gradcheck --method``), and the
 #: verifier's name for each
@@ -34,8 +34,8 @@ def _gradcheck_method(text: str) -> str:
     return text
 
 
-def _seconds(text: str) -> float:
-    """A ``--exact-max-seconds`` value: a finite number >= 0."""
+def seconds_value(text: str) -> float:
+    """A ``--exact-max-seconds`` or ``golden --max-seconds`` value: a finite number >= 0."""
     try:
         value = float(text)
     except ValueError:
@@ -81,7 +81,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    help="float64 (default): each case bit-identical to the correctly rounded "
                    "result or within the documented float64 backend bound of it; exact: "
                    "fail every case that is not bit-identical to it")
-    p.add_argument("--exact-max-seconds", type=_seconds, default=DEFAULT_MAX_SECONDS,
+    p.add_argument("--exact-max-seconds", type=seconds_value, default=DEFAULT_MAX_SECONDS,
                    metavar="S",
                    help="the exact generator's limit per case, on its estimate before any "
                    "arithmetic (default %(default)g); a case over it is checked against a "

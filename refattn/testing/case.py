@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cache, cached_property
+from functools import cache, cached_property, partial
 from pathlib import Path
 from typing import Any, Literal
 
@@ -26,8 +26,8 @@ from refattn.adapters import jax as jax_adapter
 from refattn.adapters import torch as torch_adapter
 from refattn.adapters.plain import PlainCall, plain_call
 from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
-from refattn.bundle.golden.spec import CaseSpec, case_spec
-from refattn.bundle.suites import build_suite
+from refattn.bundle.golden.spec import CaseSpec, case_spec, regenerated_spec
+from refattn.bundle.suites import build_suite, default_generator, kernels
 from refattn.errors import RefAttnError
 
 __all__ = ["TARGETS", "Case", "causal_alignments", "flash_window", "load_cases"]
@@ -374,7 +374,12 @@ def flash_window(spec: CaseSpec) -> tuple[int, int] | None:
 
 @cache
 def _suite(name: str) -> tuple[CaseSpec, ...]:
-    return tuple(case_spec(c) for c in build_suite(name))  # exact generator, this process
+    """The installed suite's cases, generated in this process by the suite's own generator:
+    computed at once where it is exact (the miniatures), regenerated case by case when read
+    where it is numba (the kernel suite: no more than a few cases' tensors held at once)."""
+    if default_generator(name) == "exact":
+        return tuple(case_spec(c) for c in build_suite(name))
+    return tuple(regenerated_spec(partial(kernels.build, s)) for s in kernels.SPECS)
 
 
 def _bundle(directory: Path) -> tuple[CaseSpec, ...]:
@@ -396,9 +401,11 @@ def load_cases(source: str | os.PathLike | None = None, *, suite: str = "conform
     source : path, optional
         A bundle directory written by ``refattn golden`` (every file's checksums are
         verified on reading). Default: the installed suite ``suite``, generated in this
-        process by the exact generator (the same bytes as ``refattn golden --suite`` writes;
-        about half a second for the conformance suite, once per process).
-    suite : {"conformance", "contract"}
+        process by the suite's generator (the same bytes as ``refattn golden --suite`` writes
+        on this machine): the exact generator for ``conformance`` and ``contract`` (about half
+        a second for the conformance suite, once per process); numba for ``kernels``, each
+        case when it is first read (well under a second each; a few cases' tensors held).
+    suite : {"conformance", "contract", "kernels"}
 
     Returns
     -------

@@ -62,7 +62,8 @@ def assert_matches(case: Case | CaseSpec | Any, outputs: Mapping[str, Any], *,
     ------
     AssertionError
         Naming, for every failing tensor, the worst element's index, candidate and golden
-        values and the tolerance, followed by the full report.
+        values and the tolerance, then each diagnosis once (``diagnosis: ...``, a hypothesis
+        recomputed and found to fit), followed by the full report.
 
     Examples
     --------
@@ -90,7 +91,7 @@ def assert_matches(case: Case | CaseSpec | Any, outputs: Mapping[str, Any], *,
         lines = [f"{report.case_id} ({report.precision}, rule {report.rule_text()}): "
                  f"{len(failing)} of {len(report.tensors)} tensor(s) do not match"]
         lines += [_failure(t, report.precision) for t in failing]
-        lines += [f"  {d.line()}" for d in report.diagnoses]
-        lines += ["", report.format(legend=False)]
+        lines += [f"  {d.line()}" for d in report.diagnoses]  # here only, not in the table
+        lines += ["", report.format(legend=False, diagnoses=False)]
         raise AssertionError("\n".join(lines))
     return report

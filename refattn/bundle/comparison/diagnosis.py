@@ -4,38 +4,79 @@ and found to fit (STYLE item 18), never a guess from one element.
 Owns :func:`diagnose` and :class:`Diagnosis`. Each hypothesis either undoes a suspected bug
 on the candidate and finds that the result passes the comparison's own rule (a transposed
 layout, rows that ``query_valid`` should have zeroed), or builds the alternative result and
-finds the candidate within the tensor's tolerance of it: a constant ratio (least-squares
-``r``, then every element checked against ``r x golden``; ``r = -1`` is a sign flip), the
-call recomputed with another scale (``1/Dk`` or 1 where the case uses the default
-``1/sqrt(Dk)``; the default where it passes one), with another probability support (no mask,
-the other causal triangle, the key padding ignored, a window one key wider or narrower), or
-the kv gradients of one query head of each group (the sum over the heads that share a kv
-head missing). Recomputations run refattn's numpy engine on the rebuilt call, for calls of
-at most :data:`MAX_RECOMPUTED_SCORES` scores (larger ones get the other hypotheses). Called by
+finds the candidate within the tensor's tolerance of it (the ``fits`` rule, on every failing
+tensor it claims):
+
+- a constant ratio (least-squares ``r``, then every element checked against ``r x golden``;
+  ``r = -1`` is a sign flip);
+- the call recomputed with another scale (``1/Dk`` or 1 where the case uses the default
+  ``1/sqrt(Dk)``; the default where it passes one);
+- with another probability support (no mask, the other causal triangle, the key padding
+  ignored, a window one key wider or narrower);
+- with query heads mapped to kv heads interleaved (``h % Hkv``) where the case groups them
+  (``h // G``), or grouped where the case gives another explicit map;
+- the kv gradients of one query head of each group (the sum over the heads that share a kv
+  head missing);
+- the call without its dropout multiplier Z (dropout not applied);
+- the output of a softmax over the query axis (each column of P normalised over the queries)
+  instead of the key axis;
+- ``grad_v`` computed with P where ``P^T`` belongs (``sum_h (P*Z) @ G_O``; only expressible,
+  and only tried, when Q == K).
+
+Recomputations run on the case's rebuilt call, for calls of at most
+:data:`MAX_RECOMPUTED_SCORES` scores (larger ones get the hypotheses on the candidate alone).
+Miniatures (up to 2^16 scores), and calls up to :data:`MAX_DENSE_SCORES` whose candidate
+holds an intermediate (``probs``, ``scores``, ...), are recomputed as refattn's dense numpy
+trace (every intermediate is checked too); otherwise a hypothesis on output and gradients
+runs numba's fused forward+backward kernel on the golden generator's fixed layout
+(:func:`refattn.engine.numba.generator.generate`: the kernel of ``value_and_grad(backend=
+"numba")`` without its per-machine calibration; no ``(B, Hq, Q, K)`` array: its memory is
+the inputs, the outputs and an 8 MiB score buffer per thread) and one that needs P walks
+each ``(b, h)`` in blocks of query rows of at most :data:`_BLOCK_BYTES` per ``(rows, K)``
+float64 array (a few such arrays alive at once). Time is linear in the scores: at the
+kernel suite's 4M-score cases each hypothesis takes a fraction of a second. Called by
 :func:`refattn.bundle.comparison.harness.compare`, which owns the rules and passes them in.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, replace
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 
 from refattn.bundle.golden.spec import CaseSpec
+from refattn.dropout import Philox
 from refattn.engine import backward, forward
+from refattn.engine.numba.generator import generate
+from refattn.engine.reference import forward_arrays
+from refattn.engine.trace import Trace
 from refattn.errors import RefAttnError
 
-__all__ = ["MAX_RECOMPUTED_SCORES", "Diagnosis", "diagnose"]
+__all__ = ["MAX_DENSE_SCORES", "MAX_RECOMPUTED_SCORES", "Diagnosis", "diagnose"]
 
 #: tensors laid out (B, H, T, D): the ones a transposed layout can affect
 _BHTD = ("output", "grad_q", "grad_k", "grad_v")
 #: a fitted ratio must differ from 1 by more than this to be a diagnosis
 _RATIO_MIN = 1e-6
-#: recomputed hypotheses run only for calls with at most this many scores (B * Hq * Q * K):
-#: each is a numpy forward (and backward) of the whole call, up to about ten of them
-MAX_RECOMPUTED_SCORES = 1 << 20
+#: recomputed hypotheses run only for calls with at most this many scores (B * Hq * Q * K;
+#: the kernel suite's largest case, 16M, is under it), up to about fifteen recomputations
+MAX_RECOMPUTED_SCORES = 1 << 24
+#: up to this many scores a recomputation may be the numpy reference's dense trace of the call
+#: (about twenty (B, Hq, Q, K) float64 arrays with the backward: 160 MiB at most): it is, up
+#: to _SMALL scores or where the candidate holds a tensor only that trace gives (scores,
+#: probs, ...); otherwise numba's fused forward+backward, and P in blocks of query rows
+MAX_DENSE_SCORES = 1 << 20
+#: calls this small are always recomputed densely (milliseconds each)
+_SMALL = 1 << 16
+#: the forward tensors a fused recomputation gives
+_SAVED = ("output", "lse", "row_max")
+#: and every tensor it gives (with the score family's parameter gradients, grad_score_<name>)
+_FUSED = frozenset({*_SAVED, "grad_q", "grad_k", "grad_v", "grad_bias", "grad_sink",
+                    "row_dot", "row_dot_output"})
+#: bytes of one (rows, K) float64 block of scores or probabilities of a call not dense
+_BLOCK_BYTES = 8 << 20
 
 
 @dataclass(frozen=True)
@@ -44,7 +85,13 @@ class Diagnosis:
 
     Attributes
     ----------
-    kind : {"ratio", "sign", "scale", "support", "gqa_sum", "layout", "query_valid"}
+    kind : str
+        ``ratio``, ``sign`` (a constant ratio, -1), ``scale``, ``support`` (another
+        probability support), ``head_map`` (GQA heads interleaved, not grouped, or the
+        reverse), ``gqa_sum`` (the sum over a kv head's query heads missing), ``dropout``
+        (not applied), ``softmax_axis`` (over the queries), ``dv_transpose`` (grad_v with P
+        where P^T belongs), ``layout`` (BTNH where BHTD is expected) or ``query_valid`` (the
+        zeroing of unused rows missing).
     tensors : tuple of str
         The failing tensors it explains.
     text : str
@@ -128,16 +175,19 @@ def _diagnose(cand: Mapping[str, np.ndarray], gold: Mapping[str, np.ndarray],
         explained = {n for d in found for n in d.tensors}
     rest = [n for n in failing if n not in explained]
     call_level: list[Diagnosis] = []
-    if spec is not None and rest and np.prod(spec.score_shape) <= MAX_RECOMPUTED_SCORES:
+    if spec is not None and rest and _scores(spec) <= MAX_RECOMPUTED_SCORES:
         try:
             context = _Context(spec, cand)
         except _SKIPPED:  # a call this reader cannot rebuild: no recomputed hypotheses
             context = None
         if context is not None:
-            for hypothesis in (_scales, _supports, _gqa_sum):
+            for hypothesis in _RECOMPUTED:
+                todo = [n for n in rest if all(n not in d.tensors for d in call_level)]
+                if not todo:  # every failure explained: the others need not run
+                    break
                 try:
-                    call_level += hypothesis(context, rest, fits)
-                except _SKIPPED:
+                    call_level += hypothesis(context, todo, fits)
+                except (*_SKIPPED, MemoryError):
                     continue
     found += call_level
     explained |= {n for d in call_level for n in d.tensors}
@@ -240,8 +290,29 @@ def _query_valid(cand: Mapping[str, np.ndarray], spec: CaseSpec, names: Sequence
 
 
 # -- hypotheses recomputed from the call --------------------------------------------------
+def _scores(spec: CaseSpec) -> int:
+    """B * Hq * Q * K of a case."""
+    return int(np.prod(spec.score_shape, dtype=np.int64))
+
+
+def _family(call: Any) -> str:
+    """The score family's name (the gate sets ``Dot()`` where none is given)."""
+    return "dot" if call.score is None else str(call.score.name)
+
+
+#: the forward tensors :meth:`_Context.rows` gives, (rows, K) each
+_ROWS = ("masked_scores", "probs", "dropout_multiplier", "consumed")
+
+
 class _Context:
-    """The rebuilt call of a case and a recomputation of it with some fields replaced."""
+    """The rebuilt call of a case, a recomputation of it with some fields replaced, and its
+    probabilities in blocks of query rows.
+
+    Dense (see :data:`MAX_DENSE_SCORES`), every recomputation is the numpy reference's dense
+    trace; otherwise :meth:`run` is numba's fused forward+backward (output, ``lse``, ``row_max``
+    and the gradients) and :meth:`rows` computes the forward of ``(rows, K)`` blocks of one
+    ``(b, h)`` (the dot score only; another family skips the hypotheses that need P).
+    """
 
     def __init__(self, spec: CaseSpec, cand: Mapping[str, np.ndarray]) -> None:
         self.spec = spec
@@ -250,12 +321,22 @@ class _Context:
         self.backward = self.grad_output is not None and any(
             n.startswith("grad_") and n != "grad_output" for n in cand)
         self.cand = cand
+        n = _scores(spec)
+        traced = any(name not in _FUSED and not name.startswith("grad_score_")
+                     for name in cand)  # a candidate's probs, scores, ...: only a trace has them
+        additive = _family(self.call) == "additive"  # no fused kernel: dense or nothing
+        self.dense = n <= _SMALL or (n <= MAX_DENSE_SCORES and (traced or additive))
+        if not self.dense and additive:
+            raise RefAttnError("the additive score has no recomputation without a dense trace")
+        self._trace: Trace | None = None
 
     def run(self, **fields: Any) -> dict[str, np.ndarray] | None:
         """The canonical tensors of the call with ``fields`` replaced, or None when that
         call is not a legal one (e.g. a row left without keys)."""
         try:
             call = replace(self.call, **fields)
+            if not self.dense:
+                return self._fused(call)
             trace = forward(call, backend="numpy")
             out = dict(trace.tensors())
             if self.grad_output is not None and self.backward:
@@ -263,6 +344,73 @@ class _Context:
         except _SKIPPED:
             return None
         return out
+
+    def _fused(self, call: Any) -> dict[str, np.ndarray]:
+        """Output, ``lse``, ``row_max`` and gradients of ``call`` with no (B, Hq, Q, K) array:
+        numba's fused forward+backward kernel on the golden generator's fixed layout (the
+        kernel ``value_and_grad(backend="numba")`` runs, without the per-machine BLAS
+        calibration its first call makes, which a failing comparison should not wait for)."""
+        B, Hq, Q, _ = call.q.shape
+        g_o = self.grad_output if self.grad_output is not None else np.zeros(
+            (B, Hq, Q, call.v.shape[3]))  # (B, Hq, Q, Dv)
+        if call.returned_weights != "none":  # no weights are returned here: same values
+            call = replace(call, returned_weights="none")
+        trace, grads = generate(call, g_o)
+        out = {n: getattr(trace, n) for n in _SAVED}
+        if self.backward:
+            out.update(grads.tensors())
+        return out
+
+    # -- P in blocks of query rows ----------------------------------------------------------
+    def blocks(self) -> Iterator[tuple[int, int]]:
+        """``(i0, i1)``: the query rows of one block, covering [0, Q) in order."""
+        _, _, Q, K = self.call.score_shape
+        step = Q if self.dense else max(1, _BLOCK_BYTES // (8 * K))
+        for i0 in range(0, Q, step):
+            yield i0, min(i0 + step, Q)
+
+    def rows(self, b: int, h: int, i0: int, i1: int) -> dict[str, np.ndarray]:
+        """``masked_scores``, ``probs``, ``dropout_multiplier`` (Z) and ``consumed`` (P * Z)
+        of query rows [i0, i1) of ``(b, h)``, each (i1 - i0, K) float64, as the reference
+        computes them (the visibility sanitised: a row without keys reads key 0; a sink in
+        the denominator)."""
+        if self.dense:
+            if self._trace is None:
+                self._trace = forward(self.call, backend="numpy")
+            t = self._trace
+            return {n: np.asarray(getattr(t, n))[b, h, i0:i1] for n in _ROWS}
+        call = self.call
+        if _family(call) != "dot":
+            raise RefAttnError(f"no blockwise recomputation of the {_family(call)} score")
+        full = call.score_shape  # (B, Hq, Q, K)
+        j = int(np.asarray(call.head_map)[h])
+
+        def part(x: Any) -> np.ndarray:  # (1, 1, rows, K) of an array broadcastable to full
+            return np.broadcast_to(x, full)[b:b + 1, h:h + 1, i0:i1]
+
+        vis = call.visible_array()  # (B|1, Hq|1, Q, K) bool, or None: compiled once, cached
+        fwd = forward_arrays(
+            call.q[b:b + 1, h:h + 1, i0:i1], call.k[b:b + 1, j:j + 1], call.v[b:b + 1, j:j + 1],
+            head_map=np.zeros(1, np.int64), scale=cast(float, call.scale),
+            visible=np.ones((1, 1, 1, 1), bool) if vis is None else part(vis),
+            query_valid=call.query_valid_full()[b:b + 1, :, i0:i1],
+            bias=None if call.bias is None else part(call.bias),
+            multiplier=self._multiplier(b, h, i0, i1), score=call.score,
+            scale_placement=call.scale_placement, softcap=call.softcap,
+            sink=None if call.sink is None else call.sink[h:h + 1])
+        return {n: fwd[n][0, 0] for n in _ROWS}
+
+    def _multiplier(self, b: int, h: int, i0: int, i1: int) -> np.ndarray | None:
+        """(1, 1, rows, K) dropout multiplier Z of the block, or None without dropout."""
+        z = self.call.dropout
+        B, Hq, Q, K = self.call.score_shape
+        if z is None:
+            return None
+        if isinstance(z, np.ndarray):
+            return np.broadcast_to(z, (B, Hq, Q, K))[b:b + 1, h:h + 1, i0:i1]
+        if isinstance(z, Philox):  # regenerated by coordinates
+            return z.multiplier_block(b, h, i0, i1, 0, K, Hq=Hq)[None, None]
+        raise RefAttnError(f"no blockwise multiplier of a {type(z).__name__}")
 
 
 def _fit_all(ctx: _Context, alt: Mapping[str, np.ndarray] | None, names: Sequence[str],
@@ -345,7 +493,10 @@ def _positions_model(spec: CaseSpec) -> dict[str, Any] | None:
 def _band(m: Mapping[str, Any], *, shift: int = 0, causal: bool | None = None,
           left: Any = "same", right: Any = "same", padding: bool = True) -> np.ndarray:
     """(B or 1, 1, Q, K) bool visibility of the position model with fields changed."""
-    d = m["kp"][:, None, :] - (m["qp"][:, :, None] + shift)  # (B, Q, K) key - query position
+    kp, qp = m["kp"], m["qp"] + shift  # (B or 1, K), (B or 1, Q)
+    wide = max(int(np.abs(kp).max()), int(np.abs(qp).max())) >= 1 << 30
+    kind = np.int64 if wide else np.int32  # int32 halves the transient at kernel sizes
+    d = kp.astype(kind)[:, None, :] - qp.astype(kind)[:, :, None]  # (B, Q, K) key - query
     vis = np.ones(d.shape, bool)
     if m["causal"] if causal is None else causal:
         vis &= d <= 0
@@ -396,12 +547,13 @@ def _support_alternatives(spec: CaseSpec) -> list[tuple[str, np.ndarray]]:
         rule = "key j <= query i" if alignment == "upper_left" else (
             f"key j <= query i + {K - Q}")
         alts.append((f"the {side} causal triangle ({rule})", _triangle(Q, K, alignment)))
-    out: list[tuple[str, np.ndarray]] = []
+    out: list[tuple[str, np.ndarray]] = []  # each as built (broadcastable), never expanded
     for text, alt in alts:
         full = np.broadcast_to(alt, vis.shape)
-        if np.array_equal(full, vis) or any(np.array_equal(full, o) for _, o in out):
+        if np.array_equal(full, vis) or any(
+                np.array_equal(full, np.broadcast_to(o, vis.shape)) for _, o in out):
             continue
-        out.append((text, full))
+        out.append((text, alt))
     return out
 
 
@@ -425,8 +577,6 @@ def _describe_support(spec: CaseSpec) -> str:
 
 
 def _supports(ctx: _Context, names: Sequence[str], fits: Fits) -> list[Diagnosis]:
-    if ctx.spec.has_dropout and "dropout_multiplier" not in ctx.spec.tensors:
-        return []
     for text, vis in _support_alternatives(ctx.spec):
         explained = _fit_all(ctx, ctx.run(visible=np.ascontiguousarray(vis)), names, fits)
         if explained:
@@ -462,3 +612,110 @@ def _gqa_sum(ctx: _Context, names: Sequence[str], fits: Fits) -> list[Diagnosis]
                               f"{heads.tolist()}): the sum over the query heads that share a "
                               "kv head is missing")]
     return []
+
+
+def _head_maps(ctx: _Context, names: Sequence[str], fits: Fits) -> list[Diagnosis]:
+    """The call recomputed with query heads mapped interleaved (``h % Hkv``) or grouped
+    (``h // G``), where the case's map is the other (or another explicit one)."""
+    call = ctx.call
+    head_map = np.asarray(call.head_map)  # (Hq,)
+    Hq, Hkv = head_map.shape[0], call.k.shape[1]
+    interleaved = np.arange(Hq) % Hkv  # (Hq,)
+    G = Hq // Hkv if Hq % Hkv == 0 else 0
+    grouped = np.arange(Hq) // G if G else None  # (Hq,)
+    if grouped is not None and np.array_equal(head_map, grouped):
+        case = f"h // G = head_map (grouped, G = {G})"
+    elif np.array_equal(head_map, interleaved):
+        case = "head_map[h] = h % Hkv (interleaved: the case's explicit map)"
+    else:
+        case = f"head_map[h] = {head_map.tolist()} (the case's explicit map)"
+    alternatives = []
+    if not np.array_equal(interleaved, head_map):
+        alternatives.append((interleaved, f"h % Hkv (interleaved, Hkv = {Hkv})"))
+    if grouped is not None and not np.array_equal(grouped, head_map):
+        alternatives.append((grouped, f"h // G (grouped, G = {G})"))
+    for alt, label in alternatives:
+        explained = _fit_all(ctx, ctx.run(head_map=alt), names, fits)
+        if explained:
+            return [Diagnosis("head_map", explained, f"{', '.join(explained)}: query head h "
+                              f"read kv head {label}, not {case}")]
+    return []
+
+
+def _dropout_ignored(ctx: _Context, names: Sequence[str], fits: Fits) -> list[Diagnosis]:
+    """The call recomputed without its dropout multiplier Z."""
+    if not ctx.spec.has_dropout:
+        return []
+    explained = _fit_all(ctx, ctx.run(dropout=None), names, fits)
+    if not explained:
+        return []
+    return [Diagnosis("dropout", explained, f"{', '.join(explained)}: dropout was not applied "
+                      "(the candidate matches the call without the multiplier Z; Z is "
+                      "case.plain.dropout)")]
+
+
+def _softmax_axis(ctx: _Context, names: Sequence[str], fits: Fits) -> list[Diagnosis]:
+    """The output of a softmax over the query axis: each column of P normalised over the
+    queries i that see key j (a column no query sees is 0), then ``(P * Z) @ v_eff`` with
+    unused rows zeroed. Blocks of query rows: a first pass keeps each column's running max
+    and sum of exponentials (K,), a second forms P and the output rows."""
+    call = ctx.call
+    if "output" not in names or call.sink is not None:  # a sink has no column meaning
+        return []
+    B, Hq, Q, K = call.score_shape
+    head_map = np.asarray(call.head_map)  # (Hq,)
+    output = np.zeros((B, Hq, Q, call.v.shape[3]))  # (B, Hq, Q, Dv)
+    for b in range(B):
+        for h in range(Hq):
+            col_max = np.full(K, -np.inf)  # (K,) over the queries so far
+            col_sum = np.zeros(K)  # (K,) sum_i exp(s_ij - col_max_j)
+            for i0, i1 in ctx.blocks():
+                s = ctx.rows(b, h, i0, i1)["masked_scores"]  # (rows, K), -inf where masked
+                new = np.maximum(col_max, s.max(axis=0))
+                ref = np.where(np.isfinite(new), new, 0.0)  # (K,) no -inf - -inf
+                col_sum = col_sum * np.exp(col_max - ref) + np.exp(s - ref).sum(axis=0)
+                col_max = new
+            ref = np.where(np.isfinite(col_max), col_max, 0.0)
+            inv = np.divide(1.0, col_sum, out=np.zeros(K), where=col_sum > 0)  # (K,)
+            v = call.v[b, head_map[h]]  # (K, Dv)
+            for i0, i1 in ctx.blocks():
+                r = ctx.rows(b, h, i0, i1)
+                p = np.exp(r["masked_scores"] - ref) * inv  # (rows, K) columns sum to 1
+                output[b, h, i0:i1] = (p * r["dropout_multiplier"]) @ v  # (rows, Dv)
+    output = np.where(call.query_valid_full(), output, 0.0)  # unused rows are zero
+    explained = _fit_all(ctx, {"output": output}, names, fits)
+    if not explained:
+        return []
+    return [Diagnosis("softmax_axis", explained, "output: the softmax runs over the query axis "
+                      "(each column of P normalised over the queries i, masked entries "
+                      "excluded), not over the keys j: the candidate matches "
+                      "softmax(S, axis=-2) @ V where softmax(S, axis=-1) @ V is meant")]
+
+
+def _dv_transpose(ctx: _Context, names: Sequence[str], fits: Fits) -> list[Diagnosis]:
+    """``grad_v`` as ``sum_h (P * Z) @ G_O`` over the query heads of each kv head (G_O zeroed
+    on unused rows), where ``(P * Z)^T @ G_O`` belongs: only expressible when Q == K."""
+    call = ctx.call
+    B, Hq, Q, K = call.score_shape
+    if "grad_v" not in names or not ctx.backward or Q != K or ctx.grad_output is None:
+        return []
+    head_map = np.asarray(call.head_map)  # (Hq,)
+    g_o = np.where(call.query_valid_full(), ctx.grad_output, 0.0)  # (B, Hq, Q, Dv)
+    grad_v = np.zeros(call.v.shape)  # (B, Hkv, K, Dv)
+    for b in range(B):
+        for h in range(Hq):
+            for i0, i1 in ctx.blocks():
+                consumed = ctx.rows(b, h, i0, i1)["consumed"]  # (rows, K) P * Z
+                grad_v[b, head_map[h], i0:i1] += consumed @ g_o[b, h]  # rows of (P*Z) @ G_O
+    explained = _fit_all(ctx, {"grad_v": grad_v}, names, fits)
+    if not explained:
+        return []
+    return [Diagnosis("dv_transpose", explained, "grad_v: candidate = (P*Z) @ G_O, not "
+                      "(P*Z)^T @ G_O (each summed over the query heads of a kv head): dV is "
+                      "computed with P where P^T belongs")]
+
+
+#: the hypotheses recomputed from the call, in the order they are tried (each only on the
+#: failures the ones before it left unexplained)
+_RECOMPUTED = (_scales, _supports, _head_maps, _gqa_sum, _dropout_ignored, _softmax_axis,
+               _dv_transpose)

@@ -200,6 +200,30 @@ class TensorReport:
         return out
 
 
+#: golden tensors the "not compared" line names before it refers to ``report.missing``
+_MISSING_SHOWN = 3
+
+
+def _missing_line(missing: tuple[str, ...]) -> str:
+    """One short line for the golden tensors a candidate does not give: their count and the
+    first :data:`_MISSING_SHOWN` in trace order (:attr:`Report.missing` holds them all).
+
+    Examples
+    --------
+    >>> _missing_line(("lse", "probs"))
+    'not compared: 2 golden tensors the candidate does not give (lse, probs)'
+    >>> _missing_line(("scores", "masked_scores", "row_max", "lse", "probs"))
+    'not compared: 5 golden tensors the candidate does not give (scores, masked_scores, \
+row_max, ...)'
+    """
+    n = len(missing)
+    shown = ", ".join(missing[:_MISSING_SHOWN])
+    rest = ", ..." if n > _MISSING_SHOWN else ""
+    noun = "golden tensor the candidate does not give" if n == 1 else (
+        "golden tensors the candidate does not give")
+    return f"not compared: {n} {noun} ({shown}{rest})"
+
+
 def plain(x: SupportsFloat) -> str:
     """A float as plain text that reads back exactly: ``0.1``, ``-2.5e-300``, ``nan``, ``inf``.
 
@@ -254,8 +278,10 @@ class Report:
     diagnoses : tuple of Diagnosis
         The kinds of error that were recomputed and found to fit the failures
         (:mod:`refattn.bundle.comparison.diagnosis`): a constant ratio, a sign flip, another scale,
-        another probability support, a missing GQA sum, a transposed layout, a missing
-        ``query_valid`` zeroing. Empty when the candidate passes or nothing fits.
+        another probability support, GQA heads interleaved instead of grouped, a missing GQA
+        sum, dropout not applied, a softmax over the query axis, grad_v with P where P^T
+        belongs, a transposed layout, a missing ``query_valid`` zeroing. Empty when the
+        candidate passes or nothing fits.
     """
 
     case_id: str | None
@@ -289,9 +315,11 @@ class Report:
         return (f"max|a-g| <= k*max|naive_{self.precision}-g| + floor "
                 f"(k={tol.k_forward:g} forward, {tol.k_gradient:g} gradients)")
 
-    def format(self, *, legend: bool = True) -> str:
+    def format(self, *, legend: bool = True, diagnoses: bool = True) -> str:
         """The report as text: the rule, a legend of the columns, one row per tensor (failing
-        rows start with ``FAIL``), then the details of every failure and the verdict."""
+        rows start with ``FAIL``), one line counting the golden tensors not compared, then
+        the details of every failure, the diagnoses (``diagnoses=False`` leaves them to a
+        caller that prints them itself) and the verdict."""
         lines = [f"case {self.case_id or '?'}: precision {self.precision}; "
                  f"rule {self.rule_text()}"]
         if legend:
@@ -300,7 +328,7 @@ class Report:
                      f"{'margin':<11} {'ratio':<7} {'failing':>15}  worst: candidate vs golden")
         lines += [t.line() for t in self.tensors]
         if self.missing:
-            lines.append(f"not compared (absent from candidate): {', '.join(self.missing)}")
+            lines.append(_missing_line(self.missing))
         for t in self.tensors:
             if t.passed:
                 continue
@@ -311,7 +339,8 @@ class Report:
             for r in t.top_relative:
                 lines.append(f"  rel {r.relative:.3e} at {format_index(r.index)}: "
                              f"{plain(r.candidate)} vs {plain(r.golden)}")
-        lines += [d.line() for d in self.diagnoses]
+        if diagnoses:
+            lines += [d.line() for d in self.diagnoses]
         first = self.first_failure
         failed = sum(not t.passed for t in self.tensors)
         lines.append("PASS" if first is None else

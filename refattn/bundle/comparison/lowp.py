@@ -39,8 +39,18 @@ MODELLED = (
 )
 
 
-def naive_lowp(spec: CaseSpec, dtype: np.dtype, *, route: str = "stored_probs"
-               ) -> dict[str, np.ndarray]:
+#: (B, Hq, Q, K) elements one block of the naive algorithm holds per array: a call within it
+#: runs whole; a larger one (the kernel suite's) runs per batch row and block of query rows,
+#: so the yardstick of a kernel-shaped case stays within a few hundred MiB
+BLOCK_SCORES = 1 << 22
+#: tensors of shape (B, Hq, Q, K): computed per block, kept only when asked for
+_SCORE_SHAPED = frozenset(("softcap_input", "scores", "biased_scores", "masked_scores", "probs",
+                           "dropout_multiplier", "consumed", "grad_consumed", "grad_probs",
+                           "grad_scores", "grad_softcap_input"))
+
+
+def naive_lowp(spec: CaseSpec, dtype: np.dtype, *, route: str = "stored_probs",
+               names: Any = None) -> dict[str, np.ndarray]:
     """Forward and backward of ``spec`` in ``dtype`` (each op in float32, rounded to dtype).
 
     Parameters
@@ -53,12 +63,18 @@ def naive_lowp(spec: CaseSpec, dtype: np.dtype, *, route: str = "stored_probs"
         Saved state of the backward: the forward's probabilities, or the row log-partition
         with ``P = exp(S - L)`` recomputed in ``dtype`` and ``D = sum(G_O * O)`` (the
         FlashAttention backward). The forward tensors are the same for both.
+    names : iterable of str, optional
+        The tensors wanted (default: every name of :data:`MODELLED`). A call of more than
+        :data:`BLOCK_SCORES` score elements runs per batch row and block of query rows, its
+        sums over query rows (the kv and bias gradients) accumulated in float32 across
+        blocks before the one rounding to ``dtype``; a (B, Hq, Q, K) tensor is assembled only
+        when named.
 
     Returns
     -------
     dict of str to float64 ndarray
-        Every name in :data:`MODELLED` that the case has, holding the lower-precision values
-        (exactly representable in ``dtype``) widened to float64.
+        Every wanted name in :data:`MODELLED` that the case has, holding the lower-precision
+        values (exactly representable in ``dtype``) widened to float64.
 
     Examples
     --------
@@ -73,116 +89,207 @@ def naive_lowp(spec: CaseSpec, dtype: np.dtype, *, route: str = "stored_probs"
     >>> bool(np.array_equal(rec["output"], lp["output"])), bool(0 < np.abs(rec["grad_q"]
     ...     - spec.tensors["grad_q"]).max() < 1e-6)
     (True, True)
+    >>> sorted(naive_lowp(spec, np.dtype(np.float32), names=["output", "lse"]))
+    ['lse', 'output']
     """
     if route not in ROUTES:
         raise RefAttnError(f"route: expected one of {list(ROUTES)}, got {route!r}")
     dtype = np.dtype(dtype)
+    wanted = None if names is None else frozenset(names)
     with threadpool_limits(limits=1):
-        out = _naive(spec, dtype, route)
-    return {name: np.asarray(x, dtype=np.float64) for name, x in out.items()}
+        out = _Naive(spec, dtype, route, wanted).run()
+    return {name: np.asarray(x, dtype=np.float64) for name, x in out.items()
+            if wanted is None or name in wanted}
 
 
-def _naive(spec: CaseSpec, dtype: np.dtype, route: str) -> dict[str, Any]:
-    t = spec.tensors
+class _Naive:
+    """The naive algorithm over blocks (one block: the whole call, op for op as unfused
+    frameworks run it)."""
 
-    def r(x: Any) -> np.ndarray:  # round an op's float32 result to the storage dtype
-        return round_to(x, dtype)
+    def __init__(self, spec: CaseSpec, dtype: np.dtype, route: str,
+                 wanted: frozenset[str] | None) -> None:
+        self.spec, self.dtype, self.route, self.wanted = spec, dtype, route, wanted
+        self.res: dict[str, Any] = {}
+        self.acc: dict[str, Any] = {}  # float32 sums over blocks, rounded once at the end
 
-    f32 = np.float32
-    alpha = spec.scale
-    mult = operand_multipliers(alpha, spec.scale_placement)  # alpha applied once in total
-    head_map = np.asarray(t["head_map"])
-    q, k, v = r(t["q"]), r(t["k"]), r(t["v"])
-    k_eff = gather_heads(k, head_map)  # (B, Hq, K, Dk)
-    v_eff = gather_heads(v, head_map)  # (B, Hq, K, Dv)
-    res: dict[str, Any] = {"q": q, "k": k, "v": v}
+    def r(self, x: Any) -> np.ndarray:  # round an op's float32 result to the storage dtype
+        return round_to(x, self.dtype)
 
-    family = spec.score_family()
-    params = {n: r(a) for n, a in family.parameters().items()}
-    if params:
-        family = family.with_arrays(**params)
-        res.update({f"score_{n}": a for n, a in params.items()})
-    q_s = q if mult.query == 1.0 else r(q * f32(mult.query))  # (B, Hq, Q, Dq) pre-scaled
-    k_s = k_eff if mult.key == 1.0 else r(k_eff * f32(mult.key))  # (B, Hq, K, Dk)
-    scores = r(family.compatibility(q_s, k_s))  # (B, Hq, Q, K) u
-    if mult.post != 1.0:
-        scores = r(scores * f32(mult.post))  # post-product scale
-    cap = spec.softcap
-    if cap is not None:
-        res["softcap_input"] = scores
-        scores = r(f32(cap) * r(np.tanh(r(scores / f32(cap)))))
-    res["scores"] = scores
-    biased = scores
-    if "bias" in t:
-        bias = r(t["bias"])
-        res["bias"] = bias
-        biased = r(scores + bias)
-    res["biased_scores"] = biased
-    vis = spec.visible_full(sanitized=True)
-    masked = np.where(vis, biased, f32(-np.inf))  # (B, Hq, Q, K)
-    res["masked_scores"] = masked
-    row_max = masked.max(axis=-1)  # (B, Hq, Q), exact in any dtype
-    sink = None
-    if "sink" in t:
-        sink = np.broadcast_to(r(t["sink"])[None, :, None], row_max.shape)  # (B, Hq, Q)
-        res["sink"] = r(t["sink"])
-        row_max = np.maximum(row_max, sink)
-    e = r(np.exp(r(masked - row_max[..., None])))  # exactly 0 off the support
-    denom = r(e.sum(axis=-1, dtype=f32))  # (B, Hq, Q)
-    if sink is not None:
-        e_sink = r(np.exp(r(sink - row_max)))
-        denom = r(denom + e_sink)
-        sink_probs = r(e_sink / denom)  # (B, Hq, Q)
-        res["sink_probs"] = sink_probs
-    probs = r(e / denom[..., None])
-    lse = r(row_max + r(np.log(denom)))
-    res.update(row_max=row_max, lse=lse, probs=probs)
-    z = r(spec.multiplier_full())
-    consumed = r(probs * z)
-    qv = spec.query_valid_full()  # (B, 1, Q, 1)
-    output = np.where(qv, r(consumed @ v_eff), f32(0.0))  # (B, Hq, Q, Dv)
-    res.update(dropout_multiplier=z, consumed=consumed, output=output)
+    def keep(self, name: str, value: Any, where: tuple[Any, ...], shape: tuple[int, ...]
+             ) -> None:
+        """Place one block's ``value`` of tensor ``name`` (full ``shape``) at ``where``."""
+        if self.wanted is not None and name not in self.wanted:
+            return
+        if where == ():
+            self.res[name] = value
+            return
+        if name not in self.res:
+            self.res[name] = np.empty(shape, dtype=np.float32)
+        self.res[name][where] = value
 
-    if "grad_output" not in t:
-        return res
-    g_in = r(t["grad_output"])
-    g_o = np.where(qv, g_in, f32(0.0))
-    Hkv = k.shape[1]
-    row_dot_output = r((r(g_o * output)).sum(axis=-1, dtype=f32))  # (B, Hq, Q)
-    if route == "lse_recompute":  # P from the saved log-partition, in dtype
-        probs = r(np.exp(r(masked - lse[..., None])))  # exactly 0 off the support
-        consumed = r(probs * z)
+    def add(self, name: str, value: Any) -> None:
+        """Add one block's float32 partial sum of ``name``."""
+        self.acc[name] = value if name not in self.acc else self.acc[name] + value
+
+    def run(self) -> dict[str, Any]:
+        spec = self.spec
+        t = spec.tensors
+        r = self.r
+        B, Hq, Q, K = spec.score_shape
+        self.head_map = np.asarray(t["head_map"])
+        self.mult = operand_multipliers(spec.scale, spec.scale_placement)
+        self.q, self.k, self.v = r(t["q"]), r(t["k"]), r(t["v"])
+        self.res.update(q=self.q, k=self.k, v=self.v)
+        self.family = spec.score_family()
+        params = {n: r(a) for n, a in self.family.parameters().items()}
+        if params:
+            self.family = self.family.with_arrays(**params)
+            self.res.update({f"score_{n}": a for n, a in params.items()})
+        self.bias = r(t["bias"]) if "bias" in t else None
+        if self.bias is not None:
+            self.res["bias"] = self.bias
+        self.sink = r(t["sink"]) if "sink" in t else None
+        if self.sink is not None:
+            self.res["sink"] = self.sink
+        self.backward = "grad_output" in t
+        if self.backward:
+            self.res["grad_output"] = r(t["grad_output"])
+        if B * Hq * Q * K <= BLOCK_SCORES:
+            self._block(slice(None), slice(None), ())
+        else:
+            rows = max(1, BLOCK_SCORES // max(1, Hq * K))
+            for b in range(B):
+                for i0 in range(0, Q, rows):
+                    self._block(slice(b, b + 1), slice(i0, min(Q, i0 + rows)),
+                                (slice(b, b + 1), slice(None), slice(i0, min(Q, i0 + rows))))
+        self._finish()
+        return self.res
+
+    def _block(self, bs: slice, rs: slice, where: tuple[Any, ...]) -> None:
+        """Batch rows ``bs`` and query rows ``rs`` (every head, every key)."""
+        spec, r, f32 = self.spec, self.r, np.float32
+        B, Hq, Q, K = spec.score_shape
+        full4 = (B, Hq, Q, K)
+        mult, family = self.mult, self.family
+        k_eff = gather_heads(self.k[bs], self.head_map)  # (b, Hq, K, Dk)
+        v_eff = gather_heads(self.v[bs], self.head_map)  # (b, Hq, K, Dv)
+        q = self.q[bs][:, :, rs]  # (b, Hq, r, Dk)
+        q_s = q if mult.query == 1.0 else r(q * f32(mult.query))  # pre-scaled
+        k_s = k_eff if mult.key == 1.0 else r(k_eff * f32(mult.key))  # (b, Hq, K, Dk)
+        scores = r(family.compatibility(q_s, k_s))  # (b, Hq, r, K) u
+        if mult.post != 1.0:
+            scores = r(scores * f32(mult.post))  # post-product scale
+        cap = spec.softcap
+        if cap is not None:
+            self.keep("softcap_input", scores, where, full4)
+            scores = r(f32(cap) * r(np.tanh(r(scores / f32(cap)))))
+        self.keep("scores", scores, where, full4)
+        biased = scores
+        if self.bias is not None:
+            bias = np.broadcast_to(self.bias, full4)[bs][:, :, rs]
+            biased = r(scores + bias)
+        self.keep("biased_scores", biased, where, full4)
+        vis = spec.visible_full(sanitized=True)[bs][:, :, rs]
+        masked = np.where(vis, biased, f32(-np.inf))  # (b, Hq, r, K)
+        self.keep("masked_scores", masked, where, full4)
+        row_max = masked.max(axis=-1)  # (b, Hq, r), exact in any dtype
+        sink = None
+        if self.sink is not None:
+            sink = np.broadcast_to(self.sink[None, :, None], row_max.shape)  # (b, Hq, r)
+            row_max = np.maximum(row_max, sink)
+        e = r(np.exp(r(masked - row_max[..., None])))  # exactly 0 off the support
+        denom = r(e.sum(axis=-1, dtype=f32))  # (b, Hq, r)
+        sink_probs = None
         if sink is not None:
-            sink_probs = r(np.exp(r(sink - lse)))  # (B, Hq, Q)
-    grad_consumed = r(g_o @ v_eff.swapaxes(-1, -2))  # (B, Hq, Q, K)
-    grad_probs = r(grad_consumed * z)
-    if route == "lse_recompute":
-        row_dot = row_dot_output  # D = sum(G_O * O)
-    else:
-        row_dot = r((r(probs * grad_probs)).sum(axis=-1, dtype=f32))  # D = sum(P * G_P)
-    grad_scores = r(probs * r(grad_probs - row_dot[..., None]))
-    grad_scaled = grad_scores  # gradient w.r.t. alpha * u
-    if cap is not None:
-        th = r(scores / f32(cap))
-        grad_scaled = r(grad_scores * r(f32(1.0) - r(th * th)))
-        res["grad_softcap_input"] = grad_scaled
-    sg = family.compatibility_backward(grad_scaled, q_s, k_s)
-    grad_q = r(r(sg.grad_q) * f32(mult.query * mult.post))
-    grad_k_eff = r(r(sg.grad_k) * f32(mult.key * mult.post))
-    res.update({f"grad_score_{n}": r(r(g) * f32(mult.post)) for n, g in sg.params.items()})
-    if sink is not None:
-        res["grad_sink"] = r(-(r(sink_probs * row_dot)).sum(axis=(0, 2), dtype=f32))
-    res.update(
-        grad_output=g_in,
-        grad_v=r(sum_heads(r(consumed.swapaxes(-1, -2) @ g_o), head_map, Hkv)),
-        grad_consumed=grad_consumed,
-        grad_probs=grad_probs,
-        row_dot=row_dot,
-        row_dot_output=row_dot_output,
-        grad_scores=grad_scores,
-        grad_q=grad_q,
-        grad_k=r(sum_heads(grad_k_eff, head_map, Hkv)),
-    )
-    if "bias" in t:
-        res["grad_bias"] = r(reduce_to_shape(grad_scores, t["bias"].shape))
-    return res
+            e_sink = r(np.exp(r(sink - row_max)))
+            denom = r(denom + e_sink)
+            sink_probs = r(e_sink / denom)  # (b, Hq, r)
+            self.keep("sink_probs", sink_probs, where, full4[:3])
+        probs = r(e / denom[..., None])
+        lse = r(row_max + r(np.log(denom)))
+        self.keep("row_max", row_max, where, full4[:3])
+        self.keep("lse", lse, where, full4[:3])
+        self.keep("probs", probs, where, full4)
+        z = r(spec.multiplier_full()[bs][:, :, rs])
+        consumed = r(probs * z)
+        qv = spec.query_valid_full()[bs][:, :, rs]  # (b, 1, r, 1)
+        output = np.where(qv, r(consumed @ v_eff), f32(0.0))  # (b, Hq, r, Dv)
+        self.keep("dropout_multiplier", z, where, full4)
+        self.keep("consumed", consumed, where, full4)
+        self.keep("output", output, where, (B, Hq, Q, output.shape[-1]))
+        if not self.backward:
+            return
+        g_o = np.where(qv, self.res["grad_output"][bs][:, :, rs], f32(0.0))
+        row_dot_output = r((r(g_o * output)).sum(axis=-1, dtype=f32))  # (b, Hq, r)
+        if self.route == "lse_recompute":  # P from the saved log-partition, in dtype
+            probs = r(np.exp(r(masked - lse[..., None])))  # exactly 0 off the support
+            consumed = r(probs * z)
+            if sink is not None:
+                sink_probs = r(np.exp(r(sink - lse)))  # (b, Hq, r)
+        grad_consumed = r(g_o @ v_eff.swapaxes(-1, -2))  # (b, Hq, r, K)
+        grad_probs = r(grad_consumed * z)
+        if self.route == "lse_recompute":
+            row_dot = row_dot_output  # D = sum(G_O * O)
+        else:
+            row_dot = r((r(probs * grad_probs)).sum(axis=-1, dtype=f32))  # D = sum(P * G_P)
+        grad_scores = r(probs * r(grad_probs - row_dot[..., None]))
+        grad_scaled = grad_scores  # gradient w.r.t. alpha * u
+        if cap is not None:
+            th = r(scores / f32(cap))
+            grad_scaled = r(grad_scores * r(f32(1.0) - r(th * th)))
+            self.keep("grad_softcap_input", grad_scaled, where, full4)
+        sg = family.compatibility_backward(grad_scaled, q_s, k_s)
+        grad_q = r(r(sg.grad_q) * f32(mult.query * mult.post))
+        self.keep("grad_q", grad_q, where, (B, Hq, Q, grad_q.shape[-1]))
+        for n, g in sg.params.items():
+            self.add(f"grad_score_{n}", g)
+        if sink_probs is not None:
+            self.add("grad_sink", (r(sink_probs * row_dot)).sum(axis=(0, 2), dtype=f32))
+        for name, value in (("grad_consumed", grad_consumed), ("grad_probs", grad_probs),
+                            ("grad_scores", grad_scores)):
+            self.keep(name, value, where, full4)
+        for name, value in (("row_dot", row_dot), ("row_dot_output", row_dot_output)):
+            self.keep(name, value, where, full4[:3])
+        # sums over query rows: float32 across blocks, rounded once (_finish)
+        self._place_acc("grad_v", consumed.swapaxes(-1, -2) @ g_o, bs)  # (b, Hq, K, Dv)
+        self._place_acc("grad_k", sg.grad_k, bs)  # (b, Hq, K, Dk)
+        if self.bias is not None:
+            self._bias_acc(grad_scores, bs, rs)
+
+    def _place_acc(self, name: str, part: np.ndarray, bs: slice) -> None:
+        B = self.spec.score_shape[0]
+        if name not in self.acc:
+            self.acc[name] = np.zeros((B, *part.shape[1:]), dtype=np.float32)
+        self.acc[name][bs] += part
+
+    def _bias_acc(self, grad_scores: np.ndarray, bs: slice, rs: slice) -> None:
+        shape = np.shape(self.spec.tensors["bias"])
+        if bs == slice(None) and rs == slice(None):  # one block: the whole call
+            self.acc["grad_bias"] = reduce_to_shape(grad_scores, shape)
+            return
+        b4 = (1,) * (4 - len(shape)) + tuple(shape)
+        # this block's (b, Hq, r, K) summed over the axes the bias broadcasts along
+        rows = grad_scores.shape[2] if b4[2] > 1 else 1
+        part = reduce_to_shape(grad_scores, (1 if b4[0] == 1 else grad_scores.shape[0], b4[1],
+                                             rows, b4[3]))
+        if "grad_bias" not in self.acc:
+            self.acc["grad_bias"] = np.zeros(b4, dtype=np.float32)
+        self.acc["grad_bias"][bs if b4[0] > 1 else slice(None), :,
+                              rs if b4[2] > 1 else slice(None)] += part
+
+    def _finish(self) -> None:
+        if not self.backward:
+            return
+        r, f32 = self.r, np.float32
+        mult = self.mult
+        Hkv = self.k.shape[1]
+        self.res["grad_v"] = r(sum_heads(r(self.acc["grad_v"]), self.head_map, Hkv))
+        grad_k_eff = r(r(self.acc["grad_k"]) * f32(mult.key * mult.post))
+        self.res["grad_k"] = r(sum_heads(grad_k_eff, self.head_map, Hkv))
+        self.res.update({name: r(r(g) * f32(mult.post)) for name, g in self.acc.items()
+                         if name.startswith("grad_score_")})
+        if "grad_sink" in self.acc:
+            self.res["grad_sink"] = r(-self.acc["grad_sink"])
+        if "grad_bias" in self.acc:
+            shape = np.shape(self.spec.tensors["bias"])
+            self.res["grad_bias"] = r(np.reshape(self.acc["grad_bias"], shape))

@@ -28,8 +28,9 @@ from refattn.quant.pipeline import dequantized_call, emulate
 from refattn.quant.spec import check_quant
 from refattn.records import float_record
 
-__all__ = ["GENERATORS", "Computed", "GoldenCase", "case_conventions", "case_tensors",
-           "check_generator", "compute", "emulated_tensors", "numpy_environment", "stored_by"]
+__all__ = ["GENERATORS", "INPUT_TENSORS", "Computed", "GoldenCase", "case_conventions",
+           "case_inputs", "case_tensors", "check_generator", "compute", "emulated_tensors",
+           "numpy_environment", "stored_by"]
 
 #: backends that may generate a golden bundle: ``exact`` (correctly rounded, the same bytes on
 #: every machine), ``numpy`` (IEEE float64 in BLAS order: the full trace) and ``numba`` (the
@@ -247,6 +248,41 @@ def stored_by(backend: str, tensors: Mapping[str, np.ndarray]) -> dict[str, np.n
     """
     return {n: t for n, t in tensors.items()
             if backend != "numba" or n not in SAVED_STATE_OMITS}
+
+
+#: the tensors :func:`case_inputs` gives (with ``score_<param>``): a case's call and cotangent
+#: as stored, known without any arithmetic
+INPUT_TENSORS = frozenset({"q", "k", "v", "head_map", "visible", "query_valid", "bias", "sink",
+                           "dropout", "sanitized_rows", "grad_output", "k_pages", "v_pages",
+                           "block_table", "seqlens"})
+
+
+def case_inputs(case: GoldenCase) -> dict[str, np.ndarray]:
+    """The tensors of a case file that the call and its cotangent give without arithmetic:
+    q, k, v, head_map, visible, query_valid, bias, the score family's parameters, sink, an
+    explicit dropout multiplier, the sanitised rows, grad_output and a paged case's pages
+    (each as :func:`case_tensors` stores it, C-contiguous; :data:`INPUT_TENSORS`).
+
+    Examples
+    --------
+    >>> from refattn.bundle.suites.contract import LOOP6_GRAD_OUTPUT, loop6_call
+    >>> sorted(case_inputs(GoldenCase("loop6", loop6_call(), LOOP6_GRAD_OUTPUT, "")))
+    ['dropout', 'grad_output', 'head_map', 'k', 'q', 'sanitized_rows', 'v', 'visible']
+    """
+    call = case.call
+    out: dict[str, Any] = {"q": call.q, "k": call.k, "v": call.v, "head_map": call.head_map,
+                           "sanitized_rows": call.sanitized_rows(),
+                           "grad_output": case.grad_output}
+    for name, value in (("visible", call.visible_array()), ("query_valid", call.query_valid),
+                        ("bias", call.bias), ("sink", call.sink)):
+        if value is not None:
+            out[name] = value
+    out.update({f"score_{n}": x for n, x in cast(Any, call.score).parameters().items()})
+    if isinstance(call.dropout, np.ndarray):  # explicit Z, not a MultiplierSource
+        out["dropout"] = call.dropout
+    if case.layout is not None:
+        out.update(case.layout.tensors())
+    return {name: np.ascontiguousarray(t) for name, t in out.items()}
 
 
 def case_tensors(trace: Trace, grads: Gradients, layout: Any = None) -> dict[str, np.ndarray]:

@@ -46,6 +46,7 @@ from collections import ChainMap
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import cast
 
 from refattn.bundle.storage.format import META_KEY, SCHEMA
 from refattn.bundle.storage.fsio import (
@@ -521,7 +522,8 @@ class BundleTransaction:
         elif s.foreign:
             staged = self.staging
             if staged is not None:  # read back one at a time as they are replaced
-                files = ChainMap(dict(files), _Staged(staged, self.added))
+                files = ChainMap(dict(files), cast("dict[str, bytes]", _Staged(staged,
+                                                                               self.added)))
             self._commit_in_place(files, s)
             if staged is not None:
                 _discard_staging(staged)

@@ -158,8 +158,8 @@ def _generator_claims(spec: Any, manifest: Any) -> list[Problem]:
     generator = manifest.get("generator") if isinstance(manifest, Mapping) else None
     if not isinstance(generator, Mapping) or "backend" not in generator:
         return []
-    named = generator.get("backend")
-    allowed = set(generator.get("backends") or ()) if named == "mixed" else {named}
+    named = str(generator.get("backend"))
+    allowed = {str(b) for b in generator.get("backends") or ()} if named == "mixed" else {named}
     if spec.generator in allowed:
         return []
     return [Problem(spec.case_id, None, "manifest", f"the bundle's generator record names "

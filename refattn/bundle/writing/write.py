@@ -58,11 +58,12 @@ from refattn.bundle.storage.format import (
 from refattn.bundle.storage.fsio import MAX_MANIFEST_BYTES, read_confined
 from refattn.bundle.storage.manifest import parse_manifest
 from refattn.bundle.storage.transaction import BundleTransaction
+from refattn.engine.exact.backend import estimate_seconds
 from refattn.engine.exact.program import ROUNDING_POINTS
 from refattn.errors import RefAttnError
 
-__all__ = ["Encoded", "SweepWrite", "bundle_generator", "encode_case", "write_bundle",
-           "write_sweep"]
+__all__ = ["MAX_EXACT_SECONDS", "Encoded", "SweepWrite", "bundle_generator", "encode_case",
+           "write_bundle", "write_sweep"]
 
 
 class Encoded(NamedTuple):
@@ -179,9 +180,15 @@ def _generator(backend: str) -> dict[str, Any]:
             "arithmetic": {"mode": "ieee754_binary64", "guarantee": RECORD_RULE}}
 
 
+#: the longest ``write_bundle`` may expect the exact generator to take over the whole bundle
+#: (its own estimates, summed before any work): ``refattn golden --max-seconds``
+MAX_EXACT_SECONDS = 3600.0
+
+
 def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: str,
                  backend: str = "exact", force: bool = False,
-                 progress: bool | None = None) -> Path:
+                 progress: bool | None = None,
+                 max_seconds: float = MAX_EXACT_SECONDS) -> Path:
     """Compute every case and write the bundle ``out`` as one transaction, reproducibly.
 
     Parameters
@@ -202,6 +209,10 @@ def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: 
     progress : bool or None
         A progress bar over the cases on standard error: None (default) on a terminal only,
         False never, True always (:func:`refattn._progress.progress`).
+    max_seconds : float
+        The exact generator's estimated time for the whole bundle may be at most this
+        (default :data:`MAX_EXACT_SECONDS`): a longer one is refused before any work, with
+        the estimate (the kernel suite's 304 cases would take about 1.6 hours exactly).
 
     Returns
     -------
@@ -237,8 +248,17 @@ def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: 
     with BundleTransaction(out, force=force) as tx:  # refuse before any arithmetic
         entries: dict[str, dict[str, Any]] = {}
         todo = cases if isinstance(cases, Sequence) else list(cases)
+        seconds = 0.0
         for case in todo:  # every case the generator cannot write, named before any work
             check_generator(case, backend)
+            seconds += estimate_seconds(case.call) if backend == "exact" else 0.0
+        if seconds > max_seconds:
+            raise RefAttnError(
+                f"--backend exact: the {len(todo)} case(s) of suite {suite!r} would take about "
+                f"{seconds / 3600:.2g} h correctly rounded (the exact generator's estimate), "
+                f"over --max-seconds {max_seconds:g}; pass a larger --max-seconds to wait for "
+                "them, or --backend numba (float64 within the recorded bound of the correctly "
+                "rounded result, in seconds)")
         for case in progress_bar(todo, desc=f"golden {suite}", enabled=progress):
             # each file staged as it is computed (one in memory at a time); a failing case
             # discards the staging, so nothing reaches ``out``

@@ -22,13 +22,13 @@ import numba
 import numpy as np
 
 from refattn.call import AttentionCall
-from refattn.engine.numba.fused_host import KEY_CHUNK, value_and_grad
+from refattn.engine.numba.fused_host import KEY_CHUNK, task_layout, value_and_grad
 from refattn.engine.numba.providers import TILE_KIB, Provider, available_providers
 from refattn.engine.trace import FORWARD_NAMES, SAVED_STATE_NAMES, Gradients, Trace
 from refattn.errors import RefAttnError
 
 __all__ = ["BUDGET", "NOMINAL_THREADS", "SAVED", "Generated", "environment", "generate",
-           "refusal"]
+           "materialization", "refusal"]
 
 #: threads the query chunks are sized for (whatever runs them)
 NOMINAL_THREADS = 4
@@ -86,6 +86,24 @@ def refusal(call: AttentionCall) -> str | None:
     return None
 
 
+def materialization(call: AttentionCall) -> dict[str, Any]:
+    """The ``materialization`` record of a generated call: what it stores and its layout, a
+    function of the call alone (the same on every machine and thread count).
+
+    Examples
+    --------
+    >>> x = np.zeros((1, 2, 300, 64))
+    >>> m = materialization(AttentionCall(x, x, x))
+    >>> m["mode"], m["block_q"], m["chunks"]
+    ('saved_state', 160, 2)
+    """
+    provider = _provider()
+    lay = task_layout(call, provider, BUDGET, nominal_threads=NOMINAL_THREADS)
+    return {"scores": False, "probabilities": False, "mode": "saved_state",
+            "saved": list(SAVED), "not_materialized": [n for n in FORWARD_NAMES if n not in SAVED],
+            "block_q": int(lay.block_q), "chunks": int(lay.chunks), "key_chunk": KEY_CHUNK}
+
+
 def generate(call: AttentionCall, grad_output: np.ndarray) -> Generated:
     """Forward and backward of ``call`` for a golden file, bit-identical on every thread count.
 
@@ -122,11 +140,12 @@ def generate(call: AttentionCall, grad_output: np.ndarray) -> Generated:
         raise RefAttnError(why)
     out, grads, info = value_and_grad(call, grad_output, provider=_provider(), budget=BUDGET,
                                       nominal_threads=NOMINAL_THREADS)
-    materialized = {"scores": False, "probabilities": False, "mode": "saved_state",
-                    "saved": list(SAVED),
-                    "not_materialized": [n for n in FORWARD_NAMES if n not in SAVED],
-                    "block_q": int(info["block_q"]), "chunks": int(info["chunks"]),
-                    "key_chunk": KEY_CHUNK}
+    materialized = materialization(call)
+    if (materialized["block_q"], materialized["chunks"]) != (info["block_q"], info["chunks"]):
+        raise RefAttnError(  # pragma: no cover - the layout is a function of the call alone
+            f"numba generator: the kernel ran blocks of {info['block_q']} rows in "
+            f"{info['chunks']} chunks, not the {materialized['block_q']} x "
+            f"{materialized['chunks']} its record names")
     sanitized = np.ascontiguousarray(np.broadcast_to(info["sanitized"], call.score_shape[:3]))
     trace = Trace(call=call, scores=None, biased_scores=None, masked_scores=None,
                   row_max=info["row_max"], lse=info["lse"], probs=None,
