@@ -596,7 +596,9 @@ def compare(
                 "must carry its manifest (pass a LoadedCase from a bundle, a case file or a "
                 "GoldenCase, not a bare mapping)"
             )
-        naive = {route: naive_lowp(spec, lp_dtype, route=route) for route in tol.naive_routes}
+        compared = [n for n in cand if n in gold]  # the yardstick of these tensors only
+        naive = {route: naive_lowp(spec, lp_dtype, route=route, names=compared)
+                 for route in tol.naive_routes}
     rows: list[TensorReport] = []
     for name in sorted(cand, key=_order_key):
         c = cand[name]
