@@ -4,10 +4,10 @@ Owns :func:`attention`: a test vehicle for refattn's golden suites. It computes 
 :mod:`refattn.adapters.plain` describes (that module docstring's rules 1-9, the ``dot`` score
 family with the scale applied after the product) the way a fused low-precision kernel does:
 query tiles of ``tile_q`` rows, key tiles of ``tile_k`` columns (the last one partial), an online
-softmax in float32, optional split-KV (FlashDecoding) with a log-sum-exp merge, head dims
-zero-padded to ``pad_to``, and a FlashAttention-2 backward from the saved ``lse``. ``bug=`` plants
-one of the boundary mistakes real kernels make (:data:`BUGS`); each one changes the result only
-in the situation its name says.
+softmax in float32, optional split-KV (FlashDecoding) merging the chunks' (max, sum) pairs, head
+dims zero-padded to ``pad_to``, and a FlashAttention-2 backward from the saved ``lse``. ``bug=``
+plants one of the boundary mistakes real kernels make (:data:`BUGS`); each one changes the
+result only in the situation its name says.
 
 Rounding model (``dtype`` in float32, float16, bfloat16; float64 runs the same algorithm in
 float64 to check it): q, k, v, bias and grad_output are rounded once to ``dtype``; the dropout
@@ -430,35 +430,37 @@ def _finish(op: _Operands, part: _Partial) -> tuple[np.ndarray, np.ndarray]:
 
 
 def _merge(op: _Operands, parts: list[_Partial]) -> tuple[np.ndarray, np.ndarray]:
-    """Split-KV merge: lse = logsumexp_s(lse_s) (and the sink), O = sum_s exp(lse_s - lse) O_s.
+    """Split-KV merge on each chunk's (m_s, l_s, o_s): M = max_s m_s (and the sink),
+    l = sum_s exp(m_s - M) l_s (+ exp(sink - M)), O = sum_s exp(m_s - M) o_s / l,
+    lse = M + log(l).
 
-    This is FlashAttention's split-KV combine, lse_s held in float32. Its known limit: each
-    lse_s carries up to ulp(|lse|) / 2 of rounding error, which becomes a relative error of
-    its weight that differs from chunk to chunk (about 3e-5 at |lse| ~ 1000). The backward's
-    D = rowsum(dO * O) then disagrees with P recomputed from lse, and grad_q, which is a sum
-    that cancels, amplifies that. In float32, splits > 1 therefore fails refattn's
-    large-logit cases where splits=1 passes them. Merging (m_s, l_s) instead of lse_s
-    removes the error, which confirms the cause.
+    The same as weighting each normalised O_s by exp(lse_s - lse) (FlashAttention's combine)
+    in real numbers, but no weight goes through a rounded lse_s: with lse_s in float32 at
+    |lse| ~ 1000 each weight is off by about 3e-5 relative, differently per chunk, which the
+    backward's cancelling sums (grad_q) amplify past refattn's float32 rule on the large-logit
+    cases (measured: 1.7e-3 against a tolerance of 9e-5).
     """
-    normed = [_normalise(*p) for p in parts]
-    o_s = np.stack([n[0] for n in normed])  # (S, B, Hq, tq, Dv')
-    lse_s = np.stack([n[1] for n in normed])  # (S, B, Hq, tq), -inf for an empty chunk
-    terms = lse_s
-    if op.sink is not None:  # the sink is one more term of the denominator, with no value
-        sink = np.broadcast_to(op.sink[None, None, :, None], (1, *lse_s.shape[1:]))
-        terms = np.concatenate([lse_s, sink])
     ninf = op.acc.type(-np.inf)
-    big = terms.max(axis=0)  # (B, Hq, tq)
+    m_s = np.stack([p.m for p in parts])  # (S, B, Hq, tq), -inf for an empty chunk
+    l_s = np.stack([p.lsum for p in parts])  # (S, B, Hq, tq), each relative to its own max
+    o_s = np.stack([p.o for p in parts])  # (S, B, Hq, tq, Dv'), unnormalised
+    big = m_s.max(axis=0)  # (B, Hq, tq)
+    if op.sink is not None:  # the sink is one more term of the denominator, with no value
+        big = np.maximum(big, np.broadcast_to(op.sink[None, :, None], big.shape))
     big_use = np.where(big == ninf, op.acc.type(0), big)
-    total = np.exp(terms - big_use).sum(axis=0)
-    lse = np.where(total > 0, big_use + np.log(np.where(total > 0, total, 1)), ninf)
-    lse_use = np.where(lse == ninf, op.acc.type(0), lse)
-    w = np.exp(lse_s - lse_use)  # (S, B, Hq, tq), 0 for an empty chunk
-    if op.bug == "splitkv_sum_weights":
-        l_s = np.stack([p.lsum for p in parts])  # each relative to its own chunk's max
-        l_sum = l_s.sum(axis=0)
-        w = l_s / np.where(l_sum > 0, l_sum, 1) * w.sum(axis=0)  # sink share kept right
-    return (w[..., None] * o_s).sum(axis=0), lse
+    scale = np.exp(m_s - big_use)  # (S, B, Hq, tq), 0 for an empty chunk
+    lsum = (scale * l_s).sum(axis=0)
+    if op.sink is not None:
+        lsum = lsum + np.exp(op.sink[None, :, None] - big_use)
+    has = lsum > 0
+    l_use = np.where(has, lsum, op.acc.type(1))
+    lse = np.where(has, big_use + np.log(l_use), ninf)
+    if op.bug == "splitkv_sum_weights":  # normalised partials weighted by their own sums
+        share = l_s / np.where(l_s.sum(axis=0) > 0, l_s.sum(axis=0), 1)  # each max left in
+        o_norm = o_s / np.where(l_s > 0, l_s, 1)[..., None]
+        kept = (scale * l_s).sum(axis=0) / l_use  # the sink's share of the mass stays right
+        return (share[..., None] * o_norm).sum(axis=0) * kept[..., None], lse
+    return (scale[..., None] * o_s).sum(axis=0) / l_use[..., None], lse
 
 
 # -- backward -------------------------------------------------------------------------------

@@ -25,7 +25,8 @@ __all__ = ["MODELLED", "ROUTES", "naive_lowp"]
 
 #: saved-state routes of the naive backward (the contract's "Training state saved by the local
 #: operation"): keep the probabilities, or keep the row log-partition L and recompute
-#: P = exp(S - L) with D = sum(G_O * O), as FlashAttention's backward does
+#: P = exp(S - L) with D = sum(G_O * O), as FlashAttention's backward does (its products
+#: accumulated in float32, dS rounded to the dtype once)
 ROUTES = ("stored_probs", "lse_recompute")
 
 #: canonical tensors the naive lower-precision reference produces (when the case has them),
@@ -60,9 +61,11 @@ def naive_lowp(spec: CaseSpec, dtype: np.dtype, *, route: str = "stored_probs",
     dtype : numpy dtype
         float32, float16 or ml_dtypes.bfloat16.
     route : {"stored_probs", "lse_recompute"}
-        Saved state of the backward: the forward's probabilities, or the row log-partition
-        with ``P = exp(S - L)`` recomputed in ``dtype`` and ``D = sum(G_O * O)`` (the
-        FlashAttention backward). The forward tensors are the same for both.
+        Saved state of the backward: the forward's probabilities (every op rounded to
+        ``dtype``), or the row log-partition as FlashAttention's backward does: ``P = exp(S -
+        L)``, ``dP = G_O V^T``, ``D = sum(G_O * O)`` (of the rounded output) and ``dS`` in
+        float32, dS rounded to ``dtype`` once before its products (P Z once before dV's). In
+        float32 the two routes round the same ops. The forward tensors are the same for both.
     names : iterable of str, optional
         The tensors wanted (default: every name of :data:`MODELLED`). A call of more than
         :data:`BLOCK_SCORES` score elements runs per batch row and block of query rows, its
@@ -221,22 +224,34 @@ class _Naive:
             return
         g_o = np.where(qv, self.res["grad_output"][bs][:, :, rs], f32(0.0))
         row_dot_output = r((r(g_o * output)).sum(axis=-1, dtype=f32))  # (b, Hq, r)
-        if self.route == "lse_recompute":  # P from the saved log-partition, in dtype
-            probs = r(np.exp(r(masked - lse[..., None])))  # exactly 0 off the support
-            consumed = r(probs * z)
+        if self.route == "lse_recompute":
+            # FlashAttention's backward: P from the saved log-partition and D = sum(G_O * O)
+            # from the rounded output, with P, dP, D and dS held in float32 and dS rounded
+            # once, before its products (in float32 the same numbers as rounding each op)
+            p32 = np.exp(masked - lse[..., None])  # (b, Hq, r, K), exactly 0 off the support
+            probs, consumed = r(p32), r(p32 * z)  # P Z rounded for dV
             if sink is not None:
                 sink_probs = r(np.exp(r(sink - lse)))  # (b, Hq, r)
-        grad_consumed = r(g_o @ v_eff.swapaxes(-1, -2))  # (b, Hq, r, K)
-        grad_probs = r(grad_consumed * z)
-        if self.route == "lse_recompute":
-            row_dot = row_dot_output  # D = sum(G_O * O)
+            gc32 = g_o @ v_eff.swapaxes(-1, -2)  # (b, Hq, r, K) dP before Z
+            gp32 = gc32 * z
+            d32 = (g_o * output).sum(axis=-1, dtype=f32)  # (b, Hq, r)
+            grad_consumed, grad_probs, row_dot = r(gc32), r(gp32), r(d32)
+            ds32 = p32 * (gp32 - d32[..., None])
+            grad_scores = r(ds32)
+            if cap is not None:
+                th = scores / f32(cap)  # tanh of the capped scores
+                ds32 = ds32 * (f32(1.0) - th * th)
+            grad_scaled = r(ds32)  # gradient w.r.t. alpha * u
         else:
+            grad_consumed = r(g_o @ v_eff.swapaxes(-1, -2))  # (b, Hq, r, K)
+            grad_probs = r(grad_consumed * z)
             row_dot = r((r(probs * grad_probs)).sum(axis=-1, dtype=f32))  # D = sum(P * G_P)
-        grad_scores = r(probs * r(grad_probs - row_dot[..., None]))
-        grad_scaled = grad_scores  # gradient w.r.t. alpha * u
+            grad_scores = r(probs * r(grad_probs - row_dot[..., None]))
+            grad_scaled = grad_scores  # gradient w.r.t. alpha * u
+            if cap is not None:
+                th = r(scores / f32(cap))
+                grad_scaled = r(grad_scores * r(f32(1.0) - r(th * th)))
         if cap is not None:
-            th = r(scores / f32(cap))
-            grad_scaled = r(grad_scores * r(f32(1.0) - r(th * th)))
             self.keep("grad_softcap_input", grad_scaled, where, full4)
         sg = family.compatibility_backward(grad_scaled, q_s, k_s)
         grad_q = r(r(sg.grad_q) * f32(mult.query * mult.post))
