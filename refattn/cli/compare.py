@@ -54,6 +54,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
                    "holds any input gradient, else forward")
     p.add_argument("--floor-factor", type=float, help="lower precision: floor multiplier "
                    "(default 2)")
+    p.add_argument("--natural-floor", type=float, help="lower precision: the floor never "
+                   "falls below this many unit roundoffs of the dtype times the tensor's "
+                   "natural magnitude (default 8; 0 turns it off)")
     p.add_argument("--json", action="store_true", help="print the report as one JSON document "
                    "(non-finite numbers as the strings nan, inf, -inf)")
     p.add_argument("--no-legend", action="store_true",
@@ -72,7 +75,8 @@ def run(args: argparse.Namespace) -> int:
     tol = Tolerances()
     for field, value in (("atol", args.atol), ("rtol", args.rtol),
                          ("k_forward", args.k_forward), ("k_gradient", args.k_gradient),
-                         ("floor_factor", args.floor_factor)):
+                         ("floor_factor", args.floor_factor),
+                         ("natural_floor", args.natural_floor)):
         if value is not None:
             tol = replace(tol, **{field: value})
     manifest = None
@@ -116,7 +120,8 @@ def _compare_quantized(args: argparse.Namespace, loaded: Any) -> int:
     from refattn.quant.check import check_candidate
     from refattn.quant.pipeline import quantized
 
-    for option in ("dtype", "atol", "rtol", "k_forward", "k_gradient", "floor_factor"):
+    for option in ("dtype", "atol", "rtol", "k_forward", "k_gradient", "floor_factor",
+                   "natural_floor"):
         if getattr(args, option) is not None:
             raise RefAttnError(f"--{option.replace('_', '-')}: does not apply to a quantised "
                                "case (its tolerance is the emulated pipeline's interval)")

@@ -7,12 +7,14 @@ import json
 import numpy as np
 import pytest
 
+import refattn
 from refattn import RefAttnError
 from refattn.bundle import load, write_bundle
 from refattn.bundle.comparison.candidates import read_candidate, write_candidate
 from refattn.bundle.comparison.harness import compare
 from refattn.bundle.comparison.lowp import naive_lowp
 from refattn.bundle.comparison.tolerances import Tolerances, resolve_dtype, rounding_floor
+from refattn.bundle.golden.guarantee import natural_scales
 from refattn.bundle.golden.spec import case_spec
 from refattn.bundle.suites import build_suite
 from refattn.cli import main
@@ -175,11 +177,21 @@ def test_lse_recompute_route_models_a_flash_style_backward(spec):
         Tolerances(naive_routes=())
 
 
+def _floor(spec, name, dtype):
+    """The rule's floor from first principles: the rounding floor, or 8 unit roundoffs of
+    the natural magnitude, computed here from a dense numpy trace of the call."""
+    trace = refattn.forward(spec.to_call(), backend="numpy")
+    grads = refattn.backward(trace, spec.tensors["grad_output"])
+    natural = natural_scales(spec.to_call(), trace, grads)[name]
+    u = float(np.finfo(dtype).eps) / 2
+    return max(rounding_floor(spec.tensors[name], dtype), 8 * u * natural)
+
+
 def test_reference_relative_bound_is_k_times_reference_plus_floor(spec):
     dtype = np.dtype(np.float32)
     g = spec.tensors["output"]
     ref = _ref_error(spec, dtype, "output")
-    floor = rounding_floor(g, dtype)
+    floor = _floor(spec, "output", dtype)
     bound = 2 * ref + floor
     idx = (0, 1, 2, 0)
     for factor, ok in ((0.9, True), (1.1, False)):
@@ -191,12 +203,15 @@ def test_reference_relative_bound_is_k_times_reference_plus_floor(spec):
         assert r["output"].reference_error == pytest.approx(ref, rel=1e-12)
     # gradients get k = 3
     gq = spec.tensors["grad_q"]
-    bound_q = 3 * _ref_error(spec, dtype, "grad_q") + rounding_floor(gq, dtype)
+    bound_q = 3 * _ref_error(spec, dtype, "grad_q") + _floor(spec, "grad_q", dtype)
     r = compare({"grad_q": gq + 0.9 * bound_q}, spec, dtype="float32")
     assert r.passed and r["grad_q"].bound == pytest.approx(bound_q, rel=1e-12)
     r = compare({"grad_q": gq + 0.9 * bound_q}, spec, dtype="float32",
                 tolerances=Tolerances(k_gradient=1.0))
     assert not r.passed
+    # without the natural floor: the rounding floor alone, as FlashAttention's tests have it
+    r = compare({"output": g}, spec, dtype="float32", tolerances=Tolerances(natural_floor=0))
+    assert r["output"].bound == pytest.approx(2 * ref + rounding_floor(g, dtype), rel=1e-12)
 
 
 def test_bfloat16_candidate_that_lost_a_scale_fails(spec):

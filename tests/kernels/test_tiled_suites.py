@@ -58,7 +58,7 @@ PLANTED = [
                                     "decode_q1_k147")),
     ("causal_offset", {}, ("edge_causal_lr_q127_k129", "causal_lr_q1023_k1024",
                            "decode_q2_k1023")),
-    ("pad_garbage", {"pad_to": 16}, ("shape_q113_k211_d59", "edge_causal_lr_q65_k63",
+    ("pad_garbage", {"pad_to": 16}, ("shape_q113_k211_d111", "edge_causal_lr_q65_k63",
                                      "alibi_q1_k147")),
     ("stale_max_rescale", {}, ("shape_q1024_k1024", "causal_ul_q1023_k1024",
                                "sink_q113_k203")),

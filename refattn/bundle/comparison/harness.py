@@ -23,13 +23,14 @@ import numpy as np
 from refattn._checks import first_index, format_index
 from refattn.bundle.comparison.candidates import as_numpy
 from refattn.bundle.comparison.diagnosis import Diagnosis, diagnose
-from refattn.bundle.comparison.lowp import naive_lowp
+from refattn.bundle.comparison.lowp import naive_lowp, natural_magnitudes
 from refattn.bundle.comparison.tolerances import (
     LOWER_PRECISIONS,
     Tolerances,
     precision_name,
     resolve_dtype,
     rounding_floor,
+    ulp,
 )
 from refattn.bundle.golden.case import GoldenCase
 from refattn.bundle.golden.spec import CaseSpec, case_spec
@@ -416,7 +417,7 @@ def _exact(name: str, c: np.ndarray, g: np.ndarray) -> TensorReport:
 
 def _numeric(name: str, c_in: np.ndarray, g: np.ndarray, *, precision: str,
              tol: Tolerances, naive: Mapping[str, Mapping[str, np.ndarray]] | None,
-             dtype: np.dtype) -> TensorReport:
+             dtype: np.dtype, natural: Mapping[str, float] | None = None) -> TensorReport:
     c = c_in.astype(np.float64)  # exact widening of every supported float dtype
     # in a lower precision a finite golden value beyond the dtype's range is expected as +-inf
     with np.errstate(over="ignore"):
@@ -460,6 +461,8 @@ def _numeric(name: str, c_in: np.ndarray, g: np.ndarray, *, precision: str,
                 ref_err = max(ref_err, float(np.max(np.abs(lp[name][fin] - g[fin]))))
         floor = rounding_floor(g, dtype, shift=tol.floor_shift, factor=tol.floor_factor,
                                mode=tol.floor_mode)
+        if natural and name in natural:  # a correct kernel's own roundings of its sums
+            floor = max(floor, tol.natural_floor * ulp(1.0, dtype) / 2 * natural[name])
         bound = tol.k_for(name) * ref_err + floor
         failing = err > bound
         wflat = int(np.argmax(err)) if compared else None
@@ -589,6 +592,7 @@ def compare(
         _infer_precision(cand))
     lp_dtype = resolve_dtype(precision)
     naive: dict[str, dict[str, np.ndarray]] | None = None
+    natural: Mapping[str, float] = {}
     if precision in LOWER_PRECISIONS and cand:
         if spec is None:
             raise RefAttnError(
@@ -599,6 +603,7 @@ def compare(
         compared = [n for n in cand if n in gold]  # the yardstick of these tensors only
         naive = {route: naive_lowp(spec, lp_dtype, route=route, names=compared)
                  for route in tol.naive_routes}
+        natural = natural_magnitudes(spec) if tol.natural_floor else {}
     rows: list[TensorReport] = []
     for name in sorted(cand, key=_order_key):
         c = cand[name]
@@ -619,7 +624,7 @@ def compare(
                                      f"golden has {g.dtype}", tuple(g.shape)))
         else:
             rows.append(_numeric(name, c, g, precision=precision, tol=tol, naive=naive,
-                                 dtype=lp_dtype))
+                                 dtype=lp_dtype, natural=natural))
     for name in required:
         if name not in cand:
             kind = "gradient" if name.startswith("grad_") else "forward"
@@ -633,7 +638,7 @@ def compare(
     failing = [r.name for r in rows if not r.passed and r.name in cand]
     if failing:
         diagnoses = _diagnoses(cand, gold, spec, rows, failing, precision=precision, tol=tol,
-                               naive=naive, dtype=lp_dtype)
+                               naive=naive, dtype=lp_dtype, natural=natural)
     return Report(case_id, precision, tuple(rows), missing, tol, diagnoses)
 
 
@@ -641,14 +646,15 @@ def _diagnoses(cand: Mapping[str, np.ndarray], gold: Mapping[str, np.ndarray],
                spec: CaseSpec | None, rows: list[TensorReport], failing: list[str], *,
                precision: str, tol: Tolerances,
                naive: Mapping[str, Mapping[str, np.ndarray]] | None,
-               dtype: np.dtype) -> tuple[Diagnosis, ...]:
+               dtype: np.dtype, natural: Mapping[str, float]) -> tuple[Diagnosis, ...]:
     """The comparison's rules as the two tests :func:`diagnose` applies to a hypothesis."""
     bounds = {r.name: r.bound for r in rows if r.rule == "reference_relative"}
 
     def passes(name: str, c: np.ndarray) -> bool:  # the rule itself, on an undone candidate
         g = np.asarray(gold[name])
         return c.shape == g.shape and _numeric(name, c, g, precision=precision, tol=tol,
-                                               naive=naive, dtype=dtype).passed
+                                               naive=naive, dtype=dtype,
+                                               natural=natural).passed
 
     def fits(name: str, c: np.ndarray, alt: np.ndarray) -> bool:  # within the tolerance
         alt = np.asarray(alt, dtype=np.float64)

@@ -10,18 +10,21 @@ fixed multiple of it. Defers the tolerance settings to :mod:`refattn.bundle.comp
 
 from __future__ import annotations
 
+from functools import lru_cache
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
 from threadpoolctl import threadpool_limits
 
 from refattn.bundle.comparison.tolerances import round_to
+from refattn.bundle.golden.guarantee import saved_state_scales
 from refattn.bundle.golden.spec import CaseSpec
 from refattn.call.placement import operand_multipliers
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
 from refattn.errors import RefAttnError
 
-__all__ = ["MODELLED", "ROUTES", "naive_lowp"]
+__all__ = ["MODELLED", "ROUTES", "naive_lowp", "natural_magnitudes"]
 
 #: saved-state routes of the naive backward (the contract's "Training state saved by the local
 #: operation"): keep the probabilities, or keep the row log-partition L and recompute
@@ -308,3 +311,30 @@ class _Naive:
         if "grad_bias" in self.acc:
             shape = np.shape(self.spec.tensors["bias"])
             self.res["grad_bias"] = r(np.reshape(self.acc["grad_bias"], shape))
+
+
+@lru_cache(maxsize=8)
+def natural_magnitudes(spec: CaseSpec) -> dict[str, float]:
+    """The natural magnitude of each tensor of a golden case (the largest sum of absolute
+    terms behind one element), from its stored output, lse, row dot and cotangent: the
+    scale of the rule's natural floor. Dot-family cases with a backward; ``{}`` otherwise.
+    Computed in blocks of query rows (no (B, Hq, Q, K) tensor), kept for the last few cases.
+
+    Examples
+    --------
+    >>> from refattn.bundle.suites import build_suite
+    >>> from refattn.bundle.golden.spec import case_spec
+    >>> n = natural_magnitudes(case_spec(build_suite("contract")[1]))
+    >>> sorted(n)[:4], n["row_max"] > 0
+    (['grad_bias', 'grad_k', 'grad_q', 'grad_v'], True)
+    """
+    t = spec.tensors
+    if spec.score_family_name != "dot" or any(
+            n not in t for n in ("output", "lse", "row_dot", "grad_output")):
+        return {}
+    trace = SimpleNamespace(output=t["output"], lse=t["lse"])
+    grads = SimpleNamespace(grad_output=t["grad_output"], row_dot=t["row_dot"])
+    try:
+        return saved_state_scales(spec.to_call(), trace, grads)[1]
+    except RefAttnError:  # a call this reader cannot rebuild: no natural floor
+        return {}
