@@ -23,7 +23,7 @@ import numpy as np
 from refattn._checks import first_index, format_index
 from refattn.bundle.comparison.candidates import as_numpy
 from refattn.bundle.comparison.diagnosis import Diagnosis, diagnose
-from refattn.bundle.comparison.lowp import naive_lowp, natural_magnitudes
+from refattn.bundle.comparison.lowp import naive_routes, natural_magnitudes
 from refattn.bundle.comparison.tolerances import (
     LOWER_PRECISIONS,
     Tolerances,
@@ -601,8 +601,7 @@ def compare(
                 "GoldenCase, not a bare mapping)"
             )
         compared = [n for n in cand if n in gold]  # the yardstick of these tensors only
-        naive = {route: naive_lowp(spec, lp_dtype, route=route, names=compared)
-                 for route in tol.naive_routes}
+        naive = naive_routes(spec, lp_dtype, tol.naive_routes, names=compared)
         natural = natural_magnitudes(spec) if tol.natural_floor else {}
     rows: list[TensorReport] = []
     for name in sorted(cand, key=_order_key):

@@ -24,7 +24,7 @@ from refattn.call.placement import operand_multipliers
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
 from refattn.errors import RefAttnError
 
-__all__ = ["MODELLED", "ROUTES", "naive_lowp", "natural_magnitudes"]
+__all__ = ["MODELLED", "ROUTES", "naive_lowp", "naive_routes", "natural_magnitudes"]
 
 #: saved-state routes of the naive backward (the contract's "Training state saved by the local
 #: operation"): keep the probabilities, or keep the row log-partition L and recompute
@@ -98,44 +98,74 @@ def naive_lowp(spec: CaseSpec, dtype: np.dtype, *, route: str = "stored_probs",
     >>> sorted(naive_lowp(spec, np.dtype(np.float32), names=["output", "lse"]))
     ['lse', 'output']
     """
-    if route not in ROUTES:
-        raise RefAttnError(f"route: expected one of {list(ROUTES)}, got {route!r}")
+    return naive_routes(spec, dtype, (route,), names=names)[route]
+
+
+def naive_routes(spec: CaseSpec, dtype: np.dtype, routes: Any = ROUTES, *,
+                 names: Any = None) -> dict[str, dict[str, np.ndarray]]:
+    """:func:`naive_lowp` of several routes at once: the forward (shared) runs once.
+
+    Returns
+    -------
+    dict of str to dict of str to float64 ndarray
+        route -> what :func:`naive_lowp` returns for it (the same values).
+
+    Examples
+    --------
+    >>> from refattn.bundle.suites import build_suite
+    >>> from refattn.bundle.golden.spec import case_spec
+    >>> spec = case_spec(build_suite("contract")[1])
+    >>> both = naive_routes(spec, np.dtype(np.float16), names=["output", "grad_q"])
+    >>> alone = naive_lowp(spec, np.dtype(np.float16), route="lse_recompute",
+    ...                    names=["output", "grad_q"])
+    >>> bool(np.array_equal(both["lse_recompute"]["grad_q"], alone["grad_q"]))
+    True
+    """
+    routes = tuple(routes)
+    for route in routes:
+        if route not in ROUTES:
+            raise RefAttnError(f"route: expected one of {list(ROUTES)}, got {route!r}")
     dtype = np.dtype(dtype)
     wanted = None if names is None else frozenset(names)
     with threadpool_limits(limits=1):
-        out = _Naive(spec, dtype, route, wanted).run()
-    return {name: np.asarray(x, dtype=np.float64) for name, x in out.items()
-            if wanted is None or name in wanted}
+        out = _Naive(spec, dtype, routes, wanted).run()
+    return {route: {name: np.asarray(x, dtype=np.float64) for name, x in res.items()
+                    if wanted is None or name in wanted} for route, res in out.items()}
 
 
 class _Naive:
     """The naive algorithm over blocks (one block: the whole call, op for op as unfused
-    frameworks run it)."""
+    frameworks run it): the forward once, the backward once per route."""
 
-    def __init__(self, spec: CaseSpec, dtype: np.dtype, route: str,
+    def __init__(self, spec: CaseSpec, dtype: np.dtype, routes: tuple[str, ...],
                  wanted: frozenset[str] | None) -> None:
-        self.spec, self.dtype, self.route, self.wanted = spec, dtype, route, wanted
-        self.res: dict[str, Any] = {}
-        self.acc: dict[str, Any] = {}  # float32 sums over blocks, rounded once at the end
+        self.spec, self.dtype, self.routes, self.wanted = spec, dtype, routes, wanted
+        self.res: dict[str, Any] = {}  # the inputs and the forward, shared by the routes
+        self.back: dict[str, dict[str, Any]] = {r: {} for r in routes}  # each route's
+        self.acc: dict[str, dict[str, Any]] = {r: {} for r in routes}  # float32 sums over
+        # blocks, rounded once at the end
 
     def r(self, x: Any) -> np.ndarray:  # round an op's float32 result to the storage dtype
         return round_to(x, self.dtype)
 
-    def keep(self, name: str, value: Any, where: tuple[Any, ...], shape: tuple[int, ...]
-             ) -> None:
-        """Place one block's ``value`` of tensor ``name`` (full ``shape``) at ``where``."""
+    def keep(self, name: str, value: Any, where: tuple[Any, ...], shape: tuple[int, ...],
+             into: dict[str, Any] | None = None) -> None:
+        """Place one block's ``value`` of tensor ``name`` (full ``shape``) at ``where``, in
+        the shared results or a route's (``into``)."""
         if self.wanted is not None and name not in self.wanted:
             return
+        out = self.res if into is None else into
         if where == ():
-            self.res[name] = value
+            out[name] = value
             return
-        if name not in self.res:
-            self.res[name] = np.empty(shape, dtype=np.float32)
-        self.res[name][where] = value
+        if name not in out:
+            out[name] = np.empty(shape, dtype=np.float32)
+        out[name][where] = value
 
-    def add(self, name: str, value: Any) -> None:
+    @staticmethod
+    def add(acc: dict[str, Any], name: str, value: Any) -> None:
         """Add one block's float32 partial sum of ``name``."""
-        self.acc[name] = value if name not in self.acc else self.acc[name] + value
+        acc[name] = value if name not in acc else acc[name] + value
 
     def run(self) -> dict[str, Any]:
         spec = self.spec
@@ -168,8 +198,9 @@ class _Naive:
                 for i0 in range(0, Q, rows):
                     self._block(slice(b, b + 1), slice(i0, min(Q, i0 + rows)),
                                 (slice(b, b + 1), slice(None), slice(i0, min(Q, i0 + rows))))
-        self._finish()
-        return self.res
+        for route in self.routes:
+            self._finish(route)
+        return {route: {**self.res, **self.back[route]} for route in self.routes}
 
     def _block(self, bs: slice, rs: slice, where: tuple[Any, ...]) -> None:
         """Batch rows ``bs`` and query rows ``rs`` (every head, every key)."""
@@ -227,7 +258,27 @@ class _Naive:
             return
         g_o = np.where(qv, self.res["grad_output"][bs][:, :, rs], f32(0.0))
         row_dot_output = r((r(g_o * output)).sum(axis=-1, dtype=f32))  # (b, Hq, r)
-        if self.route == "lse_recompute":
+        forward = SimpleNamespace(
+            bs=bs, rs=rs, where=where, k_eff=k_eff, v_eff=v_eff, q_s=q_s, k_s=k_s,
+            scores=scores, masked=masked, lse=lse, sink=sink, sink_probs=sink_probs,
+            probs=probs, z=z, consumed=consumed, output=output, g_o=g_o,
+            row_dot_output=row_dot_output)
+        for route in self.routes:
+            self._backward(route, forward)
+
+    def _backward(self, route: str, fw: SimpleNamespace) -> None:
+        """One route's backward of one block, from the block's forward ``fw``."""
+        spec, r, f32 = self.spec, self.r, np.float32
+        B, Hq, Q, K = spec.score_shape
+        full4 = (B, Hq, Q, K)
+        mult, family, cap = self.mult, self.family, spec.softcap
+        out, acc = self.back[route], self.acc[route]
+        bs, rs, where, v_eff, q_s, k_s = fw.bs, fw.rs, fw.where, fw.v_eff, fw.q_s, fw.k_s
+        scores, masked, lse, sink, z, output, g_o = (fw.scores, fw.masked, fw.lse, fw.sink,
+                                                     fw.z, fw.output, fw.g_o)
+        probs, consumed, sink_probs, row_dot_output = (fw.probs, fw.consumed, fw.sink_probs,
+                                                       fw.row_dot_output)
+        if route == "lse_recompute":
             # FlashAttention's backward: P from the saved log-partition and D = sum(G_O * O)
             # from the rounded output, with P, dP, D and dS held in float32 and dS rounded
             # once, before its products (in float32 the same numbers as rounding each op)
@@ -255,62 +306,64 @@ class _Naive:
                 th = r(scores / f32(cap))
                 grad_scaled = r(grad_scores * r(f32(1.0) - r(th * th)))
         if cap is not None:
-            self.keep("grad_softcap_input", grad_scaled, where, full4)
+            self.keep("grad_softcap_input", grad_scaled, where, full4, out)
         sg = family.compatibility_backward(grad_scaled, q_s, k_s)
         grad_q = r(r(sg.grad_q) * f32(mult.query * mult.post))
-        self.keep("grad_q", grad_q, where, (B, Hq, Q, grad_q.shape[-1]))
+        self.keep("grad_q", grad_q, where, (B, Hq, Q, grad_q.shape[-1]), out)
         for n, g in sg.params.items():
-            self.add(f"grad_score_{n}", g)
+            self.add(acc, f"grad_score_{n}", g)
         if sink_probs is not None:
-            self.add("grad_sink", (r(sink_probs * row_dot)).sum(axis=(0, 2), dtype=f32))
+            self.add(acc, "grad_sink", (r(sink_probs * row_dot)).sum(axis=(0, 2), dtype=f32))
         for name, value in (("grad_consumed", grad_consumed), ("grad_probs", grad_probs),
                             ("grad_scores", grad_scores)):
-            self.keep(name, value, where, full4)
+            self.keep(name, value, where, full4, out)
         for name, value in (("row_dot", row_dot), ("row_dot_output", row_dot_output)):
-            self.keep(name, value, where, full4[:3])
+            self.keep(name, value, where, full4[:3], out)
         # sums over query rows: float32 across blocks, rounded once (_finish)
-        self._place_acc("grad_v", consumed.swapaxes(-1, -2) @ g_o, bs)  # (b, Hq, K, Dv)
-        self._place_acc("grad_k", sg.grad_k, bs)  # (b, Hq, K, Dk)
+        self._place_acc(acc, "grad_v", consumed.swapaxes(-1, -2) @ g_o, bs)  # (b,Hq,K,Dv)
+        self._place_acc(acc, "grad_k", sg.grad_k, bs)  # (b, Hq, K, Dk)
         if self.bias is not None:
-            self._bias_acc(grad_scores, bs, rs)
+            self._bias_acc(acc, grad_scores, bs, rs)
 
-    def _place_acc(self, name: str, part: np.ndarray, bs: slice) -> None:
+    def _place_acc(self, acc: dict[str, Any], name: str, part: np.ndarray, bs: slice) -> None:
         B = self.spec.score_shape[0]
-        if name not in self.acc:
-            self.acc[name] = np.zeros((B, *part.shape[1:]), dtype=np.float32)
-        self.acc[name][bs] += part
+        if name not in acc:
+            acc[name] = np.zeros((B, *part.shape[1:]), dtype=np.float32)
+        acc[name][bs] += part
 
-    def _bias_acc(self, grad_scores: np.ndarray, bs: slice, rs: slice) -> None:
+    def _bias_acc(self, acc: dict[str, Any], grad_scores: np.ndarray, bs: slice,
+                  rs: slice) -> None:
         shape = np.shape(self.spec.tensors["bias"])
         if bs == slice(None) and rs == slice(None):  # one block: the whole call
-            self.acc["grad_bias"] = reduce_to_shape(grad_scores, shape)
+            acc["grad_bias"] = reduce_to_shape(grad_scores, shape)
             return
         b4 = (1,) * (4 - len(shape)) + tuple(shape)
         # this block's (b, Hq, r, K) summed over the axes the bias broadcasts along
         rows = grad_scores.shape[2] if b4[2] > 1 else 1
         part = reduce_to_shape(grad_scores, (1 if b4[0] == 1 else grad_scores.shape[0], b4[1],
                                              rows, b4[3]))
-        if "grad_bias" not in self.acc:
-            self.acc["grad_bias"] = np.zeros(b4, dtype=np.float32)
-        self.acc["grad_bias"][bs if b4[0] > 1 else slice(None), :,
-                              rs if b4[2] > 1 else slice(None)] += part
+        if "grad_bias" not in acc:
+            acc["grad_bias"] = np.zeros(b4, dtype=np.float32)
+        acc["grad_bias"][bs if b4[0] > 1 else slice(None), :,
+                         rs if b4[2] > 1 else slice(None)] += part
 
-    def _finish(self) -> None:
+    def _finish(self, route: str) -> None:
         if not self.backward:
             return
         r, f32 = self.r, np.float32
         mult = self.mult
         Hkv = self.k.shape[1]
-        self.res["grad_v"] = r(sum_heads(r(self.acc["grad_v"]), self.head_map, Hkv))
-        grad_k_eff = r(r(self.acc["grad_k"]) * f32(mult.key * mult.post))
-        self.res["grad_k"] = r(sum_heads(grad_k_eff, self.head_map, Hkv))
-        self.res.update({name: r(r(g) * f32(mult.post)) for name, g in self.acc.items()
-                         if name.startswith("grad_score_")})
-        if "grad_sink" in self.acc:
-            self.res["grad_sink"] = r(-self.acc["grad_sink"])
-        if "grad_bias" in self.acc:
+        acc, out = self.acc[route], self.back[route]
+        out["grad_v"] = r(sum_heads(r(acc["grad_v"]), self.head_map, Hkv))
+        grad_k_eff = r(r(acc["grad_k"]) * f32(mult.key * mult.post))
+        out["grad_k"] = r(sum_heads(grad_k_eff, self.head_map, Hkv))
+        out.update({name: r(r(g) * f32(mult.post)) for name, g in acc.items()
+                    if name.startswith("grad_score_")})
+        if "grad_sink" in acc:
+            out["grad_sink"] = r(-acc["grad_sink"])
+        if "grad_bias" in acc:
             shape = np.shape(self.spec.tensors["bias"])
-            self.res["grad_bias"] = r(np.reshape(self.acc["grad_bias"], shape))
+            out["grad_bias"] = r(np.reshape(acc["grad_bias"], shape))
 
 
 @lru_cache(maxsize=8)

@@ -7,7 +7,8 @@ dims 32 to 256 with the odd 40, 59, 111; length pairs from (1, 1) and (799, 3) t
 4224), the off-by-one (1023, 1024) and (1024, 1023) among them), crossed with the features
 kernels implement, as a designed covering set rather than a full product:
 
-- ``shape_*``: every length pair at five head dims, MHA/GQA/MQA and batch 1-5 in turn;
+- ``shape_*``: every length pair at five head dims (the two longest at 64 and 128),
+  MHA/GQA/MQA and batch 1-5 in turn;
 - one row per feature (causal in both alignments, sliding windows in both, ALiBi, softcap,
   a sink, Philox dropout 0.17, key padding), each at ten length pairs (at least six that no
   64-row tile divides, Q < K and Q > K) and ten head dims;
@@ -182,11 +183,13 @@ def _design() -> list[KernelSpec]:
         out.append(KernelSpec(cid, comment, (B, Hq, Hkv, Q, K, Dk, Dv), **kw))
         n += 1
 
-    # every length pair at five head dims, no mask (the longest at head dims up to 128)
+    # every length pair at five head dims, no mask (the two longest, 16M scores a head, at
+    # the head dims models run them with, 64 and 128)
     for p, (Q, K) in enumerate(LENGTH_PAIRS):
-        dims = HEAD_DIMS if Q * K < 4096 * 4096 else HEAD_DIMS[:8]
-        for t in range(5):
-            D = dims[(5 * p + t) % len(dims)]
+        dims = [HEAD_DIMS[(5 * p + t) % len(HEAD_DIMS)] for t in range(5)]
+        if Q * K >= 4096 * 4096:
+            dims = [64, 128]
+        for D in dims:
             add("shape", f"Q={Q}, K={K}, D={D}: FlashAttention's shape matrix, no mask",
                 _shape(n, Q, K, D), flags=("KernelShape",))
     # one row per feature: ten length pairs, ten head dims each
@@ -222,10 +225,11 @@ def _design() -> list[KernelSpec]:
     # tile edges: one short of and one past the 64- and 128-row tiles, odd head dims
     edges = ((63, 65), (65, 63), (64, 65), (127, 129), (129, 127), (128, 129), (191, 193),
              (255, 257), (257, 255), (1, 65), (1, 129), (17, 1025), (65, 1), (192, 64),
-             (320, 319))
+             (320, 319), (95, 97), (1, 257), (161, 160))
+    dims = (59, 111, 40, 80, 33, 72, 96, 160, 224, 17, 256, 128, 64, 192, 8, 48, 120, 136)
     for e, (Q, K) in enumerate(edges):
         for t, mask in enumerate(("causal_lr", "causal_ul")):
-            D = (59, 111, 40, 80, 33, 72, 96, 160, 224, 17, 256, 128, 64, 192, 8)[(e + t) % 15]
+            D = dims[(e + t) % len(dims)]
             add(f"edge_{mask}", f"{mask}: lengths at a tile edge, Q={Q}, K={K}, D={D}",
                 _shape(n, Q, K, D), mask=mask, flags=("TileEdge",))
     # decode over KV caches of per-sequence lengths
