@@ -48,7 +48,8 @@ def natural_scales(call, ref, grads) -> dict[str, float]:
         "row_max": biased.max(), "lse": biased.max() + np.log(call.score_shape[3]) + 1.0,
         "probs": 1.0, "dropout_multiplier": a(z).max(), "consumed": a(z).max(),
         "output": (a(ref.consumed) @ a(v_eff)).max(),
-        "grad_v": (a(ref.consumed).swapaxes(-1, -2) @ a(g_o)).max(),
+        "grad_v": sum_heads(a(ref.consumed).swapaxes(-1, -2) @ a(g_o), call.head_map,
+                            call.k.shape[1]).max(),  # summed over a kv head's query heads
         "grad_consumed": (a(g_o) @ a(v_eff).swapaxes(-1, -2)).max(),
         "grad_probs": g_probs.max(), "row_dot": (ref.probs * g_probs).sum(-1).max(),
         "row_dot_output": (a(g_o) * a(ref.output)).sum(-1).max(),

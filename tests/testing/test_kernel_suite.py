@@ -94,3 +94,17 @@ def test_an_unknown_suite_is_one_clear_error():
 
     with pytest.raises(RefAttnError, match="unknown suite 'kernel'; known suites"):
         load_cases(suite="kernel")
+
+
+def test_a_kernel_case_a_lowering_cannot_express_names_the_field():
+    from refattn.errors import RefAttnError
+
+    specs = {s.case_id: s for s in load_cases(suite="kernels")}
+    sink = Case(next(s for n, s in specs.items() if n.startswith("sink_")), "float32")
+    assert "sink" in sink.not_expressible("torch_sdpa")
+    with pytest.raises(RefAttnError, match="sink"):
+        sink.to_torch_sdpa()
+    window = Case(next(s for n, s in specs.items() if n.startswith("window_lr_q113")),
+                  "float32")
+    assert window.not_expressible("flash_attn") is None  # a band FlashAttention's window_size
+    assert window.window is not None                       # expresses: (left, right)

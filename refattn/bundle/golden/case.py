@@ -20,7 +20,7 @@ from refattn._checks import format_index
 from refattn.bundle.golden.quantized import INPUTS, PREFIX, quant_tensors
 from refattn.call import AttentionCall
 from refattn.engine import backward, forward
-from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS, estimate_seconds
+from refattn.engine.exact.estimate import DEFAULT_MAX_SECONDS, estimate_seconds
 from refattn.engine.memory import available_bytes, dense_bytes
 from refattn.engine.trace import SAVED_STATE_OMITS, Gradients, Trace
 from refattn.errors import RefAttnError

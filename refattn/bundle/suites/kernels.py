@@ -226,10 +226,10 @@ def _design() -> list[KernelSpec]:
     edges = ((63, 65), (65, 63), (64, 65), (127, 129), (129, 127), (128, 129), (191, 193),
              (255, 257), (257, 255), (1, 65), (1, 129), (17, 1025), (65, 1), (192, 64),
              (320, 319), (95, 97), (1, 257), (161, 160))
-    dims = (59, 111, 40, 80, 33, 72, 96, 160, 224, 17, 256, 128, 64, 192, 8, 48, 120, 136)
+    odd = (59, 111, 40, 80, 33, 72, 96, 160, 224, 17, 256, 128, 64, 192, 8, 48, 120, 136)
     for e, (Q, K) in enumerate(edges):
         for t, mask in enumerate(("causal_lr", "causal_ul")):
-            D = dims[(e + t) % len(dims)]
+            D = odd[(e + t) % len(odd)]
             add(f"edge_{mask}", f"{mask}: lengths at a tile edge, Q={Q}, K={K}, D={D}",
                 _shape(n, Q, K, D), mask=mask, flags=("TileEdge",))
     # decode over KV caches of per-sequence lengths

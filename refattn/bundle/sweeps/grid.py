@@ -47,7 +47,7 @@ from refattn.call import AttentionCall
 from refattn.call.bias import alibi, alibi_slopes
 from refattn.call.scores import Additive, Bilinear, Cosine
 from refattn.dropout import Philox
-from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS, SECONDS_PER_ELEMENT
+from refattn.engine.exact.estimate import DEFAULT_MAX_SECONDS, SECONDS_PER_ELEMENT
 from refattn.engine.memory import available_bytes
 from refattn.errors import RefAttnError
 from refattn.masks import causal, relation, segments_from_cu_seqlens

@@ -58,7 +58,7 @@ from refattn.bundle.storage.format import (
 from refattn.bundle.storage.fsio import MAX_MANIFEST_BYTES, read_confined
 from refattn.bundle.storage.manifest import parse_manifest
 from refattn.bundle.storage.transaction import BundleTransaction
-from refattn.engine.exact.backend import estimate_seconds
+from refattn.engine.exact.estimate import estimate_seconds
 from refattn.engine.exact.program import ROUNDING_POINTS
 from refattn.errors import RefAttnError
 

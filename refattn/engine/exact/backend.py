@@ -6,51 +6,25 @@ defined once in :mod:`refattn.engine.exact.program` (listed in ``docs/EXACT_ROUN
 named in every manifest this backend writes. The result depends on the inputs alone: not on
 BLAS, thread counts, numpy's SIMD paths, its version or the machine.
 
-Owns the backend interface (``forward``/``backward`` returning Trace/Gradients) and the
-up-front time estimate that refuses a call too large for correctly rounded arithmetic.
+Owns the backend interface (``forward``/``backward`` returning Trace/Gradients); the up-front
+time estimate that refuses a call too large for correctly rounded arithmetic is
+:mod:`refattn.engine.exact.estimate`'s (which needs no python-flint).
 """
 
 from __future__ import annotations
 
-from typing import cast
-
 import numpy as np
 
 from refattn.call import AttentionCall
-from refattn.call.scores import Additive, ScoreFamily
+from refattn.engine.exact.estimate import DEFAULT_MAX_SECONDS, SECONDS_PER_ELEMENT, estimate_seconds
 from refattn.engine.exact.program import Stepwise, backward_tensors, forward_tensors
 from refattn.engine.trace import Gradients, Trace
 from refattn.errors import RefAttnError
 
-__all__ = ["ARITHMETIC_MODE", "SECONDS_PER_ELEMENT", "backward", "estimate_seconds", "forward"]
+__all__ = ["ARITHMETIC_MODE", "DEFAULT_MAX_SECONDS", "SECONDS_PER_ELEMENT", "backward",
+           "estimate_seconds", "forward"]
 
 ARITHMETIC_MODE = "stepwise_correctly_rounded"
-#: measured cost of one correctly rounded element (AMD EPYC, 2 cores; benchmarks/exact.py)
-SECONDS_PER_ELEMENT = 4e-6
-#: default limit of the estimated forward+backward time of one call
-DEFAULT_MAX_SECONDS = 600.0
-
-
-def estimate_seconds(call: AttentionCall) -> float:
-    """Estimated forward+backward time of ``call`` on this backend.
-
-    Four correctly rounded elements per score element (B, Hq, Q, K; times the inner width
-    Da for the additive family) plus one per element of the q, k, v-shaped tensors, at
-    :data:`SECONDS_PER_ELEMENT` each (measured by ``benchmarks/exact.py``).
-
-    Examples
-    --------
-    >>> import refattn
-    >>> x = np.zeros((1, 2, 128, 64))
-    >>> round(estimate_seconds(refattn.AttentionCall(x, x, x)), 1)
-    0.8
-    """
-    a = call.axes
-    n = a["B"] * a["Hq"] * a["Q"] * a["K"]
-    fam = cast(ScoreFamily, call.score)  # validated: never None
-    width = cast(Additive, fam).b.shape[1] if fam.name == "additive" else 1
-    rows = a["B"] * a["Hq"] * (a["Q"] * (a["Dk"] + a["Dv"]) + a["K"] * (a["Dk"] + a["Dv"]))
-    return SECONDS_PER_ELEMENT * (4 * n * width + rows)
 
 
 def forward(call: AttentionCall, *, max_seconds: float = DEFAULT_MAX_SECONDS) -> Trace:
