@@ -18,6 +18,7 @@ Usage::
 
     python3 benchmarks/kernel_suite.py             # everything (about 2-4 minutes on 2 cores)
     python3 benchmarks/kernel_suite.py --quick     # 2 and 3 only, a few cases
+    python3 benchmarks/kernel_suite.py --skip-suite  # 2 and 3 only
 """
 
 from __future__ import annotations
@@ -49,12 +50,16 @@ write_bundle(out, [case], suite="kernels", backend=backend, progress=False)
 print(time.perf_counter() - t0)
 """
 
-#: small cases (the exact generator runs them in about a second), one per feature family
+#: cases the exact generator runs in a second up to about ten (its estimate), one per feature
+#: family and the two mid-size shapes of FlashAttention's list ((113, 203), (256, 512))
 SIDE_BY_SIDE = ("edge_causal_lr_q1_k65", "window_lr_q1_k147", "alibi_q1_k147",
-                "decode_q1_k147", "varlen_q64_k101", "model_gptoss_q257_k129")
+                "decode_q1_k147", "varlen_q64_k101", "model_gptoss_q257_k129",
+                "causal_lr_q113_k203", "shape_q256_k512_d64")
 
 
 def environment() -> str:
+    import numpy  # noqa: F401  (BLAS libraries are listed once loaded)
+    import scipy.linalg  # noqa: F401
     from threadpoolctl import threadpool_info
 
     cpu = platform.processor() or "?"
@@ -149,10 +154,11 @@ def plugin_path(limit: int | None) -> None:
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="skip the whole suite; few cases")
+    p.add_argument("--skip-suite", action="store_true", help="skip the whole suite's run")
     p.add_argument("--rounds", type=int, default=3)
     args = p.parse_args()
     print(environment())
-    if not args.quick:
+    if not (args.quick or args.skip_suite):
         whole_suite()
     side_by_side(1 if args.quick else args.rounds)
     plugin_path(20 if args.quick else None)

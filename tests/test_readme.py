@@ -54,7 +54,7 @@ NOT_RUN = {
     "python3 benchmarks/": "a benchmark (long, machine-dependent)",
     "python3 -m gpu_backend": "needs the CUDA toolkit (tests/gpu runs what a CPU can)",
     "mkdocs": "builds this site (tests/test_docs_site.py does)",
-    "refattn golden --suite kernels": "writes 2.1 GB in about a minute (benchmarks/"
+    "refattn golden --suite kernels": "writes 2 GB in about 35 s (benchmarks/"
                                       "kernel_suite.py; tests/bundle/test_numba_generator.py "
                                       "writes and verifies a selection)",
 }

@@ -212,7 +212,7 @@ def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: 
     max_seconds : float
         The exact generator's estimated time for the whole bundle may be at most this
         (default :data:`MAX_EXACT_SECONDS`): a longer one is refused before any work, with
-        the estimate (the kernel suite's 304 cases would take about 1.6 hours exactly).
+        the estimate (the kernel suite's 304 cases would take about 1.3 hours exactly).
 
     Returns
     -------
