@@ -49,7 +49,6 @@ import numpy as np
 from refattn.bundle.golden.spec import CaseSpec
 from refattn.dropout import Philox
 from refattn.engine import backward, forward
-from refattn.engine.numba.generator import generate
 from refattn.engine.reference import forward_arrays
 from refattn.engine.trace import Trace
 from refattn.errors import RefAttnError
@@ -350,6 +349,8 @@ class _Context:
         numba's fused forward+backward kernel on the golden generator's fixed layout (the
         kernel ``value_and_grad(backend="numba")`` runs, without the per-machine BLAS
         calibration its first call makes, which a failing comparison should not wait for)."""
+        from refattn.engine.numba.generator import generate  # loads numba: here only
+
         B, Hq, Q, _ = call.q.shape
         g_o = self.grad_output if self.grad_output is not None else np.zeros(
             (B, Hq, Q, call.v.shape[3]))  # (B, Hq, Q, Dv)
