@@ -30,7 +30,7 @@ def estimate_seconds(call: AttentionCall) -> float:
 
     Examples
     --------
-    >>> import refattn
+    >>> import numpy as np, refattn
     >>> x = np.zeros((1, 2, 128, 64))
     >>> round(estimate_seconds(refattn.AttentionCall(x, x, x)), 1)
     0.8
