@@ -8,6 +8,7 @@ import sys
 
 from refattn.bundle.verification.gradients import GradcheckMethod
 from refattn.bundle.verification.recompute import REQUIREMENTS
+from refattn.bundle.verification.record import bundle_digest, remember
 from refattn.cli.sweep import add_cluster_arguments
 from refattn.distributed.cluster import connect
 from refattn.distributed.verification import verify
@@ -100,6 +101,7 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
 
 
 def run(args: argparse.Namespace) -> int:
+    digest = bundle_digest(args.directory)  # these bytes; a pass is recorded only for them
     with connect(workers=args.workers, scheduler=args.scheduler, timeout=args.timeout) as client:
         report = verify(args.directory, client=client, recompute=not args.no_recompute,
                         gradcheck=not args.no_gradcheck,
@@ -111,4 +113,6 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=1))
     else:
         print(report.format(legend=not args.no_legend))
+    if report.passed and not args.no_recompute and bundle_digest(args.directory) == digest:
+        remember(digest, report, gradcheck=not args.no_gradcheck)  # the plugin's certificate
     return 0 if report.passed else 1

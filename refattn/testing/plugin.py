@@ -5,10 +5,15 @@ Owns the collection hooks: the ``refattn_cases`` marker (what :func:`cases` retu
 suite, or of a bundle directory (``bundle=``, ``--refattn-bundle DIR`` or the ini option
 ``refattn_bundle``), once per dtype the :class:`~refattn.testing.Supports` declares; test ids
 are the case names (``causal_square``, or ``causal_square-float32`` when several dtypes run).
-A case outside the declaration is collected as skipped, with the reason. A bundle's cases are
-read with verify's checks (:func:`refattn.bundle.verification.checked.checked_cases`: confined
-reads, header and hashes first, the call rebuilt through the gate, finite inputs); a case that fails
-them is collected as a test that FAILS with the reason, never skipped.
+A case outside the declaration is collected as skipped, with the reason. A bundle is compared
+against only once ``refattn verify`` passes it: a record of a passing verify run of these very
+bytes (the digest of its manifest, which holds every file's and tensor's sha256, derived here;
+the record kept in the user's cache, never in the bundle), else a verify run now, recorded when
+it passes (:func:`refattn.bundle.verification.record.trusted`). A bundle that fails verify, or
+holds no case, fails the session with the reasons. Its cases are then read with verify's
+checks (:func:`refattn.bundle.verification.checked.checked_cases`: confined reads, header and
+hashes first, the call rebuilt through the gate, finite inputs); a case that fails them is
+collected as a test that FAILS with the reason, never skipped.
 
 Importing this module (pytest does it in every session once refattn is installed) imports
 pytest and the standard library only; the cases are read and the engine imported only when a
@@ -127,16 +132,22 @@ def _params(config: pytest.Config, supports: Any, suite: str, bundle: Any) -> li
 
 
 def _bundle_cases(directory: Path, supports: Any, several: bool) -> tuple[list[Any], list[Any]]:
-    """The specs of a bundle's cases that pass verify's reading checks, and one failing
-    parameter per case that does not (:func:`refattn.bundle.verification.checked.checked_cases`)."""
+    """The specs of a bundle that passes ``refattn verify`` (recorded for these very bytes,
+    or verified now: :func:`refattn.bundle.verification.record.trusted`), each read again with
+    verify's reading checks; one failing parameter per case those refuse."""
     from refattn.bundle.verification.checked import checked_cases
+    from refattn.bundle.verification.record import bundle_digest, trusted
     from refattn.errors import RefAttnError
 
     if not directory.is_dir():
         raise RefAttnError(f"{directory}: not a bundle directory (expected manifest.json and "
                            "cases/ written by refattn golden)")
+    digest = trusted(directory)  # a bundle verify fails (or an empty one) fails the session
     specs, failing = [], []
-    for checked in checked_cases(directory):
+    read = checked_cases(directory)
+    if bundle_digest(directory) != digest:  # what was verified is what was read
+        raise RefAttnError(f"{directory}: the bundle changed while it was being read")
+    for checked in read:
         if checked.spec is not None:
             specs.append(checked.spec)
             continue

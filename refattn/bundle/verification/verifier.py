@@ -24,6 +24,10 @@ from collections.abc import Mapping, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+import numpy as np
+
+from gradcheck.errors import GradcheckError
+from refattn._checks import check_finite
 from refattn._progress import progress as progress_bar
 from refattn.analysis.certificate import certify
 from refattn.bundle.golden.case import numpy_environment
@@ -108,6 +112,8 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
                                f"{case_id!r}")
         spec = case_spec(case_file)
         problems += check_recorded(spec, spec.to_call())
+        if "grad_output" in spec.tensors:  # the cotangent is an input too: finite, or the case
+            check_finite("grad_output", np.asarray(spec.tensors["grad_output"]))  # fails
         problems += _generator_claims(spec, manifest)
     except RefAttnError as exc:
         return CaseResult(case_id, checked, problems=(Problem(case_id, None, "file", str(exc)),))
@@ -135,7 +141,7 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
             grad_err, inputs, grad_method, found = check_stored_gradients(
                 case, spec, seed=zlib.crc32(case_id.encode()), method=method)
             problems += found
-        except RefAttnError as exc:
+        except (RefAttnError, GradcheckError) as exc:
             problems.append(Problem(case_id, None, "gradcheck", str(exc)))
     certified = None
     if exact:
@@ -251,10 +257,15 @@ class OpenedBundle(NamedTuple):
     bit_identical: bool | None
 
     def report(self, results: Sequence[CaseResult]) -> VerifyReport:
-        """The report of ``results`` (one per case, in case order) and the listing check."""
+        """The report of ``results`` (one per case, in case order), the listing check, and a
+        bundle that holds no case (which verifies nothing: it fails)."""
+        problems = _listing_problems(self.directory, self.manifest)
+        if not self.manifest["cases"]:
+            problems.append(Problem(None, None, "bundle", "the bundle holds no case; a bundle "
+                                    "verifies something only where it holds cases"))
         return VerifyReport(str(self.directory), self.manifest.get("suite"),
                             str(self.raw.get("schema_version")), tuple(results),
-                            tuple(_listing_problems(self.directory, self.manifest)))
+                            tuple(problems))
 
 
 def open_bundle(directory: str | os.PathLike, *, backend: str | None,

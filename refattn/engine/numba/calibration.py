@@ -18,6 +18,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn._cachedir import cache_dir
 from refattn.call import AttentionCall
 from refattn.engine.numba.fused_host import value_and_grad
 from refattn.engine.numba.providers import (
@@ -44,9 +45,7 @@ MAX_OTHERS = 8
 
 def calibration_path() -> Path:
     """``$REFATTN_CACHE_DIR/calibration.json`` (default ``~/.cache/refattn``)."""
-    root = os.environ.get("REFATTN_CACHE_DIR") or os.path.join(
-        os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "refattn")
-    return Path(root) / "calibration.json"
+    return cache_dir() / "calibration.json"
 
 
 #: the attention shapes timed by a calibration: (B, Hq, Q, K, D). Rows of 4096 keys, so that
