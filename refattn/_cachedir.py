@@ -19,10 +19,10 @@ def cache_dir() -> Path:
     Examples
     --------
     >>> import os
-    >>> os.environ["REFATTN_CACHE_DIR"] = "/tmp/refattn-example-cache"
-    >>> str(cache_dir())
+    >>> from unittest import mock
+    >>> with mock.patch.dict(os.environ, {"REFATTN_CACHE_DIR": "/tmp/refattn-example-cache"}):
+    ...     str(cache_dir())
     '/tmp/refattn-example-cache'
-    >>> del os.environ["REFATTN_CACHE_DIR"]
     """
     root = os.environ.get("REFATTN_CACHE_DIR") or os.path.join(
         os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache"), "refattn")

@@ -29,4 +29,4 @@ def _calibration_cache(tmp_path_factory):
         return
     os.environ["REFATTN_CACHE_DIR"] = str(tmp_path_factory.mktemp("refattn-cache"))
     yield
-    del os.environ["REFATTN_CACHE_DIR"]
+    os.environ.pop("REFATTN_CACHE_DIR", None)

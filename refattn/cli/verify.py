@@ -13,6 +13,7 @@ from refattn.cli.sweep import add_cluster_arguments
 from refattn.distributed.cluster import connect
 from refattn.distributed.verification import verify
 from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS
+from refattn.errors import RefAttnError
 
 __all__ = ["GRADCHECK_METHODS", "add_parser", "seconds_value"]
 
@@ -100,9 +101,17 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.set_defaults(func=run)
 
 
+def _digest(directory: str) -> str | None:
+    """The bundle's digest, or None where its manifest cannot be read (verify names why)."""
+    try:
+        return bundle_digest(directory)
+    except RefAttnError:
+        return None
+
+
 def run(args: argparse.Namespace) -> int:
-    digest = bundle_digest(args.directory)  # these bytes; a pass is recorded only for them
     with connect(workers=args.workers, scheduler=args.scheduler, timeout=args.timeout) as client:
+        digest = _digest(args.directory)  # these bytes; a pass is recorded only for them
         report = verify(args.directory, client=client, recompute=not args.no_recompute,
                         gradcheck=not args.no_gradcheck,
                         gradcheck_method=_VERIFIER_METHOD[args.gradcheck_method],
@@ -113,6 +122,7 @@ def run(args: argparse.Namespace) -> int:
         print(json.dumps(report.to_dict(), indent=1))
     else:
         print(report.format(legend=not args.no_legend))
-    if report.passed and not args.no_recompute and bundle_digest(args.directory) == digest:
+    if (report.passed and not args.no_recompute and digest is not None
+            and _digest(args.directory) == digest):
         remember(digest, report, gradcheck=not args.no_gradcheck)  # the plugin's certificate
     return 0 if report.passed else 1

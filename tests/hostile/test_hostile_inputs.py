@@ -28,6 +28,7 @@ from refattn import RefAttnError
 from refattn.bundle import tensor_sha256, write_bundle
 from refattn.bundle.storage.read import decode_safetensors, load, parse_header
 from refattn.bundle.suites import build_suite
+from refattn.bundle.verification.record import trusted
 from refattn.bundle.verification.verifier import verify
 
 pytest_plugins = ["pytester"]
@@ -475,16 +476,21 @@ def test_the_plugin_fails_a_bundle_case_that_verify_refuses(pytester, bundle, tm
             t["q"] = np.array(1.0)
         _reseal(bundle, zero_d)
         reason = "q: expected 4 axes"
-    else:
+    else:  # verified before the swap (its record present), as a CI cache would hold it
+        trusted(bundle, gradcheck=False)
         outside = tmp_path / "elsewhere"
         shutil.copytree(bundle / "cases", outside)
         shutil.rmtree(bundle / "cases")
         (bundle / "cases").symlink_to(outside)
         reason = "cases: is a symbolic link"
     result = _plugin_outcome(pytester, bundle)
-    result.assert_outcomes(failed=1)
-    text = "\n".join(result.outlines)
-    assert f"refattn bundle case rejected: {LOOP7}:" in text and reason in text, text
+    text = "\n".join(result.outlines + result.errlines)
+    if damage == "cases_link_outside":  # the manifest's bytes, and so its record, unchanged:
+        result.assert_outcomes(failed=1)  # the case is refused as it is read again
+        assert f"refattn bundle case rejected: {LOOP7}:" in text and reason in text, text
+    else:  # the plugin verifies the resealed bundle itself: collection stops with the reason
+        result.assert_outcomes(errors=1)
+        assert "refattn verify fails this bundle" in text and reason in text, text
     assert not verify(bundle, progress=False).passed  # the same verdict as verify's
 
 
