@@ -441,3 +441,58 @@ def exact_calls(
     except RefAttnError:
         assume(False)
     return call, g_o
+
+
+# -- extreme softcaps, scales and logits (issue 40) -------------------------------------------
+
+#: softcaps at the edges of binary64: the smallest subnormal, subnormals whose 1 / c overflows,
+#: the largest subnormal and smallest normal (2^-1022), tiny and huge normals, the largest finite
+EXTREME_SOFTCAPS = (5e-324, 1e-320, 1e-310, 2.0**-1022 - 2.0**-1074, 2.0**-1022, 1e-300, 1e-8,
+                    0.5, 30.0, 1e8, 1e300, 1.7976931348623157e308)
+
+
+@st.composite
+def extreme_softcap_calls(
+    draw: st.DrawFn,
+    *,
+    max_batch: int = 2,
+    max_group: int = 2,
+    max_len: int = 5,
+    max_width: int = 3,
+) -> tuple[dict[str, Any], np.ndarray]:
+    """Keywords of a small dot-score :class:`refattn.AttentionCall`, and its grad_output.
+
+    The softcap is one of :data:`EXTREME_SOFTCAPS` or any positive finite float (subnormals
+    included); the scale runs from 5e-324 to 1e300, or equals the softcap (scores / softcap
+    is then q.k, not saturated however small the softcap), at any placement; q and k are
+    normals times 10^e with e from -160 to 150 (subnormal scores, large logits); K >= 2 (a
+    softmax with a gradient); optional: GQA, a bias over keys, a dense mask with a legal key
+    in every row. The keywords are returned rather than the
+    call: the gate may refuse them (scores that could overflow), which the test checks too.
+    Returns ``(keywords, g_o)``, g_o (B, Hq, Q, Dv).
+    """
+    B, Hkv = draw(st.integers(1, max_batch)), 1
+    Hq = Hkv * draw(st.integers(1, max_group))
+    Q, K = draw(st.integers(1, max_len)), draw(st.integers(2, max_len))
+    Dk, Dv = draw(st.integers(1, max_width)), draw(st.integers(1, max_width))
+    rng = np.random.default_rng(draw(st.integers(0, 2**32 - 1)))
+    softcap = draw(st.sampled_from(EXTREME_SOFTCAPS)
+                   | st.floats(5e-324, 1.7976931348623157e308, allow_subnormal=True))
+    scale = draw(st.sampled_from([None, 5e-324, 1e-310, 1e-300, 1e-150, 1e-8, 1.0, 1e8, 1e150,
+                                  1e300]))
+    e_q, e_k = (draw(st.sampled_from([-160, -20, 0, 0, 2, 5, 20, 150])) for _ in range(2))
+    kw: dict[str, Any] = {
+        "q": rng.standard_normal((B, Hq, Q, Dk)) * 10.0**e_q,
+        "k": rng.standard_normal((B, Hkv, K, Dk)) * 10.0**e_k,
+        "v": rng.standard_normal((B, Hkv, K, Dv)),
+        "softcap": softcap,
+        "scale": softcap if scale is None else scale,  # None: x / c is the dot product
+        "scale_placement": draw(st.sampled_from(["post", "post", "q", "k", "split"])),
+    }
+    if draw(st.booleans()):
+        kw["bias"] = rng.standard_normal((1, Hq, 1, K))
+    if draw(st.booleans()):
+        visible = rng.random((B, Hq, Q, K)) < 0.6
+        visible[..., rng.integers(0, K)] = True  # every row keeps a legal key
+        kw["visible"] = visible
+    return kw, rng.standard_normal((B, Hq, Q, Dv))
