@@ -20,7 +20,11 @@ def add_cluster_arguments(p: argparse.ArgumentParser) -> None:
                        "per CPU core; loopback only; "
                        f"needs {install_hint('distributed')})")
     where.add_argument("--scheduler", default=None, metavar="ADDR",
-                       help="use the running dask scheduler at ADDR (e.g. tcp://host:8786)")
+                       help="use the running dask scheduler at ADDR (e.g. tcp://host:8786, "
+                       "or tls://host:8786 with dask's TLS settings for a client, e.g. "
+                       "DASK_DISTRIBUTED__COMM__TLS__CA_FILE, ..._CLIENT__CERT, "
+                       "..._CLIENT__KEY); the cluster is trusted completely: its scheduler "
+                       "and workers can run code in this process (dask moves pickles)")
     p.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT, metavar="S",
                    help=f"seconds to wait for the scheduler to answer (default "
                    f"{DEFAULT_TIMEOUT:g}); whatever listens at ADDR, an address that does "

@@ -4,7 +4,11 @@ Owns :func:`dask_distributed` (the lazy import of ``dask.distributed`` with a cl
 when it is missing) and :func:`connect` (``--workers N``: a ``LocalCluster`` of N
 single-threaded worker processes listening on 127.0.0.1 only, no dashboard; ``--scheduler
 ADDR``: a client of a running scheduler, refused with a one-line error when nothing answers
-within the timeout; neither: no client, the work runs in this process).
+within the timeout; neither: no client, the work runs in this process). A ``tls://`` scheduler
+is reached with dask's own TLS settings for a client (its config: ``~/.config/dask/*.yaml`` or
+the ``DASK_DISTRIBUTED__COMM__TLS__*`` variables), checked before anything connects. The
+cluster is trusted completely: dask moves pickles both ways, so whoever runs the scheduler or a
+worker runs code in this process (TLS keeps out whoever holds no certificate of its CA).
 
 Every wait on the network is bounded: the address is checked before anything connects (a
 scheme dask does not know, a missing port), the scheduler must complete dask's handshake and
@@ -100,8 +104,10 @@ def connect(*, workers: int | None = None, scheduler: str | None = None,
         only, the scheduler's HTTP status page on a free loopback port); it is shut down on exit.
         At most :func:`usable_cores`.
     scheduler : str, optional
-        Address of a running scheduler (``tcp://host:port``); the cluster is left running.
-        Whatever listens there must answer as a dask scheduler within ``timeout``.
+        Address of a running scheduler (``tcp://host:port``, ``tls://host:port``); the
+        cluster is left running. Whatever listens there must answer as a dask scheduler
+        within ``timeout``. A ``tls://`` (or ``wss://``) address needs dask's TLS settings
+        for a client in its config (a CA file and a certificate with its key).
     timeout : float
         Seconds to wait for the scheduler (or the local cluster) to answer; a scheduler
         address is given up within about ``timeout + 2`` seconds for the probe and as much
@@ -118,8 +124,9 @@ def connect(*, workers: int | None = None, scheduler: str | None = None,
     ------
     RefAttnError
         Both given, a bad worker count or more workers than usable cores, dask missing, an
-        address dask cannot reach a scheduler by, or no scheduler answering in time (a silent
-        listener, an HTTP server, a worker: each named in one line).
+        address dask cannot reach a scheduler by, a ``tls://`` address without readable TLS
+        settings, or no scheduler answering in time (a silent listener, an HTTP server, a
+        worker, a TLS handshake refused: each named in one line).
 
     Examples
     --------
@@ -137,6 +144,7 @@ def connect(*, workers: int | None = None, scheduler: str | None = None,
     if scheduler is not None:
         address, shown = _check_address(scheduler)
         d = dask_distributed()
+        _check_tls_settings(d, address, shown)
         client = _scheduler_client(d, address, shown, timeout)
         try:
             yield client
@@ -215,6 +223,54 @@ def _check_address(scheduler: object) -> tuple[str, str]:
         raise RefAttnError(f"--scheduler {shown}: not a dask scheduler address "
                            f"({_one_line(exc)}); {example}") from None
     return address, shown
+
+
+#: dask's TLS settings for a client: (config key, the environment variable that sets it)
+_TLS_SETTINGS = (
+    ("distributed.comm.tls.ca-file", "DASK_DISTRIBUTED__COMM__TLS__CA_FILE"),
+    ("distributed.comm.tls.client.cert", "DASK_DISTRIBUTED__COMM__TLS__CLIENT__CERT"),
+    ("distributed.comm.tls.client.key", "DASK_DISTRIBUTED__COMM__TLS__CLIENT__KEY"),
+)
+
+
+def _check_tls_settings(d: ModuleType, address: str, shown: str) -> None:
+    """For a ``tls://`` or ``wss://`` scheduler: dask's TLS settings for a client (its config,
+    e.g. the ``DASK_DISTRIBUTED__COMM__TLS__*`` variables) name a CA file and a certificate
+    (the key may follow the certificate in its file), every file named is readable, and they
+    load, all before anything connects. Other schemes are left to dask (which refuses them
+    when ``distributed.comm.require-encryption`` is set)."""
+    from distributed.comm.addressing import parse_address
+
+    scheme = parse_address(address)[0]
+    if scheme not in ("tls", "wss"):
+        return
+    import dask
+
+    where = (f"--scheduler {shown}: a {scheme}:// scheduler needs dask's TLS settings for a "
+             "client")
+    names = ", ".join(env for _, env in _TLS_SETTINGS)
+    missing = [key for key, _ in _TLS_SETTINGS[:2] if not dask.config.get(key, None)]
+    if missing:
+        verb = "is" if len(missing) == 1 else "are"
+        raise RefAttnError(f"{where}, and {' and '.join(missing)} {verb} not set: set {names} "
+                           "(or distributed.comm.tls in a dask config file, "
+                           "~/.config/dask/*.yaml); see docs/tutorials/dask.md")
+    for key, env in _TLS_SETTINGS:
+        value = dask.config.get(key, None)
+        if not value or not isinstance(value, str) or "\n" in value:  # unset, or PEM text
+            continue
+        shown_path = value if value.isprintable() and len(value) <= 200 else ascii(value[:200])
+        problem = ("no such file" if not os.path.exists(value) else
+                   "not a regular file" if not os.path.isfile(value) else
+                   "not readable" if not os.access(value, os.R_OK) else None)
+        if problem is not None:
+            raise RefAttnError(f"{where}: {key} ({env}) is {shown_path}: {problem}")
+    try:
+        d.Security().get_connection_args("client")
+    except (OSError, ValueError, TypeError) as exc:  # ssl.SSLError is an OSError
+        raise RefAttnError(f"{where}: they do not load ({_one_line(exc)}); expected PEM "
+                           f"files: the cluster's CA, a certificate it signed and that "
+                           f"certificate's key ({names})") from None
 
 
 class _Outcome:
