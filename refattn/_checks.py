@@ -2,10 +2,20 @@
 
 Each helper raises :class:`~refattn.errors.RefAttnError` with the tensor's name, the offending
 index or axis and the expectation. None of them casts: a non-float64 array is an error.
+
+Every number that comes from outside (an argument, a manifest, a SPEC) passes one bound helper
+before any arithmetic or allocation uses it, one helper per kind of bound:
+:func:`bounded_int` (an integer scalar in ``[lo, hi]``), :func:`bounded_float` (a real scalar,
+finite, in a closed or open interval) and :func:`index_array` (an integer array whose entries
+that are actually used lie in ``[lo, hi]``). :data:`INT64_MIN` / :data:`INT64_MAX` are the
+widest range an index may have (numpy and the kernels index in int64).
 """
 
 from __future__ import annotations
 
+import math
+import numbers
+import operator
 from collections.abc import Sequence
 from typing import SupportsIndex
 
@@ -14,7 +24,11 @@ import numpy as np
 from refattn.errors import RefAttnError
 
 __all__ = [
+    "INT64_MAX",
+    "INT64_MIN",
     "as_array",
+    "bounded_float",
+    "bounded_int",
     "check_bool",
     "check_broadcastable",
     "check_finite",
@@ -25,8 +39,15 @@ __all__ = [
     "float64_input",
     "format_index",
     "immutable_copy",
+    "index_array",
+    "int_text",
     "memory_error",
+    "shown_shape",
 ]
+
+#: the widest range of an integer index, a length or a position (numpy's and the kernels' int64)
+INT64_MIN = -(2**63)
+INT64_MAX = 2**63 - 1
 
 
 def as_array(name: str, x: object) -> np.ndarray:
@@ -69,8 +90,31 @@ def as_array(name: str, x: object) -> np.ndarray:
         return np.asarray(x)  # a plain ndarray: subclasses are read as their data
     except MemoryError as exc:
         raise memory_error(exc, f"{name}: reading the input as an array") from None
+    except ValueError as exc:
+        if "inhomogeneous" in str(exc):  # a ragged nested list: numpy names the axis
+            shape = str(exc).split("detected shape was ", 1)[-1].rstrip(".")
+            raise RefAttnError(
+                f"{name}: a ragged nested sequence (rows of different lengths; numpy reads "
+                f"the shape as {shape}) is not an array: every row along an axis must have "
+                "the same length") from None
+        raise RefAttnError(f"{name}: cannot be read as an array ({exc})") from None
     except Exception as exc:  # pragma: no cover - exotic objects
         raise RefAttnError(f"{name}: cannot be read as an array ({exc})") from None
+
+
+def shown_shape(x: object) -> str:
+    """``x``'s shape for a message (``[2, 3]``), without failing on what has none (a ragged
+    list, an object numpy cannot read): then its type.
+
+    Examples
+    --------
+    >>> shown_shape(np.zeros((2, 3))), shown_shape([[1.0, 2.0], [3.0]])
+    ('[2, 3]', 'list')
+    """
+    try:
+        return str(list(np.shape(x)))  # type: ignore[call-overload]  # any object
+    except Exception:  # a ragged sequence, or an object without a shape
+        return type(x).__name__
 
 
 def compact(x: np.ndarray) -> np.ndarray:
@@ -221,3 +265,176 @@ def immutable_copy(x: np.ndarray) -> np.ndarray:
     """
     data = np.ascontiguousarray(x)
     return np.frombuffer(data.tobytes(), dtype=data.dtype).reshape(data.shape)
+
+
+# -- bounds: one helper per kind, for every number that comes from outside ----------------------
+def int_text(n: int) -> str:
+    """An integer for a message: as written below 10**20, else as a power of two (``2**70``,
+    ``2**63 - 1``) or its size in bits (a 4301-digit integer cannot even be printed).
+
+    Examples
+    --------
+    >>> int_text(12), int_text(2**70), int_text(-(2**63)), int_text(10**400)
+    ('12', '2**70', '-2**63', 'an integer of 1329 bits (about 10**400)')
+    """
+    sign, m = ("-", -n) if n < 0 else ("", n)
+    k = m.bit_length()
+    if k > 31 and m == 1 << (k - 1):
+        return f"{sign}2**{k - 1}"
+    if k > 31 and m == (1 << k) - 1:
+        return f"{sign}(2**{k} - 1)" if sign else f"2**{k} - 1"
+    if m < 10**20:
+        return str(n)
+    return f"{sign}an integer of {k} bits (about 10**{int(k * math.log10(2))})"
+
+
+def _float_text(x: float) -> str:
+    """A float bound for a message: ``2**64`` for a large or small power of two, else repr."""
+    if x != 0 and math.isfinite(x):
+        m, e = math.frexp(abs(x))
+        if m == 0.5 and abs(e - 1) >= 16:
+            return f"{'-' if x < 0 else ''}2**{e - 1}"
+    return repr(x)
+
+
+def _got(value: object) -> str:
+    """What a refused value was, cut to 80 characters (a huge int is described, not printed)."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return int_text(value)
+    text = repr(value)
+    return text if len(text) <= 80 else text[:77] + "..."
+
+
+def bounded_int(name: str, value: object, *, lo: int, hi: int) -> int:
+    """``value`` as a Python int in ``[lo, hi]``, or a :class:`RefAttnError` naming ``name``
+    and the range.
+
+    Accepts Python ints and integer scalars (numpy's, ``np.uint64`` included, a 0-d integer
+    array); refuses bool (``True`` is not a count), floats (``3.0`` and ``2.5`` alike: no
+    silent truncation), strings and integers outside the range (without printing a
+    4,300-digit one).
+
+    Examples
+    --------
+    >>> bounded_int("page_size", np.uint64(16), lo=1, hi=INT64_MAX)
+    16
+    >>> for bad in (2**70, True, 4.0):
+    ...     try:
+    ...         bounded_int("window_size[0]", bad, lo=INT64_MIN, hi=INT64_MAX)
+    ...     except RefAttnError as exc:
+    ...         print(exc)
+    window_size[0]: 2**70 is outside the allowed range [-2**63, 2**63 - 1]
+    window_size[0]: expected an integer in [-2**63, 2**63 - 1], got True
+    window_size[0]: expected an integer in [-2**63, 2**63 - 1], got 4.0
+    """
+    where = f"[{int_text(lo)}, {int_text(hi)}]"
+    n = None
+    if not isinstance(value, (bool, np.bool_)) and getattr(
+            getattr(value, "dtype", None), "kind", "i") != "b":
+        try:
+            n = operator.index(value)  # type: ignore[arg-type]
+        except TypeError:
+            n = None
+    if n is None:
+        raise RefAttnError(f"{name}: expected an integer in {where}, got {_got(value)}")
+    if not lo <= n <= hi:
+        raise RefAttnError(f"{name}: {int_text(n)} is outside the allowed range {where}")
+    return n
+
+
+def bounded_float(name: str, value: object, *, lo: float | None = None,
+                  hi: float | None = None, lo_open: bool = False, hi_open: bool = False,
+                  finite: bool = True) -> float:
+    """``value`` as a float in the interval ``lo .. hi`` (closed unless ``lo_open`` /
+    ``hi_open``; None: unbounded on that side), or a :class:`RefAttnError` naming ``name``
+    and the interval.
+
+    Accepts Python and numpy reals (an int converts exactly or is out of range, never an
+    ``OverflowError``) and 0-d real arrays; refuses bool, strings, complex numbers, NaN
+    always and +/-inf unless ``finite=False``.
+
+    Examples
+    --------
+    >>> bounded_float("softcap", 5, lo=0.0, lo_open=True)
+    5.0
+    >>> for bad in (0.0, 10**400, float("nan"), "1"):
+    ...     try:
+    ...         bounded_float("scale", bad, lo=0.0, hi=2.0**64, lo_open=True)
+    ...     except RefAttnError as exc:
+    ...         print(exc)
+    scale: 0.0 is outside the allowed range (0.0, 2**64]
+    scale: an integer of 1329 bits (about 10**400) is outside the allowed range (0.0, 2**64]
+    scale: expected a finite number, got nan (allowed range (0.0, 2**64])
+    scale: expected a number in (0.0, 2**64], got '1'
+    """
+    where = (("(" if lo_open else "[") + ("-inf" if lo is None else _float_text(lo)) + ", "
+             + ("inf" if hi is None else _float_text(hi)) + (")" if hi_open else "]"))
+    real = isinstance(value, numbers.Real) or (
+        isinstance(value, np.ndarray) and value.ndim == 0 and value.dtype.kind in "iuf")
+    if not real or isinstance(value, (bool, np.bool_)):
+        raise RefAttnError(f"{name}: expected a number in {where}, got {_got(value)}")
+    try:
+        x = float(value)  # type: ignore[arg-type]
+    except OverflowError:  # an int beyond float64's range
+        raise RefAttnError(f"{name}: {_got(value)} is outside the allowed range "
+                           f"{where}") from None
+    if math.isnan(x) or (finite and math.isinf(x)):
+        what = "a finite number" if finite else "a number, not NaN"
+        raise RefAttnError(f"{name}: expected {what}, got {x!r} (allowed range {where})")
+    if (lo is not None and (x < lo or (lo_open and x == lo))) or (
+            hi is not None and (x > hi or (hi_open and x == hi))):
+        raise RefAttnError(f"{name}: {x!r} is outside the allowed range {where}")
+    return x
+
+
+def index_array(name: str, x: object, *, lo: int, hi: int, dtype: object = None,
+                ndim: int | None = None, used: np.ndarray | None = None,
+                letters: Sequence[str] | None = None, expected: str | None = None
+                ) -> np.ndarray:
+    """An integer array as int64, every entry that is read (``used``, a bool array of its
+    shape; default: every entry) in ``[lo, hi]``; or a :class:`RefAttnError` naming the first
+    entry outside (``letters`` name its axes: ``b=0``, ``(b=0, p=1)``) and ``expected``
+    (default: the range).
+
+    ``dtype`` asks for one integer dtype exactly (FlashAttention's int32 tables); otherwise
+    any integer dtype is accepted (bool and floats are not). Entries that are not read are
+    not range-checked (-1 padding past a sequence's last block), but the whole array must
+    convert to int64 losslessly. Nothing the size of a declared extent is allocated: only
+    masks of the array's own size.
+
+    Examples
+    --------
+    >>> index_array("block_table", np.array([[2, 0, -1]], np.int32), lo=0, hi=2,
+    ...             used=np.array([[True, True, False]])).tolist()
+    [[2, 0, -1]]
+    >>> try:
+    ...     index_array("block_table", np.array([[2, 7]]), lo=0, hi=2, letters="bp")
+    ... except RefAttnError as exc:
+    ...     print(exc)
+    block_table: entry (b=0, p=1) is 7, expected a value in [0, 2]
+    """
+    def entry(idx: tuple[int, ...]) -> str:
+        text = format_index(idx, letters)
+        return text[1:-1] if letters is not None and len(idx) == 1 else text
+
+    arr = as_array(name, x)
+    if dtype is not None and arr.dtype != np.dtype(dtype):  # type: ignore[call-overload]
+        raise RefAttnError(f"{name}: expected dtype {np.dtype(dtype)}, got "  # type: ignore
+                           f"{arr.dtype}")
+    if arr.dtype.kind not in "iu":  # bool is kind "b": refused too
+        raise RefAttnError(f"{name}: expected an integer array, got dtype {arr.dtype}")
+    if ndim is not None and arr.ndim != ndim:
+        raise RefAttnError(f"{name}: expected {ndim} axes, got shape {list(arr.shape)}")
+    if arr.dtype.kind == "u" and arr.dtype.itemsize == 8 and arr.size and int(
+            arr.max()) > INT64_MAX:
+        wide = first_index(arr > INT64_MAX) or ()
+        raise RefAttnError(f"{name}: value {int(arr[wide] if wide else arr.max())} does not fit "
+                           f"in int64 (entry {entry(wide)}; at most {int_text(INT64_MAX)})")
+    bad = (arr < lo) | (arr > hi)
+    if used is not None:
+        bad &= used
+    idx = first_index(bad)
+    if idx is not None:
+        want = expected or f"a value in [{int_text(lo)}, {int_text(hi)}]"
+        raise RefAttnError(f"{name}: entry {entry(idx)} is {int(arr[idx])}, expected {want}")
+    return arr.astype(np.int64, copy=False)

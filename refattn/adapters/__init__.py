@@ -3,7 +3,8 @@
 Owns the adapter-neutral pieces: :class:`AdapterResult` (the candidate tensors, the path that
 produced them and a manifest whose backend fields say what was requested and what was
 observed) and :func:`semantic_limits`, the case features every framework's eligibility
-check reads. The framework modules (:mod:`refattn.adapters.torch`,
+check reads (and where the case's scalars, read from a manifest, are bounded once: a scale and
+a softcap positive and finite). The framework modules (:mod:`refattn.adapters.torch`,
 :mod:`refattn.adapters.jax`) import their stack lazily inside functions; importing this
 package never imports torch, jax or ml_dtypes. Defers the verdict to
 :mod:`refattn.bundle.comparison.harness`. Adapters read golden cases (bundle) and run the engine;
@@ -18,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn._checks import bounded_float
 from refattn.bundle.comparison.harness import compare
 from refattn.bundle.golden.spec import CaseSpec
 
@@ -57,6 +59,12 @@ class AdapterResult:
 def semantic_limits(spec: CaseSpec) -> dict[str, Any]:
     """The features of a case that decide which framework paths can express it.
 
+    Raises
+    ------
+    RefAttnError
+        When the manifest's scale or softcap is not a positive finite number (every lowering
+        reads them; they are bounded here, once, before any of them does).
+
     Examples
     --------
     >>> from refattn.bundle.golden.spec import case_spec
@@ -66,6 +74,9 @@ def semantic_limits(spec: CaseSpec) -> dict[str, Any]:
     ('dot', True, False, False)
     """
     a = spec.axes
+    bounded_float(f"{spec.case_id}: scale", spec.scale, lo=0.0, lo_open=True)
+    if spec.softcap is not None:
+        bounded_float(f"{spec.case_id}: softcap", spec.softcap, lo=0.0, lo_open=True)
     return {
         "family": spec.score_family_name,
         "dropout": spec.has_dropout,

@@ -66,12 +66,22 @@ from typing import Any, Literal
 
 import numpy as np
 
-from refattn._checks import as_array
+from refattn._checks import (
+    INT64_MAX,
+    INT64_MIN,
+    as_array,
+    bounded_float,
+    bounded_int,
+    check_finite,
+    first_index,
+    format_index,
+    index_array,
+)
 from refattn.adapters import semantic_limits
 from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
 from refattn.bundle.golden.spec import CaseSpec
 from refattn.call.gate import AttentionCall
-from refattn.call.paged import PagedKV, paged_call
+from refattn.call.paged import PagedKV, check_paged_memory, gather_bytes, paged_call
 from refattn.call.placement import operand_multipliers
 from refattn.engine import forward
 from refattn.errors import RefAttnError
@@ -88,6 +98,8 @@ FUNCTIONS: dict[str, Function] = {"flash_attn": "flash_attn_func",
 
 #: one sequence: (batch row, first query row, end, first key row, end) in the case's frame
 Sequence = tuple[int, int, int, int, int]
+#: float32's largest finite value (FlashAttention's alibi_slopes are fp32)
+_FP32_MAX = float(np.finfo(np.float32).max)
 
 
 def _sequences(spec: CaseSpec, variant: str) -> list[Sequence]:
@@ -95,7 +107,10 @@ def _sequences(spec: CaseSpec, variant: str) -> list[Sequence]:
     if variant == "flash_attn":
         return [(b, 0, Q, 0, K) for b in range(B)]
     if variant == "flash_attn_kvcache" and _paged(spec):  # queries at the end of the cache
-        lens = np.asarray(spec.tensors["seqlens"]).astype(np.int64)
+        lens = index_array("seqlens", spec.tensors["seqlens"], lo=1, hi=K, ndim=1, letters="b")
+        if lens.shape != (B,):
+            raise RefAttnError(f"{spec.case_id}: seqlens: expected shape [B={B}], got "
+                               f"{list(lens.shape)}")
         return [(b, 0, Q, 0, int(lens[b])) for b in range(B)]
     vis = spec.visible_full()[:, 0]  # (B, Q, K); head independence is checked later
     segments = None
@@ -163,6 +178,7 @@ def page_size_note(page_size: int) -> str | None:
     >>> page_size_note(4)[:40]
     'page_block_size=4: FlashAttention 2 CUDA'
     """
+    page_size = bounded_int("page_size", page_size, lo=1, hi=INT64_MAX)
     if page_size % 256 == 0:
         return None
     return (f"page_block_size={page_size}: FlashAttention 2 CUDA kernel refuses it (its "
@@ -534,7 +550,8 @@ def _fa_float64(name: str, x: Any) -> np.ndarray:
 
 
 def _fa_int32(name: str, x: Any, ndim: int, B: int, letters: str) -> np.ndarray:
-    """An int32 array of ``ndim`` axes whose first is the batch, widened to int64."""
+    """An int32 array of ``ndim`` axes whose first is the batch, as given (the entries a call
+    reads are bounded by :func:`refattn._checks.index_array`)."""
     arr = as_array(name, x)
     if arr.dtype != np.int32:
         raise RefAttnError(f"{name}: expected dtype int32 (flash_attn_with_kvcache's {name} is "
@@ -542,7 +559,7 @@ def _fa_int32(name: str, x: Any, ndim: int, B: int, letters: str) -> np.ndarray:
     if arr.ndim != ndim or arr.shape[0] != B:
         raise RefAttnError(f"{name}: expected shape [batch_size={B}{letters}], got "
                            f"{list(arr.shape)}")
-    return arr.astype(np.int64)
+    return arr
 
 
 @dataclass(frozen=True, eq=False)
@@ -553,9 +570,11 @@ class KVCacheCall:
     ----------
     call : AttentionCall
         q ``(B, Hq, Q, D)``; keys and values the cache gathered through the block table,
-        ``(B, Hkv, K, D)`` with ``K = max_num_blocks_per_seq * page_block_size`` (key t of
-        sequence b is its token t); visibility the cache-layout relation (query i of
-        sequence b at position ``cache_seqlens[b] - Q + i``, keys ``t < cache_seqlens[b]``);
+        ``(B, Hkv, K, D)`` with ``K`` the slots of the blocks the longest sequence reads,
+        ``ceil(max_b cache_seqlens[b] / page_block_size) * page_block_size``, never the
+        table's declared width (key t of sequence b is its token t); visibility the
+        cache-layout relation (query i of sequence b at position ``cache_seqlens[b] - Q +
+        i``, keys ``t < cache_seqlens[b]``);
         ALiBi as a bias, softcap and scale as given.
     paged : PagedKV
         The cache as given, with the gather and its inverse; sequences may share pages (a
@@ -596,20 +615,23 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
         kernels need a multiple of 256, FlashAttention 3's do not.
     cache_seqlens : int or (B,) int32 ndarray, optional
         Tokens in each sequence's cache, ``1 <= cache_seqlens[b] <= max_num_blocks_per_seq *
-        page_block_size``; default: the whole table.
+        page_block_size``; default: the whole table. An int may be a numpy integer scalar.
     block_table : (B, max_num_blocks_per_seq) int32 ndarray, optional
         Block p of sequence b is page ``block_table[b, p]``; entries past a sequence's last
-        block are not read (-1 padding is fine).
+        block are not read (-1 padding is fine), and the memory the call needs depends on
+        the blocks read, not on the table's width.
     softmax_scale : float, optional
-        Default ``1 / sqrt(D)``.
+        Default ``1 / sqrt(D)``; otherwise positive and finite.
     causal : bool
         Keys up to the query's position (bottom-right aligned); right window bound 0.
     window_size : (int, int)
-        ``(left, right)``: keys in ``[pos - left, pos + right]``; negative means unbounded.
+        ``(left, right)``: keys in ``[pos - left, pos + right]``; negative means unbounded,
+        and so does a bound at or beyond every distance in the call (``>= K + Q``); each an
+        integer in ``[-2**63, 2**63 - 1]``.
     softcap : float
-        ``> 0``: scores become ``softcap * tanh(score / softcap)`` (0: off).
+        ``> 0``: scores become ``softcap * tanh(score / softcap)`` (``<= 0``: off); finite.
     alibi_slopes : (Hq,) or (B, Hq) float32 or float64 ndarray, optional
-        Adds ``-slope * |pos - j|`` to the score of key j.
+        Adds ``-slope * |pos - j|`` to the score of key j; finite, within float32's range.
 
     Returns
     -------
@@ -621,7 +643,10 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
         On a dtype other than float64 (q, caches) or int32 (block_table, cache_seqlens), a
         shape that does not match FlashAttention's layout, a block-table entry outside
         ``[0, num_blocks)`` among the blocks a sequence reads (naming ``block_table[b, p]``),
-        or ``cache_seqlens[b]`` beyond the table (or below 1).
+        ``cache_seqlens[b]`` beyond the table (or below 1), a scalar argument that is not a
+        number of its kind or lies outside its range (naming it and the range), or a call
+        whose keys, values and ALiBi bias would need more memory than is available
+        (refused before anything is gathered).
 
     Examples
     --------
@@ -645,46 +670,60 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
     if Hkv == 0 or Hq % Hkv:
         raise RefAttnError(f"q: nheads={Hq} must be a multiple of k_cache's nheads_k={Hkv} "
                            "(FlashAttention's GQA: query head h reads kv head h // (Hq // Hkv))")
+    if not isinstance(causal, (bool, np.bool_)):
+        raise RefAttnError(f"causal: expected True or False, got {causal!r}")
+    # every scalar bounded before any arithmetic uses it
+    if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(
+            window_size) != 2:
+        raise RefAttnError(f"window_size: expected (left, right) ints (-1: unbounded), "
+                           f"got {window_size!r}")
+    w_left, w_right = (bounded_int(f"window_size[{i}]", w, lo=INT64_MIN, hi=INT64_MAX)
+                       for i, w in enumerate(window_size))
+    cap = bounded_float("softcap", softcap)  # <= 0: off
+    scale = None if softmax_scale is None else bounded_float(
+        "softmax_scale", softmax_scale, lo=0.0, lo_open=True)
     if block_table is None:
         if nb < B:
             raise RefAttnError(f"k_cache: batch_size_cache={nb} holds fewer caches than q's "
                                f"batch_size={B} (without a block_table sequence b reads row b)")
-        table = np.arange(B, dtype=np.int64)[:, None]  # one page per sequence
+        given = None
+        columns = 1
     else:
-        table = _fa_int32("block_table", block_table, 2, B, ", max_num_blocks_per_seq")
-        if table.shape[1] == 0:
+        given = _fa_int32("block_table", block_table, 2, B, ", max_num_blocks_per_seq")
+        columns = given.shape[1]
+        if columns == 0:
             raise RefAttnError("block_table: expected at least one block per sequence, got "
-                               f"shape {list(table.shape)}")
-    capacity = table.shape[1] * ps
+                               f"shape {list(given.shape)}")
+    capacity = columns * ps
+    seqlens_range = (f"1 <= cache_seqlens[b] <= max_num_blocks_per_seq * page_block_size = "
+                     f"{columns} * {ps} = {capacity}")
     if cache_seqlens is None:
         lens = np.full(B, capacity, dtype=np.int64)
     elif isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
-        lens = np.full(B, int(cache_seqlens), dtype=np.int64)
+        lens = np.full(B, bounded_int("cache_seqlens", cache_seqlens, lo=1, hi=capacity),
+                       dtype=np.int64)
     else:
-        lens = _fa_int32("cache_seqlens", cache_seqlens, 1, B, "")
-    for b, n in enumerate(lens.tolist()):
-        if n > capacity:
-            raise RefAttnError(
-                f"cache_seqlens: entry b={b} is {n}, beyond the block table: at most "
-                f"max_num_blocks_per_seq * page_block_size = {table.shape[1]} * {ps} = "
-                f"{capacity} tokens")
-        if n < 1:
-            raise RefAttnError(f"cache_seqlens: entry b={b} is {n}, expected at least 1 (an "
-                               "empty cache has no key to attend to)")
-    reads = np.arange(table.shape[1])[None, :] < -(-lens // ps)[:, None]  # (B, max_blocks)
-    for b, p in zip(*np.nonzero(reads & ((table < 0) | (table >= nb))), strict=True):
-        raise RefAttnError(
-            f"block_table: entry (b={b}, p={p}) is {int(table[b, p])}, expected a block in "
-            f"[0, num_blocks={nb}) of k_cache (sequence b reads its first "
-            f"ceil(cache_seqlens[b] / page_block_size) = {-(-int(lens[b]) // ps)} blocks)")
-    if not isinstance(causal, (bool, np.bool_)):
-        raise RefAttnError(f"causal: expected True or False, got {causal!r}")
-    if len(window_size) != 2 or not all(isinstance(w, (int, np.integer))
-                                        and not isinstance(w, bool) for w in window_size):
-        raise RefAttnError(f"window_size: expected (left, right) ints (-1: unbounded), "
-                           f"got {window_size!r}")
-    left = None if window_size[0] < 0 else int(window_size[0])
-    right = 0 if causal else (None if window_size[1] < 0 else int(window_size[1]))
+        lens = index_array("cache_seqlens", _fa_int32("cache_seqlens", cache_seqlens, 1, B, ""),
+                           lo=1, hi=capacity, letters="b", expected=seqlens_range)
+    # everything from here on is sized from the tokens actually read, never from the table's
+    # declared width: sequence b reads its first ceil(cache_seqlens[b] / page_block_size) blocks
+    read = int(-(-int(lens.max()) // ps))
+    if given is None:  # one page per sequence: row b of the cache, cut to the longest sequence
+        read_ps = int(lens.max())
+        table = np.arange(B, dtype=np.int64)[:, None]
+        kc, vc = kc[:, :read_ps], vc[:, :read_ps]
+    else:
+        read_ps = ps
+        used = np.arange(read)[None, :] < -(-lens // ps)[:, None]  # (B, read)
+        table = index_array(
+            "block_table", given[:, :read], lo=0, hi=nb - 1, used=used, letters="bp",
+            expected=f"a block in [0, num_blocks={nb}) of k_cache (sequence b reads its first "
+                     "ceil(cache_seqlens[b] / page_block_size) blocks)")
+    K = table.shape[1] * read_ps  # canonical keys: the slots of the blocks read
+    # a window bound at or beyond every distance |position - key| < K + Q is no bound
+    span = K + Q
+    left = None if w_left < 0 or w_left >= span else w_left
+    right = 0 if causal else (None if w_right < 0 or w_right >= span else w_right)
     # query i of sequence b sits at position cache_seqlens[b] - Q + i (bottom-right aligned)
     pos = lens[:, None] - Q + np.arange(Q)[None, :]  # (B, Q)
     lo = np.zeros_like(pos) if left is None else np.maximum(pos - left, 0)
@@ -694,9 +733,10 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
     if not row_has_key.all():  # FlashAttention: "the output will be zero"
         kwargs = {"query_valid": row_has_key[:, None, :, None],
                   "all_masked_rows": "sanitize_then_zero_invalid_query"}
-    if isinstance(softcap, bool) or not isinstance(softcap, (int, float, np.floating)) \
-            or np.isnan(softcap):
-        raise RefAttnError(f"softcap: expected a number (<= 0: off), got {softcap!r}")
+    bias_bytes = 0 if alibi_slopes is None else 8 * B * Q * K * (1 + 3 * Hq)
+    check_paged_memory(gather_bytes(B, K, Hkv, D, D) + 2 * qa.nbytes + bias_bytes,
+                       f"flash_attn_with_kvcache over (batch_size, nheads_k, tokens read) = "
+                       f"({B}, {Hkv}, {K})")
     if alibi_slopes is not None:
         slopes = as_array("alibi_slopes", alibi_slopes)
         if slopes.dtype not in (np.float32, np.float64):
@@ -705,17 +745,24 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
         if slopes.shape not in ((Hq,), (B, Hq)):
             raise RefAttnError(f"alibi_slopes: expected shape [nheads={Hq}] or "
                                f"[batch_size={B}, nheads={Hq}], got {list(slopes.shape)}")
-        slopes = np.broadcast_to(slopes.astype(np.float64), (B, Hq))  # exact widening
-        dist = np.abs(pos[:, :, None] - np.arange(capacity)[None, None, :])  # (B, Q, K)
+        slopes = slopes.astype(np.float64)  # exact widening
+        check_finite("alibi_slopes", slopes)
+        big = first_index(np.abs(slopes) > _FP32_MAX)
+        if big is not None:  # |slope| * distance stays finite: distances are below 2**63
+            raise RefAttnError(f"alibi_slopes: entry {format_index(big)} is "
+                               f"{float(slopes[big])!r}, beyond float32's range (FlashAttention's "
+                               f"slopes are fp32: |slope| <= {_FP32_MAX!r})")
+        slopes = np.broadcast_to(slopes, (B, Hq))
+        dist = np.abs(pos[:, :, None] - np.arange(K)[None, None, :])  # (B, Q, K)
         kwargs["bias"] = -slopes[:, :, None, None] * dist[:, None]  # (B, Hq, Q, K)
     window: tuple[int | None, int | None] | None
     if causal:  # the causal relation bounds the right side
         window = None if left is None else (left, None)
     else:
         window = None if left is None and right is None else (left, right)
-    pc = paged_call(np.ascontiguousarray(qa.transpose(0, 2, 1, 3)), kc, vc, table, lens, ps,
-                    causal=bool(causal), window=window, shared_pages=True, scale=softmax_scale,
-                    softcap=float(softcap) if softcap > 0 else None, **kwargs)
+    pc = paged_call(np.ascontiguousarray(qa.transpose(0, 2, 1, 3)), kc, vc, table, lens,
+                    read_ps, causal=bool(causal), window=window, shared_pages=True, scale=scale,
+                    softcap=cap if cap > 0 else None, **kwargs)
     return KVCacheCall(pc.call, pc.paged, row_has_key)
 
 

@@ -274,9 +274,12 @@ def flex_call(spec: CaseSpec, *, dtype: Any = "float64", device: Any = "cpu",
     >>> f.kwargs["block_mask"].shape, f.kwargs["scale"] is None
     ((2, 8, 5, 5), True)
     """
-    reason = ineligible(spec)
+    reason = ineligible(spec)  # also bounds the case's scale and softcap (semantic_limits)
     if reason is not None:
         raise RefAttnError(f"{spec.case_id}: flex_attention cannot express this case: {reason}")
+    if not isinstance(requires_grad, (bool, np.bool_)):
+        raise RefAttnError(f"requires_grad: expected True or False, got {requires_grad!r}")
+    requires_grad = bool(requires_grad)
     torch = _torch()
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
 

@@ -28,6 +28,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from refattn._checks import INT64_MAX, bounded_int
 from refattn.adapters import AdapterResult, semantic_limits
 from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
 from refattn.bundle.golden.spec import CaseSpec
@@ -132,10 +133,13 @@ def _window_candidates(spec: CaseSpec) -> list[tuple[bool, tuple[int, int] | Non
     record = spec.call_manifest["visibility"].get("relation") or {}
     w = record.get("window")
     if w is not None and all(isinstance(x, int) or x is None for x in (w["left"], w["right"])):
+        # a bound at or beyond max(Q, K) bounds nothing here: clamped before any arithmetic
+        # (a manifest's 2**63 - 1 would wrap in ``j + left``; 10**400 would not convert)
         big = max(spec.axes["Q"], spec.axes["K"])
-        window = (big if w["left"] is None else w["left"], big if w["right"] is None
-                  else w["right"])
-        out += [(True, window), (False, window)]
+        left, right = (big if x is None else min(bounded_int(
+            f"{spec.case_id}: visibility.relation.window.{side}", x, lo=0, hi=INT64_MAX), big)
+            for side, x in (("left", w["left"]), ("right", w["right"])))
+        out += [(True, (left, right)), (False, (left, right))]
     return out
 
 

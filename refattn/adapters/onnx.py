@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from refattn._checks import bounded_int
 from refattn.adapters import AdapterResult, semantic_limits
 from refattn.bundle.golden.spec import CaseSpec
 from refattn.engine.reduce import gather_heads
@@ -80,9 +81,16 @@ def _ort() -> Any:
     return onnxruntime
 
 
-def _check_opset(opset: int) -> None:
-    if opset not in OPSETS:
-        raise RefAttnError(f"opset: expected one of {list(OPSETS)}, got {opset!r}")
+def _check_opset(opset: int) -> int:
+    """``opset`` as one of :data:`OPSETS` (consecutive: a range) as an int; ``23.0`` and
+    ``True`` are refused."""
+    return bounded_int("opset", opset, lo=min(OPSETS), hi=max(OPSETS))
+
+
+def _check_qk_mode(qk_mode: int | None) -> int | None:
+    """``qk_mode`` as a key of :data:`QK_OUTPUT` or None (``True`` is not mode 1)."""
+    return None if qk_mode is None else bounded_int("qk_mode", qk_mode, lo=min(QK_OUTPUT),
+                                                     hi=max(QK_OUTPUT))
 
 
 def ineligible(spec: CaseSpec) -> str | None:
@@ -184,12 +192,10 @@ def lowering(spec: CaseSpec, *, opset: int = 23, qk_mode: int | None = None,
     >>> lowering(case_spec(CASES["key_padding_lengths_7_5_2"]()), opset=24).nonpad_kv_seqlen
     (7, 5, 2)
     """
-    _check_opset(opset)
-    if dtype not in _DTYPES:
+    opset = _check_opset(opset)
+    if not isinstance(dtype, str) or dtype not in _DTYPES:
         raise RefAttnError(f"dtype: expected one of {sorted(_DTYPES)}, got {dtype!r}")
-    if qk_mode is not None and qk_mode not in QK_OUTPUT:
-        raise RefAttnError(f"qk_mode: expected one of {sorted(QK_OUTPUT)} or None, got "
-                           f"{qk_mode!r}")
+    qk_mode = _check_qk_mode(qk_mode)
     why = ineligible(spec)
     if why is not None:
         raise RefAttnError(f"{spec.case_id}: not expressible as an ONNX Attention node: {why}")
@@ -261,7 +267,7 @@ def build(spec: CaseSpec, *, opset: int = 23, qk_mode: int | None = None,
     from onnx import TensorProto, helper
 
     low = lowering(spec, opset=opset, qk_mode=qk_mode, dtype=dtype)
-    np_dtype = _DTYPES[dtype]
+    opset, np_dtype = low.opset, _DTYPES[dtype]  # the opset as bounded
     elem = TensorProto.FLOAT if dtype == "float32" else TensorProto.DOUBLE
     t = spec.tensors
     q, k, v = (np.asarray(t[n]) for n in ("q", "k", "v"))
@@ -366,6 +372,7 @@ def run(spec: CaseSpec, *, runtime: Runtime = "reference", opset: int = 23,
     ('onnx.reference', 'float32', True)
     """
     node = build(spec, opset=opset, qk_mode=qk_mode, dtype=dtype)
+    opset = node.lowering.opset
     names = [o.name for o in node.model.graph.output]
     match runtime:
         case "reference":

@@ -19,8 +19,11 @@ import math
 
 import numpy as np
 
-from refattn._checks import as_array, check_finite, check_float64
+from refattn._checks import as_array, bounded_int, check_finite, check_float64, index_array
 from refattn.errors import RefAttnError
+
+#: the most heads :func:`alibi_slopes` makes slopes for (a list of that many floats is built)
+_MAX_HEADS = 2**20
 
 __all__ = ["alibi", "alibi_slope_gradient", "alibi_slopes"]
 
@@ -52,6 +55,7 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
         raise RefAttnError(f"num_heads: expected an integer, got {type(num_heads).__name__}")
     if num_heads < 1:
         raise RefAttnError(f"num_heads: expected at least 1 head, got {num_heads}")
+    bounded_int("num_heads", num_heads, lo=1, hi=_MAX_HEADS)  # a list of H slopes is built
 
     def power_of_two(n: int) -> list[float]:
         start = 2.0 ** (-(2.0 ** -(math.log2(n) - 3)))  # 2 ** (-8 / n)
@@ -67,8 +71,8 @@ def alibi_slopes(num_heads: int) -> np.ndarray:
 
 def _positions(name: str, x: object) -> np.ndarray:
     arr = as_array(name, x)
-    if arr.dtype.kind in "iu":
-        arr = arr.astype(np.float64)  # integer positions are exact in float64 below 2**53
+    if arr.dtype.kind in "iu":  # integer positions are exact in float64 within +-2**53 only
+        arr = index_array(name, arr, lo=-(2**53), hi=2**53).astype(np.float64)
     else:
         check_float64(name, arr)
     if arr.ndim not in (1, 2):

@@ -16,6 +16,7 @@ import numpy as np
 
 from refattn._checks import (
     as_array,
+    bounded_float,
     check_bool,
     check_broadcastable,
     check_finite,
@@ -26,7 +27,9 @@ from refattn._checks import (
     float64_input,
     format_index,
     immutable_copy,
+    int_text,
     memory_error,
+    shown_shape,
 )
 from refattn._version import __version__
 from refattn.call.hazards import check_forward_overflow
@@ -115,13 +118,15 @@ def check_head_map(call: AttentionCall) -> np.ndarray:
 
 
 def _positive_real(name: str, x: object, what: str) -> float:
-    """A positive finite real number (bool and strings are rejected, not converted)."""
+    """A positive finite real number (bool and strings are rejected, not converted; an int
+    beyond float64's range is refused by name, never an ``OverflowError``)."""
     if isinstance(x, bool) or not isinstance(x, (int, float, np.integer, np.floating)):
         raise RefAttnError(f"{name}: expected a real number, got {type(x).__name__}")
-    value = float(x)
-    if not np.isfinite(value) or value <= 0.0:
-        raise RefAttnError(f"{name}: expected a positive finite {what}, got {value!r}")
-    return value
+    try:
+        return bounded_float(name, x, lo=0.0, lo_open=True)
+    except RefAttnError:
+        shown = int_text(int(x)) if isinstance(x, (int, np.integer)) else repr(float(x))
+        raise RefAttnError(f"{name}: expected a positive finite {what}, got {shown}") from None
 
 
 def _refuse_scalar_dropout(dropout: object) -> None:
@@ -245,8 +250,8 @@ class AttentionCall:
             except MemoryError as exc:
                 raise memory_error(exc, "validating the call") from None
         except RefAttnError as exc:
-            shapes = ", ".join(
-                f"{n}={list(np.shape(getattr(self, n)))}" for n in ("q", "k", "v")
+            shapes = ", ".join(  # a ragged list has no shape: then its type
+                f"{n}={shown_shape(getattr(self, n))}" for n in ("q", "k", "v")
             )
             raise RefAttnError(f"AttentionCall({shapes}): {exc}") from None
 

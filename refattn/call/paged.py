@@ -9,11 +9,17 @@ reads directly) and maps the canonical key/value gradients back onto the pages.
 
 Convention: sequence b holds ``seqlens[b]`` tokens; token t of it lives in page
 ``block_table[b, t // page_size]`` at slot ``t % page_size``. The canonical keys are the
-table's slots in order, ``K = max_pages * page_size``; key slot t is valid iff
+slots of the blocks the longest sequence reads, in order, ``K = max_pages * page_size`` with
+``max_pages = max_b ceil(seqlens[b] / page_size)``; key slot t is valid iff
 ``t < seqlens[b]``; the Q queries are the last Q tokens of their sequence (absolute positions
 ``seqlens[b] - Q + i``, the cache offset), causal by coordinates. Block-table entries past a
-sequence's last page are not read (they may hold any value, e.g. -1 padding). Defers the
-relation to :mod:`refattn.masks` and the arithmetic to the engine.
+sequence's last page are not read (they may hold any value, e.g. -1 padding), and columns past
+the longest sequence's last page are dropped: everything is sized from the blocks actually
+read, never from the table's declared width (a (1, 2**20) table padded with -1 whose one
+sequence reads one block costs one block). A call whose gathered keys and values would need
+more memory than is available is refused before anything is gathered
+(:func:`check_paged_memory`). Defers the relation to :mod:`refattn.masks` and the arithmetic
+to the engine.
 """
 
 from __future__ import annotations
@@ -23,12 +29,21 @@ from typing import Any
 
 import numpy as np
 
-from refattn._checks import as_array, check_finite, check_float64, immutable_copy
+from refattn._checks import (
+    INT64_MAX,
+    as_array,
+    bounded_int,
+    check_finite,
+    check_float64,
+    immutable_copy,
+    index_array,
+)
 from refattn.call.gate import AttentionCall
 from refattn.errors import RefAttnError
 from refattn.masks import relation
 
-__all__ = ["PAGE_LAYOUT", "PageGradients", "PagedKV", "paged_call"]
+__all__ = ["PAGE_LAYOUT", "PageGradients", "PagedKV", "check_paged_memory", "gather_bytes",
+           "paged_call"]
 
 #: the page tensor layout (FlashAttention ``flash_attn_with_kvcache`` with ``block_table``)
 PAGE_LAYOUT = "(num_pages, page_size, Hkv, D)"
@@ -44,15 +59,39 @@ class PageGradients:
     """(num_pages, page_size, Hkv, Dv) float64."""
 
 
-def _int_table(name: str, x: object, ndim: int) -> np.ndarray:
-    arr = as_array(name, x)
-    if arr.dtype.kind not in "iu":
-        raise RefAttnError(f"{name}: expected an integer array, got dtype {arr.dtype}")
-    if arr.ndim != ndim:
-        raise RefAttnError(f"{name}: expected {ndim} axes, got shape {list(arr.shape)}")
-    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-        raise RefAttnError(f"{name}: value {int(arr.max())} does not fit in int64")
-    return immutable_copy(arr.astype(np.int64, copy=False))  # never writeable again
+def gather_bytes(B: int, K: int, Hkv: int, Dk: int, Dv: int) -> int:
+    """Peak bytes of gathering a paged cache's canonical keys and values (B, Hkv, K, D) and
+    of the call that holds them (an upper estimate: the gather's slot tables, its gathered,
+    masked and transposed copies, the kept keys and values and the call's own copies).
+
+    Examples
+    --------
+    >>> gather_bytes(1, 2**24, 8, 128, 128) // 2**30   # 16 Mi tokens of 8 heads of 128
+    1025
+    """
+    return 8 * B * K * (4 * Hkv * (Dk + Dv) + 8)
+
+
+def check_paged_memory(need: int, doing: str) -> None:
+    """Refuse ``doing`` when its estimated ``need`` (bytes) exceeds the memory available now
+    (:func:`refattn.engine.memory.available_bytes`; not checked where that is unknown), before
+    anything is allocated.
+
+    Examples
+    --------
+    >>> try:
+    ...     check_paged_memory(2**80, "gathering the keys")
+    ... except RefAttnError as exc:
+    ...     print(str(exc)[:64])
+    memory: gathering the keys needs about 1208925819614629174706176
+    """
+    from refattn.engine.memory import available_bytes  # refattn.engine imports this package
+
+    limit = available_bytes()
+    if limit is not None and need > limit:
+        raise RefAttnError(f"memory: {doing} needs about {need} bytes ({need / 2**30:.2f} "
+                           f"GiB), more than the {limit} bytes of memory available; read "
+                           "fewer tokens (cache_seqlens) or fewer heads per call")
 
 
 def _pages(name: str, x: object) -> np.ndarray:
@@ -76,9 +115,12 @@ class PagedKV:
     k_pages : (num_pages, page_size, Hkv, Dk) float64 ndarray
     v_pages : (num_pages, page_size, Hkv, Dv) float64 ndarray
     block_table : (B, max_pages) int64 ndarray
-        Page of each block of each sequence.
+        Page of each block of each sequence; given with any number of columns, it keeps the
+        ``max_pages = max_b ceil(seqlens[b] / page_size)`` that some sequence reads (the
+        columns after them are never read).
     seqlens : (B,) int64 ndarray
-        Tokens in each sequence's cache, ``1 <= seqlens[b] <= max_pages * page_size``.
+        Tokens in each sequence's cache, ``1 <= seqlens[b] <= columns * page_size`` (the
+        columns of the table as given).
     page_size : int
     shared_pages : bool
         False (default): each page belongs to one block. True: blocks may share a page (prefix
@@ -89,8 +131,9 @@ class PagedKV:
     ------
     RefAttnError
         On non-float64 or non-finite pages, mismatched page shapes, a page size that does
-        not match the pages, a sequence length out of range, a block-table entry out of
-        range (naming ``block_table[b, p]`` and its value), or, unless ``shared_pages``, one
+        not match the pages (or is not an integer), a sequence length out of range, a
+        block-table entry that a sequence reads out of range (naming ``block_table[b, p]``
+        and its value), or, unless ``shared_pages``, one
         page read by two blocks ("overlapping pages": their gradients would be summed into
         one page), naming both entries.
 
@@ -119,48 +162,52 @@ class PagedKV:
             raise RefAttnError(
                 f"v_pages: shape {list(vp.shape)} must match k_pages {list(kp.shape)} on "
                 "(num_pages, page_size, Hkv)")
-        ps = self.page_size
-        if isinstance(ps, (bool, np.bool_)) or not isinstance(ps, (int, np.integer)) or ps < 1:
-            raise RefAttnError(f"page_size: expected a positive int, got {ps!r}")
-        if kp.shape[1] != int(ps):
-            raise RefAttnError(f"page_size: {int(ps)} but k_pages holds {kp.shape[1]} slots per "
+        ps = bounded_int("page_size", self.page_size, lo=1, hi=INT64_MAX)
+        if kp.shape[1] != ps:
+            raise RefAttnError(f"page_size: {ps} but k_pages holds {kp.shape[1]} slots per "
                                f"page (layout {PAGE_LAYOUT})")
-        table = _int_table("block_table", self.block_table, 2)
-        lens = _int_table("seqlens", self.seqlens, 1)
-        B, max_pages = table.shape
-        if B == 0 or max_pages == 0:
+        given = as_array("block_table", self.block_table)
+        if given.dtype.kind not in "iu":
+            raise RefAttnError(f"block_table: expected an integer array, got dtype "
+                               f"{given.dtype}")
+        if given.ndim != 2:
+            raise RefAttnError(f"block_table: expected 2 axes, got shape {list(given.shape)}")
+        B, columns = given.shape
+        if B == 0 or columns == 0:
             raise RefAttnError(f"block_table: expected a non-empty [B, max_pages], got "
-                               f"{list(table.shape)}")
+                               f"{list(given.shape)}")
+        capacity = columns * ps
+        lens = index_array("seqlens", self.seqlens, lo=1, hi=capacity, ndim=1, letters="b",
+                           expected=f"1 <= seqlens[b] <= max_pages * page_size = {capacity}")
         if lens.shape != (B,):
             raise RefAttnError(f"seqlens: expected shape [B={B}] (one per block-table row), "
                                f"got {list(lens.shape)}")
-        capacity = max_pages * int(ps)
-        for b, n in enumerate(lens.tolist()):
-            if not 1 <= n <= capacity:
-                raise RefAttnError(f"seqlens: entry b={b} is {n}, expected 1 <= seqlens[b] <= "
-                                   f"max_pages * page_size = {capacity}")
         if not isinstance(self.shared_pages, (bool, np.bool_)):
             raise RefAttnError(f"shared_pages: expected True or False, got {self.shared_pages!r}")
         num_pages = kp.shape[0]
-        used = self._used(table, lens, int(ps))
+        read = int(-(-int(lens.max()) // ps))  # blocks of the longest sequence: all that is read
+        used = self._used(given[:, :read], lens, ps)  # (B, read)
+        table = index_array("block_table", given[:, :read], lo=0, hi=num_pages - 1,
+                            used=used, letters="bp",
+                            expected=f"a page in [0, {num_pages}) (num_pages of k_pages)")
         owner: dict[int, tuple[int, int]] = {}
-        for b, p in zip(*np.nonzero(used), strict=True):
-            page = int(table[b, p])
-            if not 0 <= page < num_pages:
-                raise RefAttnError(f"block_table: entry (b={b}, p={p}) is {page}, expected a "
-                                   f"page in [0, {num_pages}) (num_pages of k_pages)")
-            if page in owner and not self.shared_pages:
-                b0, p0 = owner[page]
-                raise RefAttnError(
-                    f"block_table: overlapping pages: entries (b={b0}, p={p0}) and (b={b}, "
-                    f"p={p}) both read page {page}; each page must belong to one block "
-                    "(shared_pages=True for a shared prefix)")
-            owner.setdefault(page, (int(b), int(p)))
+        if not self.shared_pages:
+            for b, p in zip(*np.nonzero(used), strict=True):
+                page = int(table[b, p])
+                if page in owner:
+                    b0, p0 = owner[page]
+                    raise RefAttnError(
+                        f"block_table: overlapping pages: entries (b={b0}, p={p0}) and (b={b}, "
+                        f"p={p}) both read page {page}; each page must belong to one block "
+                        "(shared_pages=True for a shared prefix)")
+                owner[page] = (int(b), int(p))
+        table = immutable_copy(table)  # never writeable again
+        lens = immutable_copy(lens)
         set_(self, "k_pages", kp)
         set_(self, "v_pages", vp)
         set_(self, "block_table", table)
         set_(self, "seqlens", lens)
-        set_(self, "page_size", int(ps))
+        set_(self, "page_size", ps)
         set_(self, "shared_pages", bool(self.shared_pages))
 
     @staticmethod
@@ -175,7 +222,7 @@ class PagedKV:
 
     @property
     def K(self) -> int:
-        """Canonical key rows: every slot of the block table, ``max_pages * page_size``."""
+        """Canonical key rows: every slot of the blocks read, ``max_pages * page_size``."""
         return int(self.block_table.shape[1] * self.page_size)
 
     def _slots(self) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
@@ -188,6 +235,8 @@ class PagedKV:
         return page, slot, read
 
     def _gather(self, pages: np.ndarray) -> np.ndarray:
+        check_paged_memory(gather_bytes(self.B, self.K, pages.shape[2], pages.shape[3], 0),
+                           f"gathering (B, K) = ({self.B}, {self.K}) canonical keys or values")
         page, slot, read = self._slots()
         out = pages[page, slot]  # (B, K, Hkv, D); unread blocks read page 0, then zeroed
         out = np.where(read[..., None, None], out, 0.0)
@@ -311,7 +360,8 @@ def paged_call(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: An
     Returns
     -------
     PagedCall
-        ``.call`` (keys ``(B, Hkv, max_pages * page_size, Dk)``, visibility a cache-layout
+        ``.call`` (keys ``(B, Hkv, max_pages * page_size, Dk)``, ``max_pages`` the blocks
+        the longest sequence reads; visibility a cache-layout
         relation with explicit positions) and ``.paged`` (the inputs as given, with
         :meth:`PagedKV.page_gradients`).
 
@@ -319,7 +369,8 @@ def paged_call(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: An
     ------
     RefAttnError
         As :class:`PagedKV` and :class:`~refattn.AttentionCall`; ``visible=`` is refused
-        (the block table and seqlens define it).
+        (the block table and seqlens define it); a call whose keys and values would need more
+        memory than is available (:func:`gather_bytes`) is refused before they are gathered.
 
     Examples
     --------
@@ -342,6 +393,10 @@ def paged_call(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: An
         raise RefAttnError(f"q: expected shape [B={paged.B}, Hq, Q, Dk] (B = block_table "
                            f"rows), got {list(q_arr.shape)}")
     Q = q_arr.shape[2]
+    extra = sum(2 * x.nbytes for x in (q_arr, *call_kwargs.values()) if isinstance(x, np.ndarray))
+    Hkv, Dk, Dv = paged.k_pages.shape[2], paged.k_pages.shape[3], paged.v_pages.shape[3]
+    check_paged_memory(gather_bytes(paged.B, paged.K, Hkv, Dk, Dv) + extra,
+                       f"the paged call of (B, Hkv, K) = ({paged.B}, {Hkv}, {paged.K}) keys")
     q_pos = paged.seqlens[:, None] - Q + np.arange(Q)[None, :]  # (B, Q) cache offsets
     k_pos = np.broadcast_to(np.arange(paged.K), (paged.B, paged.K))  # (B, K)
     positional = bool(causal) or window is not None

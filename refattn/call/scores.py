@@ -23,7 +23,7 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from refattn._checks import float64_input
+from refattn._checks import INT64_MAX, bounded_float, bounded_int, float64_input, int_text
 from refattn.errors import RefAttnError
 from refattn.records import float_record, tensor_record
 
@@ -263,6 +263,8 @@ class Additive(ScoreFamily):
         w = self.max_workspace_elements
         if isinstance(w, bool) or not isinstance(w, (int, np.integer)) or w < 1:
             raise RefAttnError(f"max_workspace_elements: expected a positive integer, got {w!r}")
+        object.__setattr__(self, "max_workspace_elements",  # an int, within int64
+                           bounded_int("max_workspace_elements", w, lo=1, hi=INT64_MAX))
 
     def parameters(self) -> dict[str, np.ndarray]:
         return {"Wq": self.Wq, "Wk": self.Wk, "b": self.b, "v": self.v}
@@ -396,9 +398,12 @@ class Cosine(ScoreFamily):
     def __post_init__(self) -> None:
         if isinstance(self.eps, bool) or not isinstance(self.eps, (int, float, np.floating)):
             raise RefAttnError(f"eps: expected a positive real number, got {self.eps!r}")
-        eps = float(self.eps)
-        if not np.isfinite(eps) or eps <= 0.0:
-            raise RefAttnError(f"eps: expected a positive finite zero-norm floor, got {eps!r}")
+        try:  # an int beyond float64's range is refused by name, never an OverflowError
+            eps = bounded_float("eps", self.eps, lo=0.0, lo_open=True)
+        except RefAttnError:
+            shown = int_text(self.eps) if isinstance(self.eps, int) else repr(float(self.eps))
+            raise RefAttnError(f"eps: expected a positive finite zero-norm floor, got "
+                               f"{shown}") from None
         object.__setattr__(self, "eps", eps)
 
     def _normalise(self, x: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

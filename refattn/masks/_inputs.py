@@ -13,16 +13,22 @@ from typing import Any, SupportsInt, TypeGuard
 import numpy as np
 
 from refattn._checks import (
+    INT64_MAX,
+    INT64_MIN,
     as_array,
+    bounded_int,
     check_bool,
     check_shape,
     first_index,
     format_index,
     immutable_copy,
+    index_array,
 )
 from refattn.errors import RefAttnError
 
 __all__ = [
+    "POSITION_MAX",
+    "POSITION_MIN",
     "WindowBound",
     "frozen",
     "head_count",
@@ -35,6 +41,9 @@ __all__ = [
 
 #: one side of a window: unbounded (None), one bound for every head, or one bound per head
 WindowBound = int | np.ndarray | None
+#: the range of a query or key position: the difference of two positions (what a window bound
+#: is compared with, here and in every kernel) then fits in int64
+POSITION_MIN, POSITION_MAX = -(2**62), 2**62 - 1
 
 
 def frozen(x: np.ndarray) -> np.ndarray:
@@ -55,25 +64,29 @@ def int_array(name: str, x: object) -> np.ndarray:
     >>> int_array("lengths", np.array([3, 4], dtype=np.uint8)).tolist()
     [3, 4]
     """
-    arr = as_array(name, x)
-    if arr.dtype.kind not in "iu":
-        raise RefAttnError(f"{name}: expected an integer array, got dtype {arr.dtype}")
-    if arr.dtype.kind == "u" and arr.size and int(arr.max()) > np.iinfo(np.int64).max:
-        raise RefAttnError(f"{name}: value {int(arr.max())} does not fit in int64")
-    return arr.astype(np.int64)  # lossless: integers only
+    arr = index_array(name, x, lo=INT64_MIN, hi=INT64_MAX)  # lossless: integers only
+    return np.array(arr, dtype=np.int64)  # a copy: never the caller's array
 
 
 def int_coordinates(
-    name: str, x: object, shape: tuple[int, ...] | None, letters: str
+    name: str, x: object, shape: tuple[int, ...] | None, letters: str, *,
+    lo: int = INT64_MIN, hi: int = INT64_MAX,
 ) -> np.ndarray:
-    """Integer coordinates of an exact 2-D shape (``shape=None``: any 2-D shape).
+    """Integer coordinates of an exact 2-D shape (``shape=None``: any 2-D shape), each in
+    ``[lo, hi]`` (positions: :data:`POSITION_MIN`, :data:`POSITION_MAX`).
 
     Examples
     --------
     >>> int_coordinates("q_pos", [[0, 1]], (1, 2), "B,Q").dtype
     dtype('int64')
+    >>> try:
+    ...     int_coordinates("k_pos", [[0, 2**62]], None, "B,K", lo=POSITION_MIN,
+    ...                     hi=POSITION_MAX)
+    ... except RefAttnError as exc:
+    ...     print(str(exc)[:60])
+    k_pos: entry (b=0, k=1) is 4611686018427387904, expected a v
     """
-    arr = int_array(name, x)
+    arr = np.array(index_array(name, x, lo=lo, hi=hi, letters=letters.lower().split(",")))
     if shape is None:
         if arr.ndim != 2:
             raise RefAttnError(f"{name}: expected shape [{letters}], got {list(arr.shape)}")
@@ -118,7 +131,9 @@ def _window_side(name: str, x: object) -> WindowBound:
             raise RefAttnError(
                 f"window: {name} bound is {int(x)}, expected >= 0 (None means unbounded)"
             )
-        return int(x)
+        # int64 like every kernel's bound; at 2**63 - 1 it bounds nothing (positions differ
+        # by less)
+        return bounded_int(f"window {name}", x, lo=0, hi=INT64_MAX)
     if isinstance(x, (bool, np.bool_, float, np.floating)):
         raise RefAttnError(
             f"window: {name} bound must be an int, None or an (H,) int array, got {x!r}"

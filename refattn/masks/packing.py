@@ -15,9 +15,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from refattn._checks import as_array, check_float64
+from refattn._checks import as_array, check_float64, int_text
 from refattn.errors import RefAttnError
-from refattn.masks._inputs import int_array
+from refattn.masks._inputs import POSITION_MAX, int_array
 
 __all__ = [
     "Packed",
@@ -75,7 +75,11 @@ def _lengths(x: object) -> np.ndarray:
             f"lengths: entry {s} is {int(arr[s])}; a sequence length is >= 0 (0 is an empty "
             "sequence)"
         )
-    if int(arr.sum()) == 0:
+    total = int(arr.sum(dtype=object))  # exact: an int64 sum could wrap
+    if total > POSITION_MAX:
+        raise RefAttnError(f"lengths: they add up to {int_text(total)} tokens, more than the "
+                           f"{int_text(POSITION_MAX)} positions a packed row may have")
+    if total == 0:
         raise RefAttnError(
             f"lengths: every one of the {arr.size} sequences is empty; a packed row needs at "
             "least one token"
@@ -122,6 +126,9 @@ def _cu_seqlens(x: object) -> np.ndarray:
             f"{int(cu[s + 1])} at entries {s}, {s + 1} (a repeated offset is an empty sequence; "
             "a decreasing one is not a sequence)"
         )
+    if int(cu[-1]) > POSITION_MAX:  # sorted: the last offset is the largest position
+        raise RefAttnError(f"cu_seqlens: last offset {int_text(int(cu[-1]))} is beyond the "
+                           f"{int_text(POSITION_MAX)} positions a packed row may have")
     if int(cu[-1]) == 0:
         raise RefAttnError(
             f"cu_seqlens: every one of the {cu.size - 1} sequences is empty (last offset 0); a "

@@ -18,6 +18,8 @@ import numpy as np
 
 from refattn.errors import RefAttnError
 from refattn.masks._inputs import (
+    POSITION_MAX,
+    POSITION_MIN,
     WindowBound,
     head_count,
     int_coordinates,
@@ -167,9 +169,11 @@ class VisibilityRelation(BaseRelation):
 
     def __post_init__(self) -> None:
         set_ = object.__setattr__
-        q_pos = int_coordinates("q_pos", self.q_pos, None, "B,Q")
+        q_pos = int_coordinates("q_pos", self.q_pos, None, "B,Q", lo=POSITION_MIN,
+                                hi=POSITION_MAX)
         B, Q = q_pos.shape
-        k_pos = int_coordinates("k_pos", self.k_pos, None, "B,K")
+        k_pos = int_coordinates("k_pos", self.k_pos, None, "B,K", lo=POSITION_MIN,
+                                hi=POSITION_MAX)
         if k_pos.shape[0] != B:
             raise RefAttnError(
                 f"k_pos: batch axis B={k_pos.shape[0]} must equal q_pos's B={B}"

@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 import refattn.quant.bounds as bd
+from refattn._checks import INT64_MAX, bounded_int
 from refattn.call import AttentionCall
 from refattn.engine import forward
 from refattn.engine.memory import available_bytes
@@ -175,13 +176,20 @@ def check_emulation_memory(call: AttentionCall, max_bytes: int | None = None) ->
     memory: emulating this quantised call needs about 4684800 bytes
     """
     need = emulation_bytes(call)
-    limit = available_bytes() if max_bytes is None else max_bytes
+    limit = available_bytes() if max_bytes is None else bounded_int(
+        "max_bytes", max_bytes, lo=0, hi=INT64_MAX)
     if limit is not None and need > limit:
         raise RefAttnError(f"memory: emulating this quantised call needs about {need} bytes "
                            f"((B, Hq, Q, K) = {call.score_shape}), more than {limit} bytes")
 
 
 # -- scales ------------------------------------------------------------------------------------
+def _block(tq: TensorQuant, L: int) -> int:
+    """Tokens per scale block along an axis of ``L`` tokens: a block longer than the axis is
+    the axis (one block), so nothing is sized from a manifest's block, only from ``L``."""
+    return min(int(tq.block or 1), max(L, 1))
+
+
 def _expand(tq: TensorQuant, scale: np.ndarray, name: str, call: AttentionCall) -> np.ndarray:
     """A declared scale broadcastable to the tensor: q (B, Hq, Q, Dk), k/v (B, Hkv, K, D)."""
     x = getattr(call, name)
@@ -194,8 +202,8 @@ def _expand(tq: TensorQuant, scale: np.ndarray, name: str, call: AttentionCall) 
             return s[:, :, None, None]
         case "head":
             return scale[None, :, None, None]
-        case "token_block":
-            return np.repeat(scale, int(tq.block or 1), axis=2)[:, :, :L, None]
+        case "token_block":  # token t reads block t // block (sized from L, never the block)
+            return scale[:, :, np.arange(L) // _block(tq, L), None]
         case "channel":
             return scale[:, :, None, :]
         case other:  # pragma: no cover - TensorQuant refuses it
@@ -272,7 +280,7 @@ def _dynamic_int8(x: Interval, tq: TensorQuant, name: str) -> tuple[Interval, In
     ``code = trunc(fl32(fl32(x / scale) + 0.5 sign))`` (half away from zero), the divisions
     within 2 fp32 ulps (Triton's lowering is not documented)."""
     B, H, L, _ = x.shape
-    blk = int(tq.block or 1)
+    blk = _block(tq, L)  # at most L: the padding below is under one block of the axis
     nb = -(-L // blk)
     pad = nb * blk - L
     absx = Interval(np.where((x.lo <= 0) & (x.hi >= 0), 0.0, np.minimum(abs(x.lo), abs(x.hi))),
@@ -287,8 +295,8 @@ def _dynamic_int8(x: Interval, tq: TensorQuant, name: str) -> tuple[Interval, In
                            "preprocessing: its scale is 0 and the kernel divides 0 by 0")
     qmax = format_max(tq.format)
     scale = bd.cast(bd.widen(bd.div(Interval(lo, hi), point(qmax)), 2 * 2.0**-23), "fp32")
-    s_el = Interval(np.repeat(scale.lo, blk, axis=2)[:, :, :L, None],
-                    np.repeat(scale.hi, blk, axis=2)[:, :, :L, None])
+    token = np.arange(L) // blk  # (L,): the block of each token
+    s_el = Interval(scale.lo[:, :, token, None], scale.hi[:, :, token, None])
     t = bd.widen(bd.div(x, s_el), 2 * 2.0**-23, 2.0**-16)  # the division, then + 0.5's rounding
     return bd.cast(t, tq.format, tq.rounding), s_el
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn._checks import bounded_float
 from refattn.errors import RefAttnError
 from refattn.quant.formats import format_max
 from refattn.quant.spec import QuantSpec, TensorQuant
@@ -30,12 +31,15 @@ HALF_MMA_BITS = 22  # fp16/bf16 MMA into fp32: undocumented order/truncation, wi
 SAGE_LOG2E = 1.44269504  # SageAttention's literal (per_block_int8: sm_scale * 1.44269504)
 
 
-def _arr(x: object) -> np.ndarray:
-    """A scale as given (an array) or a number as a 0-d float64 array (TensorQuant checks)."""
+def _arr(x: object, name: str = "scale") -> np.ndarray:
+    """A scale as given (an array) or a number as a 0-d float64 array (TensorQuant checks; an
+    integer beyond float64's range is refused here, by ``name``)."""
     if isinstance(x, np.ndarray):
         return x
-    if isinstance(x, (int, float, np.floating, np.integer)) and not isinstance(x, bool):
-        return np.array(float(x))
+    if isinstance(x, (int, np.integer)) and not isinstance(x, bool):
+        return np.array(bounded_float(name, x, lo=0.0, lo_open=True, hi=2.0**128))
+    if isinstance(x, (float, np.floating)):
+        return np.array(float(x))  # NaN, inf, 0 and negatives: check_quant names them
     return x  # type: ignore[return-value]  # TensorQuant refuses it by name
 
 
@@ -51,7 +55,7 @@ def _descale(name: str, x: object, head_gran: str) -> tuple[np.ndarray, str]:
                                f"({'(B, Hkv)' if want == 2 else '(H,)'}), got shape "
                                f"{list(x.shape)}")
         return x, head_gran
-    return _arr(x), "tensor"
+    return _arr(x, name), "tensor"
 
 
 def _choice(name: str, x: str, allowed: tuple[str, ...]) -> str:
@@ -165,8 +169,8 @@ def flashinfer_fp8_kv(*, k_scale: float = 1.0, v_scale: float = 1.0, q_dtype: st
     dtype = _choice("q_dtype", q_dtype, ("fp16", "bf16"))
     fmt = _choice("kv_format", kv_format, ("e4m3fn", "e5m2"))
     return QuantSpec(q=TensorQuant(dtype, _arr(1.0), "tensor", "nearest_even", "codes"),
-                     k=TensorQuant(fmt, _arr(k_scale), "tensor", SAT, "codes"),
-                     v=TensorQuant(fmt, _arr(v_scale), "tensor", SAT, "codes"),
+                     k=TensorQuant(fmt, _arr(k_scale, "k_scale"), "tensor", SAT, "codes"),
+                     v=TensorQuant(fmt, _arr(v_scale, "v_scale"), "tensor", SAT, "codes"),
                      s_accumulation="fp32", p_format=dtype, p_rounding="nearest_even",
                      p_handling="offset", p_offset=0.0, l_from="rounded",
                      pv_accumulation="fp32", output_format=dtype,
@@ -200,8 +204,8 @@ def vllm_fp8_kv(*, q_scale: float = 1.0, k_scale: float = 1.0, v_scale: float = 
     ('cast', 'bf16', 0.5)
     """
     fmt = _choice("dtype", dtype, ("bf16", "fp16"))
-    q, k, v = (TensorQuant("e4m3fn", _arr(s), "tensor", SAT, "cast", input_format=fmt)
-               for s in (q_scale, k_scale, v_scale))
+    q, k, v = (TensorQuant("e4m3fn", _arr(s, n), "tensor", SAT, "cast", input_format=fmt)
+               for s, n in ((q_scale, "q_scale"), (k_scale, "k_scale"), (v_scale, "v_scale")))
     return fa3_fp8(kv_tile=kv_tile, mma_bits=mma_bits).replace(q=q, k=k, v=v,
                                                                 name="vllm_fp8_kv")
 

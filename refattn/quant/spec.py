@@ -29,7 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
-from refattn._checks import first_index, format_index
+from refattn._checks import INT64_MAX, bounded_float, bounded_int, first_index, format_index
 from refattn.call import AttentionCall
 from refattn.call.scores import Dot
 from refattn.errors import RefAttnError
@@ -56,6 +56,18 @@ KV_ORDERS = ("ascending", "descending")
 MASKS = ("none", "causal", "causal_equal_lengths")
 SCHEMA = "refattn_quant_spec_v1"
 
+#: the range of each float field of :class:`QuantSpec` (every one finite)
+_FLOAT_BOUNDS: dict[str, dict[str, Any]] = {
+    "p_offset": {"lo": 0.0, "hi": 64.0},  # FA3: 8 (p in [0, 256])
+    "p_multiplier": {"lo": 0.0, "lo_open": True, "hi": 2.0**128},  # FlashInfer: 448
+    "exp2_ulp": {"lo": 0.0, "hi": 2.0**23},  # 2**23 fp32 ulps: no significant bit left
+    "log2e": {"lo": 0.0, "lo_open": True, "hi": 2.0},  # the constant log2(e) ~ 1.4427
+    "output_ulp": {"lo": 0.0, "hi": 2.0**23},
+}
+#: the range of each integer field of :class:`QuantSpec` read from a manifest
+_INT_BOUNDS: dict[str, dict[str, int]] = {"kv_tile": {"lo": 1, "hi": INT64_MAX},
+                                          "mma_bits": {"lo": 2, "hi": 53}}
+
 Granularity = Literal["tensor", "batch_kv_head", "head", "token_block", "channel"]
 Source = Literal["codes", "cast"]
 
@@ -66,8 +78,11 @@ def _scale_array(x: object) -> np.ndarray | None:
         return None
     if isinstance(x, bool):
         raise RefAttnError(f"scale: expected a float64 array or a real number, got {x!r}")
-    if isinstance(x, (int, float, np.floating, np.integer)):
-        arr = np.array(float(x), dtype=np.float64)
+    if isinstance(x, (int, np.integer)):  # a descale is positive, within float32's range:
+        # an int beyond it is refused by name here (float() of it would be an OverflowError)
+        arr = np.array(bounded_float("scale", x, lo=0.0, lo_open=True, hi=2.0**128))
+    elif isinstance(x, (float, np.floating)):
+        arr = np.array(float(x), dtype=np.float64)  # NaN, inf, 0: check_quant names the index
     elif isinstance(x, np.ndarray):
         if x.dtype != np.float64:
             raise RefAttnError(f"scale: expected float64, got {x.dtype} (refattn never casts)")
@@ -112,7 +127,9 @@ class TensorQuant:
         ``"codes"``: the call holds decoded codes (checked on the grid); ``"cast"``: the call
         holds the values the kernel quantises itself.
     block : int, optional
-        Tokens per scale block (``"token_block"`` only).
+        Tokens per scale block (``"token_block"`` only), an integer in ``[1, 2**63 - 1]``; a
+        block longer than a tensor's token axis is that axis (one block), and the emulation
+        sizes its arrays from the axis, never from the block.
     input_format : str, optional
         The format the kernel receives a ``"cast"`` tensor in before quantising it (bf16 for
         vLLM's cache write, fp16 for SageAttention); the call's values must lie on its grid.
@@ -155,9 +172,9 @@ class TensorQuant:
         if (self.granularity == "token_block") != (self.block is not None):
             raise RefAttnError("block: needed with granularity 'token_block' and only there, "
                                f"got block={self.block!r} with {self.granularity!r}")
-        if self.block is not None and (isinstance(self.block, bool)
-                                       or not isinstance(self.block, int) or self.block < 1):
-            raise RefAttnError(f"block: expected a positive int, got {self.block!r}")
+        if self.block is not None:
+            object.__setattr__(self, "block", bounded_int("block", self.block, lo=1,
+                                                          hi=INT64_MAX))
         if self.scale is None and not (self.source == "cast"
                                        and self.granularity == "token_block"):
             raise RefAttnError("scale: None (computed by the kernel) is defined only for a "
@@ -200,17 +217,20 @@ class TensorQuant:
                 raise RefAttnError(f"{name}.scale: expected {{'shape', 'values'}} or null")
             shape = scale_m["shape"]
             values = scale_m["values"]
-            if (not isinstance(shape, list) or len(shape) > 3
-                    or not all(isinstance(n, int) and not isinstance(n, bool) and 0 <= n
-                               for n in shape)):
+            if not isinstance(shape, list) or len(shape) > 3:
                 raise RefAttnError(f"{name}.scale.shape: expected up to 3 non-negative ints, "
                                    f"got {shape!r}")
+            shape = [bounded_int(f"{name}.scale.shape[{i}]", n, lo=0, hi=INT64_MAX)
+                     for i, n in enumerate(shape)]
             if not isinstance(values, list) or len(values) != math.prod(shape):
                 raise RefAttnError(f"{name}.scale.values: expected {math.prod(shape)} values")
             scale = np.array([_float_from_manifest(f"{name}.scale.values", x) for x in values],
                              dtype=np.float64).reshape(shape)
+        block = m["block"]  # bounded here to name the manifest field
+        if block is not None:
+            block = bounded_int(f"{name}.block", block, lo=1, hi=INT64_MAX)
         return cls(m["format"], scale, m["granularity"], m["rounding"], m["source"],
-                   m["block"], m["input_format"])
+                   block, m["input_format"])
 
 
 @dataclass(frozen=True, eq=False)
@@ -335,25 +355,16 @@ class QuantSpec:
             raise RefAttnError(f"p_format/output_format: {self.p_format!r}/"
                                f"{self.output_format!r}: P is a float format and the output "
                                "one of fp16, bf16, fp32")
-        for name in ("p_offset", "p_multiplier", "exp2_ulp", "log2e", "output_ulp"):
-            x = getattr(self, name)
-            if isinstance(x, bool) or not isinstance(x, (int, float)) or not math.isfinite(x):
-                raise RefAttnError(f"{name}: expected a finite real, got {x!r}")
-            object.__setattr__(self, name, float(x))
-        if self.p_multiplier <= 0 or self.exp2_ulp < 0 or self.log2e <= 0 or self.output_ulp < 0:
-            raise RefAttnError("p_multiplier, log2e: expected > 0; exp2_ulp, output_ulp: >= 0")
-        if not 0 <= self.p_offset <= 64:
-            raise RefAttnError(f"p_offset: expected a value in [0, 64], got {self.p_offset!r}")
+        for name, kw in _FLOAT_BOUNDS.items():
+            object.__setattr__(self, name, bounded_float(name, getattr(self, name), **kw))
         for name in ("k_smoothing", "q_prescale", "returns_lse", "gqa"):
             if not isinstance(getattr(self, name), bool):
                 raise RefAttnError(f"{name}: expected a bool, got {getattr(self, name)!r}")
-        if self.kv_tile is not None and (isinstance(self.kv_tile, bool)
-                                         or not isinstance(self.kv_tile, int)
-                                         or self.kv_tile < 1):
-            raise RefAttnError(f"kv_tile: expected a positive int or None, got {self.kv_tile!r}")
-        if isinstance(self.mma_bits, bool) or not isinstance(self.mma_bits, int) \
-                or not 2 <= self.mma_bits <= 53:
-            raise RefAttnError(f"mma_bits: expected an int in [2, 53], got {self.mma_bits!r}")
+        if self.kv_tile is not None:  # a tile longer than the keys is all of them (one tile)
+            object.__setattr__(self, "kv_tile", bounded_int("kv_tile", self.kv_tile,
+                                                            **_INT_BOUNDS["kv_tile"]))
+        object.__setattr__(self, "mma_bits", bounded_int("mma_bits", self.mma_bits,
+                                                         **_INT_BOUNDS["mma_bits"]))
         if not self.masks or any(m not in MASKS for m in self.masks):
             raise RefAttnError(f"masks: expected a non-empty subset of {MASKS}, "
                                f"got {self.masks!r}")
@@ -432,6 +443,8 @@ class QuantSpec:
                 values[name] = TensorQuant.from_manifest(x, f"quant.{name}")
             elif name in floats:
                 values[name] = _float_from_manifest(f"quant.{name}", x)
+            elif name in _INT_BOUNDS and x is not None:  # named as the manifest's field
+                values[name] = bounded_int(f"quant.{name}", x, **_INT_BOUNDS[name])
             elif name == "masks":
                 if not isinstance(x, list):
                     raise RefAttnError(f"quant.masks: expected a list, got {type(x).__name__}")
@@ -462,8 +475,8 @@ def scale_shape(tq: TensorQuant, tensor: str, call: AttentionCall) -> tuple[int,
             return (B, call.k.shape[1])
         case "head":
             return (H,)
-        case "token_block":
-            return (B, H, -(-L // int(tq.block or 1)))
+        case "token_block":  # a block longer than the axis is the axis: one block
+            return (B, H, -(-L // min(int(tq.block or 1), max(L, 1))))
         case "channel":
             return (B, H, D)
         case other:  # pragma: no cover - TensorQuant refuses it

@@ -82,10 +82,17 @@ def test_lowering_decisions():
     assert low["gqa_explicit_head_map"].expand_kv and not low["gqa_hq8_hkv2_causal"].expand_kv
     assert low["streaming_llm_window_or_first_tokens"].mask == "bool"
     assert low["scale_placement_q"].scale == SPECS["scale_placement_q"].scale
-    with pytest.raises(RefAttnError, match=r"opset: expected one of \[23, 24\], got 22"):
+    with pytest.raises(RefAttnError, match=r"opset: 22 is outside the allowed range \[23, 24\]"):
         ox.lowering(SPECS["causal_square"], opset=22)
-    with pytest.raises(RefAttnError, match=r"qk_mode: expected one of \[0, 1, 2, 3\]"):
+    with pytest.raises(RefAttnError, match=r"qk_mode: 4 is outside the allowed range \[0, 3\]"):
         ox.lowering(SPECS["causal_square"], qk_mode=4)
+    # issue 40: an integer attribute is an integer (True is not mode 1, 23.0 not opset 23)
+    with pytest.raises(RefAttnError, match=r"qk_mode: expected an integer in \[0, 3\], got True"):
+        ox.lowering(SPECS["causal_square"], qk_mode=True)
+    with pytest.raises(RefAttnError, match=r"opset: expected an integer in \[23, 24\], got 23.0"):
+        ox.lowering(SPECS["causal_square"], opset=23.0)
+    assert ox.lowering(SPECS["causal_square"], opset=np.int64(24), qk_mode=np.int8(3)) == (
+        ox.lowering(SPECS["causal_square"], opset=24, qk_mode=3))
     with pytest.raises(RefAttnError, match=r"runtime: expected 'reference' or 'onnxruntime'"):
         ox.run(SPECS["causal_square"], runtime="tvm")
 

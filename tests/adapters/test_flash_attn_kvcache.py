@@ -13,6 +13,8 @@ row, no refattn.
 
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import pytest
 
@@ -75,7 +77,7 @@ def _inputs(*, B=2, Q=1, Hq=4, Hkv=2, D=8, ps=4, max_blocks=3, lens=(9, 5), seed
             np.asarray(lens, np.int32), table)
 
 
-CASES = {
+CASES: dict[str, tuple[dict, dict]] = {
     "decode_causal_gqa": ({"Q": 1}, {"causal": True}),
     "three_queries_causal": ({"Q": 3, "lens": (11, 3)}, {"causal": True}),
     "not_causal": ({"Q": 2, "lens": (6, 12)}, {}),
@@ -99,7 +101,7 @@ def test_matches_the_gather_then_attend_reference(name):
     q, k_cache, v_cache, lens, table = _inputs(**shape)
     kw = dict(options)
     if "alibi" in kw:
-        slopes = np.random.default_rng(1).uniform(0.05, 0.5, kw.pop("alibi"))
+        slopes: Any = np.random.default_rng(1).uniform(0.05, 0.5, kw.pop("alibi"))
         kw["alibi_slopes"] = slopes.astype(np.float32 if slopes.ndim == 1 else np.float64)
     given = [x.copy() for x in (q, k_cache, v_cache, lens, table)]
     out, lse = flash_attn_with_kvcache(q, k_cache, v_cache, cache_seqlens=lens,
@@ -127,8 +129,9 @@ def test_the_call_is_the_paged_call_with_the_cache_offsets():
     q, k_cache, v_cache, lens, table = _inputs(Q=3, lens=(11, 3))
     kv = kvcache_call(q, k_cache, v_cache, cache_seqlens=lens, block_table=table, causal=True)
     assert kv.call.axes == {"B": 2, "Hq": 4, "Hkv": 2, "Q": 3, "K": 12, "Dk": 8, "Dv": 8}
-    assert kv.call.relation.q_pos.tolist() == [[8, 9, 10], [0, 1, 2]]
-    assert kv.call.relation.layout == "cache"
+    rel: Any = kv.call.relation
+    assert rel.q_pos.tolist() == [[8, 9, 10], [0, 1, 2]]
+    assert rel.layout == "cache"
     assert np.array_equal(kv.paged.block_table, table)
     # canonical key t of sequence b is token t: page table[b, t // 4], slot t % 4
     assert np.array_equal(kv.call.k[1, 0, 2], k_cache[table[1, 0], 2, 0])
@@ -201,10 +204,10 @@ def test_sequences_may_share_pages_and_their_gradients_add_up():
 
 def test_cache_seqlens_beyond_the_table_or_empty_are_refused():
     msg = _bad(cache_seqlens=np.array([13, 5], np.int32))
-    assert msg.startswith("cache_seqlens: entry b=0 is 13, beyond the block table: at most "
+    assert msg.startswith("cache_seqlens: entry b=0 is 13, expected 1 <= cache_seqlens[b] <= "
                           "max_num_blocks_per_seq * page_block_size = 3 * 4 = 12"), msg
     assert _bad(cache_seqlens=np.array([9, 0], np.int32)).startswith(
-        "cache_seqlens: entry b=1 is 0, expected at least 1")
+        "cache_seqlens: entry b=1 is 0, expected 1 <= cache_seqlens[b]")
     assert "cache_seqlens: expected shape [batch_size=2]" in _bad(
         cache_seqlens=np.array([9, 5, 1], np.int32))
 
@@ -235,4 +238,6 @@ def test_layouts_and_unsupported_arguments_are_refused():
         "block_table: expected shape [batch_size=2, max_num_blocks_per_seq]")
     assert _bad(k=q).startswith("k: appending keys (k=, v=) writes k_cache/v_cache in place")
     assert _bad(cache_leftpad=lens).startswith("cache_leftpad: ")
-    assert _bad(window_size=(1.5, 0)).startswith("window_size: expected (left, right) ints")
+    assert _bad(window_size=(1.5, 0)).startswith(
+        "window_size[0]: expected an integer in [-2**63, 2**63 - 1], got 1.5")
+    assert _bad(window_size=(1, 2, 3)).startswith("window_size: expected (left, right) ints")

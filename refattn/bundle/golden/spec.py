@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from refattn._checks import INT64_MAX, INT64_MIN, bounded_int
 from refattn.bundle.golden.case import (
     INPUT_TENSORS,
     GoldenCase,
@@ -43,13 +44,15 @@ from refattn.quant.spec import QuantSpec, check_quant
 __all__ = ["CaseSpec", "case_spec", "regenerated_spec", "with_strides"]
 
 
-def with_strides(x: np.ndarray, stride: list[int]) -> np.ndarray:
+def with_strides(x: np.ndarray, stride: list[int], name: str = "stride") -> np.ndarray:
     """A view holding ``x``'s values with the given element strides (the recorded layout).
 
     Non-negative, non-overlapping layouts are rebuilt exactly; anything else (a zero or
     negative stride, or a layout spanning more than 64 times the tensor's elements, which a
     hostile manifest could use to exhaust memory) returns a C-contiguous copy, and the
-    rebuilt call's manifest then differs from the stored one where verify reports it.
+    rebuilt call's manifest then differs from the stored one where verify reports it. Each
+    stride must be an integer in int64's range: anything else (a manifest's ``1.5`` or
+    ``10**400``) is a :class:`RefAttnError` naming ``name[i]``.
 
     Examples
     --------
@@ -59,7 +62,11 @@ def with_strides(x: np.ndarray, stride: list[int]) -> np.ndarray:
     ((8, 16), True)
     """
     x = np.asarray(x)
-    stride = [int(s) for s in stride]
+    if not isinstance(stride, (list, tuple)):
+        raise RefAttnError(f"{name}: expected a list of element strides, got "
+                           f"{type(stride).__name__}")
+    stride = [bounded_int(f"{name}[{i}]", s, lo=INT64_MIN, hi=INT64_MAX)
+              for i, s in enumerate(stride)]
     if len(stride) != x.ndim or any(s <= 0 for s in stride) or x.size == 0:
         return np.ascontiguousarray(x)
     span = 1 + sum((n - 1) * s for n, s in zip(x.shape, stride, strict=True))
@@ -228,8 +235,10 @@ class CaseSpec:
             case "bilinear":
                 return scores.Bilinear(param("W"))
             case "additive":
+                budget = bounded_int(f"{self.case_id}: score.max_workspace_elements",
+                                     m["max_workspace_elements"], lo=1, hi=INT64_MAX)
                 return scores.Additive(param("Wq"), param("Wk"), param("b"), param("v"),
-                                       max_workspace_elements=int(m["max_workspace_elements"]))
+                                       max_workspace_elements=budget)
             case "cosine":
                 return scores.Cosine(eps=float.fromhex(m["eps"]["hex"]))
             case other:
@@ -265,13 +274,16 @@ class CaseSpec:
         for name in ("q", "k", "v"):
             if name not in t:
                 raise RefAttnError(f"{self.case_id}: tensor {name!r} is missing")
-        q = with_strides(t["q"], self.layout("query")["stride"])
-        k = with_strides(t["k"], self.layout("key_physical")["stride"])
-        v = with_strides(t["v"], self.layout("value_physical")["stride"])
+        where = f"{self.case_id}: manifest"
+        q = with_strides(t["q"], self.layout("query")["stride"], f"{where} query.stride")
+        k = with_strides(t["k"], self.layout("key_physical")["stride"],
+                         f"{where} key_physical.stride")
+        v = with_strides(t["v"], self.layout("value_physical")["stride"],
+                         f"{where} value_physical.stride")
         bias = t.get("bias")
         bias_record = self.call_manifest.get("bias") or {}
         if bias is not None and "stride" in bias_record:
-            bias = with_strides(bias, bias_record["stride"])
+            bias = with_strides(bias, bias_record["stride"], f"{where} bias.stride")
         extra: dict[str, Any] = {}
         if self.score_family_name != "dot" or "score" in self.call_manifest:
             extra["score"] = self.score_family()
@@ -344,8 +356,9 @@ class CaseSpec:
         for name in ("k_pages", "v_pages", "block_table", "seqlens"):
             if name not in t:
                 raise RefAttnError(f"{self.case_id}: a paged case needs tensor {name!r}")
-        return PagedKV(t["k_pages"], t["v_pages"], t["block_table"], t["seqlens"],
-                       int(self.conventions["page_size"]))
+        page_size = bounded_int(f"{self.case_id}: conventions.page_size",
+                                self.conventions.get("page_size"), lo=1, hi=INT64_MAX)
+        return PagedKV(t["k_pages"], t["v_pages"], t["block_table"], t["seqlens"], page_size)
 
 
 class _Regenerated(Mapping[str, np.ndarray]):

@@ -12,9 +12,13 @@ normalised description).
 A SPEC is untrusted input, bounded before it is believed: at most 4 MiB of text and
 :data:`MAX_SPEC_VALUES` values nested at most :data:`MAX_SPEC_DEPTH` deep (counted on YAML's
 event stream before any node is built; YAML aliases, which let a small file stand for billions
-of values, are refused), at most 100 schema violations collected (their messages cut to 200
-characters), and every case's time and memory checked against the limits before its tensors
-are drawn.
+of values, are refused), an integer too long for Python to read (more than 4,300 digits) named
+instead of a parser's ValueError, at most 100 schema violations collected (their messages cut
+to 200 characters), every number bounded again when a case is normalised (:func:`normalize`:
+each integer in its range, each float finite and in its range, so that a call built from
+:func:`normalize`'s output never meets an unbounded number; the ranges are the schema's, and
+:data:`MAX_SCALE` bounds an explicit scale), and every case's time and memory checked against
+the limits before its tensors are drawn. All of it happens before anything is written.
 
 A case's id is a readable slug and the first 12 hex digits of the sha256 of its normalised
 description (canonical JSON), and its random tensors come from a generator seeded by the same
@@ -31,6 +35,7 @@ import itertools
 import json
 import math
 import os
+import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from importlib import resources
@@ -40,6 +45,7 @@ from typing import Any, NamedTuple
 import jsonschema
 import numpy as np
 
+from refattn._checks import bounded_float, bounded_int
 from refattn.bundle.golden.case import GoldenCase, check_generator
 from refattn.bundle.golden.quantized import quant_case
 from refattn.bundle.storage.fsio import read_regular
@@ -54,10 +60,10 @@ from refattn.masks import causal, relation, segments_from_cu_seqlens
 from refattn.quant.formats import format_max, quantize
 from refattn.quant.presets import PRESETS, preset
 
-__all__ = ["DESCRIPTION_VERSION", "MAX_CASES", "MAX_CASE_SECONDS", "MAX_SPEC_DEPTH",
-           "MAX_SPEC_VALUES", "CaseBudget", "Sweep", "SweepCase", "build_case", "case_budget",
-           "case_cost_order", "case_id", "check_budget", "check_spec", "cost", "expand",
-           "load_sweep", "normalize", "read_spec", "spec_schema"]
+__all__ = ["DESCRIPTION_VERSION", "MAX_CASES", "MAX_CASE_SECONDS", "MAX_EXTENT", "MAX_SCALE",
+           "MAX_SPEC_DEPTH", "MAX_SPEC_VALUES", "CaseBudget", "Sweep", "SweepCase", "build_case",
+           "case_budget", "case_cost_order", "case_id", "check_budget", "check_spec", "cost",
+           "expand", "load_sweep", "normalize", "read_spec", "spec_schema"]
 
 #: version of the normalised case description (part of every case's hash: a change to how a
 #: description becomes tensors bumps it, so old ids never name new bytes)
@@ -68,6 +74,13 @@ MAX_CASES = 1_000_000
 MAX_SPEC_VALUES = 200_000
 #: the deepest nesting of lists and tables in a SPEC (a real one nests 5 deep)
 MAX_SPEC_DEPTH = 32
+#: the largest axis, Da, window bound, padding, prefix length or segment count (the schema's)
+MAX_EXTENT = 65536
+#: the largest explicit scale: its scores, their bounds and the recorded guarantee stay
+#: finite (1e200 already overflows the guarantee of a 4-wide case)
+MAX_SCALE = 2.0**64
+_SEED_MAX = 2**64 - 1  # a Philox key / data seed: 64 bits
+_OFFSET_MAX = 2**32 - 1  # a Philox counter offset: 32 bits
 #: the longest a case may take, estimated from its shape: the exact generator's own limit,
 #: which the reference-error check of every case (exact or numpy) costs about as much as
 MAX_CASE_SECONDS = DEFAULT_MAX_SECONDS
@@ -217,6 +230,8 @@ def _parse_toml(text: str, path: Path) -> Any:
         raise RefAttnError(f"SPEC {path}: not valid TOML ({_shorten(str(exc))})") from None
     except RecursionError:
         raise RefAttnError(f"SPEC {path}: nested more than {MAX_SPEC_DEPTH} deep") from None
+    except ValueError as exc:  # tomllib's int(): more digits than Python reads
+        raise _unreadable_number(path, exc) from None
 
 
 def _parse_yaml(text: str, path: Path) -> Any:
@@ -238,6 +253,18 @@ def _parse_yaml(text: str, path: Path) -> Any:
         raise RefAttnError(f"SPEC {path}: not valid YAML ({_shorten(str(exc))})") from None
     except RecursionError:
         raise RefAttnError(f"SPEC {path}: nested more than {MAX_SPEC_DEPTH} deep") from None
+    except ValueError as exc:  # PyYAML's int(): more digits than Python reads
+        raise _unreadable_number(path, exc) from None
+
+
+def _unreadable_number(path: Path, exc: ValueError) -> RefAttnError:
+    """A parser's ValueError as one line: an integer longer than Python converts
+    (``sys.get_int_max_str_digits()``, 4,300 digits by default), or another bad number."""
+    if "integer string conversion" in str(exc):
+        return RefAttnError(
+            f"SPEC {path}: an integer of more than {sys.get_int_max_str_digits()} digits; "
+            f"every SPEC integer is at most {_SEED_MAX} (20 digits)")
+    return RefAttnError(f"SPEC {path}: a number that cannot be read ({_shorten(str(exc))})")
 
 
 def _scan_yaml(yaml: Any, events: Any, path: Path) -> None:
@@ -343,10 +370,33 @@ def _canonical(obj: Any) -> str:
     return json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=False)
 
 
+def _int(name: str, value: Any, *, lo: int, hi: int) -> int:
+    """A SPEC's integer in ``[lo, hi]``: an int, or a float with no fraction (JSON Schema's
+    integer: ``2.0`` is 2, as it always was here); anything else is refused by name."""
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    return bounded_int(name, value, lo=lo, hi=hi)
+
+
+def _flag(name: str, value: Any) -> bool:
+    if not isinstance(value, bool):
+        raise RefAttnError(f"{name}: expected true or false, got {value!r}")
+    return value
+
+
 def _shape(value: Any) -> dict[str, int]:
     if isinstance(value, Mapping):
-        return {a: int(value[a]) for a in _SHAPE_AXES}
-    return dict(zip(_SHAPE_AXES, (int(x) for x in value), strict=True))
+        missing = [a for a in _SHAPE_AXES if a not in value]
+        if missing:
+            raise RefAttnError(f"shape: missing {missing} (B, Hq, Hkv, Q, K, Dk, Dv)")
+        items = [value[a] for a in _SHAPE_AXES]
+    elif isinstance(value, (list, tuple)) and len(value) == len(_SHAPE_AXES):
+        items = list(value)
+    else:
+        raise RefAttnError(f"shape: expected 7 integers B, Hq, Hkv, Q, K, Dk, Dv or a table, "
+                           f"got {value!r:.80}")
+    return {a: _int(f"shape {a}", x, lo=1, hi=MAX_EXTENT)
+            for a, x in zip(_SHAPE_AXES, items, strict=True)}
 
 
 def _score(value: Any) -> dict[str, Any]:
@@ -360,11 +410,11 @@ def _score(value: Any) -> dict[str, Any]:
         raise RefAttnError(f"score: {sorted(extra - allowed)} do not apply to the {family} "
                            f"family (it takes {sorted(allowed) or 'no parameters'})")
     if family == "bilinear":
-        out["shared"] = bool(given.get("shared", False))
+        out["shared"] = _flag("score shared", given.get("shared", False))
     elif family == "cosine":
-        out["eps"] = _finite("score eps", given.get("eps", 1e-6))
+        out["eps"] = bounded_float("score eps", given.get("eps", 1e-6), lo=0.0, lo_open=True)
     elif family == "additive":
-        out["da"] = int(given.get("da", 4))
+        out["da"] = _int("score da", given.get("da", 4), lo=1, hi=MAX_EXTENT)
     return out
 
 
@@ -383,34 +433,31 @@ def _mask(value: Any) -> dict[str, Any]:
     match kind:
         case "causal":
             return {"kind": kind, "alignment": value["alignment"]}
-        case "window":
-            return {"kind": kind, "left": int(value["left"]), "right": int(value.get("right", 0)),
-                    "causal": bool(value.get("causal", False))}
+        case "window":  # a bound at or beyond K bounds nothing: MAX_EXTENT is enough
+            return {"kind": kind,
+                    "left": _int("mask left", value["left"], lo=0, hi=MAX_EXTENT),
+                    "right": _int("mask right", value.get("right", 0), lo=0, hi=MAX_EXTENT),
+                    "causal": _flag("mask causal", value.get("causal", False))}
         case "key_padding":
-            return {"kind": kind, "pad": int(value["pad"])}
+            return {"kind": kind, "pad": _int("mask pad", value["pad"], lo=1, hi=MAX_EXTENT)}
         case "prefix":
-            return {"kind": kind, "length": int(value["length"])}
+            return {"kind": kind,
+                    "length": _int("mask length", value["length"], lo=0, hi=MAX_EXTENT)}
         case "segments":
-            return {"kind": kind, "count": int(value["count"]),
-                    "causal": bool(value.get("causal", False))}
+            return {"kind": kind,
+                    "count": _int("mask count", value["count"], lo=1, hi=MAX_EXTENT),
+                    "causal": _flag("mask causal", value.get("causal", False))}
         case _:
             raise RefAttnError(f"mask: unknown mask kind {kind!r}")
-
-
-def _finite(name: str, value: Any) -> float:
-    """A SPEC's number as a finite float (TOML and YAML spell inf and nan; JSON Schema cannot
-    refuse them)."""
-    x = float(value)
-    if not math.isfinite(x):
-        raise RefAttnError(f"{name}: expected a finite number, got {x!r}")
-    return x
 
 
 def _dropout(value: Any) -> dict[str, Any] | None:
     if value == "none":
         return None
-    return {"p": _finite("dropout p", value["p"]), "seed": int(value["seed"]),
-            "offset": int(value.get("offset", 0))}
+    # TOML and YAML spell inf and nan, which JSON Schema cannot refuse: bounded here
+    return {"p": bounded_float("dropout p", value["p"], lo=0.0, hi=1.0, hi_open=True),
+            "seed": _int("dropout seed", value["seed"], lo=0, hi=_SEED_MAX),
+            "offset": _int("dropout offset", value.get("offset", 0), lo=0, hi=_OFFSET_MAX)}
 
 
 def normalize(fields: Mapping[str, Any]) -> dict[str, Any]:
@@ -430,11 +477,12 @@ def normalize(fields: Mapping[str, Any]) -> dict[str, Any]:
         "v": DESCRIPTION_VERSION,
         "shape": _shape(merged["shape"]),
         "score": _score(merged["score"]),
-        "scale": "default" if scale == "default" else _finite("scale", scale),
+        "scale": "default" if scale == "default" else bounded_float(
+            "scale", scale, lo=0.0, lo_open=True, hi=MAX_SCALE),
         "mask": _mask(merged["mask"]),
         "bias": str(merged["bias"]),
         "dropout": _dropout(merged["dropout"]),
-        "seed": int(merged["seed"]),
+        "seed": _int("seed", merged["seed"], lo=0, hi=_SEED_MAX),
         "generator": str(merged["generator"]),
     }
     quant = _quant(merged)
@@ -455,9 +503,8 @@ def _quant(merged: Mapping[str, Any]) -> dict[str, Any] | None:
     if name not in PRESETS:
         raise RefAttnError(f"quant: unknown preset {name!r}; expected none or one of "
                            f"{', '.join(PRESETS)}")
-    scale = _finite("quant_scale", merged.get("quant_scale", 1.0))
-    if not scale > 0:
-        raise RefAttnError(f"quant_scale: expected a positive number, got {scale!r}")
+    # positive and finite here; the quant gate then wants a normal float32 value
+    scale = bounded_float("quant_scale", merged.get("quant_scale", 1.0), lo=0.0, lo_open=True)
     if name == "sageattention_int8":  # it computes its q/k scales (amax / 127 per token block)
         scale = 1.0  # and casts v with scale 1: a grid's scales collapse to one case (dedup)
     values = str(merged.get("quant_values", "random"))
