@@ -15,12 +15,7 @@ struct RefattnCall {
     unsigned int key0, key1, offset;
     unsigned long long threshold;
     double post, softcap, keep;
-    // x / softcap in the loops is refattn_div(x, cap_div, inv_softcap) (refattn_cap_ratio), the
-    // division done once here: cap_div = softcap, inv_softcap = 1 / softcap; a subnormal softcap
-    // (below 2^-1022, whose 1 / softcap overflows below 2^-1024) has small_softcap set and
-    // cap_div = softcap 2^64 (exact), the loops then dividing x 2^64 by it
-    double cap_div, inv_softcap;
-    bool small_softcap;
+    double inv_softcap;  // 1 / softcap, computed once: the loops divide by refattn_div
 };
 
 __device__ __forceinline__ RefattnCall refattn_call(const unsigned long long* x,
@@ -55,9 +50,7 @@ __device__ __forceinline__ RefattnCall refattn_call(const unsigned long long* x,
     c.post = rp[R_POST];
     c.softcap = rp[R_SOFTCAP];
     c.keep = rp[R_KEEP];
-    c.small_softcap = c.has_softcap && c.softcap < 2.2250738585072014e-308;  // 2^-1022
-    c.cap_div = c.small_softcap ? c.softcap * 18446744073709551616.0 : c.softcap;  // 2^64
-    c.inv_softcap = c.has_softcap ? 1.0 / c.cap_div : 1.0;
+    c.inv_softcap = c.has_softcap ? 1.0 / c.softcap : 1.0;
     return c;
 }
 
@@ -74,15 +67,6 @@ enum : unsigned {
     REFATTN_F_ALL = 7u,
 };
 
-// x / c for the softcap c, correctly rounded (refattn_div) for every positive finite c: a
-// subnormal c divides x 2^64 (exact, or +-inf where x / c overflows too) by c 2^64, so that
-// 1 / c does not overflow (inf would give x / c = inf for x = +-c, NaN for x = 0). The branch is
-// on a flag of the call, the same in every thread: a normal c runs refattn_div alone.
-__device__ __forceinline__ double refattn_cap_ratio(const RefattnCall& c, double x) {
-    if (c.small_softcap) x *= 18446744073709551616.0;  // 2^64
-    return refattn_div(x, c.cap_div, c.inv_softcap);
-}
-
 // scores = post * dot, then c * tanh(scores / c) with a softcap; *capped gets the softcap's
 // input (the scaled score before the cap). SOFTCAP false (an instance compiled without the
 // softcap: the feature sets above) holds no softcap code.
@@ -91,7 +75,7 @@ __device__ __forceinline__ double refattn_score(const RefattnCall& c, double dot
                                                 double* capped_input) {
     double s = c.post == 1.0 ? dot : c.post * dot;  // alpha applied once, after the product
     *capped_input = s;
-    if (SOFTCAP && c.has_softcap) s = c.softcap * tanh(refattn_cap_ratio(c, s));
+    if (SOFTCAP && c.has_softcap) s = c.softcap * tanh(refattn_div(s, c.softcap, c.inv_softcap));
     return s;
 }
 
@@ -117,7 +101,7 @@ __device__ __forceinline__ double refattn_multiplier(const RefattnCall& c, const
 // d scores / d softcap_input = 1 - tanh^2, from the capped score s
 __device__ __forceinline__ double refattn_cap_slope(const RefattnCall& c, double s) {
     if (!c.has_softcap) return 1.0;
-    const double t = refattn_cap_ratio(c, s);  // in [-1, 1]: |s| <= c
+    const double t = refattn_div(s, c.softcap, c.inv_softcap);
     return 1.0 - t * t;
 }
 

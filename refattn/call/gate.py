@@ -14,6 +14,7 @@ from typing import Any, Literal, Protocol, cast, runtime_checkable
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import (
     as_array,
     bounded_float,
@@ -47,6 +48,7 @@ _POLICIES = ("reject", "sanitize_then_zero_invalid_query")
 _RETURNED = ("none", "pre_dropout", "post_dropout")
 
 
+@public
 @runtime_checkable
 class MultiplierSource(Protocol):
     """A replayable dropout stream (e.g. :class:`refattn.dropout.Philox`).
@@ -117,6 +119,10 @@ def check_head_map(call: AttentionCall) -> np.ndarray:
     return hm
 
 
+#: the smallest softcap: the smallest normal float64 (a subnormal cap's 1 / c overflows)
+SMALLEST_SOFTCAP = 2.0**-1022
+
+
 def _positive_real(name: str, x: object, what: str) -> float:
     """A positive finite real number (bool and strings are rejected, not converted; an int
     beyond float64's range is refused by name, never an ``OverflowError``)."""
@@ -144,6 +150,7 @@ def _refuse_scalar_dropout(dropout: object) -> None:
             f"1 / (1 - {value!r})); dropout=None turns it off")
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class AttentionCall:
     """Frozen description of one scaled-dot-product attention call (``attention_call_v1``).
@@ -202,7 +209,8 @@ class AttentionCall:
         Where alpha is applied (exactly once): after the product, on q, on k, or
         ``sqrt(alpha)`` on each. Non-post placements need a family linear in q and k.
     softcap : float, optional
-        ``c``: the scaled scores become ``c * tanh(s / c)`` before bias and visibility.
+        ``c``: the scaled scores become ``c * tanh(s / c)`` before bias and visibility; a
+        normal float64 (at least 2**-1022: a subnormal cap is refused).
     sink : (Hq,) float64 ndarray, optional
         Per-head sink logit that joins every row's softmax denominator with no value row
         (FlashAttention's learnable sink); it makes a row with no legal key well defined.
@@ -400,7 +408,14 @@ class AttentionCall:
                 f"changes the {score.name} score (it is not linear in q and k); use 'post'"
             )
         if self.softcap is not None:
-            self._set("softcap", _positive_real("softcap", self.softcap, "cap"))
+            cap = _positive_real("softcap", self.softcap, "cap")
+            if cap < SMALLEST_SOFTCAP:
+                raise RefAttnError(
+                    f"softcap: {cap!r} is subnormal: a cap must be a normal float64, at least "
+                    "2**-1022 (2.2250738585072014e-308); below it 1 / softcap overflows and "
+                    "x / softcap is computed differently by each backend (a real kernel's "
+                    "softcap is a float32, whose smallest normal is 2**-126)")
+            self._set("softcap", cap)
         if self.sink is not None:
             sink = float64_input("sink", self.sink, 1)
             check_shape("sink", sink, (Hq,), "Hq")

@@ -1,10 +1,14 @@
 """Extreme softcaps, scales and logits: numpy, numba and the GPU kernels (on the CPU emulator)
 give the same output and gradients, or all refuse the call (issue 40, item 5).
 
-The gate accepts any positive finite softcap c. A subnormal one below 2^-1024 has 1 / c = inf:
-the kernels' x / c (``refattn_div`` by the hoisted 1 / c) then gave inf * 0 = NaN for a zero
-score and +-inf for x = +-c, so the slope 1 - (x / c)^2 was -inf and grad_q, grad_k NaN
-(gpu_backend/kernels/call.cuh, ``refattn_cap_ratio``, now divides x 2^64 by c 2^64 there).
+A subnormal softcap c (below 2^-1022) was accepted by the gate: its 1 / c overflows below
+2^-1024, so the kernels' x / c (``refattn_div`` by the hoisted 1 / c) gave inf * 0 = NaN for a
+zero score and +-inf for x = +-c, the slope 1 - (x / c)^2 -inf, and grad_q, grad_k NaN, where
+numpy, numba and exact gave 0. Three kernel-side fixes (a flag and c 2^64, the flag in c's sign,
+IEEE division where 1 / c overflows) each made ``attention_dkdv_d128`` spill on sm_80 (56-92
+bytes; it runs at 254 registers), so the gate refuses a subnormal softcap for every backend
+(a real kernel's softcap is a float32, whose smallest normal is 2^-126), and the smallest normal
+cap, 2^-1022, whose 1 / c is finite, is computed alike everywhere.
 Tolerance as tests/gpu/test_emulator.py against the NumPy reference: kappa =
 max(1, max|scores| / 16); the output within a normwise relative error of 1e-13 kappa and every
 element within 1e-12 kappa max|reference|; every gradient within 1e-12 kappa of its natural
@@ -50,7 +54,7 @@ def assert_backends_agree(kw: dict, g_o: np.ndarray) -> str:
     """Every backend of OTHERS against numpy; returns "refused" or "agreed"."""
     try:
         call = refattn.AttentionCall(**kw)
-        with np.errstate(over="ignore"):  # s / c = inf for a subnormal c: tanh(inf) = 1
+        with np.errstate(over="ignore"):  # s / c = inf for a tiny c: tanh(inf) = 1
             ref = refattn.forward(call)
             rg = refattn.backward(ref, g_o)
     except RefAttnError:
@@ -106,12 +110,17 @@ PINNED = {
     "subnormal_cap_and_scale": _case(softcap=1e-310, scale=1e-310, zero_row=True),  # x / c ~ 1
     "largest_subnormal_cap": _case(softcap=2.0**-1022 - 2.0**-1074, scale=2.0**-1023),
     "smallest_normal_cap": _case(softcap=2.0**-1022, scale=2.0**-1022),
+    "smallest_normal_cap_zero_scores": _case(softcap=2.0**-1022, zero_row=True),
+    "smallest_normal_cap_tiny_scale": _case(softcap=2.0**-1022, scale=1e-310, q_scale=4.0),
     "min_cap_min_scale": _case(softcap=5e-324, scale=5e-324, q_scale=4.0),
     "huge_cap_huge_scores": _case(softcap=1e300, scale=1e300, q_scale=0.5),
     "largest_cap": _case(softcap=1.7976931348623157e308, scale=1e300),
     "scores_could_overflow": _case(softcap=1e-310, q_scale=1e160, k_scale=1e160),
 }
-REFUSED = {"scores_could_overflow"}
+#: refused by the gate for every backend: a subnormal softcap, scores that could overflow
+REFUSED = {"subnormal_cap_1e-310", "subnormal_cap_min", "subnormal_cap_zero_scores",
+           "subnormal_cap_and_scale", "largest_subnormal_cap", "min_cap_min_scale",
+           "scores_could_overflow"}
 
 
 @pytest.mark.parametrize("case", sorted(PINNED))
@@ -119,6 +128,9 @@ def test_pinned_extreme_softcaps_agree_across_backends(case):
     kw, g_o = PINNED[case]
     assert assert_backends_agree(kw, g_o) == ("refused" if case in REFUSED else "agreed")
     if case in REFUSED:
+        if PINNED[case][0]["softcap"] < 2.0**-1022:
+            with pytest.raises(RefAttnError, match="softcap: .* is subnormal"):
+                refattn.AttentionCall(**kw)
         return
     out, grads = refattn.value_and_grad(refattn.AttentionCall(**kw), g_o,
                                         backend="cuda_emulator")
