@@ -12,7 +12,9 @@ Two parts with one-way imports: the generic checker (``api``, ``methods``, ``dir
 ``finite_difference``, ``report``, ``taylor``, ``errors``; bad input raises
 :class:`GradcheckError`) imports nothing from refattn, so refattn's ``verify`` may use it; the
 attention part (``attention``, ``identities``, ``mutations``) wraps refattn's engine and sits
-beside :mod:`refattn.analysis`. This ``__init__`` is the façade over both.
+beside :mod:`refattn.analysis`. This ``__init__`` is the façade over both; the attention part is
+imported on first use, so that importing gradcheck (or its generic checker, or
+:mod:`gradcheck._boundary`, which refattn's own boundary uses) never imports refattn.
 
 Examples
 --------
@@ -27,13 +29,22 @@ True
 
 from __future__ import annotations
 
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from gradcheck.api import GradientCheckError, assert_gradients, check_vjp
-from gradcheck.attention import attention_problem, check_attention
 from gradcheck.errors import GradcheckError
 from gradcheck.finite_difference import central_difference
-from gradcheck.identities import IdentityReport, attention_identities
 from gradcheck.report import InputReport, Report, ScaleFit, Worst
 from gradcheck.taylor import TaylorReport, taylor_test
+
+if TYPE_CHECKING:  # the attention part, imported on first use (it imports refattn)
+    from gradcheck.attention import attention_problem, check_attention
+    from gradcheck.identities import IdentityReport, attention_identities
+
+#: the attention part's names -> their module
+_ATTENTION = {"attention_problem": "attention", "check_attention": "attention",
+              "IdentityReport": "identities", "attention_identities": "identities"}
 
 __all__ = [
     "GradcheckError",
@@ -52,3 +63,11 @@ __all__ = [
     "check_vjp",
     "taylor_test",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    if name not in _ATTENTION:
+        raise AttributeError(f"module 'gradcheck' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"gradcheck.{_ATTENTION[name]}"), name)
+    globals()[name] = value
+    return value

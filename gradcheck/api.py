@@ -33,8 +33,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from gradcheck._boundary import shown
 from gradcheck.directional import bisect, cotangent, direction
-from gradcheck.errors import GradcheckError, float64_array
+from gradcheck.errors import GradcheckError, float64_array, public
 from gradcheck.methods import (
     CD_STEP,
     EPS,
@@ -154,6 +155,7 @@ def _rel(a: np.ndarray, n: np.ndarray) -> np.ndarray:
     return np.abs(a - n) / den
 
 
+@public
 def check_vjp(
     fn: Callable[..., np.ndarray],
     vjp: Callable[..., Mapping[str, np.ndarray]],
@@ -265,8 +267,16 @@ def check_vjp(
         )
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise GradcheckError(f"seed: expected a non-negative integer, got {seed!r}")
-    if directions < 1 or levels < 1:
-        raise GradcheckError(f"directions and levels: expected >= 1, got {directions}, {levels}")
+    for what, n, top in (("directions", directions, 1024), ("levels", levels, 16),
+                         ("full_limit", full_limit, 2**31)):
+        if not 1 <= n <= top:
+            raise GradcheckError(f"{what}: expected an integer in [1, {top}], got {shown(n)}")
+    if not 2.0**-40 <= step <= 2.0**-4 or not step * 2.0 ** (levels - 1) < 1.0:
+        raise GradcheckError(f"step: expected a relative step in [2**-40, 1/16] with step * "
+                             f"2**(levels - 1) < 1, got {step!r} and levels {levels}")
+    if not 1.0 <= safety <= 2.0**20 or not 0.0 <= rounding_ulps <= 2.0**40:
+        raise GradcheckError(f"safety, rounding_ulps: expected safety in [1, 2**20] and "
+                             f"rounding_ulps in [0, 2**40], got {safety!r}, {rounding_ulps!r}")
     null_space = dict(null_space or {})
 
     checker = _Checker(fn, inputs, step=step, levels=levels, safety=safety,
@@ -566,6 +576,7 @@ def _compare(
         localized=localized, analytic=a, numeric=n, ratio=ratio, **base)
 
 
+@public
 def assert_gradients(
     fn: Callable[..., np.ndarray],
     vjp: Callable[..., Mapping[str, np.ndarray]],

@@ -24,6 +24,7 @@ import numpy as np
 
 from gradcheck.api import check_vjp
 from gradcheck.report import Report
+from refattn._boundary import public
 from refattn.call import AttentionCall
 from refattn.engine import backward as reference_backward
 from refattn.engine import forward
@@ -171,6 +172,7 @@ def _differentiable(call: AttentionCall) -> dict[str, np.ndarray]:
     return out
 
 
+@public
 def attention_problem(
     call: AttentionCall,
     *,
@@ -265,6 +267,7 @@ def attention_problem(
     return AttentionProblem(call, fn, vjp, inputs, null, term_scale)
 
 
+@public
 def check_attention(
     call: AttentionCall,
     *,

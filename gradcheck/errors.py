@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["GradcheckError", "float64_array"]
+from gradcheck._boundary import boundary
+
+__all__ = ["GradcheckError", "float64_array", "public"]
 
 
 class GradcheckError(ValueError):
@@ -47,3 +49,8 @@ def float64_array(name: str, x: object, *, finite: bool = True) -> np.ndarray:
             raise GradcheckError(f"{name}: non-finite value {arr[index].item()!r} at index "
                                  f"{index}; expected finite float64")
     return arr
+
+
+#: the decorator of gradcheck's public functions: each argument checked against its
+#: annotation before any work (:func:`gradcheck._boundary.boundary`)
+public = boundary(GradcheckError)

@@ -40,6 +40,7 @@ from gradcheck.attention import _filled, rounding_scales
 from gradcheck.directional import stream
 from gradcheck.methods import CS_STEP, EPS
 from gradcheck.report import error_ratio
+from refattn._boundary import public, shown
 from refattn._checks import format_index
 from refattn.engine import backward as reference_backward
 from refattn.engine import forward
@@ -148,6 +149,7 @@ def _exact(name: str, arrays: dict[str, np.ndarray], detail: str) -> IdentityChe
                          where, detail)
 
 
+@public
 def attention_identities(
     trace: Trace,
     grads: Gradients,
@@ -192,6 +194,9 @@ def attention_identities(
         raise RefAttnError(f"trace: expected a Trace, got {type(trace).__name__}")
     if not isinstance(grads, Gradients):
         raise RefAttnError(f"grads: expected Gradients, got {type(grads).__name__}")
+    if seed < 0 or not 1 <= max_rows <= 2**20 or not 1.0 <= ulps <= 2.0**40:
+        raise RefAttnError(f"seed, max_rows, ulps: expected seed >= 0, max_rows in [1, 2**20] "
+                           f"and ulps in [1, 2**40], got {seed}, {shown(max_rows)}, {ulps!r}")
     if trace.probs is None or trace.scores is None:
         trace = forward(trace.call)  # a streaming trace: materialise the reference
     bw = reference_backward if backward is None else backward

@@ -14,9 +14,10 @@ from typing import Literal
 
 import numpy as np
 
+from gradcheck._boundary import shown
 from gradcheck.api import _analytic, _validate_inputs
 from gradcheck.directional import cotangent, direction
-from gradcheck.errors import GradcheckError, float64_array
+from gradcheck.errors import GradcheckError, float64_array, public
 from gradcheck.methods import EPS
 
 __all__ = ["TaylorReport", "TaylorResult", "taylor_test"]
@@ -87,6 +88,7 @@ def _slope(t: np.ndarray, r: np.ndarray) -> float:
     return float(np.polyfit(lt, lr, 1)[0])
 
 
+@public
 def taylor_test(
     fn: Callable[..., np.ndarray],
     vjp: Callable[..., Mapping[str, np.ndarray]],
@@ -128,11 +130,19 @@ def taylor_test(
     for n in names:
         if n not in inputs:
             raise GradcheckError(f"wrt: {n!r} is not an input (inputs: {sorted(inputs)})")
+    if seed < 0:
+        raise GradcheckError(f"seed: expected a non-negative integer, got {seed}")
+    if not 2 <= steps <= 32 or not 0.0 < t0 <= 1.0:
+        raise GradcheckError(f"steps, t0: expected steps in [2, 32] and t0 in (0, 1], got "
+                             f"{shown(steps)}, {t0!r}")
     f0 = float64_array("fn output", fn(**inputs), finite=False)
     if grad_output is None:
         v = cotangent(f0.shape, seed=seed, round_=0)
     else:
-        v = float64_array("grad_output", grad_output, finite=False)
+        v = float64_array("grad_output", grad_output)
+        if v.shape != f0.shape:
+            raise GradcheckError(f"grad_output: expected the output's shape {list(f0.shape)}, "
+                                 f"got {list(v.shape)}")
     phi0 = float(v.ravel() @ f0.ravel())
     mag0 = float(np.abs(v).ravel() @ np.abs(f0).ravel())
     grads = vjp(v.copy(), **inputs)

@@ -21,6 +21,7 @@ from typing import SupportsIndex
 
 import numpy as np
 
+from gradcheck._boundary import int_text, shown
 from refattn.errors import RefAttnError
 
 __all__ = [
@@ -268,26 +269,6 @@ def immutable_copy(x: np.ndarray) -> np.ndarray:
 
 
 # -- bounds: one helper per kind, for every number that comes from outside ----------------------
-def int_text(n: int) -> str:
-    """An integer for a message: as written below 10**20, else as a power of two (``2**70``,
-    ``2**63 - 1``) or its size in bits (a 4301-digit integer cannot even be printed).
-
-    Examples
-    --------
-    >>> int_text(12), int_text(2**70), int_text(-(2**63)), int_text(10**400)
-    ('12', '2**70', '-2**63', 'an integer of 1329 bits (about 10**400)')
-    """
-    sign, m = ("-", -n) if n < 0 else ("", n)
-    k = m.bit_length()
-    if k > 31 and m == 1 << (k - 1):
-        return f"{sign}2**{k - 1}"
-    if k > 31 and m == (1 << k) - 1:
-        return f"{sign}(2**{k} - 1)" if sign else f"2**{k} - 1"
-    if m < 10**20:
-        return str(n)
-    return f"{sign}an integer of {k} bits (about 10**{int(k * math.log10(2))})"
-
-
 def _float_text(x: float) -> str:
     """A float bound for a message: ``2**64`` for a large or small power of two, else repr."""
     if x != 0 and math.isfinite(x):
@@ -298,11 +279,9 @@ def _float_text(x: float) -> str:
 
 
 def _got(value: object) -> str:
-    """What a refused value was, cut to 80 characters (a huge int is described, not printed)."""
-    if isinstance(value, int) and not isinstance(value, bool):
-        return int_text(value)
-    text = repr(value)
-    return text if len(text) <= 80 else text[:77] + "..."
+    """What a refused value was (:func:`gradcheck._boundary.shown`: a huge int is described,
+    not printed; 80 characters at most)."""
+    return shown(value, limit=80)
 
 
 def bounded_int(name: str, value: object, *, lo: int, hi: int) -> int:

@@ -10,9 +10,13 @@ from typing import Any
 
 import numpy as np
 
+from refattn._boundary import public, shown
+from refattn.errors import RefAttnError
+
 __all__ = ["float_record", "tensor_record"]
 
 
+@public
 def float_record(x: float) -> dict[str, str]:
     """A float scalar as decimal and C99 hex text (exact and human-readable).
 
@@ -25,6 +29,7 @@ def float_record(x: float) -> dict[str, str]:
     return {"decimal": repr(x), "hex": x.hex()}
 
 
+@public
 def tensor_record(x: np.ndarray, *, device: str = "cpu") -> dict[str, Any]:
     """Shape, strides (in elements), dtype, device and contiguity of one tensor view.
 
@@ -33,6 +38,8 @@ def tensor_record(x: np.ndarray, *, device: str = "cpu") -> dict[str, Any]:
     >>> tensor_record(np.zeros((2, 3)))["stride"]
     [3, 1]
     """
+    if not isinstance(x, np.ndarray):
+        raise RefAttnError(f"x: expected an ndarray, got {shown(x)}")
     itemsize = x.itemsize or 1
     return {
         "shape": [int(n) for n in x.shape],

@@ -463,8 +463,9 @@ def extreme_softcap_calls(
     """Keywords of a small dot-score :class:`refattn.AttentionCall`, and its grad_output.
 
     The softcap is one of :data:`EXTREME_SOFTCAPS` or any positive finite float (subnormals
-    included: the gate refuses those, for every backend); the scale runs from 5e-324 to 1e300, or equals the softcap (scores / softcap
-    is then q.k, not saturated however small the softcap), at any placement; q and k are
+    included: the gate refuses those, for every backend); the scale runs from 5e-324 to 1e300,
+    or equals the softcap (scores / softcap is then q.k, not saturated however small the
+    softcap), at any placement; q and k are
     normals times 10^e with e from -160 to 150 (subnormal scores, large logits); K >= 2 (a
     softmax with a gradient); optional: GQA, a bias over keys, a dense mask with a legal key
     in every row. The keywords are returned rather than the

@@ -19,6 +19,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import bounded_float
 from refattn.bundle.comparison.harness import compare
 from refattn.bundle.golden.spec import CaseSpec
@@ -26,6 +27,7 @@ from refattn.bundle.golden.spec import CaseSpec
 __all__ = ["AdapterResult", "semantic_limits"]
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class AdapterResult:
     """What one framework path produced for one case.
@@ -56,6 +58,7 @@ class AdapterResult:
         return compare(self.tensors, golden, dtype=self.precision, tolerances=tolerances)
 
 
+@public
 def semantic_limits(spec: CaseSpec) -> dict[str, Any]:
     """The features of a case that decide which framework paths can express it.
 

@@ -66,6 +66,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import (
     INT64_MAX,
     INT64_MIN,
@@ -77,11 +78,12 @@ from refattn._checks import (
     format_index,
     index_array,
 )
+from refattn._memory import check_bytes
 from refattn.adapters import semantic_limits
 from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
 from refattn.bundle.golden.spec import CaseSpec
 from refattn.call.gate import AttentionCall
-from refattn.call.paged import PagedKV, check_paged_memory, gather_bytes, paged_call
+from refattn.call.paged import READ_LESS, PagedKV, gather_bytes, paged_call
 from refattn.call.placement import operand_multipliers
 from refattn.engine import forward
 from refattn.errors import RefAttnError
@@ -162,6 +164,7 @@ def _paged(spec: CaseSpec) -> bool:
     return spec.conventions.get("kv_layout") == "paged"
 
 
+@public
 def page_size_note(page_size: int) -> str | None:
     """What a FlashAttention kernel may refuse about ``page_size``, or None.
 
@@ -274,6 +277,7 @@ def _plan(spec: CaseSpec, variant: str) -> _Plan | str:
     return _Plan(seqs, window, alibi)
 
 
+@public
 def ineligible(spec: CaseSpec, variant: str = "flash_attn") -> str | None:
     """Why FlashAttention's ``variant`` (``flash_attn``, ``flash_attn_varlen``,
     ``flash_attn_kvcache``) cannot express ``spec`` exactly, or None when it can.
@@ -291,6 +295,7 @@ def ineligible(spec: CaseSpec, variant: str = "flash_attn") -> str | None:
     return plan if isinstance(plan, str) else None
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class FlashCall:
     """One case lowered to a FlashAttention entry point: ``getattr(flash_attn,
@@ -425,6 +430,7 @@ def _scaled(g: np.ndarray, m: float) -> np.ndarray:  # d/dx f(m x) = m f'(m x)
     return g if m == 1.0 else (g.astype(np.float64) * m).astype(g.dtype)
 
 
+@public
 def flash_call(spec: CaseSpec, variant: str = "flash_attn", *, dtype: Any = "float64"
                ) -> FlashCall:
     """The FlashAttention call of ``spec`` (``variant``: ``flash_attn``,
@@ -562,6 +568,7 @@ def _fa_int32(name: str, x: Any, ndim: int, B: int, letters: str) -> np.ndarray:
     return arr
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class KVCacheCall:
     """``flash_attn_with_kvcache``'s arguments as refattn's canonical paged call.
@@ -597,6 +604,7 @@ class KVCacheCall:
         return out, lse
 
 
+@public
 def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None,
                  block_table: Any = None, softmax_scale: float | None = None,
                  causal: bool = False, window_size: tuple[int, int] = (-1, -1),
@@ -734,9 +742,9 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
         kwargs = {"query_valid": row_has_key[:, None, :, None],
                   "all_masked_rows": "sanitize_then_zero_invalid_query"}
     bias_bytes = 0 if alibi_slopes is None else 8 * B * Q * K * (1 + 3 * Hq)
-    check_paged_memory(gather_bytes(B, K, Hkv, D, D) + 2 * qa.nbytes + bias_bytes,
-                       f"flash_attn_with_kvcache over (batch_size, nheads_k, tokens read) = "
-                       f"({B}, {Hkv}, {K})")
+    check_bytes(gather_bytes(B, K, Hkv, D, D) + 2 * qa.nbytes + bias_bytes,
+                f"flash_attn_with_kvcache over (batch_size, nheads_k, tokens read) = "
+                f"({B}, {Hkv}, {K})", READ_LESS)
     if alibi_slopes is not None:
         slopes = as_array("alibi_slopes", alibi_slopes)
         if slopes.dtype not in (np.float32, np.float64):
@@ -766,6 +774,7 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
     return KVCacheCall(pc.call, pc.paged, row_has_key)
 
 
+@public
 def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v: Any = None,
                             rotary_cos: Any = None, rotary_sin: Any = None,
                             cache_seqlens: Any = None, cache_batch_idx: Any = None,

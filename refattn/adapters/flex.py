@@ -38,12 +38,14 @@ from typing import Any
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn.adapters import semantic_limits
 from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
 from refattn.bundle.golden.spec import CaseSpec
 from refattn.call.placement import operand_multipliers
 from refattn.engine.reduce import sum_heads
 from refattn.errors import RefAttnError
+from refattn.masks import BaseRelation
 
 __all__ = ["FlexCall", "flex_call", "ineligible", "relation_mask_mod"]
 
@@ -60,6 +62,21 @@ def _torch() -> Any:
     return torch
 
 
+def _device(torch: Any, device: Any) -> Any:
+    """``device`` as a torch device that exists here (a RefAttnError naming it otherwise)."""
+    if not isinstance(device, (str, torch.device)):
+        raise RefAttnError(f"device: expected a device name such as 'cpu' or a torch.device, "
+                           f"got {type(device).__name__}")
+    try:
+        dev = torch.device(device)
+        torch.empty(0, device=dev)  # a device that is named but not present fails here
+    except (RuntimeError, TypeError, ValueError, AssertionError) as exc:
+        text = str(exc).splitlines()[0][:160] if str(exc) else type(exc).__name__
+        raise RefAttnError(f"device: {str(device)[:80]!r} cannot be used ({text})") from None
+    return dev
+
+
+@public
 def ineligible(spec: CaseSpec) -> str | None:
     """Why ``flex_attention`` cannot express ``spec`` exactly, or None when it can.
 
@@ -83,6 +100,7 @@ def ineligible(spec: CaseSpec) -> str | None:
     return None
 
 
+@public
 def relation_mask_mod(relation: Any, torch: Any, device: Any = "cpu") -> Any:
     """The predicate of a :mod:`refattn.masks` relation (or a union / intersection of them) as
     a FlexAttention ``mask_mod(b, h, q_idx, kv_idx)`` on torch index tensors.
@@ -101,6 +119,13 @@ def relation_mask_mod(relation: Any, torch: Any, device: Any = "cpu") -> Any:
     >>> mm(torch.tensor(0), torch.tensor(0), i, j).int().tolist()
     [[1, 1, 0], [1, 1, 1]]
     """
+    if not isinstance(relation, BaseRelation):
+        raise RefAttnError(f"relation: expected a refattn.masks relation, got "
+                           f"{type(relation).__name__}")
+    if getattr(torch, "__name__", None) != "torch" or not hasattr(torch, "as_tensor"):
+        raise RefAttnError(f"torch: expected the torch module, got {type(torch).__name__}")
+    device = _device(torch, device)
+
     def t(x: Any) -> Any:
         return torch.as_tensor(np.array(x), device=device)  # a writeable copy
 
@@ -151,6 +176,7 @@ def relation_mask_mod(relation: Any, torch: Any, device: Any = "cpu") -> Any:
     return mask_mod
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class FlexCall:
     """One case lowered to ``flex_attention`` (see the module docstring for the rules).
@@ -241,6 +267,7 @@ def _scaled(g: np.ndarray, m: float) -> np.ndarray:  # d/dx f(m x) = m f'(m x)
     return g if m == 1.0 else (g.astype(np.float64) * m).astype(g.dtype)
 
 
+@public
 def flex_call(spec: CaseSpec, *, dtype: Any = "float64", device: Any = "cpu",
               requires_grad: bool = False) -> FlexCall:
     """The ``flex_attention`` call of ``spec`` in ``dtype`` (see :class:`FlexCall`).
@@ -282,6 +309,8 @@ def flex_call(spec: CaseSpec, *, dtype: Any = "float64", device: Any = "cpu",
     requires_grad = bool(requires_grad)
     torch = _torch()
     from torch.nn.attention.flex_attention import AuxRequest, create_block_mask
+
+    device = _device(torch, device)
 
     precision = precision_name(resolve_dtype(dtype))
     tdtype = {"float64": torch.float64, "float32": torch.float32, "float16": torch.float16,

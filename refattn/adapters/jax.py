@@ -28,7 +28,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import INT64_MAX, bounded_int
+from refattn._memory import check_bytes
 from refattn.adapters import AdapterResult, semantic_limits
 from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
 from refattn.bundle.golden.spec import CaseSpec
@@ -52,6 +54,7 @@ def _jax() -> Any:
     return jax
 
 
+@public
 def ineligible(spec: CaseSpec) -> str | None:
     """Why ``jax.nn.dot_product_attention`` cannot express ``spec`` exactly, or None.
 
@@ -76,6 +79,7 @@ def ineligible(spec: CaseSpec) -> str | None:
     return None
 
 
+@public
 def native_support(T: int, S: int, *, is_causal: bool,
                    window: tuple[int, int] | None) -> np.ndarray:
     """The (T, S) support that ``is_causal`` and ``local_window_size`` generate in JAX.
@@ -90,6 +94,10 @@ def native_support(T: int, S: int, *, is_causal: bool,
     >>> native_support(3, 3, is_causal=False, window=(1, 0)).astype(int).tolist()
     [[1, 0, 0], [1, 1, 0], [0, 1, 1]]
     """
+    T = bounded_int("T", T, lo=0, hi=INT64_MAX)
+    S = bounded_int("S", S, lo=0, hi=INT64_MAX)
+    check_bytes(4 * T * S + 16 * (T + S), f"the (T, S) = ({T}, {S}) support",
+                "it is a dense boolean array")
     i = np.arange(T)[:, None]
     j = np.arange(S)[None, :]
     out = np.ones((T, S), bool)
@@ -101,6 +109,7 @@ def native_support(T: int, S: int, *, is_causal: bool,
     return out
 
 
+@public
 @dataclass(frozen=True)
 class JaxArguments:
     """How a case is lowered to ``jax.nn.dot_product_attention``.
@@ -143,6 +152,7 @@ def _window_candidates(spec: CaseSpec) -> list[tuple[bool, tuple[int, int] | Non
     return out
 
 
+@public
 def call_arguments(spec: CaseSpec, *, native: Literal["explicit", "auto"] = "explicit"
                    ) -> JaxArguments:
     """The lowering of ``spec`` (pure decision; no jax needed).
@@ -179,6 +189,7 @@ def call_arguments(spec: CaseSpec, *, native: Literal["explicit", "auto"] = "exp
                         float(mult.key), expand)
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class JaxCall:
     """One case lowered to ``jax.nn.dot_product_attention`` (plain NumPy arrays; no jax needed).
@@ -258,6 +269,7 @@ class JaxCall:
         return tensors
 
 
+@public
 def jax_call(spec: CaseSpec, *, dtype: Any = "float64",
              native: Literal["explicit", "auto"] = "explicit") -> JaxCall:
     """The ``jax.nn.dot_product_attention`` call of ``spec`` in ``dtype`` (see :class:`JaxCall`).
@@ -333,6 +345,7 @@ def _x64(enabled: bool) -> Any:
     return enable_x64(True)
 
 
+@public
 def run(spec: CaseSpec, *, dtype: Any = "float64", native: Literal["explicit", "auto"] =
         "explicit", implementation: Literal["xla", "cudnn"] | None = None) -> AdapterResult:
     """Run ``spec`` through ``jax.nn.dot_product_attention`` in ``dtype``; gradients by vjp.

@@ -43,6 +43,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import bounded_int
 from refattn.adapters import AdapterResult, semantic_limits
 from refattn.bundle.golden.spec import CaseSpec
@@ -93,6 +94,7 @@ def _check_qk_mode(qk_mode: int | None) -> int | None:
                                                      hi=max(QK_OUTPUT))
 
 
+@public
 def ineligible(spec: CaseSpec) -> str | None:
     """Why the ONNX ``Attention`` operator cannot express ``spec``, or None when it can.
 
@@ -122,6 +124,7 @@ def ineligible(spec: CaseSpec) -> str | None:
     return None
 
 
+@public
 @dataclass(frozen=True)
 class OnnxLowering:
     """How a case becomes one ``Attention`` node (pure decisions; no onnx needed).
@@ -172,6 +175,7 @@ def _prefix_lengths(vis: np.ndarray) -> np.ndarray | None:
     return n if (n >= 1).all() and np.array_equal(vis, np.broadcast_to(want, vis.shape)) else None
 
 
+@public
 def lowering(spec: CaseSpec, *, opset: int = 23, qk_mode: int | None = None,
              dtype: str = "float32") -> OnnxLowering:
     """The ``Attention`` node that expresses ``spec`` (refuses an ineligible case).
@@ -233,6 +237,7 @@ def lowering(spec: CaseSpec, *, opset: int = 23, qk_mode: int | None = None,
                         scale, fold, spec.softcap, qk_mode)
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class OnnxNode:
     """One case as an ONNX model: the model, its feeds and what each output is."""
@@ -248,6 +253,7 @@ class OnnxNode:
     lowering: OnnxLowering
 
 
+@public
 def build(spec: CaseSpec, *, opset: int = 23, qk_mode: int | None = None,
           dtype: str = "float32") -> OnnxNode:
     """The ONNX model, feeds and golden expectations of ``spec``.
@@ -339,6 +345,7 @@ def build(spec: CaseSpec, *, opset: int = 23, qk_mode: int | None = None,
     return OnnxNode(model, feeds, outputs, expected, low)
 
 
+@public
 def run(spec: CaseSpec, *, runtime: Runtime = "reference", opset: int = 23,
         qk_mode: int | None = None, dtype: str = "float32") -> AdapterResult:
     """Run ``spec`` as an ONNX ``Attention`` node; candidate tensors under canonical names.
@@ -409,6 +416,7 @@ def run(spec: CaseSpec, *, runtime: Runtime = "reference", opset: int = 23,
     return AdapterResult(spec.case_id, path, dtype, tensors, manifest)
 
 
+@public
 def export_backend_test(spec: CaseSpec, directory: str | Path, *, opset: int = 23,
                         qk_mode: int | None = None, dtype: str = "float32") -> Path:
     """Write ``spec`` in ONNX's backend-test layout (a node test).

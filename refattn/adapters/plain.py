@@ -37,6 +37,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn.bundle.golden.spec import CaseSpec
 
 __all__ = ["PlainCall", "plain_call"]
@@ -48,6 +49,7 @@ def _frozen(x: Any) -> np.ndarray:
     return a
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class PlainCall:
     """A case's inputs as read-only NumPy arrays, with the rules of this module's docstring.
@@ -109,6 +111,7 @@ class PlainCall:
         return out
 
 
+@public
 def plain_call(spec: CaseSpec) -> PlainCall:
     """The plain-NumPy description of ``spec`` (every case is expressible this way).
 

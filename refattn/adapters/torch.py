@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn.adapters import AdapterResult, semantic_limits
 from refattn.bundle.comparison.candidates import as_numpy
 from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
@@ -74,6 +75,7 @@ def _torch() -> Any:
 
 
 # -- decisions (pure; no torch needed) -------------------------------------------------------
+@public
 @dataclass(frozen=True)
 class SdpaArguments:
     """How a case is lowered to functional SDPA.
@@ -103,6 +105,7 @@ class SdpaArguments:
     expand_kv: bool
 
 
+@public
 def ineligible(spec: CaseSpec, path: Path) -> str | None:
     """Why ``path`` cannot express ``spec`` exactly, or None when it can.
 
@@ -143,6 +146,7 @@ def _is_upper_left_triangle(spec: CaseSpec) -> bool:
                                np.broadcast_to(tri, (B, Hq, Q, K))))
 
 
+@public
 def sdpa_arguments(spec: CaseSpec, *, gqa: Literal["native", "expand"] = "native",
                    causal: Literal["explicit", "auto"] = "explicit") -> SdpaArguments:
     """The SDPA lowering of ``spec`` (pure decision; no torch needed).
@@ -187,6 +191,7 @@ def sdpa_arguments(spec: CaseSpec, *, gqa: Literal["native", "expand"] = "native
 
 
 # -- tensors -------------------------------------------------------------------------------
+@public
 @dataclass(frozen=True, eq=False)
 class TorchCase:
     """A case's tensors in torch, in one dtype (inputs are autograd leaves)."""
@@ -219,6 +224,7 @@ def _to_torch(x: np.ndarray, precision: str, *, grad: bool = False) -> Any:
     return t.requires_grad_(grad)
 
 
+@public
 def case_tensors(spec: CaseSpec, *, dtype: Any = "float64", requires_grad: bool = True
                  ) -> TorchCase:
     """The inputs of ``spec`` as torch tensors in ``dtype`` (q, k, v with their recorded strides).
@@ -371,6 +377,7 @@ def _backward(tc: TorchCase, out: Any, extra: dict[str, Any] | None = None
 
 
 # -- the SDPA lowering of a case, as a user calls it --------------------------------------
+@public
 @dataclass(frozen=True, eq=False)
 class SdpaCall:
     """One case lowered to ``torch.nn.functional.scaled_dot_product_attention``.
@@ -434,6 +441,7 @@ class SdpaCall:
         return {n: g for n, g in out.items() if g is not None}
 
 
+@public
 def sdpa_call(spec: CaseSpec, *, dtype: Any = "float64",
               gqa: Literal["native", "expand"] = "native",
               causal: Literal["explicit", "auto"] = "explicit",
@@ -676,6 +684,7 @@ def _run_mha(spec: CaseSpec, precision: str, *, need_weights: bool) -> AdapterRe
                          {n: _numpy(x) for n, x in tensors.items()}, manifest)
 
 
+@public
 def run(spec: CaseSpec, path: Path = "sdpa", *, dtype: Any = "float64",
         backend: Backend = "auto", gqa: Literal["native", "expand"] = "native",
         causal: Literal["explicit", "auto"] = "explicit",

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import as_array, format_index
 from refattn.call import AttentionCall
 from refattn.engine import forward
@@ -53,6 +54,7 @@ def _labels(name: str, x: object) -> np.ndarray:
     return arr
 
 
+@public
 def check_source_identity(
     key_labels: object,
     value_labels: object,

@@ -18,8 +18,8 @@ the longest sequence's last page are dropped: everything is sized from the block
 read, never from the table's declared width (a (1, 2**20) table padded with -1 whose one
 sequence reads one block costs one block). A call whose gathered keys and values would need
 more memory than is available is refused before anything is gathered
-(:func:`check_paged_memory`). Defers the relation to :mod:`refattn.masks` and the arithmetic
-to the engine.
+(:func:`refattn._memory.check_bytes`). Defers the relation to :mod:`refattn.masks` and the
+arithmetic to the engine.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import (
     INT64_MAX,
     as_array,
@@ -38,12 +39,16 @@ from refattn._checks import (
     immutable_copy,
     index_array,
 )
+from refattn._memory import check_bytes
 from refattn.call.gate import AttentionCall
 from refattn.errors import RefAttnError
 from refattn.masks import relation
 
-__all__ = ["PAGE_LAYOUT", "PageGradients", "PagedKV", "check_paged_memory", "gather_bytes",
+__all__ = ["PAGE_LAYOUT", "PageGradients", "PagedKV", "gather_bytes",
            "paged_call"]
+
+#: how a paged call too large for the memory asks for less
+READ_LESS = "read fewer tokens (cache_seqlens) or fewer heads per call"
 
 #: the page tensor layout (FlashAttention ``flash_attn_with_kvcache`` with ``block_table``)
 PAGE_LAYOUT = "(num_pages, page_size, Hkv, D)"
@@ -72,28 +77,6 @@ def gather_bytes(B: int, K: int, Hkv: int, Dk: int, Dv: int) -> int:
     return 8 * B * K * (4 * Hkv * (Dk + Dv) + 8)
 
 
-def check_paged_memory(need: int, doing: str) -> None:
-    """Refuse ``doing`` when its estimated ``need`` (bytes) exceeds the memory available now
-    (:func:`refattn.engine.memory.available_bytes`; not checked where that is unknown), before
-    anything is allocated.
-
-    Examples
-    --------
-    >>> try:
-    ...     check_paged_memory(2**80, "gathering the keys")
-    ... except RefAttnError as exc:
-    ...     print(str(exc)[:64])
-    memory: gathering the keys needs about 1208925819614629174706176
-    """
-    from refattn.engine.memory import available_bytes  # refattn.engine imports this package
-
-    limit = available_bytes()
-    if limit is not None and need > limit:
-        raise RefAttnError(f"memory: {doing} needs about {need} bytes ({need / 2**30:.2f} "
-                           f"GiB), more than the {limit} bytes of memory available; read "
-                           "fewer tokens (cache_seqlens) or fewer heads per call")
-
-
 def _pages(name: str, x: object) -> np.ndarray:
     arr = as_array(name, x)
     check_float64(name, arr)
@@ -106,6 +89,7 @@ def _pages(name: str, x: object) -> np.ndarray:
     return out
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class PagedKV:
     """A paged KV cache as given, with the gather to canonical keys and its inverse.
@@ -235,8 +219,8 @@ class PagedKV:
         return page, slot, read
 
     def _gather(self, pages: np.ndarray) -> np.ndarray:
-        check_paged_memory(gather_bytes(self.B, self.K, pages.shape[2], pages.shape[3], 0),
-                           f"gathering (B, K) = ({self.B}, {self.K}) canonical keys or values")
+        check_bytes(gather_bytes(self.B, self.K, pages.shape[2], pages.shape[3], 0),
+                    f"gathering (B, K) = ({self.B}, {self.K}) canonical keys or values", READ_LESS)
         page, slot, read = self._slots()
         out = pages[page, slot]  # (B, K, Hkv, D); unread blocks read page 0, then zeroed
         out = np.where(read[..., None, None], out, 0.0)
@@ -319,6 +303,7 @@ class PagedKV:
         return out
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class PagedCall:
     """The canonical call of a paged cache and the paged inputs it was built from."""
@@ -327,6 +312,7 @@ class PagedCall:
     paged: PagedKV
 
 
+@public
 def paged_call(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: Any,
                page_size: int, *, causal: bool = True,
                window: tuple[int | None, int | None] | None = None,
@@ -395,8 +381,8 @@ def paged_call(q: Any, k_pages: Any, v_pages: Any, block_table: Any, seqlens: An
     Q = q_arr.shape[2]
     extra = sum(2 * x.nbytes for x in (q_arr, *call_kwargs.values()) if isinstance(x, np.ndarray))
     Hkv, Dk, Dv = paged.k_pages.shape[2], paged.k_pages.shape[3], paged.v_pages.shape[3]
-    check_paged_memory(gather_bytes(paged.B, paged.K, Hkv, Dk, Dv) + extra,
-                       f"the paged call of (B, Hkv, K) = ({paged.B}, {Hkv}, {paged.K}) keys")
+    check_bytes(gather_bytes(paged.B, paged.K, Hkv, Dk, Dv) + extra,
+                f"the paged call of (B, Hkv, K) = ({paged.B}, {Hkv}, {paged.K}) keys", READ_LESS)
     q_pos = paged.seqlens[:, None] - Q + np.arange(Q)[None, :]  # (B, Q) cache offsets
     k_pos = np.broadcast_to(np.arange(paged.K), (paged.B, paged.K))  # (B, K)
     positional = bool(causal) or window is not None

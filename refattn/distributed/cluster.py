@@ -41,6 +41,7 @@ from contextlib import contextmanager
 from types import ModuleType
 from typing import Any
 
+from refattn._boundary import public
 from refattn.errors import RefAttnError
 
 __all__ = ["DEFAULT_TIMEOUT", "SAFETY_FACTOR", "STARTUP_SECONDS", "Watchdog", "connect",
@@ -66,6 +67,7 @@ HEARTBEAT_SECONDS = 5.0
 _TICK = 0.1
 
 
+@public
 def dask_distributed() -> ModuleType:
     """``dask.distributed``, imported on first use.
 
@@ -73,6 +75,12 @@ def dask_distributed() -> ModuleType:
     ------
     RefAttnError
         When dask's distributed scheduler is not installed.
+
+    Examples
+    --------
+    >>> import pytest; _ = pytest.importorskip("distributed")
+    >>> dask_distributed().__name__
+    'distributed'
     """
     try:
         import distributed
@@ -91,6 +99,7 @@ def _timeout(timeout: object) -> float:
     return float(timeout)
 
 
+@public
 @contextmanager
 def connect(*, workers: int | None = None, scheduler: str | None = None,
             timeout: float = DEFAULT_TIMEOUT, memory_limit: str | int = "4GiB",

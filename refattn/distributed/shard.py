@@ -51,6 +51,7 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import as_array, check_finite, check_float64, check_shape
 from refattn.call import AttentionCall
 from refattn.call.hazards import check_backward_overflow
@@ -88,6 +89,7 @@ class Unit:
     kv: tuple[int, ...]
 
 
+@public
 @dataclass(frozen=True)
 class ShardPlan:
     """How :func:`value_and_grad` splits a call.
@@ -188,6 +190,7 @@ def _bias4(call: AttentionCall) -> tuple[int, int, int, int] | None:
     return (1,) * (4 - len(shape)) + tuple(shape)
 
 
+@public
 def plan_shards(call: AttentionCall, *, block_q: int | None = None, block_k: int | None = None,
                 rows_per_shard: int | None = None, threads: int | None = None) -> ShardPlan:
     """The units, shard ranges and reductions :func:`value_and_grad` uses for ``call``.
@@ -531,6 +534,7 @@ def _check_grad_output(call: AttentionCall, grad_output: object) -> np.ndarray:
     return np.ascontiguousarray(g)
 
 
+@public
 def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *, client: Any,
                    block_q: int | None = None, block_k: int | None = None,
                    rows_per_shard: int | None = None, threads: int | None = None

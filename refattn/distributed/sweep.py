@@ -26,6 +26,7 @@ from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from refattn._boundary import public
 from refattn._progress import progress as progress_bar
 from refattn.bundle.sweeps.grid import (
     Sweep,
@@ -132,6 +133,7 @@ def _task_count(n: int, threads: int) -> int:
     return min(n, max(TASKS_PER_THREAD * threads, math.ceil(n / MAX_CASES_PER_TASK)))
 
 
+@public
 def run_sweep(spec: str | os.PathLike | Sweep, out: str | os.PathLike, *,
               client: Any = None, force: bool = False, progress: bool | None = None,
               tasks: int | None = None, timeout: float = DEFAULT_TIMEOUT,

@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+from refattn._boundary import public, shown
 from refattn._progress import progress as progress_bar
 from refattn.bundle.verification.gradients import GradcheckMethod
 from refattn.bundle.verification.report import CaseResult, VerifyReport
@@ -29,6 +30,7 @@ from refattn.errors import RefAttnError
 __all__ = ["verify"]
 
 
+@public
 def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool = True,
            gradcheck: bool = True, gradcheck_method: GradcheckMethod = "auto",
            backend: str | None = None, exact: bool = False, require: str = "float64",
@@ -69,6 +71,9 @@ def verify(directory: str | os.PathLike, *, client: Any = None, recompute: bool 
     if client is None:
         return verify_serial(directory, gradcheck_method=gradcheck_method, progress=progress,
                              **options)
+    if not callable(getattr(client, "submit", None)):
+        raise RefAttnError(f"client: expected a dask.distributed Client (or None), got "
+                           f"{shown(client)}")
     bundle = open_bundle(directory, backend=backend, gradcheck_method=gradcheck_method,
                          require=require, recompute=recompute,
                          exact_max_seconds=exact_max_seconds)

@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import as_array
 from refattn.errors import RefAttnError
 
@@ -75,6 +76,7 @@ def _philox4x32(counter: np.ndarray, key: np.ndarray, rounds: int) -> np.ndarray
     return np.stack([c0, c1, c2, c3], axis=-1).astype(np.uint32)
 
 
+@public
 def philox4x32_10(counter: np.ndarray, key: np.ndarray) -> np.ndarray:
     """Philox4x32-10: map counters and keys to four pseudo-random 32-bit words each.
 

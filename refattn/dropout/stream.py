@@ -34,6 +34,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn.dropout.philox import philox4x32_10
 from refattn.errors import RefAttnError
 from refattn.records import float_record
@@ -77,6 +78,7 @@ def _probability(value: object) -> float:
     return p
 
 
+@public
 @dataclass(frozen=True)
 class Philox:
     """Replayable inverted attention dropout drawn from Philox4x32-10 by coordinates.
@@ -315,6 +317,7 @@ class Philox:
             raise RefAttnError(f"dropout manifest: cannot rebuild the stream ({exc})") from None
 
 
+@public
 def from_manifest(record: dict[str, Any]) -> Philox:
     """Rebuild the stream recorded in a manifest's dropout section (``mode == "stream"``).
 

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import as_array, check_finite, check_float64, check_shape, memory_error
 from refattn.call import AttentionCall
 from refattn.call.gate import check_head_map
@@ -37,6 +38,7 @@ BACKENDS: dict[str, str] = {
 }
 
 
+@public
 def get_backend(name: str) -> ModuleType:
     """Import and return the backend module registered under ``name``.
 
@@ -53,6 +55,7 @@ def get_backend(name: str) -> ModuleType:
         raise RefAttnError(f"backend: {name!r} is not available here ({exc})") from None
 
 
+@public
 def forward(call: AttentionCall, *, backend: str = "numpy", **options: Any) -> Trace:
     """Run the forward pass of ``call`` and return every canonical intermediate.
 
@@ -100,6 +103,7 @@ def _check_grad_output(call: AttentionCall, grad_output: object) -> np.ndarray:
     return g
 
 
+@public
 def backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     """Hand-written backward of the exact sampled forward program (no autograd).
 
@@ -146,6 +150,7 @@ class ValueAndGrad(NamedTuple):
     gradients: Gradients
 
 
+@public
 def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *, backend: str = "numpy",
                    **options: Any) -> ValueAndGrad:
     """Output and gradients of ``call`` for ``grad_output``, without keeping the full trace.
@@ -190,6 +195,7 @@ def value_and_grad(call: AttentionCall, grad_output: np.ndarray, *, backend: str
     return ValueAndGrad(trace.output, backward(trace, grad_output))
 
 
+@public
 def attention(
     q: np.ndarray, k: np.ndarray, v: np.ndarray, *, backend: str = "numpy", **kwargs: Any
 ) -> np.ndarray:

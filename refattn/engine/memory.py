@@ -2,8 +2,8 @@
 
 Owns :func:`dense_bytes` (the bytes of the (B, Hq, Q, K) float64 arrays and the head-gathered
 operands that the dense forward or backward of the NumPy reference and the dense numba path
-hold at their peak), :func:`available_bytes` (``MemAvailable`` from ``/proc/meminfo``, else
-``sysconf``; None where neither exists) and :func:`check_memory`, which refuses a call whose
+hold at their peak), :func:`available_bytes` (re-exported from :mod:`refattn._memory`) and
+:func:`check_memory`, which refuses a call whose
 estimate exceeds the available memory or a caller's ``max_bytes`` at once, with the bytes it
 would need, instead of letting the operating system kill the process minutes later. The way
 out it names is the streaming backend, which holds no (Q, K)-sized tensor.
@@ -11,9 +11,9 @@ out it names is the streaming backend, which holds no (Q, K)-sized tensor.
 
 from __future__ import annotations
 
-import os
 from typing import Any, Literal
 
+from refattn._memory import available_bytes
 from refattn.errors import RefAttnError
 
 __all__ = ["STREAMING_HINT", "available_bytes", "check_memory", "dense_bytes"]
@@ -21,31 +21,6 @@ __all__ = ["STREAMING_HINT", "available_bytes", "check_memory", "dense_bytes"]
 STREAMING_HINT = ("stream it instead: refattn.forward(call, backend=\"numba\", "
                   "materialize=False) (or refattn.value_and_grad(call, grad_output, "
                   "backend=\"numba\")) holds no (Q, K)-sized tensor")
-
-
-def available_bytes() -> int | None:
-    """Memory the system can give this process now, in bytes (None: unknown).
-
-    Linux's ``MemAvailable`` (free memory plus what the kernel can reclaim); elsewhere
-    ``sysconf`` available pages; None where neither can be read.
-
-    Examples
-    --------
-    >>> n = available_bytes()
-    >>> n is None or n > 0
-    True
-    """
-    try:
-        with open("/proc/meminfo", "rb") as fh:
-            for line in fh:
-                if line.startswith(b"MemAvailable:"):
-                    return int(line.split()[1]) * 1024  # the value is in kB
-    except (OSError, ValueError, IndexError):
-        pass
-    try:
-        return int(os.sysconf("SC_AVPHYS_PAGES")) * int(os.sysconf("SC_PAGE_SIZE"))
-    except (AttributeError, ValueError, OSError):
-        return None
 
 
 def dense_bytes(call: Any, stage: Literal["forward", "backward"]) -> int:

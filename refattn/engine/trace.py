@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn.call import AttentionCall
 
 if TYPE_CHECKING:
@@ -58,6 +59,7 @@ def _freeze(obj: Any) -> None:
                     item.flags.writeable = False
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class Trace:
     """Every forward intermediate of one call, in float64, under its canonical name.
@@ -170,6 +172,7 @@ class Trace:
         )
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class Gradients:
     """Every backward quantity of one call (the contract's hand-written equations).

@@ -21,6 +21,7 @@ from typing import Any, Literal, cast
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn.errors import RefAttnError
 
 __all__ = ["AND", "MAX_DEPTH", "OR", "BaseRelation", "ComposedRelation"]
@@ -185,6 +186,7 @@ def _common(values: Sequence[Any], mixed: str) -> Any:
     return first if all(v == first for v in values) else mixed
 
 
+@public
 class ComposedRelation(BaseRelation):
     """The union (``op="or"``) or intersection (``op="and"``) of visibility relations.
 

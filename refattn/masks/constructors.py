@@ -15,6 +15,9 @@ from typing import Any, Literal
 
 import numpy as np
 
+from refattn._boundary import public
+from refattn._checks import INT64_MAX, as_array, bounded_int
+from refattn._memory import check_bytes
 from refattn.errors import RefAttnError
 from refattn.masks._inputs import WindowBound, window_bounds
 from refattn.masks.relation import (
@@ -31,6 +34,7 @@ __all__ = ["CausalAlignment", "causal", "compile_visibility", "from_positions", 
 CausalAlignment = Literal["upper_left", "lower_right"]
 
 
+@public
 def relation(
     q_pos: Any,
     k_pos: Any,
@@ -97,6 +101,7 @@ def relation(
     )
 
 
+@public
 def compile_visibility(
     q_pos: Any,
     k_pos: Any,
@@ -147,11 +152,10 @@ def compile_visibility(
 
 
 def _length(name: str, n: object) -> int:
-    if isinstance(n, (bool, np.bool_)) or not isinstance(n, (int, np.integer)) or int(n) < 1:
-        raise RefAttnError(f"{name}: expected a positive int, got {n!r}")
-    return int(n)
+    return bounded_int(name, n, lo=1, hi=INT64_MAX)
 
 
+@public
 def causal(q_len: int, k_len: int, *, alignment: CausalAlignment) -> VisibilityRelation:
     """Rectangular causal relation with a named alignment (there is no default).
 
@@ -183,6 +187,8 @@ def causal(q_len: int, k_len: int, *, alignment: CausalAlignment) -> VisibilityR
     """
     Q = _length("q_len", q_len)
     K = _length("k_len", k_len)
+    check_bytes(32 * (Q + K), f"a causal relation of (q_len, k_len) = ({Q}, {K})",
+                "its positions are held per query and per key")
     layout: Layout
     match alignment:
         case "upper_left":
@@ -199,6 +205,7 @@ def causal(q_len: int, k_len: int, *, alignment: CausalAlignment) -> VisibilityR
     )
 
 
+@public
 def from_positions(
     q_pos: Any,
     k_pos: Any,
@@ -231,7 +238,7 @@ def from_positions(
     128
     """
     def batched(name: str, x: Any) -> Any:
-        arr = np.asarray(x)
+        arr = as_array(name, x)
         if arr.ndim == 1:
             return arr[None, :]
         if arr.ndim != 2:

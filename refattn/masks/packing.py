@@ -15,7 +15,9 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
-from refattn._checks import as_array, check_float64, int_text
+from refattn._boundary import public
+from refattn._checks import INT64_MAX, as_array, bounded_int, check_float64, int_text
+from refattn._memory import check_bytes
 from refattn.errors import RefAttnError
 from refattn.masks._inputs import POSITION_MAX, int_array
 
@@ -87,6 +89,7 @@ def _lengths(x: object) -> np.ndarray:
     return arr
 
 
+@public
 def cu_seqlens_from_lengths(lengths: Any) -> np.ndarray:
     """Cumulative sequence offsets ``[0, l_0, l_0 + l_1, ...]``.
 
@@ -137,6 +140,7 @@ def _cu_seqlens(x: object) -> np.ndarray:
     return cu
 
 
+@public
 def segments_from_cu_seqlens(cu_seqlens: Any) -> PackedSegments:
     """Segment ids and per-segment positions of a packed row.
 
@@ -169,6 +173,7 @@ def segments_from_cu_seqlens(cu_seqlens: Any) -> PackedSegments:
     return PackedSegments(segment_ids, positions)
 
 
+@public
 def pack(x: Any, lengths: Any) -> Packed:
     """Pack the first ``lengths[b]`` rows of each example into one row (right padding dropped).
 
@@ -211,6 +216,7 @@ def pack(x: Any, lengths: Any) -> Packed:
     return Packed(values, cu, seg.segment_ids[None, :], seg.positions[None, :])
 
 
+@public
 def unpack(values: Any, cu_seqlens: Any, *, length: int | None = None) -> np.ndarray:
     """Inverse of :func:`pack`: scatter packed rows back into a zero-padded batch.
 
@@ -242,15 +248,19 @@ def unpack(values: Any, cu_seqlens: Any, *, length: int | None = None) -> np.nda
     if int(cu[-1]) != T:
         raise RefAttnError(f"cu_seqlens: last offset {int(cu[-1])} must equal T={T}")
     lengths = np.diff(cu)
-    L = int(lengths.max()) if length is None else int(length)
+    L = int(lengths.max()) if length is None else bounded_int("length", length, lo=0,
+                                                              hi=INT64_MAX)
     if L < int(lengths.max()):
         raise RefAttnError(f"length: {L} is shorter than the longest example ({lengths.max()})")
+    check_bytes(8 * lengths.size * H * L * D, f"unpacking into (B, H, L, D) = "
+                f"({lengths.size}, {H}, {L}, {D})", "a shorter padded length")
     out = np.zeros((lengths.size, H, L, D))  # (B, H, L, D)
     for b, (start, stop) in enumerate(itertools.pairwise(cu)):
         out[b, :, : stop - start] = arr[0, :, start:stop]
     return out
 
 
+@public
 def pair_counts(lengths: Any) -> PairCounts:
     """Query-key pair counts: padded, independent and unrestricted concatenation.
 

@@ -16,6 +16,7 @@ from typing import Any, Literal, NamedTuple, cast
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn.errors import RefAttnError
 from refattn.masks._inputs import (
     POSITION_MAX,
@@ -86,6 +87,7 @@ def _listed(x: WindowBound | np.ndarray) -> Any:
     return x.tolist() if isinstance(x, np.ndarray) else x
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class VisibilityRelation(BaseRelation):
     r"""A visibility relation described by coordinates, not by a dense matrix.
@@ -473,6 +475,7 @@ class VisibilityRelation(BaseRelation):
         )
 
 
+@public
 def relation_from_manifest(manifest: dict[str, Any]) -> BaseRelation:
     """Rebuild a relation, or a composition of relations, from its manifest.
 

@@ -13,6 +13,7 @@ from typing import Any, NamedTuple
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import as_array, check_bool
 from refattn.errors import RefAttnError
 from refattn.masks.algebra import BaseRelation
@@ -53,6 +54,7 @@ def as4(arr: np.ndarray) -> np.ndarray:
     return arr.reshape((1,) * (4 - arr.ndim) + arr.shape)
 
 
+@public
 def empty_rows(visible: Any) -> list[EmptyRow]:
     """Every (b, h, i) with no legal key.
 
@@ -85,6 +87,7 @@ def _labels(name: str, labels: Sequence[Any] | None, n: int) -> list[str]:
     return out
 
 
+@public
 def render(
     visible2d: Any,
     *,

@@ -11,6 +11,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn.errors import RefAttnError
 from refattn.masks._inputs import WindowBound, frozen
 
@@ -51,6 +52,7 @@ def _shift(name: str, bound: object, delta: int, minimum: int) -> WindowBound:
     return int(out) if out.ndim == 0 else frozen(out)
 
 
+@public
 def window_from_inclusive(left: WindowBound, right: WindowBound) -> Window:
     """Convert a window that counts the query itself (xFormers, cuDNN) to ``(left, right)``.
 
@@ -82,6 +84,7 @@ def window_from_inclusive(left: WindowBound, right: WindowBound) -> Window:
     return Window(_shift("left", left, -1, 1), _shift("right", right, -1, 1))
 
 
+@public
 def window_to_inclusive(window: Window | tuple[WindowBound, WindowBound]) -> Window:
     """Inverse of :func:`window_from_inclusive`: add the query itself back to each side.
 

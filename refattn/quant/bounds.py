@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn.errors import RefAttnError
 from refattn.quant import elementary
 from refattn.quant.formats import format_info, quantize
@@ -82,6 +83,7 @@ def gamma(k: float, u: float) -> float:
     return float(_up(_up(ku) / _down(1.0 - ku)))
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class Interval:
     """Element-wise enclosure ``lo <= x <= hi`` (float64 arrays of one shape).
@@ -102,7 +104,11 @@ class Interval:
     def __post_init__(self) -> None:
         lo = np.asarray(self.lo, dtype=np.float64)
         hi = np.asarray(self.hi, dtype=np.float64)
-        lo, hi = np.broadcast_arrays(lo, hi)
+        try:
+            lo, hi = np.broadcast_arrays(lo, hi)
+        except ValueError:
+            raise RefAttnError(f"Interval: lo of shape {list(lo.shape)} and hi of shape "
+                               f"{list(hi.shape)} do not broadcast together") from None
         with np.errstate(invalid="ignore"):
             if np.any(lo > hi):
                 raise RefAttnError("Interval: lo > hi (an enclosure bug)")

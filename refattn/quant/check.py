@@ -27,6 +27,7 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 
+from refattn._boundary import public, shown
 from refattn._checks import as_array, format_index
 from refattn.errors import RefAttnError
 from refattn.quant.formats import quantize, round_down, round_up
@@ -124,6 +125,7 @@ class TensorReport:
         return text
 
 
+@public
 @dataclass(frozen=True)
 class QuantReport:
     """The verdict of :func:`check_candidate`: one :class:`TensorReport` per candidate tensor.
@@ -295,6 +297,7 @@ def _interval(result: QuantResult, name: str) -> tuple[np.ndarray, np.ndarray]:
     return widened(result.emulated, result.spec, name)
 
 
+@public
 def check_candidate(result: QuantResult, candidate: dict[str, Any]) -> QuantReport:
     """Check a kernel's tensors against the emulated pipeline and the real result.
 
@@ -336,9 +339,14 @@ def check_candidate(result: QuantResult, candidate: dict[str, Any]) -> QuantRepo
     >>> bad.passed
     False
     """
+    from refattn.quant.pipeline import QuantResult  # the pipeline imports this module
+
+    if not isinstance(result, QuantResult):
+        raise RefAttnError(f"result: expected a QuantResult (refattn.quant.emulate), got "
+                           f"{shown(result)}")
     if not isinstance(candidate, dict) or not candidate:
         raise RefAttnError("candidate: expected a non-empty dict of tensor name to float64 "
-                           f"ndarray, got {candidate!r:.60}")
+                           f"ndarray, got {shown(candidate)}")
     tensors: dict[str, TensorReport] = {}
     for name, x in candidate.items():
         if name not in result.emulated:

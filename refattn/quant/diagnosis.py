@@ -19,6 +19,7 @@ from typing import TYPE_CHECKING, Any, NamedTuple
 
 import numpy as np
 
+from refattn._boundary import public, shown
 from refattn.call import AttentionCall
 from refattn.errors import RefAttnError
 from refattn.quant.check import _candidate, contains, widened
@@ -198,6 +199,7 @@ def _inside(bounds: Bounds, cands: dict[str, np.ndarray]) -> bool:
     return all(contains(*bounds[n], c)[0].all() for n, c in cands.items())
 
 
+@public
 def diagnose(result: QuantResult, candidate: dict[str, Any]) -> list[str]:
     """The planted bugs whose emulation contains a candidate that the spec's does not.
 
@@ -233,8 +235,11 @@ def diagnose(result: QuantResult, candidate: dict[str, Any]) -> list[str]:
     >>> [line.split(":")[0] for line in diagnose(result, {"output": buggy.emulated["output"].mid})]
     ['missing_v_descale']
     """
-    from refattn.quant.pipeline import emulate
+    from refattn.quant.pipeline import QuantResult, emulate
 
+    if not isinstance(result, QuantResult):
+        raise RefAttnError(f"result: expected a QuantResult (refattn.quant.emulate), got "
+                           f"{shown(result)}")
     if not isinstance(candidate, dict) or not candidate:
         raise RefAttnError("candidate: expected a non-empty dict of tensor name to float64 "
                            "ndarray")

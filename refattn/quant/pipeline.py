@@ -33,6 +33,7 @@ from typing import Any
 import numpy as np
 
 import refattn.quant.bounds as bd
+from refattn._boundary import public
 from refattn._checks import INT64_MAX, bounded_int
 from refattn.call import AttentionCall
 from refattn.engine import forward
@@ -52,6 +53,7 @@ FP32_MIN_NORMAL = 2.0**-126
 LN2 = 0.6931471805599453  # fl(ln 2), 0x3FE62E42FEFA39EF: a literal, not a libm call
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class QuantResult:
     """The two results of a quantised call.
@@ -99,6 +101,7 @@ class QuantResult:
         return out
 
 
+@public
 def quantized(call: AttentionCall, spec: QuantSpec, *, backend: str = "numpy",
               **options: Any) -> QuantResult:
     """The real result and the emulated pipeline of a quantised call.
@@ -210,6 +213,7 @@ def _expand(tq: TensorQuant, scale: np.ndarray, name: str, call: AttentionCall) 
             raise RefAttnError(f"granularity: {other!r}")
 
 
+@public
 def dequantized_call(call: AttentionCall, spec: QuantSpec) -> AttentionCall:
     """The call the real result runs: ``codes * scale`` for codes, cast tensors as given.
 

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import bounded_float
 from refattn.errors import RefAttnError
 from refattn.quant.formats import format_max
@@ -265,6 +266,7 @@ _BUILDERS: dict[str, Callable[..., QuantSpec]] = {
 }
 
 
+@public
 def preset(name: str, **scales_and_options: Any) -> QuantSpec:
     """The :class:`~refattn.quant.spec.QuantSpec` of a named kernel.
 

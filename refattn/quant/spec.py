@@ -29,6 +29,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import INT64_MAX, bounded_float, bounded_int, first_index, format_index
 from refattn.call import AttentionCall
 from refattn.call.scores import Dot
@@ -107,6 +108,7 @@ def _float_from_manifest(name: str, x: object) -> float:
         raise RefAttnError(f"{name}: {x!r} is not a float.hex string") from None
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class TensorQuant:
     """How one of q, k, v reaches the kernel.
@@ -233,6 +235,7 @@ class TensorQuant:
                    block, m["input_format"])
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class QuantSpec:
     """The quantised pipeline of one kernel: every quantisation point and accumulation.
@@ -521,6 +524,7 @@ def _is_causal(call: AttentionCall) -> bool:
                                np.broadcast_to(tril, call.score_shape)))
 
 
+@public
 def check_quant(call: AttentionCall, spec: QuantSpec) -> None:
     """Refuse a quantisation spec that does not fit ``call`` (the gate's quant check).
 

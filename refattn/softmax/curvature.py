@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import (
     as_array,
     check_float64,
@@ -48,6 +49,7 @@ def _probability_vector(p: object, *, sum_tol: float = 1e-10) -> np.ndarray:
     return arr
 
 
+@public
 def jacobian(p: np.ndarray) -> np.ndarray:
     """The softmax Jacobian ``J = diag(p) - p p^T`` (also the Hessian of the log-partition).
 
@@ -72,6 +74,7 @@ def jacobian(p: np.ndarray) -> np.ndarray:
     return np.diag(arr) - np.outer(arr, arr)  # (n, n)
 
 
+@public
 @dataclass(frozen=True)
 class JacobianCheck:
     """Report of :func:`check_jacobian` (every field is a measured number or a verdict).
@@ -110,6 +113,7 @@ class JacobianCheck:
     ok: bool
 
 
+@public
 def check_jacobian(
     p: np.ndarray, jac: np.ndarray | None = None, *, tol: float | None = None
 ) -> JacobianCheck:
@@ -177,6 +181,7 @@ def _check_alpha(alpha: object) -> float:
     return a
 
 
+@public
 def entropy(p: np.ndarray) -> np.ndarray:
     """Shannon entropy ``-sum p log p`` of each row (with ``0 log 0 = 0``), in nats.
 
@@ -208,6 +213,7 @@ def entropy(p: np.ndarray) -> np.ndarray:
     return 0.0 - (arr * np.log(safe)).sum(axis=-1)  # 0.0 - x: no -0.0 for one-hot rows
 
 
+@public
 def entropy_slope(
     scores: np.ndarray, alpha: float, visible: np.ndarray | None = None
 ) -> np.ndarray:
@@ -253,6 +259,7 @@ def entropy_slope(
     return -a * var
 
 
+@public
 def limiting_distribution(scores: np.ndarray, visible: np.ndarray | None = None) -> np.ndarray:
     """The ``alpha -> inf`` limit of ``softmax(alpha * s)``: uniform over the maximal legal set.
 

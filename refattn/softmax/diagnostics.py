@@ -10,6 +10,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import (
     as_array,
     check_float64,
@@ -26,6 +27,7 @@ __all__ = [
 
 
 # -- diagnostics -------------------------------------------------------------------------------
+@public
 @dataclass(frozen=True)
 class RowDiagnostics:
     """Per-row descriptive statistics of pre-dropout attention probabilities (shape ``(...)``).
@@ -63,6 +65,7 @@ class RowDiagnostics:
     k: int
 
 
+@public
 def diagnostics(
     probs: np.ndarray,
     visible: np.ndarray | None = None,

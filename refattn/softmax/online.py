@@ -13,6 +13,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import (
     as_array,
     check_float64,
@@ -43,9 +44,15 @@ def _legal_row(row: object) -> np.ndarray:
     check_float64("row", r)
     if r.ndim != 1:
         raise RefAttnError(f"row: expected one row of legal scores (K,), got shape {list(r.shape)}")
+    bad = np.isnan(r) | np.isposinf(r)
+    if bad.any():
+        i = int(np.argmax(bad))
+        raise RefAttnError(f"row: {r[i]!r} at index ({i},) is not a legal score; expected "
+                           "finite float64 (or -inf)")
     return r
 
 
+@public
 def online_normalizer(row: np.ndarray) -> NormalizerState:
     """The contract's scalar online normalizer, one score at a time.
 
@@ -89,6 +96,7 @@ def online_normalizer(row: np.ndarray) -> NormalizerState:
     return NormalizerState(running_max, running_sum)
 
 
+@public
 def merge_states(a: NormalizerState, b: NormalizerState) -> NormalizerState:
     """Merge the states of two disjoint parts of a row under the common reference max.
 
@@ -117,6 +125,7 @@ def _partition(n: int, block: int | Sequence[int]) -> list[int]:
     return sizes
 
 
+@public
 def block_online_normalizer(row: np.ndarray, block: int | Sequence[int]) -> NormalizerState:
     """Block-online normalizer: reduce each tile, then merge tile states left to right.
 
@@ -161,6 +170,7 @@ def block_online_normalizer(row: np.ndarray, block: int | Sequence[int]) -> Norm
     return state
 
 
+@public
 def probabilities_from_state(row: np.ndarray, state: NormalizerState) -> np.ndarray:
     """Probabilities ``exp(row - max) / sum`` of a row from its normalizer state.
 

@@ -20,6 +20,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import (
     as_array,
     check_bool,
@@ -96,6 +97,7 @@ def _stable(s: np.ndarray, vis: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.
     return e / denom[..., None], row_max, denom
 
 
+@public
 def softmax(scores: np.ndarray, visible: np.ndarray | None = None) -> np.ndarray:
     """Softmax over the legal support of each row (subtract-max form).
 
@@ -127,6 +129,7 @@ def softmax(scores: np.ndarray, visible: np.ndarray | None = None) -> np.ndarray
     return _stable(s, vis)[0]
 
 
+@public
 def logsumexp(scores: np.ndarray, visible: np.ndarray | None = None) -> np.ndarray:
     """The row log-partition ``A(s) = log sum_{j legal} exp(s_j)``, computed stably.
 
@@ -153,6 +156,7 @@ def logsumexp(scores: np.ndarray, visible: np.ndarray | None = None) -> np.ndarr
     return row_max + np.log(denom)
 
 
+@public
 def reconstruct_probs(
     scores: np.ndarray, lse: np.ndarray, visible: np.ndarray | None = None
 ) -> np.ndarray:
@@ -206,6 +210,7 @@ class NaiveSoftmax(NamedTuple):
     """(...) bool: every legal exponential underflowed, so the denominator is 0."""
 
 
+@public
 def naive_softmax(scores: np.ndarray, visible: np.ndarray | None = None) -> NaiveSoftmax:
     """The two-pass direct softmax (no max subtraction), kept to show the overflow.
 

@@ -20,6 +20,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn.adapters import flash_attn as flash_adapter
 from refattn.adapters import flex as flex_adapter
 from refattn.adapters import jax as jax_adapter
@@ -37,6 +38,7 @@ TARGETS = ("numpy", "torch_sdpa", "jax", "flex_attention", "flash_attn", "flash_
            "flash_attn_kvcache")
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class Case:
     """A golden case bound to the dtype of one run (what ``@refattn.testing.cases`` yields).
@@ -392,6 +394,7 @@ def _bundle(directory: Path) -> tuple[CaseSpec, ...]:
     return tuple(c.spec for c in cases if c.spec is not None)
 
 
+@public
 def load_cases(source: str | os.PathLike | None = None, *, suite: str = "conformance"
                ) -> tuple[CaseSpec, ...]:
     """The golden cases of a bundle directory, or of an installed suite.

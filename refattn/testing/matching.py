@@ -11,6 +11,7 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from refattn._boundary import public
 from refattn._checks import format_index
 from refattn.bundle.comparison.harness import Report, TensorReport, compare, plain
 from refattn.bundle.golden.spec import CaseSpec
@@ -31,6 +32,7 @@ def _failure(t: TensorReport, precision: str) -> str:
                        f"; {t.reason.split(';')[0]}"))
 
 
+@public
 def assert_matches(case: Case | CaseSpec | Any, outputs: Mapping[str, Any], *,
                    dtype: Any = None, tolerances: Any = None, check: str = "auto") -> Report:
     """Assert that ``outputs`` match the golden case under ``refattn compare``'s rule.

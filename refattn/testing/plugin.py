@@ -29,6 +29,8 @@ from typing import Any
 
 import pytest
 
+from refattn._boundary import public
+
 __all__ = ["ARGNAME", "MARKER", "cases"]
 
 #: the marker :func:`cases` applies
@@ -39,6 +41,7 @@ ARGNAME = "refattn_case"
 _BROKEN = "refattn_rejected_case"
 
 
+@public
 def cases(supports: Any = None, *, suite: str = "conformance", bundle: Any = None,
           argname: str = "case") -> pytest.MarkDecorator:
     """Parametrise a test with the golden cases its function supports.

@@ -15,6 +15,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
 from refattn.bundle.golden.spec import CaseSpec
 from refattn.errors import RefAttnError
@@ -28,6 +29,7 @@ _FAMILIES = ("dot", "bilinear", "additive", "cosine")
 _DTYPES = ("float64", "float32", "float16", "bfloat16")
 
 
+@public
 @dataclass(frozen=True)
 class Supports:
     """A declaration of what the function under test can compute; the cases outside it are
@@ -236,6 +238,7 @@ def _quant_reason(spec: CaseSpec, supports: Supports) -> str | None:
     return None
 
 
+@public
 def ineligibility(spec: CaseSpec, supports: Supports, dtype: Any = "float64") -> str | None:
     """Why the function described by ``supports`` cannot run ``spec`` in ``dtype``, or None.
 

@@ -87,13 +87,13 @@ def test_lowering_decisions():
     with pytest.raises(RefAttnError, match=r"qk_mode: 4 is outside the allowed range \[0, 3\]"):
         ox.lowering(SPECS["causal_square"], qk_mode=4)
     # issue 40: an integer attribute is an integer (True is not mode 1, 23.0 not opset 23)
-    with pytest.raises(RefAttnError, match=r"qk_mode: expected an integer in \[0, 3\], got True"):
+    with pytest.raises(RefAttnError, match=r"qk_mode: expected an integer .*, got True"):
         ox.lowering(SPECS["causal_square"], qk_mode=True)
-    with pytest.raises(RefAttnError, match=r"opset: expected an integer in \[23, 24\], got 23.0"):
+    with pytest.raises(RefAttnError, match=r"opset: expected an integer .*, got 23.0"):
         ox.lowering(SPECS["causal_square"], opset=23.0)
     assert ox.lowering(SPECS["causal_square"], opset=np.int64(24), qk_mode=np.int8(3)) == (
         ox.lowering(SPECS["causal_square"], opset=24, qk_mode=3))
-    with pytest.raises(RefAttnError, match=r"runtime: expected 'reference' or 'onnxruntime'"):
+    with pytest.raises(RefAttnError, match=r"runtime: expected one of 'reference', 'onnxruntime'"):
         ox.run(SPECS["causal_square"], runtime="tvm")
 
 

@@ -129,7 +129,7 @@ def test_pinned_extreme_softcaps_agree_across_backends(case):
     assert assert_backends_agree(kw, g_o) == ("refused" if case in REFUSED else "agreed")
     if case in REFUSED:
         if PINNED[case][0]["softcap"] < 2.0**-1022:
-            with pytest.raises(RefAttnError, match="softcap: .* is subnormal"):
+            with pytest.raises(RefAttnError, match="is subnormal"):
                 refattn.AttentionCall(**kw)
         return
     out, grads = refattn.value_and_grad(refattn.AttentionCall(**kw), g_o,

@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 from safetensors.numpy import save
 
+from refattn._boundary import public
 from refattn._checks import as_array
 from refattn.bundle.comparison.tolerances import resolve_dtype
 from refattn.bundle.storage.format import atomic_write
@@ -60,6 +61,7 @@ _ST_DTYPES = {
 }
 
 
+@public
 def read_candidate(path: str | os.PathLike) -> dict[str, np.ndarray]:
     """Read a candidate safetensors file (canonical names; BF16 as ml_dtypes.bfloat16).
 
@@ -114,6 +116,7 @@ def _tensor(rec: Any, body: memoryview) -> np.ndarray:
     return arr.astype(arr.dtype.newbyteorder("="), copy=True)
 
 
+@public
 def write_candidate(path: str | os.PathLike, tensors: Mapping[str, Any]) -> Path:
     """Write candidate tensors (numpy, torch, ...) to a safetensors file under their names.
 

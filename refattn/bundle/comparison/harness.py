@@ -20,6 +20,7 @@ from typing import Any, SupportsFloat, cast
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import first_index, format_index
 from refattn.bundle.comparison.candidates import as_numpy
 from refattn.bundle.comparison.diagnosis import Diagnosis, diagnose
@@ -260,6 +261,7 @@ LEGEND = (
 )
 
 
+@public
 @dataclass(frozen=True)
 class Report:
     """The verdict on a whole candidate.
@@ -519,6 +521,7 @@ def _golden_parts(golden: Any) -> tuple[CaseSpec | None, Mapping[str, np.ndarray
     )
 
 
+@public
 def compare(
     candidate: Mapping[str, Any],
     golden: Any,

@@ -22,6 +22,7 @@ from typing import Any, Literal
 
 import numpy as np
 
+from refattn._boundary import public, shown
 from refattn.errors import RefAttnError
 
 __all__ = [
@@ -49,7 +50,7 @@ def resolve_dtype(dtype: Any) -> np.dtype:
     >>> resolve_dtype("bfloat16").name
     'bfloat16'
     """
-    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None) or str(dtype)
+    name = dtype if isinstance(dtype, str) else getattr(dtype, "name", None) or shown(dtype)
     name = {"torch.float64": "float64", "torch.float32": "float32", "torch.float16": "float16",
             "torch.bfloat16": "bfloat16", "f8": "float64", "f4": "float32", "f2": "float16",
             "double": "float64", "float": "float32", "half": "float16"}.get(name, name)
@@ -64,7 +65,7 @@ def resolve_dtype(dtype: Any) -> np.dtype:
             ) from None
         return np.dtype(ml_dtypes.bfloat16)
     if name not in _ALL:
-        raise RefAttnError(f"dtype: expected one of {list(_ALL)}, got {dtype!r}")
+        raise RefAttnError(f"dtype: expected one of {list(_ALL)}, got {shown(dtype)}")
     return np.dtype(name)
 
 
@@ -168,6 +169,7 @@ def _is_gradient(name: str) -> bool:
     return name.startswith("grad_") or name.startswith("row_dot")
 
 
+@public
 @dataclass(frozen=True)
 class Tolerances:
     """Settings of both comparison rules (all configurable, defaults in the issue's terms).

@@ -16,6 +16,7 @@ from typing import Any, NamedTuple, cast
 import numpy as np
 from threadpoolctl import threadpool_info, threadpool_limits
 
+from refattn._boundary import public
 from refattn._checks import format_index
 from refattn.bundle.golden.quantized import INPUTS, PREFIX, quant_tensors
 from refattn.call import AttentionCall
@@ -40,6 +41,7 @@ __all__ = ["GENERATORS", "INPUT_TENSORS", "Computed", "GoldenCase", "case_conven
 GENERATORS: tuple[str, ...] = ("exact", "numpy", "numba")
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class GoldenCase:
     """One named golden case: a call, its output cotangent and its labels.
@@ -88,6 +90,7 @@ class Computed(NamedTuple):
     grads: Gradients
 
 
+@public
 def compute(case: GoldenCase, backend: str = "exact") -> Computed:
     """Forward and backward of a case on a generator backend (numpy's BLAS on one thread).
 

@@ -19,6 +19,7 @@ from typing import Any, ClassVar
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn._checks import INT64_MAX, INT64_MIN, bounded_int
 from refattn.bundle.golden.case import (
     INPUT_TENSORS,
@@ -82,6 +83,7 @@ def with_strides(x: np.ndarray, stride: list[int], name: str = "stride") -> np.n
     return view
 
 
+@public
 @dataclass(frozen=True, eq=False)
 class CaseSpec:
     """One golden case as a semantic call: tensors, manifest fields and labels.
@@ -458,6 +460,7 @@ def _stream_from_manifest(record: Mapping[str, Any]) -> Any:
     raise RefAttnError(f"dropout: cannot rebuild stream {record.get('algorithm')!r}")
 
 
+@public
 def case_spec(source: LoadedCase | GoldenCase | str | os.PathLike, *,
               backend: str = "exact") -> CaseSpec:
     """The :class:`CaseSpec` of a loaded case, a case file path or an in-memory GoldenCase.

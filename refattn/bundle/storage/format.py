@@ -22,6 +22,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn.errors import RefAttnError
 
 __all__ = ["META_KEY", "SCHEMA", "SCHEMA_VERSION", "atomic_write", "dump_json", "tensor_sha256"]
@@ -32,6 +33,7 @@ SCHEMA_VERSION = "1.0"
 META_KEY = "refattn"
 
 
+@public
 def tensor_sha256(x: np.ndarray) -> str:
     """sha256 over the raw little-endian C-order bytes of ``x``.
 
@@ -46,6 +48,7 @@ def tensor_sha256(x: np.ndarray) -> str:
     return hashlib.sha256(arr.reshape(-1).view(np.uint8).data).hexdigest()  # the bytes, uncopied
 
 
+@public
 def atomic_write(path: Path, data: bytes) -> None:
     """Write ``data`` to ``path`` via a fsynced temporary file in the same directory, a
     rename and a fsync of the directory. An ``OSError`` (a full disk, a read-only directory)

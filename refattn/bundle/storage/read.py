@@ -26,6 +26,7 @@ from typing import Any
 
 import numpy as np
 
+from refattn._boundary import public
 from refattn.bundle.storage.format import META_KEY, tensor_sha256
 from refattn.bundle.storage.fsio import (
     MAX_CASE_BYTES,
@@ -53,6 +54,7 @@ _ST_DTYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i
 _HASH_STEP = 1 << 24
 
 
+@public
 @dataclass(frozen=True)
 class LoadedCase:
     """A case read back from disk with every checksum verified."""
@@ -343,6 +345,7 @@ def _entry_for(path: Path, manifest: Mapping[str, Any] | None) -> Mapping[str, A
     return None
 
 
+@public
 def load(path: str | os.PathLike, *, manifest: Mapping[str, Any] | None = None) -> LoadedCase:
     """Read one case file back and verify every checksum.
 
@@ -368,7 +371,18 @@ def load(path: str | os.PathLike, *, manifest: Mapping[str, Any] | None = None) 
     RefAttnError
         Naming the file and tensor on a truncated file, a bad header, a missing tensor or a
         checksum mismatch. The header, the tensor layout and (with a manifest) the file's size
-    and sha256 are checked before the file is read, into one buffer of its size.
+        and sha256 are checked before the file is read, into one buffer of its size.
+
+    Examples
+    --------
+    >>> import tempfile
+    >>> from refattn.bundle import write_bundle
+    >>> from refattn.bundle.suites import build_suite
+    >>> d = tempfile.mkdtemp()
+    >>> _ = write_bundle(d, build_suite("contract")[:1], suite="contract")
+    >>> case = load(next(Path(d, "cases").iterdir()))
+    >>> case.case_id, case.tensors["q"].shape
+    ('loop6_two_query_training_trace', (1, 1, 2, 2))
     """
     path = Path(path)
     if manifest is None:

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Sequence
 
+from refattn._boundary import public
 from refattn.bundle.golden.case import GoldenCase
 from refattn.bundle.suites import conformance, contract, kernels
 from refattn.errors import RefAttnError
@@ -37,6 +38,7 @@ def _check(name: str) -> None:
         raise RefAttnError(f"suite: unknown suite {name!r}; known suites: {sorted(SUITES)}")
 
 
+@public
 def build_suite(name: str) -> Sequence[GoldenCase]:
     """Build the cases of a named suite.
 

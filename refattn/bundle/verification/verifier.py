@@ -27,6 +27,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from gradcheck.errors import GradcheckError
+from refattn._boundary import public
 from refattn._checks import check_finite
 from refattn._progress import progress as progress_bar
 from refattn.analysis.certificate import certify
@@ -173,6 +174,7 @@ def _generator_claims(spec: Any, manifest: Any) -> list[Problem]:
 
 
 # -- the bundle -----------------------------------------------------------------------------
+@public
 def verify(directory: str | os.PathLike, *, recompute: bool = True,
            gradcheck: bool = True, gradcheck_method: GradcheckMethod = "auto",
            backend: str | None = None, exact: bool = False, require: str = "float64",

@@ -28,6 +28,7 @@ from typing import Any, NamedTuple
 import safetensors
 from safetensors.numpy import save
 
+from refattn._boundary import public, shown
 from refattn._progress import progress as progress_bar
 from refattn._version import __version__
 from refattn.analysis.reference_error import reference_error
@@ -185,6 +186,7 @@ def _generator(backend: str) -> dict[str, Any]:
 MAX_EXACT_SECONDS = 3600.0
 
 
+@public
 def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: str,
                  backend: str = "exact", force: bool = False,
                  progress: bool | None = None,
@@ -247,9 +249,14 @@ def write_bundle(out: str | os.PathLike, cases: Iterable[GoldenCase], *, suite: 
     out = Path(out)
     with BundleTransaction(out, force=force) as tx:  # refuse before any arithmetic
         entries: dict[str, dict[str, Any]] = {}
-        todo = cases if isinstance(cases, Sequence) else list(cases)
+        try:
+            todo = cases if isinstance(cases, Sequence) else list(cases)
+        except TypeError:
+            raise RefAttnError(f"cases: expected golden cases, got {shown(cases)}") from None
         seconds = 0.0
-        for case in todo:  # every case the generator cannot write, named before any work
+        for i, case in enumerate(todo):  # every case the generator cannot write, named first
+            if not isinstance(case, GoldenCase):
+                raise RefAttnError(f"cases[{i}]: expected a GoldenCase, got {shown(case)}")
             check_generator(case, backend)
             seconds += estimate_seconds(case.call) if backend == "exact" else 0.0
         if seconds > max_seconds:
