@@ -110,7 +110,10 @@ def _expected(hint: Any) -> str:
     if origin in (typing.Union, types.UnionType):
         return " or ".join(_expected(a) for a in typing.get_args(hint))
     if origin is tuple:
-        return f"a tuple of {len(typing.get_args(hint))}"
+        args = typing.get_args(hint)
+        if len(args) == 2 and args[1] is Ellipsis:
+            return f"a tuple of {_expected(args[0]).removeprefix('a ').removeprefix('an ')}s"
+        return f"a tuple of {len(args)}" if len(args) != 2 else "a pair (a tuple or list of 2)"
     if isinstance(hint, type) and hint.__name__ == "ndarray":
         return "an array (of numbers: no ragged nested sequence)"
     if isinstance(origin, type):
@@ -154,9 +157,10 @@ def _fits(value: Any, hint: Any) -> bool | None:
             return False
     if hint is str:
         return isinstance(value, str)
-    if origin is tuple:
+    if origin is tuple:  # a fixed-length tuple: any tuple or list of that length (a pair)
         args = typing.get_args(hint)
-        if not isinstance(value, tuple):
+        if not isinstance(value, (tuple, list)) or (
+                isinstance(value, list) and len(args) == 2 and args[1] is Ellipsis):
             return False
         if len(args) == 2 and args[1] is Ellipsis:
             return all(_fits(v, args[0]) is not False for v in value)
@@ -182,6 +186,42 @@ def _fits(value: Any, hint: Any) -> bool | None:
             return _array_like(value) if hint.__name__ == "ndarray" else None
         return isinstance(value, hint)
     return None
+
+
+def _culprit(value: Any, hint: Any) -> tuple[str, Any, Any]:
+    """Where a value that does not fit ``hint`` fails: ``("[1]", member, its hint)`` for a
+    member of a tuple or sequence that is itself of the right kind, else ``("", value, hint)``.
+    """
+    origin = typing.get_origin(hint)
+    if origin in (typing.Union, types.UnionType):  # the member whose container type matches
+        for arg in typing.get_args(hint):
+            container = typing.get_origin(arg)
+            if container is tuple:
+                variadic = len(typing.get_args(arg)) == 2 and typing.get_args(arg)[1] is Ellipsis
+                if isinstance(value, tuple) or (isinstance(value, list) and not variadic):
+                    return _culprit(value, arg)
+            elif isinstance(container, type) and issubclass(
+                    container, collections.abc.Sequence) and isinstance(value, container):
+                return _culprit(value, arg)
+        return "", value, hint
+    args = typing.get_args(hint)
+    if origin is tuple and isinstance(value, (tuple, list)):
+        if len(args) == 2 and args[1] is Ellipsis:
+            members = [(i, v, args[0]) for i, v in enumerate(value)]
+        elif len(value) == len(args):
+            members = [(i, v, a) for i, (v, a) in enumerate(zip(value, args, strict=True))]
+        else:
+            return "", value, hint
+    elif (isinstance(origin, type) and issubclass(origin, collections.abc.Sequence)
+          and len(args) == 1 and isinstance(value, (list, tuple))):
+        members = [(i, v, args[0]) for i, v in enumerate(value)]
+    else:
+        return "", value, hint
+    for i, v, a in members:
+        if _fits(v, a) is False:
+            where, member, member_hint = _culprit(v, a)
+            return f"[{i}]{where}", member, member_hint
+    return "", value, hint
 
 
 def _array_like(value: Any) -> bool:
@@ -266,8 +306,9 @@ def boundary(error: type[Exception]) -> Callable[[F], F]:
                 if hint is None or kind in (kind.VAR_POSITIONAL, kind.VAR_KEYWORD):
                     continue
                 if _fits(value, hint) is False:
-                    raise error(f"{name}: {param}: expected {_expected(hint)}, got "
-                                f"{shown(value)}")
+                    where, member, member_hint = _culprit(value, hint)
+                    raise error(f"{name}: {param}{where}: expected {_expected(member_hint)}, "
+                                f"got {shown(member)}")
             return fn(*args, **kwargs)
 
         return typing.cast(F, checked)

@@ -267,10 +267,12 @@ def check_vjp(
         )
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise GradcheckError(f"seed: expected a non-negative integer, got {seed!r}")
-    for what, n, top in (("directions", directions, 1024), ("levels", levels, 16),
-                         ("full_limit", full_limit, 2**31)):
-        if not 1 <= n <= top:
-            raise GradcheckError(f"{what}: expected an integer in [1, {top}], got {shown(n)}")
+    limits = (("directions", directions, 1024), ("levels", levels, 16),
+              ("full_limit", full_limit, 2**31))
+    for what, count, top in limits:
+        if not 1 <= count <= top:
+            raise GradcheckError(f"{what}: expected an integer in [1, {top}], got "
+                                 f"{shown(count)}")
     if not 2.0**-40 <= step <= 2.0**-4 or not step * 2.0 ** (levels - 1) < 1.0:
         raise GradcheckError(f"step: expected a relative step in [2**-40, 1/16] with step * "
                              f"2**(levels - 1) < 1, got {step!r} and levels {levels}")

@@ -62,6 +62,10 @@ def _torch() -> Any:
     return torch
 
 
+def _is_relation(x: object) -> bool:
+    return isinstance(x, BaseRelation)
+
+
 def _device(torch: Any, device: Any) -> Any:
     """``device`` as a torch device that exists here (a RefAttnError naming it otherwise)."""
     if not isinstance(device, (str, torch.device)):
@@ -119,7 +123,7 @@ def relation_mask_mod(relation: Any, torch: Any, device: Any = "cpu") -> Any:
     >>> mm(torch.tensor(0), torch.tensor(0), i, j).int().tolist()
     [[1, 1, 0], [1, 1, 1]]
     """
-    if not isinstance(relation, BaseRelation):
+    if not _is_relation(relation):  # (no narrowing: the terms are read duck-typed below)
         raise RefAttnError(f"relation: expected a refattn.masks relation, got "
                            f"{type(relation).__name__}")
     if getattr(torch, "__name__", None) != "torch" or not hasattr(torch, "as_tensor"):

@@ -47,8 +47,8 @@ def _legal_row(row: object) -> np.ndarray:
     bad = np.isnan(r) | np.isposinf(r)
     if bad.any():
         i = int(np.argmax(bad))
-        raise RefAttnError(f"row: {r[i]!r} at index ({i},) is not a legal score; expected "
-                           "finite float64 (or -inf)")
+        raise RefAttnError(f"row: legal score {float(r[i])!r} at key {i}; expected a finite "
+                           "score (or -inf)")
     return r
 
 

@@ -103,8 +103,8 @@ class Supports:
     Supports.quantized: expected True, False or preset names from
     """
 
-    scores: tuple[str, ...] = ("dot",)
-    dropout: tuple[str, ...] = ()
+    scores: str | tuple[str, ...] = ("dot",)
+    dropout: str | tuple[str, ...] = ()
     gqa: bool = True
     head_map: bool = True
     bias: bool = True
@@ -113,8 +113,8 @@ class Supports:
     softcap: bool = False
     sink: bool = False
     distinct_value_width: bool = True
-    dtypes: tuple[str, ...] = ("float64",)
-    quantized: bool | tuple[str, ...] = False
+    dtypes: str | tuple[str, ...] = ("float64",)
+    quantized: bool | str | tuple[str, ...] = False
 
     def __post_init__(self) -> None:
         self._check_quantized()

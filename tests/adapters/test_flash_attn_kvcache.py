@@ -239,5 +239,7 @@ def test_layouts_and_unsupported_arguments_are_refused():
     assert _bad(k=q).startswith("k: appending keys (k=, v=) writes k_cache/v_cache in place")
     assert _bad(cache_leftpad=lens).startswith("cache_leftpad: ")
     assert _bad(window_size=(1.5, 0)).startswith(
-        "window_size[0]: expected an integer in [-2**63, 2**63 - 1], got 1.5")
-    assert _bad(window_size=(1, 2, 3)).startswith("window_size: expected (left, right) ints")
+        "flash_attn_with_kvcache: window_size[0]: expected an integer below 2**128 in magnitude, "
+        "got 1.5")
+    assert _bad(window_size=(1, 2, 3)).startswith(
+        "flash_attn_with_kvcache: window_size: expected a pair (a tuple or list of 2)")

@@ -61,7 +61,7 @@ def test_pristine_bundle_passes_bit_identically(pristine, capsys):
     assert CASE in out and out.rstrip().endswith("PASS")
     assert main(["verify", str(pristine), "--gradcheck-method", "central_difference"]) == 0
     assert "central_difference" in capsys.readouterr().out
-    with pytest.raises(RefAttnError, match="gradcheck method"):
+    with pytest.raises(RefAttnError, match="gradcheck_method: expected one of 'auto'"):
         verify(pristine, gradcheck_method="autograd")
 
 

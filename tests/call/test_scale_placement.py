@@ -94,7 +94,7 @@ def test_operand_multipliers_put_alpha_in_exactly_one_place():
 
 
 def test_placement_gate_rejections():
-    with pytest.raises(RefAttnError, match=r"scale_placement: expected one of \['post', 'q', "):
+    with pytest.raises(RefAttnError, match=r"scale_placement: expected one of 'post', 'q', "):
         AttentionCall(*qkv(), scale_placement="pre")
     rng = np.random.default_rng(0)
     add = Additive(rng.standard_normal((Hq, 2, Dk)), rng.standard_normal((Hq, 2, Dk)),

@@ -259,7 +259,7 @@ def test_family_construction_rejects_bad_parameters():
     for eps in (0.0, -1.0, math.inf, True):
         with pytest.raises(RefAttnError, match=r"eps: expected a positive"):
             Cosine(eps=eps)
-    with pytest.raises(RefAttnError, match=r"score: expected a refattn.call.scores family"):
+    with pytest.raises(RefAttnError, match=r"score: expected a ScoreFamily or None, got 'dot'"):
         AttentionCall(*_qkv(), score="dot")
 
 

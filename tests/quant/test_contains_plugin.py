@@ -8,6 +8,8 @@ them as float cases (their dequantised inputs against their real result).
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 
 from refattn.bundle.golden.spec import case_spec
@@ -17,15 +19,9 @@ from refattn.quant.presets import PRESETS, preset
 from refattn.testing.supports import Supports, ineligibility, quant_preset
 
 
-class _Quantised:
+def _with_quant(spec, quant):
     """A conformance case with a quantisation record (the spec's other fields unchanged)."""
-
-    def __init__(self, spec, quant):
-        self._spec = spec
-        self.quant = quant
-
-    def __getattr__(self, name):
-        return getattr(self._spec, name)
+    return dataclasses.replace(spec, quant=quant)
 
 
 @pytest.fixture(scope="module")
@@ -34,14 +30,14 @@ def plain():
 
 
 def _quantised(plain, name):
-    return _Quantised(plain, {"spec": preset(name).to_manifest()})
+    return _with_quant(plain, {"spec": preset(name).to_manifest()})
 
 
 def test_the_preset_name_is_read_from_the_record(plain):
     assert quant_preset(plain) is None
     for name in PRESETS:
         assert quant_preset(_quantised(plain, name)) == name
-    assert quant_preset(_Quantised(plain, {"spec": {"schema": "x"}})) == "custom"
+    assert quant_preset(_with_quant(plain, {"spec": {"schema": "x"}})) == "custom"
 
 
 def test_a_float_kernel_runs_quantised_cases_on_their_real_result(plain):
@@ -72,6 +68,5 @@ def test_a_quantised_kernel_runs_its_presets_only(plain):
 
 @pytest.mark.parametrize("bad", [("fa4_fp8",), (), "int8", ["fa3_fp8"], 1])
 def test_unknown_presets_are_refused(bad):
-    with pytest.raises(RefAttnError, match=r"Supports\.quantized: expected True, False "
-                       r"or preset names"):
+    with pytest.raises(RefAttnError, match=r"Supports(\.|: )quantized: expected"):
         Supports(quantized=bad)

@@ -117,7 +117,7 @@ def test_a_dtype_that_overflows_the_inputs_is_skipped():
 
 
 def test_bad_declarations_are_named():
-    with pytest.raises(RefAttnError, match=r"Supports\.masks"):
+    with pytest.raises(RefAttnError, match=r"Supports: masks: expected one of 'dense'"):
         Supports(masks="sliding")
     with pytest.raises(RefAttnError, match=r"Supports\.scores"):
         Supports(scores=("dot", "rbf"))
