@@ -118,7 +118,18 @@ MULTI_LINE_BY_DESIGN: dict[tuple[str, ...], str] = {
 
 #: manifest fields (dotted, ``*`` for any case id or tensor name) whose change verify may
 #: accept (exit 0): provenance and free text that nothing is computed from
-HARMLESS_MANIFEST_FIELDS: dict[str, str] = {}
+HARMLESS_MANIFEST_FIELDS: dict[str, str] = {
+    "suite": "a label: verify checks cases, never which suite they came from",
+    "generator": "provenance (refattn, numpy and BLAS versions, arithmetic notes): verify "
+    "recomputes every case with the exact generator whatever the manifest claims",
+    "cases.*.comment": "free text",
+    "cases.*.flags": "free text, except the flags of FLAG_CHECKS, which only claim features "
+    "(a removed or emptied flag claims less; a claim the call lacks is refused)",
+    "cases.*.reference_error": "the generator's own error measurement, for reading: verify "
+    "measures the error itself and never reads it",
+    "cases.*.call.backend.framework_revision": "provenance: verify leaves it out of the "
+    "rebuilt call's comparison",
+}
 
 #: the honest SPEC: a few tiny cases that between them hold every kind of mask, score,
 #: dropout and the quantised fields, so a mutated SPEC that is valid stays cheap to run
@@ -137,10 +148,12 @@ HONEST_SPEC: dict[str, Any] = {
     }],
     "case": [
         {"shape": {"B": 1, "Hq": 1, "Hkv": 1, "Q": 2, "K": 2, "Dk": 2, "Dv": 2},
-         "score": {"family": "additive", "eps": 0.001, "da": 2, "shared": False},
+         "score": {"family": "cosine", "eps": 0.001},
          "scale": 0.5, "mask": {"kind": "window", "left": 1, "right": 0, "causal": True},
          "dropout": {"p": 0.25, "seed": 3, "offset": 1}, "bias": "random", "seed": 1,
          "generator": "exact"},
+        {"shape": [1, 1, 1, 2, 2, 2, 2], "score": {"family": "bilinear", "shared": False}},
+        {"shape": [1, 1, 1, 2, 2, 2, 2], "score": {"family": "additive", "da": 2}},
         {"shape": [1, 1, 1, 2, 2, 2, 2], "quant": "fa3_fp8", "quant_scale": 0.5,
          "quant_values": "random"},
     ],
@@ -157,13 +170,42 @@ class _Big:
 
 
 BIG = _Big()
-#: boundary values of every JSON kind for SPEC and manifest fields (nan and +/-inf: the TOML
-#: SPEC spells them; the manifest's JSON as NaN / Infinity, which a strict reader refuses)
-JSON_VALUES: tuple[Any, ...] = (
-    0, -1, 2**31, 2**63 - 1, 2**64, 2**70, 10**400, BIG, 1e300, 5e-324, 1e-310,
-    math.nan, math.inf, -math.inf, "", "x" * 10_000, [], [1, [2]], {}, {"x": 1}, None, True)
-#: values for a container (a table or a list replaced as a whole) and for added properties
-SHAPE_VALUES: tuple[Any, ...] = (0, -1, 2**70, BIG, math.nan, "", [], {}, None, True)
+#: boundary values of every JSON kind for SPEC and manifest fields, per kind of field (nan
+#: and +/-inf: the TOML SPEC spells them, the manifest's JSON as NaN / Infinity, which a
+#: strict reader refuses); a few values of other kinds stand for a type change
+JSON_VALUES: dict[str, tuple[Any, ...]] = {
+    "int": (0, -1, 2**31, 2**63 - 1, 2**64, 2**70, 10**400, BIG, 1e300, 5e-324, math.nan,
+            math.inf, "", None, True),
+    "float": (0, -1, 2**64, 2**70, 10**400, BIG, 1e300, 5e-324, 1e-310, math.nan, math.inf,
+              -math.inf, "", None),
+    "str": ("", "x" * 10_000, 0, 2**70, BIG, None, []),
+    "bool": (0, 1, None, "true", 2**70),
+    "null": (0, "", {}, True, BIG),
+    "container": (0, -1, 2**70, BIG, math.nan, "", [], [1, [2]], {}, {"x": 1}, None, True),
+}
+#: values for a property added where the honest document leaves it out
+ADDED_VALUES: tuple[Any, ...] = (0, -1, 2**70, BIG, math.inf, "", [], None)
+
+
+def _json_kind(v: Any) -> str:
+    if isinstance(v, bool):
+        return "bool"
+    if isinstance(v, int):
+        return "int"
+    if isinstance(v, float):
+        return "float"
+    if isinstance(v, str):
+        return "str"
+    return "null" if v is None else "container"
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Whether a substitution changes nothing (``0`` for ``0.0``, ``{}`` for ``{}``)."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return type(a) is type(b) and a == b
+    if isinstance(a, (int, float)) and isinstance(b, (int, float)) and a is not BIG:
+        return a == b
+    return a is not BIG and b is not BIG and json.dumps(a) == json.dumps(b)
 
 
 @dataclass(frozen=True)
@@ -282,6 +324,37 @@ def _environment(fx: Fixtures, cwd: Path) -> Iterator[None]:
             os.environ["REFATTN_CACHE_DIR"] = old_cache
 
 
+def _status(key: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(key + ":"):
+                return int(line.split()[1]) * 1024
+    raise OSError(f"/proc/self/status has no {key}")
+
+
+class _PeakMeter:
+    """The peak memory of one call: the resident set's high-water mark above its size at the
+    start (Linux, after resetting the mark through /proc/self/clear_refs), else
+    ``tracemalloc``'s peak (slower: it traces every allocation)."""
+
+    def __init__(self) -> None:
+        try:
+            with open("/proc/self/clear_refs", "w") as f:
+                f.write("5")  # reset VmHWM to the current resident set
+            self.start = _status("VmRSS")
+            self.traced = False
+        except OSError:
+            tracemalloc.start()
+            self.traced = True
+
+    def peak(self) -> int:
+        if self.traced:
+            peak = tracemalloc.get_traced_memory()[1]
+            tracemalloc.stop()
+            return peak
+        return max(0, _status("VmHWM") - self.start)
+
+
 def run_argv(argv: Sequence[str], *, timeout: float = TIMEOUT_S) -> Outcome:
     """Run ``refattn ARGV`` in this process under a timeout, capturing its output and the
     peak of the memory it allocated.
@@ -297,7 +370,7 @@ def run_argv(argv: Sequence[str], *, timeout: float = TIMEOUT_S) -> Outcome:
     -------
     Outcome
         Exit code (a ``SystemExit`` counts as its code), stdout, stderr, an uncaught
-        exception (or ``"hang"``) and the peak traced memory in bytes.
+        exception (or ``"hang"``) and the call's peak memory in bytes (:class:`_PeakMeter`).
     """
     from refattn.cli.main import main
 
@@ -309,7 +382,7 @@ def run_argv(argv: Sequence[str], *, timeout: float = TIMEOUT_S) -> Outcome:
         raise _Hang
 
     old = signal.signal(signal.SIGALRM, alarm)
-    tracemalloc.start()
+    meter = _PeakMeter()
     signal.setitimer(signal.ITIMER_REAL, timeout)
     try:
         with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), \
@@ -327,8 +400,7 @@ def run_argv(argv: Sequence[str], *, timeout: float = TIMEOUT_S) -> Outcome:
     finally:
         signal.setitimer(signal.ITIMER_REAL, 0)
         signal.signal(signal.SIGALRM, old)
-        peak = tracemalloc.get_traced_memory()[1]
-        tracemalloc.stop()
+        peak = meter.peak()
     return Outcome(code, out.getvalue(), err.getvalue(), error, peak)
 
 
@@ -524,15 +596,15 @@ def fuzz_cli(fx: Fixtures, *, commands: Sequence[str] | None = None
     Returns
     -------
     counts : dict
-        ``runs`` (calls made), ``reached`` (the set of ``(command, option)`` given at least
-        one value), ``actions`` (every ``(command, option)`` of the parser) and ``exits``
+        ``runs`` (calls made), ``reached`` (the set of ``"command option"`` given at least
+        one value), ``actions`` (every ``"command option"`` of the parser) and ``exits``
         (calls per exit code).
     findings : list of Finding
         Every broken promise, in run order.
     """
     findings: list[Finding] = []
-    reached: set[tuple[str, str]] = set()
-    every: set[tuple[str, str]] = set()
+    reached: set[str] = set()
+    every: set[str] = set()
     exits: dict[str, int] = {}
     runs = 0
     actions = cli_actions()
@@ -558,18 +630,22 @@ def fuzz_cli(fx: Fixtures, *, commands: Sequence[str] | None = None
         fx.peaks[command] = o.peak
         for action in actions[command]:
             key = (command, _name(action))
-            every.add(key)
+            every.add(" ".join(key))
             if key in EXCLUDED_OPTIONS:
                 continue
-            numeric = _kind(action) == "number"
+            kind = _kind(action)
             for shown, tokens in _variants(command, action):
                 if (command, _name(action), shown) in EXCLUDED_VALUES:
                     continue
-                o, problems = _call(fx, tokens, fx.peaks[command])
+                # a flag toggled and a listed choice are honest argument lists themselves
+                # (another backend, the real calibration): they set their own memory
+                honest = kind == "flag" or (kind == "choice" and shown in map(
+                    str, action.choices or ()))
+                o, problems = _call(fx, tokens, None if honest else fx.peaks[command])
                 runs += 1
-                reached.add(key)
+                reached.add(" ".join(key))
                 exits[str(o.code)] = exits.get(str(o.code), 0) + 1
-                if numeric and shown in NEVER_A_NUMBER and o.code != 2 and not problems:
+                if kind == "number" and shown in NEVER_A_NUMBER and o.code != 2 and not problems:
                     problems = [f"exit {o.code}: accepted as a number"]
                 findings += [Finding("cli", f"refattn {command} {_name(action)}", _shown(shown),
                                      p) for p in problems]
@@ -740,11 +816,10 @@ def _set(doc: Any, path: tuple[Any, ...], value: Any) -> Any:
     return doc
 
 
-def _is_leaf(doc: Any, path: tuple[Any, ...]) -> bool:
-    node = doc
+def _get(doc: Any, path: tuple[Any, ...]) -> Any:
     for k in path:
-        node = node[k]
-    return not isinstance(node, (dict, list))
+        doc = doc[k]
+    return doc
 
 
 def _spec_schema() -> dict[str, Any]:
@@ -791,23 +866,31 @@ def fuzz_spec(fx: Fixtures) -> tuple[dict[str, Any], list[Finding]]:
         exits[str(o.code)] = exits.get(str(o.code), 0) + 1
         if o.code == 0 and not problems and _has(value, lambda x: x is BIG or (
                 isinstance(x, float) and not math.isfinite(x)) or (
-                isinstance(x, int) and not isinstance(x, bool) and abs(x) > 2**64)):
+                isinstance(x, int) and not isinstance(x, bool) and abs(x) > 2**1024)):
             problems = ["exit 0: a SPEC with this value was accepted"]
         for p in problems:
             findings.append(Finding("spec", where, _shown(repr(value)), p))
 
+    seen: set[str] = set()
+    turn = 0
     for path in paths:
-        leaf = _is_leaf(HONEST_SPEC, path)
+        original = _get(HONEST_SPEC, path)
         names = [k for k in path if isinstance(k, str)]
         if names:
             mutated.add(names[-1])
-        for value in (JSON_VALUES if leaf else SHAPE_VALUES):
+        values = [v for v in JSON_VALUES[_json_kind(original)] if not _same(v, original)]
+        pattern = _pattern(path)
+        if pattern in seen:  # a sibling of a path already given every value: one value
+            values = [values[turn % len(values)]]
+            turn += 1
+        seen.add(pattern)
+        for value in values:
             o, problems = sweep(_set(HONEST_SPEC, path, value), fx.peaks["spec"])
             runs += 1
             record(".".join(map(str, path)), value, o, problems)
     for path, name in absent:
         mutated.add(name)
-        for value in SHAPE_VALUES:
+        for value in ADDED_VALUES:
             o, problems = sweep(_set(HONEST_SPEC, (*path, name), value), fx.peaks["spec"])
             runs += 1
             record(".".join(map(str, (*path, name))) + " (added)", value, o, problems)
@@ -816,12 +899,17 @@ def fuzz_spec(fx: Fixtures) -> tuple[dict[str, Any], list[Finding]]:
 
 
 # -- the bundle manifest ------------------------------------------------------------------------
+#: the keys whose children are named by data (case ids, tensor names), not by a schema
+_NAMED_BY_DATA = ("cases", "tensors", "reference_error", "rounding_points")
+
+
 def _pattern(path: tuple[Any, ...]) -> str:
-    """A manifest path with case ids, tensor names and reference-error names as ``*``."""
+    """A path with list indices as ``#`` and the children of :data:`_NAMED_BY_DATA` as
+    ``*``: the paths one value set stands for."""
     out: list[str] = []
     for i, k in enumerate(path):
         parent = path[i - 1] if i else None
-        out.append("*" if parent in ("cases", "tensors", "reference_error") else str(k))
+        out.append("#" if isinstance(k, int) else "*" if parent in _NAMED_BY_DATA else str(k))
     return ".".join(out)
 
 
@@ -852,8 +940,15 @@ def manifest_leaves(manifest: Any) -> list[tuple[Any, ...]]:
     return paths
 
 
-def _harmless(pattern: str) -> bool:
-    return any(pattern == f or pattern.startswith(f + ".") for f in HARMLESS_MANIFEST_FIELDS)
+def _harmless(pattern: str, path: tuple[Any, ...], manifest: Any) -> bool:
+    """Whether verify may accept this change (exit 0): a listed field, or the stride of an
+    axis of length 1 (no element is ever read through it)."""
+    if any(pattern == f or pattern.startswith(f + ".") for f in HARMLESS_MANIFEST_FIELDS):
+        return True
+    if len(path) >= 2 and path[-2] == "stride" and isinstance(path[-1], int):
+        shape = _get(manifest, (*path[:-2], "shape"))
+        return isinstance(shape, list) and path[-1] < len(shape) and shape[path[-1]] == 1
+    return False
 
 
 def fuzz_manifest(fx: Fixtures) -> tuple[dict[str, Any], list[Finding]]:
@@ -902,13 +997,13 @@ def fuzz_manifest(fx: Fixtures) -> tuple[dict[str, Any], list[Finding]]:
     fx.peaks["manifest"] = honest.peak
     for path in paths:
         pattern = _pattern(path)
-        leaf = _is_leaf(manifest, path)
-        values = list(JSON_VALUES if leaf else SHAPE_VALUES)
+        original = _get(manifest, path)
+        values = [v for v in JSON_VALUES[_json_kind(original)] if not _same(v, original)]
         if pattern in seen:  # a sibling of a path already given every value: one value
             values = [values[turn % len(values)]]
             turn += 1
         seen.add(pattern)
-        allowed = (0, 1, 2) if _harmless(pattern) else (1, 2)
+        allowed = (0, 1, 2) if _harmless(pattern, path, manifest) else (1, 2)
         mutated.add(path)
         for value in values:
             o, problems = verify(_set(manifest, path, value), fx.peaks["manifest"], allowed)
@@ -919,22 +1014,46 @@ def fuzz_manifest(fx: Fixtures) -> tuple[dict[str, Any], list[Finding]]:
     return {"runs": runs, "mutated": mutated, "paths": set(paths), "exits": exits}, findings
 
 
+def _plain(counts: dict[str, Any]) -> dict[str, Any]:
+    """Counts as JSON: sets as sorted lists of strings."""
+    return {k: sorted(map(str, v)) if isinstance(v, set) else v for k, v in counts.items()}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """Run every fuzz and print the counts and findings (``python tests/hostile/cli_surface.py
-    [cli|spec|manifest ...]``); exit 1 when there is a finding."""
-    which = list(argv if argv is not None else sys.argv[1:]) or ["cli", "spec", "manifest"]
+    """Run the fuzzes named in ``argv`` (``cli``, ``spec``, ``manifest``; default all) and
+    print their counts and findings, or with ``--json`` one JSON document
+    ``{name: {"counts": ..., "findings": [...]}}``; exit 1 when there is a finding.
+
+    Parameters
+    ----------
+    argv : sequence of str, optional
+        Default ``sys.argv[1:]``.
+
+    Returns
+    -------
+    int
+        The exit status.
+    """
+    args = list(argv if argv is not None else sys.argv[1:])
+    as_json = "--json" in args
+    which = [a for a in args if a != "--json"] or ["cli", "spec", "manifest"]
+    fuzzes = {"cli": fuzz_cli, "spec": fuzz_spec, "manifest": fuzz_manifest}
+    doc: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as d:
         fx = fixtures(Path(d))
-        total: list[Finding] = []
         for name in which:
-            counts, findings = {"cli": fuzz_cli, "spec": fuzz_spec,
-                                "manifest": fuzz_manifest}[name](fx)
-            total += findings
-            print(f"{name}: {counts['runs']} runs, exits {counts['exits']}, "
-                  f"{len(findings)} finding(s)")
-            for f in findings:
+            counts, findings = fuzzes[name](fx)
+            doc[name] = {"counts": _plain(counts), "findings": [str(f) for f in findings]}
+    if as_json:
+        print(json.dumps(doc))
+    else:
+        for name, r in doc.items():
+            c = r["counts"]
+            print(f"{name}: {c['runs']} runs, exits {c['exits']}, {len(r['findings'])} "
+                  "finding(s)")
+            for f in r["findings"]:
                 print(f"  {f}")
-    return 1 if total else 0
+    return 1 if any(r["findings"] for r in doc.values()) else 0
 
 
 if __name__ == "__main__":

@@ -141,8 +141,23 @@ def _no_constant(name: str) -> Any:
     raise RefAttnError(f"manifest: {name} is not valid JSON (refattn writes no NaN or infinity)")
 
 
+#: the longest integer literal a manifest may hold: the schema's integers are at most 2**53
+#: (16 digits); a longer one is refused before Python converts it (past 4,300 digits
+#: ``int()`` raises ``ValueError``, and a long conversion is quadratic)
+MAX_INT_DIGITS = 20
+
+
+def _int_literal(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise RefAttnError(f"manifest: an integer literal of {digits} digits; refattn's "
+                           "manifest integers are at most 2**53")
+    return int(text)
+
+
 def parse_manifest(data: bytes | bytearray, shown: str = "manifest.json") -> Any:
-    """Parse manifest bytes strictly: UTF-8, JSON without NaN/Infinity or duplicate keys.
+    """Parse manifest bytes strictly: UTF-8, JSON without NaN/Infinity, duplicate keys or an
+    integer literal of more than :data:`MAX_INT_DIGITS` digits.
 
     Examples
     --------
@@ -159,7 +174,8 @@ def parse_manifest(data: bytes | bytearray, shown: str = "manifest.json") -> Any
         raise RefAttnError(f"{shown}: is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
                            f"{exc.start})") from None
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                          parse_int=_int_literal)
     except json.JSONDecodeError as exc:
         raise RefAttnError(f"{shown}: manifest is not valid JSON ({exc})") from None
     except RecursionError:
