@@ -103,9 +103,11 @@ def fx(tmp_path_factory) -> cs.Fixtures:
 def two_options(draw) -> list[str]:
     """A subcommand's honest argv with two of its options given boundary values."""
     actions = cs.cli_actions()
-    command = draw(st.sampled_from(sorted(cs.HONEST_ARGV)))
-    options = [a for a in actions[command] if a.option_strings and a.nargs != 0
-               and (command, cs._name(a)) not in cs.EXCLUDED_OPTIONS]
+    valued = {c: [a for a in acts if a.option_strings and a.nargs != 0
+                  and (c, cs._name(a)) not in cs.EXCLUDED_OPTIONS]
+              for c, acts in actions.items()}
+    command = draw(st.sampled_from(sorted(c for c, o in valued.items() if len(o) >= 2)))
+    options = valued[command]
     picked = draw(st.lists(st.sampled_from(options), min_size=2, max_size=2,
                            unique_by=lambda a: a.dest))
     argv = cs._honest(command)

@@ -141,17 +141,17 @@ def _no_constant(name: str) -> Any:
     raise RefAttnError(f"manifest: {name} is not valid JSON (refattn writes no NaN or infinity)")
 
 
-#: the longest integer literal a manifest may hold: the schema's integers are at most 2**53
-#: (16 digits); a longer one is refused before Python converts it (past 4,300 digits
-#: ``int()`` raises ``ValueError``, and a long conversion is quadratic)
-MAX_INT_DIGITS = 20
+#: the longest integer literal a manifest may hold: Python's default limit on converting
+#: text to int (past it ``int()`` raises ``ValueError``); a shorter huge integer reaches the
+#: field's own bound, which names it (``an integer of 1329 bits``)
+MAX_INT_DIGITS = 4300
 
 
 def _int_literal(text: str) -> int:
     digits = len(text.lstrip("-"))
     if digits > MAX_INT_DIGITS:
-        raise RefAttnError(f"manifest: an integer literal of {digits} digits; refattn's "
-                           "manifest integers are at most 2**53")
+        raise RefAttnError(f"manifest: an integer literal of {digits} digits, more than the "
+                           f"{MAX_INT_DIGITS} any field could use")
     return int(text)
 
 
