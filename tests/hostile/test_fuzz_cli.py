@@ -4,7 +4,7 @@ SPEC property and every manifest field boundary values; here its findings must b
 its coverage complete.
 
 The three fuzzes run in two child processes side by side (the command line in one, SPEC and
-manifest in the other), each call in-process there under SIGALRM and a peak-memory meter;
+manifest in the other), each call in-process there under SIGALRM and a peak-memory meter, in
 a run order fixed in the module, nothing random. A Hypothesis test combines two options."""
 
 from __future__ import annotations
