@@ -261,6 +261,7 @@ class Fixtures:
                  "@empty_dir": scratch / "empty", "@out": scratch / "out",
                  "@bundle": self.bundle, "@case": self.case, "@candidate": self.candidate,
                  "@spec": self.spec, "@bundlecopy": scratch / "bundle",
+                 "@casecopy": scratch / "bundle" / "cases" / self.case.name,
                  "@specfile": next(scratch.glob("spec.*"), scratch / "spec.toml")}
         for key, path in named.items():
             if token == key:
@@ -953,7 +954,8 @@ def _harmless(pattern: str, path: tuple[Any, ...], manifest: Any) -> bool:
 
 def fuzz_manifest(fx: Fixtures) -> tuple[dict[str, Any], list[Finding]]:
     """Give every path of the one-case bundle's manifest boundary values and run
-    ``refattn verify DIR --no-gradcheck`` on a copy of the bundle holding it.
+    ``refattn verify DIR --no-gradcheck`` on a copy of the bundle holding it, and once per
+    path ``refattn compare DIR/cases/CASE CANDIDATE``.
 
     The first path of each pattern (:func:`_pattern`: one tensor record stands for all)
     gets every value of its kind; the others one value each, in turn. Exit 0 is kept only
@@ -967,7 +969,8 @@ def fuzz_manifest(fx: Fixtures) -> tuple[dict[str, Any], list[Finding]]:
     Returns
     -------
     counts : dict
-        ``runs``, ``mutated`` (paths given a value), ``paths`` (every path) and ``exits``.
+        ``runs``, ``compared`` (the compare runs among them), ``mutated`` (paths given a
+        value), ``paths`` (every path) and ``exits`` (of verify).
     findings : list of Finding
     """
     manifest = json.loads((fx.bundle / "manifest.json").read_text())
@@ -976,25 +979,28 @@ def fuzz_manifest(fx: Fixtures) -> tuple[dict[str, Any], list[Finding]]:
     exits: dict[str, int] = {}
     mutated: set[tuple[Any, ...]] = set()
     seen: set[str] = set()
-    runs = 0
+    runs = compared = 0
     turn = 0
 
-    def verify(doc: Any, baseline: int | None, allowed: tuple[int, ...]
-               ) -> tuple[Outcome, list[str]]:
+    def verify(doc: Any, baseline: int | None, allowed: tuple[int, ...], *,
+               command: str = "verify") -> tuple[Outcome, list[str]]:
         text = json.dumps(doc, default=lambda o: "@BIG@").replace('"@BIG@"', BIG_DIGITS)
 
         def prepare(scratch: Path) -> None:
             shutil.copytree(fx.bundle, scratch / "bundle")
             (scratch / "bundle" / "manifest.json").write_text(text)
-        # a failing verify writes nothing: the scratch directory must stay as prepared
-        return _call(fx, ["verify", "@bundlecopy", "--no-gradcheck", "--quiet"], baseline,
-                     allowed=allowed, prepare=prepare)
+        # a failing command writes nothing: the scratch directory must stay as prepared
+        tokens = (["verify", "@bundlecopy", "--no-gradcheck", "--quiet"] if command == "verify"
+                  else ["compare", "@casecopy", "@candidate"])
+        return _call(fx, tokens, baseline, allowed=allowed, prepare=prepare)
 
-    honest, problems = verify(manifest, None, (0,))
-    runs += 1
-    if problems:
-        findings.append(Finding("manifest", "honest manifest", "-", "; ".join(problems)))
-    fx.peaks["manifest"] = honest.peak
+    for command in ("verify", "compare"):
+        honest, problems = verify(manifest, None, (0,), command=command)
+        runs += 1
+        if problems:
+            findings.append(Finding("manifest", f"honest manifest ({command})", "-",
+                                    "; ".join(problems)))
+        fx.peaks[f"manifest {command}"] = honest.peak
     for path in paths:
         pattern = _pattern(path)
         original = _get(manifest, path)
@@ -1006,12 +1012,22 @@ def fuzz_manifest(fx: Fixtures) -> tuple[dict[str, Any], list[Finding]]:
         allowed = (0, 1, 2) if _harmless(pattern, path, manifest) else (1, 2)
         mutated.add(path)
         for value in values:
-            o, problems = verify(_set(manifest, path, value), fx.peaks["manifest"], allowed)
+            o, problems = verify(_set(manifest, path, value), fx.peaks["manifest verify"],
+                                 allowed)
             runs += 1
             exits[str(o.code)] = exits.get(str(o.code), 0) + 1
             findings += [Finding("manifest", pattern, _shown(repr(value)), p)
                          for p in problems]
-    return {"runs": runs, "mutated": mutated, "paths": set(paths), "exits": exits}, findings
+        # compare reads the same manifest (schema, checksums, the case's entry) without
+        # recomputing: any exit, but one line and nothing else; one value per path
+        o, problems = verify(_set(manifest, path, values[0]), fx.peaks["manifest compare"],
+                             (0, 1, 2), command="compare")
+        runs += 1
+        compared += 1
+        findings += [Finding("manifest", f"{pattern} (compare)", _shown(repr(values[0])), p)
+                     for p in problems]
+    return ({"runs": runs, "compared": compared, "mutated": mutated, "paths": set(paths),
+             "exits": exits}, findings)
 
 
 def _plain(counts: dict[str, Any]) -> dict[str, Any]:
