@@ -5,9 +5,13 @@ from __future__ import annotations
 import argparse
 import json
 
+from refattn.cli.verify import integer_value
 from refattn.errors import RefAttnError
 
 __all__ = ["add_parser"]
+
+#: the most interleaved rounds per candidate (a round times every candidate once)
+MAX_REPEATS = 100
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,8 +31,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("--full", action="store_true",
                    help="time two shapes (head dims 64 and 128) instead of one")
-    p.add_argument("--repeats", type=int, default=5,
-                   help="interleaved rounds per candidate; the minimum counts (default 5)")
+    p.add_argument("--repeats", type=integer_value(1, MAX_REPEATS), default=5,
+                   help="interleaved rounds per candidate, 1 to "
+                   f"{MAX_REPEATS}; the minimum counts (default 5)")
     p.add_argument("--show", action="store_true",
                    help="print the cached calibration without re-running it")
     p.set_defaults(func=run)
@@ -46,8 +51,6 @@ def run(args: argparse.Namespace) -> int:
         stale = record.get("fingerprint") != providers.fingerprint()
         _print(record, path, note=" (stale: another machine or thread count)" if stale else "")
         return 0
-    if args.repeats < 1:
-        raise RefAttnError(f"--repeats must be at least 1, got {args.repeats}")
     shapes = calibration.FULL_SHAPES if args.full else calibration.QUICK_SHAPES
     _print(calibration.calibrate(shapes=shapes, repeats=args.repeats), path, note="")
     return 0

@@ -17,7 +17,9 @@ from typing import Any
 
 import numpy as np
 
+from refattn._checks import INT64_MAX
 from refattn.bundle.storage.read import load
+from refattn.cli.verify import integer_value
 from refattn.errors import RefAttnError
 from refattn.softmax import diagnostics
 
@@ -40,7 +42,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     )
     p.add_argument("cases", nargs="+", type=Path,
                    help="case files (DIR/cases/<id>.safetensors) or bundle directories")
-    p.add_argument("--k", type=int, default=2, help="k of the top-k mass (default: 2)")
+    p.add_argument("--k", type=integer_value(1, INT64_MAX), default=2,
+                   help="k of the top-k mass (default: 2)")
     p.add_argument("--json", action="store_true", help="print one JSON document instead")
     p.set_defaults(func=run)
 
@@ -182,8 +185,6 @@ def _text(summary: dict[str, Any]) -> str:
 
 
 def run(args: argparse.Namespace) -> int:
-    if args.k < 1:
-        raise RefAttnError(f"--k: expected a positive integer, got {args.k}")
     summaries = [summarize(path, k=args.k) for path in _case_files(args.cases)]
     if args.json:
         print(json.dumps(summaries if len(summaries) > 1 else summaries[0], indent=2,

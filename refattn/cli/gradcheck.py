@@ -16,6 +16,7 @@ import numpy as np
 from gradcheck.attention import check_attention
 from gradcheck.identities import attention_identities
 from refattn.call import AttentionCall
+from refattn.cli.verify import integer_value
 from refattn.dropout import Philox
 from refattn.engine import backward, forward
 from refattn.engine.memory import available_bytes
@@ -25,6 +26,8 @@ from refattn.masks import causal as causal_relation
 __all__ = ["add_parser", "build_call", "run"]
 
 AXES = ("B", "Hq", "Hkv", "Q", "K", "Dk", "Dv")
+#: the most random directions per input (each costs a numeric derivative)
+MAX_DIRECTIONS = 10_000
 
 
 def _shape(text: str) -> tuple[int, ...]:
@@ -47,16 +50,6 @@ def _seed(text: str) -> int:
             from None
     if not 0 <= value < 2**64:
         raise argparse.ArgumentTypeError(f"expected an integer in [0, 2**64), got {text!r}")
-    return value
-
-
-def _positive(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        value = 0
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"expected a positive integer, got {text!r}")
     return value
 
 
@@ -100,8 +93,9 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--method", choices=("auto", "complex_step", "central"), default="auto",
                    help="numeric derivative: complex_step, central (Richardson central "
                    "differences), or auto: complex step where the function is complex-safe")
-    p.add_argument("--directions", type=_positive, default=3,
-                   help="random directions per input in directional mode")
+    p.add_argument("--directions", type=integer_value(1, MAX_DIRECTIONS), default=3,
+                   help="random directions per input in directional mode (1 to "
+                   f"{MAX_DIRECTIONS})")
     p.add_argument("--check-seed", type=_seed, default=0,
                    help="seed of the checker's cotangents and directions")
     p.add_argument("--no-identities", action="store_true",

@@ -5,7 +5,9 @@ from __future__ import annotations
 import argparse
 import json
 import sys
+from collections.abc import Callable
 
+from refattn._checks import bounded_int, int_text
 from refattn.bundle.verification.gradients import GradcheckMethod
 from refattn.bundle.verification.recompute import REQUIREMENTS
 from refattn.bundle.verification.record import bundle_digest, remember
@@ -15,7 +17,7 @@ from refattn.distributed.verification import verify
 from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS
 from refattn.errors import RefAttnError
 
-__all__ = ["GRADCHECK_METHODS", "add_parser", "seconds_value"]
+__all__ = ["GRADCHECK_METHODS", "add_parser", "integer_value", "seconds_value"]
 
 #: the spellings of ``--gradcheck-method`` (those of ``refattn gradcheck --method``), and the
 #: verifier's name for each
@@ -46,6 +48,46 @@ def seconds_value(text: str) -> float:
         raise argparse.ArgumentTypeError(f"expected a finite number of seconds >= 0, got "
                                          f"{text!r}")
     return value
+
+
+def integer_value(lo: int, hi: int) -> Callable[[str], int]:
+    """An argparse ``type`` for an integer option in ``[lo, hi]``: the text read as an int
+    and bounded by :func:`~refattn._checks.bounded_int`, or a one-line argparse error.
+
+    Parameters
+    ----------
+    lo, hi : int
+        The allowed range, both ends included.
+
+    Returns
+    -------
+    callable
+        ``str -> int``, raising :class:`argparse.ArgumentTypeError`.
+
+    Examples
+    --------
+    >>> repeats = integer_value(1, 100)
+    >>> repeats("5")
+    5
+    >>> try:
+    ...     repeats("2147483648")
+    ... except argparse.ArgumentTypeError as exc:
+    ...     print(exc)
+    2**31 is outside the allowed range [1, 100]
+    """
+    def integer(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:  # not an integer, or more digits than Python converts
+            shown = repr(text) if len(text) <= 40 else f"{text[:20]!r}... ({len(text)} characters)"
+            raise argparse.ArgumentTypeError(f"expected an integer in [{int_text(lo)}, "
+                                             f"{int_text(hi)}], got {shown}") from None
+        try:
+            return bounded_int("value", value, lo=lo, hi=hi)
+        except RefAttnError as exc:
+            raise argparse.ArgumentTypeError(str(exc).removeprefix("value: ")) from None
+
+    return integer
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:

@@ -28,4 +28,4 @@ def test_calibrate_errors_are_one_line_exit_2(tmp_path, monkeypatch, capsys):
     assert "no readable calibration" in capsys.readouterr().err
     assert main(["calibrate", "--repeats", "0"]) == 2
     err = capsys.readouterr().err
-    assert err.count("\n") == 1 and "--repeats must be at least 1" in err
+    assert err.count("\n") == 1 and "--repeats: 0 is outside the allowed range [1, 100]" in err

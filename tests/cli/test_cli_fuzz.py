@@ -102,6 +102,14 @@ def test_any_argument_list_exits_0_1_or_2_with_one_line_errors(places, data, cap
     ["gradcheck", "--shape", "1,1,1,2,2,2,2", "--data-seed", "18446744073709551616"],
     ["gradcheck", "--shape", "1,1,1,2,2,2,2", "--dropout", "1.5"],
     ["gradcheck", "--shape", "100000,100000,1,100000,100000,1,1"],
+    # the generated fuzz's findings (tests/hostile/cli_surface.py): unbounded counts ran for
+    # hours (--directions 2**31, --repeats 2**31) or were accepted as 10**400 (--k)
+    ["gradcheck", "--shape", "1,1,1,2,2,2,2", "--directions", "2147483648"],
+    ["gradcheck", "--shape", "1,1,1,2,2,2,2", "--directions", "1" + "0" * 400],
+    ["calibrate", "--repeats", "2147483648"], ["calibrate", "--show", "--repeats", "0"],
+    ["calibrate", "--repeats", "9" * 5000],
+    ["diagnostics", "--k", "1" + "0" * 400, "missing.safetensors"],
+    ["diagnostics", "--k", "0", "missing.safetensors"],
 ])
 def test_pinned_bad_arguments_are_one_line_errors(argv, capsys):
     """The findings: `refattn mask --q 0` printed a 5 x 5 mask; a negative or huge

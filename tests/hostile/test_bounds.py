@@ -640,3 +640,73 @@ def test_flex_device_and_relation_are_checked_before_torch_sees_them():
         relation_mask_mod(0, torch)
     with pytest.raises(RefAttnError, match="torch: expected the torch module"):
         relation_mask_mod(rel, np)
+
+
+# -- the generated CLI / SPEC / manifest fuzz's findings (tests/hostile/cli_surface.py) ---------
+@pytest.fixture(scope="module")
+def one_case_bundle(tmp_path_factory) -> Path:
+    from refattn.bundle import write_bundle
+    from refattn.bundle.suites import build_suite
+
+    out = tmp_path_factory.mktemp("fuzz-findings") / "bundle"
+    write_bundle(out, build_suite("contract")[1:2], suite="contract", progress=False)
+    return out
+
+
+def _mutated_copy(bundle: Path, tmp_path: Path, edit) -> Path:
+    copy = tmp_path / "bundle"
+    shutil.copytree(bundle, copy)
+    manifest = json.loads((copy / "manifest.json").read_text())
+    edit(next(iter(manifest["cases"].values())))
+    (copy / "manifest.json").write_text(json.dumps(manifest))
+    return copy
+
+
+def _verify(directory: Path, capsys) -> tuple[int, str]:
+    from refattn.cli import main
+
+    code = main(["verify", str(directory), "--no-gradcheck", "--quiet"])
+    return code, capsys.readouterr().err
+
+
+def test_a_manifest_integer_of_5000_digits_is_one_line_exit_2(one_case_bundle, tmp_path,
+                                                              capsys):
+    """Finding: json.loads raised Python's ValueError (more than 4,300 digits) through
+    ``refattn verify``: a traceback."""
+    from refattn.bundle.storage.manifest import parse_manifest
+
+    copy = tmp_path / "bundle"
+    shutil.copytree(one_case_bundle, copy)
+    text = (copy / "manifest.json").read_text()
+    (copy / "manifest.json").write_text(text.replace('"schema_version"',
+                                                     '"x": ' + "9" * 5000 + ', "schema_version"'))
+    code, err = _verify(copy, capsys)
+    assert code == 2 and len(err.strip().splitlines()) == 1
+    assert "integer literal of 5000 digits" in err
+    with pytest.raises(RefAttnError, match="of 4301 digits"):
+        parse_manifest(b'{"a": -' + b"1" * 4301 + b"}")
+    assert parse_manifest(b'{"a": ' + b"9" * 4300 + b"}") == {"a": 10**4300 - 1}
+
+
+@pytest.mark.parametrize(("edit", "where"), [
+    (lambda e: e["call"]["tensors"]["query"]["shape"].__setitem__(0, True), "shape"),
+    (lambda e: e["call"]["dropout"].__setitem__("training", 0), "training"),
+    (lambda e: e["call"]["visibility"].__setitem__("all_legal", 0), "all_legal"),
+])
+def test_verify_compares_the_recorded_call_strictly(one_case_bundle, tmp_path, capsys, edit,
+                                                    where):
+    """Finding: ``True == 1`` and ``0 == False``: a shape of ``true`` or a flag of ``0``
+    passed verify."""
+    code, err = _verify(_mutated_copy(one_case_bundle, tmp_path, edit), capsys)
+    assert code in (1, 2) and (code == 1 or len(err.strip().splitlines()) == 1)
+
+
+@pytest.mark.parametrize("key", ["causal_alignment", "window_convention"])
+def test_verify_checks_the_alignment_of_a_case_without_a_relation(one_case_bundle, tmp_path,
+                                                                  capsys, key):
+    """Finding: without a visibility relation these two conventions were never compared, so
+    any string passed."""
+    copy = _mutated_copy(one_case_bundle, tmp_path,
+                         lambda e: e["conventions"].__setitem__(key, "upper_left"))
+    code, _ = _verify(copy, capsys)
+    assert code == 1

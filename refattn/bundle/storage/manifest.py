@@ -141,8 +141,23 @@ def _no_constant(name: str) -> Any:
     raise RefAttnError(f"manifest: {name} is not valid JSON (refattn writes no NaN or infinity)")
 
 
+#: the longest integer literal a manifest may hold: Python's default limit on converting
+#: text to int (past it ``int()`` raises ``ValueError``); a shorter huge integer reaches the
+#: field's own bound, which names it (``an integer of 1329 bits``)
+MAX_INT_DIGITS = 4300
+
+
+def _int_literal(text: str) -> int:
+    digits = len(text.lstrip("-"))
+    if digits > MAX_INT_DIGITS:
+        raise RefAttnError(f"manifest: an integer literal of {digits} digits, more than the "
+                           f"{MAX_INT_DIGITS} any field could use")
+    return int(text)
+
+
 def parse_manifest(data: bytes | bytearray, shown: str = "manifest.json") -> Any:
-    """Parse manifest bytes strictly: UTF-8, JSON without NaN/Infinity or duplicate keys.
+    """Parse manifest bytes strictly: UTF-8, JSON without NaN/Infinity, duplicate keys or an
+    integer literal of more than :data:`MAX_INT_DIGITS` digits.
 
     Examples
     --------
@@ -159,7 +174,8 @@ def parse_manifest(data: bytes | bytearray, shown: str = "manifest.json") -> Any
         raise RefAttnError(f"{shown}: is not UTF-8 text (byte 0x{data[exc.start]:02x} at offset "
                            f"{exc.start})") from None
     try:
-        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant)
+        return json.loads(text, object_pairs_hook=_no_duplicates, parse_constant=_no_constant,
+                          parse_int=_int_literal)
     except json.JSONDecodeError as exc:
         raise RefAttnError(f"{shown}: manifest is not valid JSON ({exc})") from None
     except RecursionError:

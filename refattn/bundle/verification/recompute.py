@@ -63,7 +63,14 @@ def _first_difference(a: Any, b: Any, path: str = "") -> str | None:
             if diff:
                 return diff
         return None
-    return None if a == b else f"{path.rstrip('.')}: stored {b!r}, recomputed {a!r}"
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b, strict=True)):
+            diff = _first_difference(x, y, f"{path}{i}.")
+            if diff:
+                return diff
+        return None
+    same = a == b and isinstance(a, (bool, np.bool_)) == isinstance(b, (bool, np.bool_))
+    return None if same else f"{path.rstrip('.')}: stored {b!r}, recomputed {a!r}"
 
 
 class Unsupported(Exception):
@@ -139,9 +146,9 @@ def check_recorded(spec: CaseSpec, call: AttentionCall) -> list[Problem]:
     """The manifest entry's conventions and flags against the call rebuilt from the file.
 
     Every convention that follows from the call (polarity, GQA mapping, all-masked-row
-    policy, returned weights, scale record, scale placement; with a visibility relation its
-    causal alignment and window convention) must be recorded and equal; every flag of
-    :data:`FLAG_CHECKS` must name a feature the call has.
+    policy, returned weights, scale record, scale placement, the causal alignment and the
+    window convention, ``none`` without a visibility relation) must be recorded and equal;
+    every flag of :data:`FLAG_CHECKS` must name a feature the call has.
 
     Examples
     --------
@@ -159,10 +166,9 @@ def check_recorded(spec: CaseSpec, call: AttentionCall) -> list[Problem]:
     derived = case_conventions(GoldenCase(spec.case_id, call, np.zeros(0), ""))
     expected = {k: v for k, v in derived.items()
                 if k not in ("causal_alignment", "window_convention")}
-    if call.relation is not None:
-        rel = call.relation.manifest()
-        expected["causal_alignment"] = rel.get("alignment") or "none"
-        expected["window_convention"] = rel.get("window_convention") or "none"
+    rel = call.relation.manifest() if call.relation is not None else {}
+    expected["causal_alignment"] = rel.get("alignment") or "none"
+    expected["window_convention"] = rel.get("window_convention") or "none"
     recorded = spec.conventions
     for key, value in sorted(expected.items()):
         if key not in recorded:
