@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import signal
 import subprocess
 import sys
@@ -29,7 +28,8 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[2]
+from tests.cli.test_interrupt_at_import import ROOT, _entry_point
+
 DELAYS = (0.0, 0.01, 0.03, 0.06, 0.1, 0.15, 0.25, 0.4, 0.6, 0.8, 1.1, 1.5)  # seconds
 
 pytestmark = pytest.mark.skipif(
@@ -63,15 +63,6 @@ sys.meta_path.insert(0, _Watch())
 from {module} import {attr}
 sys.exit({attr}())
 """
-
-
-def _entry_point() -> tuple[str, str]:
-    """``[project.scripts] refattn = "MODULE:ATTR"`` of pyproject.toml."""
-    text = (ROOT / "pyproject.toml").read_text()
-    scripts = text.split("[project.scripts]", 1)[1].split("\n[", 1)[0]
-    found = re.search(r'^refattn = "([\w.]+):(\w+)"', scripts, flags=re.M)
-    assert found is not None, scripts
-    return found.group(1), found.group(2)
 
 
 def _blocked(path: Path) -> set[int]:
