@@ -52,7 +52,9 @@ def natural_scales(call, ref, grads) -> dict[str, float]:
                             call.k.shape[1]).max(),  # summed over a kv head's query heads
         "grad_consumed": (a(g_o) @ a(v_eff).swapaxes(-1, -2)).max(),
         "grad_probs": g_probs.max(), "row_dot": (ref.probs * g_probs).sum(-1).max(),
-        "row_dot_output": (a(g_o) * a(ref.output)).sum(-1).max(),
+        # sum_d |g_o| |O| with O at its natural magnitude |consumed| |v|: an output that
+        # cancels to ~0 still carries an error of the order of |consumed| |v| eps
+        "row_dot_output": (a(g_o) * (a(ref.consumed) @ a(v_eff))).sum(-1).max(),
         "grad_scores": g_scores.max(),
         "grad_q": call.scale * (g_scores @ a(k_eff)).max(),
         "grad_k": call.scale * sum_heads(g_scores.swapaxes(-1, -2) @ a(call.q), call.head_map,

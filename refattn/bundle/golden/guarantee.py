@@ -129,7 +129,9 @@ def natural_scales(call: Any, trace: Any, grads: Any) -> dict[str, float]:
                             call.v.shape[1]).max(),
         "grad_consumed": (a(g_o) @ a(v_eff).swapaxes(-1, -2)).max(),
         "grad_probs": g_probs.max(), "row_dot": (trace.probs * g_probs).sum(-1).max(),
-        "row_dot_output": (a(g_o) * a(trace.output)).sum(-1).max(),
+        # O at its natural magnitude |consumed| |v|: an output that cancels to ~0 still
+        # carries an error of the order of |consumed| |v| eps
+        "row_dot_output": (a(g_o) * (a(trace.consumed) @ a(v_eff))).sum(-1).max(),
         "grad_scores": g_scores.max(),
         "grad_q": call.scale * (g_scores @ a(k_eff)).max(),
         "grad_k": call.scale * sum_heads(g_scores.swapaxes(-1, -2) @ a(call.q), call.head_map,
@@ -375,9 +377,9 @@ def saved_state_scales(call: Any, trace: Any, grads: Any) -> tuple[float, dict[s
             z = _z_block(call, b, i0, i1)
             pz = p * z
             g_o = a(np.where(qv[b, :, i0:i1], grads.grad_output[b, :, i0:i1], 0.0))  # (Hq,r,Dv)
-            big["output"] = max(big["output"], float((pz @ v_eff[b]).max()))
-            big["row_dot_output"] = max(big["row_dot_output"], float(
-                (g_o * a(trace.output[b, :, i0:i1])).sum(-1).max()))
+            o_nat = pz @ v_eff[b]  # (Hq, r, Dv): the output's natural magnitude (v_eff is |v|)
+            big["output"] = max(big["output"], float(o_nat.max()))
+            big["row_dot_output"] = max(big["row_dot_output"], float((g_o * o_nat).sum(-1).max()))
             g_probs = (g_o @ v_eff[b].swapaxes(-1, -2)) * z  # (Hq, r, K)
             big["row_dot"] = max(big["row_dot"], float((p * g_probs).sum(-1).max()))
             g_scores = p * (g_probs + a(grads.row_dot[b, :, i0:i1])[..., None])
