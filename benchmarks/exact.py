@@ -29,19 +29,10 @@ from pathlib import Path
 from typing import Any
 
 import numpy as np
+from timing import cpu_model  # benchmarks/ is the script's directory
 
 import refattn
 from refattn.engine.exact.backend import estimate_seconds
-
-
-def cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo ("unknown" elsewhere)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown"
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
-                "unknown")
 
 
 def timed(fn) -> float:  # type: ignore[no-untyped-def]

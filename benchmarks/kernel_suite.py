@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import argparse
 import os
-import platform
 import resource
 import shutil
 import statistics
@@ -34,6 +33,8 @@ import sys
 import tempfile
 import time
 from pathlib import Path
+
+from timing import cpu_model  # benchmarks/ is the script's directory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -62,14 +63,7 @@ def environment() -> str:
     import scipy.linalg  # noqa: F401
     from threadpoolctl import threadpool_info
 
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     fields = {}
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():

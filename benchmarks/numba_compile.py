@@ -12,7 +12,8 @@ import json
 import os
 import subprocess
 import sys
-from pathlib import Path
+
+from timing import cpu_model  # benchmarks/ is the script's directory
 
 SCRIPT = """
 import json, time, numpy as np, refattn
@@ -33,16 +34,6 @@ def run(cache: bool) -> dict[str, float]:
     out = subprocess.run([sys.executable, "-c", SCRIPT], env=env, capture_output=True,
                          text=True, check=True).stdout
     return json.loads(out.strip().splitlines()[-1])
-
-
-def cpu_model() -> str:
-    """The CPU model name from /proc/cpuinfo ("unknown" elsewhere)."""
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return "unknown"
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
-                "unknown")
 
 
 def main() -> None:

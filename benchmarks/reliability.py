@@ -44,6 +44,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from timing import cpu_model  # benchmarks/ is the script's directory
+
 ROOT = Path(__file__).resolve().parents[1]
 LOOP7 = "loop7_cross_attention_padded_source"
 #: the shape the manifest (and in probe 2 the header) claims for q: 2 GiB of float64
@@ -107,14 +109,7 @@ BIG_SPEC = 'name = "big"\n[[case]]\nshape = [8, 64, 64, 2048, 2048, 64, 64]\n'
 
 
 def environment() -> str:
-    cpu = platform.processor() or "?"
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                cpu = line.split(":", 1)[1].strip()
-                break
-    except OSError:
-        pass
+    cpu = cpu_model()
     try:
         mem = next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines()
                    if line.startswith("MemTotal:"))

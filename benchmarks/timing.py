@@ -11,9 +11,10 @@ from __future__ import annotations
 import statistics
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-__all__ = ["interleaved", "timed"]
+__all__ = ["cpu_model", "interleaved", "timed"]
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -43,3 +44,13 @@ def interleaved(fns: dict[str, Callable[[], Any]], *, min_rounds: int, budget: f
         rounds += 1
     return {name: {"median": statistics.median(ts), "min": min(ts), "rounds": len(ts)}
             for name, ts in times.items()}
+
+
+def cpu_model() -> str:
+    """The CPU model name from /proc/cpuinfo ("unknown" elsewhere), printed with every figure."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return "unknown"
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
+                "unknown")
