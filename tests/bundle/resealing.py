@@ -3,6 +3,7 @@ that only recomputation can tell (the verify tests' attacker)."""
 
 from __future__ import annotations
 
+import hashlib
 import json
 from collections.abc import Callable
 from pathlib import Path
@@ -29,3 +30,19 @@ def reseal_case_file(bundle: Path, case: str,
                                                           separators=(",", ":"))})
     path.write_bytes(new)
     return new, tensors
+
+
+def reseal_case(bundle: Path, case: str,
+                change: Callable[[dict[str, np.ndarray]], None]) -> dict[str, np.ndarray]:
+    """:func:`reseal_case_file`, then the manifest entry's file and tensor sha256 re-sealed too
+    (an attacker with an editor and sha256sum: every checksum passes); returns the changed
+    tensors."""
+    new, tensors = reseal_case_file(bundle, case, change)
+    path = bundle / "manifest.json"
+    manifest = json.loads(path.read_text())
+    entry = manifest["cases"][case]
+    entry["sha256"] = hashlib.sha256(new).hexdigest()
+    for name, t in tensors.items():
+        entry["tensors"][name]["sha256"] = tensor_sha256(t)
+    path.write_text(json.dumps(manifest))
+    return tensors
