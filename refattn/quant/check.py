@@ -66,9 +66,15 @@ class TensorReport:
         The candidate's value there and its interval.
     worst_distance : float
         Its distance from the interval (0 inside; inf for NaN where the interval is finite).
+    worst_in_radii : float
+        The worst element's distance from its interval's midpoint in units of the interval's
+        radius: at most 1 inside, above 1 outside (inf where the radius is 0 and the value
+        differs); how far a failure is, in the check's own units.
     max_radius : float
         The largest radius (half width) of the widened intervals: the tolerance in the
         tensor's own units.
+    median_radius : float
+        The median radius over the elements with a finite interval.
     off_grid : int or None
         Output and lse: how many finite elements are not values of the format the kernel
         returns the tensor in (bf16, fp16, fp32): a candidate that is not what the kernel
@@ -98,6 +104,8 @@ class TensorReport:
     worst_hi: float
     worst_distance: float
     max_radius: float
+    worst_in_radii: float = 0.0
+    median_radius: float = 0.0
     off_grid: int | None = None
     max_error: float | None = None
     max_error_index: tuple[int, ...] | None = None
@@ -113,7 +121,8 @@ class TensorReport:
                 f"max radius {self.max_radius:.3g}); worst at {format_index(self.worst_index)}: "
                 f"{self.worst_value!r} in [{self.worst_lo!r}, {self.worst_hi!r}]")
         if not self.passed:
-            text += f", {self.worst_distance:.3g} outside"
+            text += (f", {self.worst_distance:.3g} outside ({self.worst_in_radii:.3g} radii "
+                     "from the midpoint)")
         if self.off_grid:
             text += f"; {self.off_grid} value(s) not on the returned format's grid"
         if self.max_error is not None:
@@ -231,7 +240,7 @@ def bf16_path(result: QuantResult) -> np.ndarray:
     float64 and rounded once; torch sums them in fp32, a difference far below a bf16 ulp);
     ``softmax(S)`` (invisible keys -inf); P cast to the spec's P format when it is an FP8
     format (FA3's ``intermediate_dtype``: torch's cast, which cannot overflow as P <= 1);
-    ``O = P @ v``.
+    ``O = P @ v``. Computed per head and block of query rows (memory O(R K)).
 
     Returns
     -------
@@ -246,17 +255,28 @@ def bf16_path(result: QuantResult) -> np.ndarray:
             return quantize(quantize(x, "fp32", "nearest_even"), "bf16", "nearest_even")
 
     hm = np.asarray(call.head_map)
-    q, k, v = bf16(call.q), bf16(call.k)[:, hm], bf16(call.v)[:, hm]  # (B, Hq, K, D)
+    q, k, v = bf16(call.q), bf16(call.k), bf16(call.v)
     alpha = call.scale if call.scale is not None else call.q.shape[3] ** -0.5  # set by the gate
     k = bf16(k * float(alpha))  # reorder_ops: the scale on k
-    s = bf16(np.einsum("bhqd,bhkd->bhqk", q, k))  # (B, Hq, Q, K)
-    s = np.where(call.visible_full(), s, -np.inf)
-    m = np.max(s, axis=-1, keepdims=True)
-    e = np.exp(s - m)
-    p = bf16(e / np.sum(e, axis=-1, keepdims=True))  # (B, Hq, Q, K)
-    if spec.p_format in ("e4m3fn", "e5m2"):
-        p = quantize(p, spec.p_format, "nearest_even_satfinite")
-    return bf16(np.einsum("bhqk,bhkd->bhqd", p, v))  # (B, Hq, Q, Dv)
+    B, Hq, Q, K = call.score_shape
+    vis = call.visible_array()
+    vis = np.broadcast_to(True if vis is None else vis, call.score_shape)
+    out = np.empty((B, Hq, Q, v.shape[3]))
+    n = max(1, min(Q, 2**20 // max(K, 1)))  # query rows per block: R K <= 2**20
+    for b in range(B):
+        for h in range(Hq):
+            kh, vh = k[b, hm[h]], v[b, hm[h]]  # (K, Dk), (K, Dv)
+            for i0 in range(0, Q, n):
+                s = bf16(q[b, h, i0:i0 + n] @ kh.T)  # (R, K)
+                s = np.where(vis[b, h, i0:i0 + n], s, -np.inf)
+                with np.errstate(invalid="ignore"):
+                    e = np.exp(s - np.max(s, axis=-1, keepdims=True))
+                    p = bf16(e / np.sum(e, axis=-1, keepdims=True))
+                p = np.where(np.isnan(p), 0.0, p)  # a row with no visible key: nothing
+                if spec.p_format in ("e4m3fn", "e5m2"):
+                    p = quantize(p, spec.p_format, "nearest_even_satfinite")
+                out[b, h, i0:i0 + n] = bf16(p @ vh)
+    return out  # (B, Hq, Q, Dv)
 
 
 def _candidate(name: str, x: object, shape: tuple[int, ...]) -> np.ndarray:
@@ -370,22 +390,27 @@ def _tensor_report(result: QuantResult, name: str, c: np.ndarray, lo: np.ndarray
         # inside: how close to an end, relative to the radius (1 at an end)
         pos = np.where(rad > 0, np.abs(c - mid) / np.where(rad > 0, rad, 1.0), 0.0)
     pos = np.nan_to_num(pos, nan=0.0)
+    with np.errstate(invalid="ignore"):
+        pos = np.where((rad == 0) & (c != mid) & np.isfinite(c), np.inf, pos)
     finite_rad = rad[np.isfinite(rad)]
     outside = int(np.count_nonzero(~inside))
     if c.size == 0:
         worst: tuple[int, ...] = ()
-        wv = wl = wh = wd = 0.0
+        wv = wl = wh = wd = wr = 0.0
     else:
         key = dist if outside else pos
         flat = int(np.argmax(key))
         worst = tuple(int(j) for j in np.unravel_index(flat, c.shape))
         wv, wl, wh, wd = (float(c[worst]), float(lo[worst]), float(hi[worst]),
                           float(dist[worst]))
+        wr = float(pos[worst]) if np.isfinite(dist[worst]) else math.inf
     report: dict[str, Any] = {
         "name": name, "shape": tuple(c.shape), "passed": outside == 0, "outside": outside,
         "worst_index": worst, "worst_value": wv, "worst_lo": wl, "worst_hi": wh,
         "worst_distance": wd,
         "max_radius": float(finite_rad.max()) if finite_rad.size else 0.0,
+        "median_radius": float(np.median(finite_rad)) if finite_rad.size else 0.0,
+        "worst_in_radii": wr,
     }
     fmt = _returned_format(result.spec, name)
     if fmt is not None:

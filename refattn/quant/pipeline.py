@@ -102,8 +102,8 @@ class QuantResult:
 
 
 @public
-def quantized(call: AttentionCall, spec: QuantSpec, *, backend: str = "numpy",
-              **options: Any) -> QuantResult:
+def quantized(call: AttentionCall, spec: QuantSpec, *, backend: str = "numba",
+              intermediates: bool | None = None, **options: Any) -> QuantResult:
     """The real result and the emulated pipeline of a quantised call.
 
     Parameters
@@ -114,7 +114,11 @@ def quantized(call: AttentionCall, spec: QuantSpec, *, backend: str = "numpy",
     spec : QuantSpec
         The pipeline (:func:`refattn.quant.preset`).
     backend : str
-        The engine for the real result (``"numpy"``, ``"numba"``, ``"exact"``, ...).
+        The engine for the real result (``"numba"``, the default: fused, memory O(L D);
+        ``"numpy"``, ``"exact"``, ...).
+    intermediates : bool or None
+        Also emulate ``scores`` and ``probs_q`` (B, Hq, Q, K); None: only while the four
+        arrays fit in 64 MiB (``output``, ``lse``, ``row_max`` and ``row_sum`` always).
     **options
         Passed to the engine.
 
@@ -141,14 +145,18 @@ def quantized(call: AttentionCall, spec: QuantSpec, *, backend: str = "numpy",
     (True, [1.0, 1.0, 1.0, 1.0])
     """
     check_quant(call, spec)
-    check_emulation_memory(call)
+    keep = _keep_intermediates(call, intermediates)
+    check_emulation_memory(call, spec=spec, intermediates=keep)
     real = forward(dequantized_call(call, spec), backend=backend, **options)
-    return QuantResult(call, spec, real, emulate(call, spec), backend)
+    return QuantResult(call, spec, real, emulate(call, spec, intermediates=keep), backend)
 
 
-def emulation_bytes(call: AttentionCall) -> int:
-    """Peak bytes of :func:`emulate` (an upper estimate: 56 (B, Hq, Q, K) float64 arrays, 44
-    measured with tracemalloc at (1, 4, 256, 256), and 16 per operand row).
+def emulation_bytes(call: AttentionCall, spec: QuantSpec | None = None, *,
+                    intermediates: bool = False) -> int:
+    """Peak bytes of :func:`emulate`, an upper estimate: 40 float64 arrays of a block of query
+    rows by the keys (``R K <= 2**20``), the per-tile sums (2 T R Dv, T the kv tiles of
+    ``spec``; without a spec one per key), 16 per operand element, 12 per output element, and
+    12 per (B, Hq, Q, K) element with ``intermediates``.
 
     Examples
     --------
@@ -156,14 +164,27 @@ def emulation_bytes(call: AttentionCall) -> int:
     >>> from refattn import AttentionCall
     >>> x = np.zeros((1, 1, 100, 8))
     >>> emulation_bytes(AttentionCall(x, x, x))
-    4684800
+    3436800
     """
     B, Hq, Q, K = call.score_shape
-    D = max(call.q.shape[3], call.v.shape[3])
-    return 8 * (56 * B * Hq * Q * K + 16 * B * Hq * (Q + K) * D)
+    Hkv = call.k.shape[1]
+    Dk, Dv = call.q.shape[3], call.v.shape[3]
+    R = _rows_per_block(Q, K)
+    T = K  # without a spec: at most one tile per key
+    if spec is not None:
+        from refattn.quant.tiles import effective_kv_tile
+
+        tile = effective_kv_tile(spec, call)
+        T = 1 if tile is None else -(-K // max(tile, 1))
+    per_block = 40 * R * K + 2 * T * R * Dv
+    operands = 16 * B * (Hq * Q * Dk + Hkv * K * (Dk + Dv))
+    out = 12 * B * Hq * Q * Dv
+    kept = 12 * B * Hq * Q * K if intermediates else 0
+    return 8 * (per_block + operands + out + kept)
 
 
-def check_emulation_memory(call: AttentionCall, max_bytes: int | None = None) -> None:
+def check_emulation_memory(call: AttentionCall, max_bytes: int | None = None, *,
+                           spec: QuantSpec | None = None, intermediates: bool = False) -> None:
     """Refuse an emulation that needs more than ``max_bytes`` (default: the memory available
     now), before it allocates anything.
 
@@ -176,9 +197,9 @@ def check_emulation_memory(call: AttentionCall, max_bytes: int | None = None) ->
     ...     check_emulation_memory(AttentionCall(x, x, x), max_bytes=10**6)
     ... except RefAttnError as exc:
     ...     print(str(exc)[:63])
-    memory: emulating this quantised call needs about 4684800 bytes
+    memory: emulating this quantised call needs about 3436800 bytes
     """
-    need = emulation_bytes(call)
+    need = emulation_bytes(call, spec, intermediates=intermediates)
     limit = available_bytes() if max_bytes is None else bounded_int(
         "max_bytes", max_bytes, lo=0, hi=INT64_MAX)
     if limit is not None and need > limit:
@@ -330,36 +351,6 @@ def _operands(call: AttentionCall, spec: QuantSpec) -> dict[str, tuple[Interval,
     return out
 
 
-# -- stage 2: S --------------------------------------------------------------------------------
-def _scores(call: AttentionCall, spec: QuantSpec,
-            ops: dict[str, tuple[Interval, Interval]]) -> Interval:
-    """The kernel's S (B, Hq, Q, K), -inf where not visible."""
-    hm = call.head_map
-    qc, qs = ops["q"]
-    kc, ks = ops["k"]
-    kc_eff = kc[:, hm]
-    Dk = call.q.shape[3]
-    match spec.s_accumulation:
-        case "fp32":
-            u = math.ldexp(1.0, 1 - spec.mma_bits)
-            s = bd.cast(bd.signed_dot(qc, kc_eff, "bhqd,bhkd->bhqk", n=Dk, u_acc=u,
-                                      tiny=FP32_MIN_NORMAL), "fp32")
-        case "int32":  # exact in int32, then converted to float
-            s = bd.cast(bd.signed_dot(qc, kc_eff, "bhqd,bhkd->bhqk", n=Dk, u_acc=0.0), "fp32")
-        case _:  # "exact"
-            s = bd.signed_dot(qc, kc_eff, "bhqd,bhkd->bhqk", n=Dk, u_acc=0.0)
-    if spec.s_descale == "after_dot":  # S = fl32(S fl32(q_scale k_scale)) (SageAttention)
-        ks_eff = Interval(_kv_to_query_heads(ks.lo, call),
-                          _kv_to_query_heads(ks.hi, call))  # (B, Hq, K, 1) or broadcast
-        qks = bd.cast(bd.mul(qs, Interval(np.swapaxes(ks_eff.lo, 2, 3),
-                                          np.swapaxes(ks_eff.hi, 2, 3))), "fp32")
-        s = bd.mul(s, qks)
-        if spec.s_accumulation != "exact":
-            s = bd.cast(s, "fp32")
-    vis = call.visible_full()
-    return Interval(np.where(vis, s.lo, -np.inf), np.where(vis, s.hi, -np.inf))
-
-
 def _exponent_multiplier(call: AttentionCall, spec: QuantSpec,
                          ops: dict[str, tuple[Interval, Interval]]) -> Interval:
     """c (B, Hq, 1, 1): ``scale * log2e * q_descale * k_descale`` rounded to fp32 (any order of
@@ -376,43 +367,46 @@ def _exponent_multiplier(call: AttentionCall, spec: QuantSpec,
     return bd.cast(bd.widen(point(c64), rel, 6 * 2.0**-149), "fp32")
 
 
-# -- stages 3-5 --------------------------------------------------------------------------------
 def _mag(iv: Interval) -> np.ndarray:
     m = np.maximum(np.abs(iv.lo), np.abs(iv.hi))
     return np.where(np.isfinite(m), m, 0.0)
 
 
-def _tiles(K: int, spec: QuantSpec) -> list[np.ndarray]:
-    size = K if spec.kv_tile is None else spec.kv_tile
-    tiles = [np.arange(start, min(start + size, K)) for start in range(0, K, size)]
-    return tiles[::-1] if spec.kv_order == "descending" else tiles
+# -- stages 2-5 by blocks of query rows -------------------------------------------------------
+#: query rows per block: R x K <= 2**20 (the working arrays of refattn.quant.rows are R x K)
+ROWS_TIMES_KEYS = 2**20
 
 
-def _bounded_arg(d: Interval, c: Interval, m: Interval, smag: np.ndarray, off: float) -> Interval:
-    """fp32 enclosure of the kernel's exponent ``(S - m) c + off`` for ``d = S - m <= 0``,
-    whatever order and fusion the kernel uses (fma(S, c, -fl(fl(m c) - off)), or the
-    products rounded separately): each of its <= 4 roundings errs by u of its operand."""
-    a = bd.add(bd.mul(d, c), point(off))
-    with np.errstate(invalid="ignore", over="ignore"):
-        x = smag * c.hi  # |S c|
-        y = _mag(m) * c.hi  # |m c|
-        amag = np.maximum(np.abs(a.lo), np.abs(a.hi))
-        e1 = U32 * (x + 2.0 * y * (1 + U32) + off)
-        err = (1 + 1e-6) * (e1 + U32 * (np.where(np.isfinite(amag), amag, 0.0) + e1))
-        # |S c| or |m c| may pass fp32's maximum: the kernel's exponent is then anything
-        overflow = np.maximum(x, y) * (1 + 4 * U32) >= format_max("fp32")
-    arg = bd.cast(bd.widen(a, 0.0, err), "fp32")
-    return Interval(np.where(overflow, -np.inf, arg.lo), np.where(overflow, np.inf, arg.hi))
+def _rows_per_block(Q: int, K: int) -> int:
+    return max(1, min(Q, ROWS_TIMES_KEYS // max(K, 1)))
 
 
-def emulate(call: AttentionCall, spec: QuantSpec) -> dict[str, Interval]:
+def _keep_intermediates(call: AttentionCall, intermediates: bool | None) -> bool:
+    if intermediates is None:  # kept while they fit in 64 MiB (4 arrays of (B, Hq, Q, K))
+        return 32 * math.prod(call.score_shape) <= 2**26
+    return bool(intermediates)
+
+
+def emulate(call: AttentionCall, spec: QuantSpec, *,
+            intermediates: bool | None = None) -> dict[str, Interval]:
     """The emulated pipeline's intervals (no validation: :func:`quantized` checks first).
+
+    Runs stages 2-5 (:mod:`refattn.quant.rows`) per head and per block of query rows, so its
+    working memory is proportional to a block, not to (B, Hq, Q, K).
+
+    Parameters
+    ----------
+    call : AttentionCall
+    spec : QuantSpec
+    intermediates : bool or None
+        Also return ``scores`` and ``probs_q`` (B, Hq, Q, K); None: only when the four arrays
+        fit in 64 MiB.
 
     Returns
     -------
     dict of str to Interval
-        ``output``, ``scores``, ``row_max``, ``probs_q``, ``row_sum`` and (when the kernel
-        returns it) ``lse``; shapes as in :class:`QuantResult`.
+        ``output``, ``row_max``, ``row_sum``, (when the kernel returns it) ``lse``, and
+        ``scores``, ``probs_q`` when kept; shapes as in :class:`QuantResult`.
 
     Examples
     --------
@@ -424,134 +418,84 @@ def emulate(call: AttentionCall, spec: QuantSpec) -> dict[str, Interval]:
     >>> em["probs_q"].lo.tolist(), em["output"].hi.tolist()
     ([[[[256.0]]]], [[[[0.5, 0.5, 0.5, 0.5]]]])
     """
+    from refattn.quant import rows
+    from refattn.quant.tiles import effective_kv_tile
+
     ops = _operands(call, spec)
-    S = _scores(call, spec, ops)  # (B, Hq, Q, K)
     c = _exponent_multiplier(call, spec, ops)  # (B, Hq, 1, 1)
-    B, Hq, Q, K = S.shape
-    vis = call.visible_full()
-    off = spec.p_offset if spec.p_handling == "offset" else 0.0
-    mult = spec.p_multiplier if spec.p_handling == "multiplier" else 1.0
-    tiles = _tiles(K, spec)
-    T = len(tiles)
-    smag = _mag(S)
-
-    m_lo = np.full((B, Hq, Q, 1), -np.inf)
-    m_hi = np.full((B, Hq, Q, 1), -np.inf)
-    p_lo, p_hi = np.zeros((B, Hq, Q, K)), np.zeros((B, Hq, Q, K))
-    P_lo, P_hi = np.zeros((B, Hq, Q, K)), np.zeros((B, Hq, Q, K))
-    alphas: list[Interval] = []
-    for idx in tiles:
-        St = S[..., idx]
-        tmax_lo = St.lo.max(axis=-1, keepdims=True)
-        tmax_hi = St.hi.max(axis=-1, keepdims=True)
-        new = Interval(np.maximum(m_lo, tmax_lo), np.maximum(m_hi, tmax_hi))
-        # the rescale of what came before: exp2((m_prev - m_new) c), m_new >= m_prev exactly
-        unchanged = (tmax_hi < m_lo) | (tmax_hi == -np.inf)  # this tile cannot raise the max
-        first = m_hi == -np.inf  # nothing before: acc = l = 0, the factor multiplies zeros
-        with np.errstate(invalid="ignore"):
-            d = Interval(np.where(unchanged | first, 0.0, m_lo - new.hi),
-                         np.where(unchanged | first, 0.0, np.minimum(m_hi - new.lo, 0.0)))
-            d = Interval(bd._down(d.lo), np.where(d.hi == 0, 0.0, bd._up(d.hi)))
-            prev_mag = np.where(np.isfinite(m_hi), np.maximum(abs(m_lo), abs(m_hi)), 0.0)
-            dmag = bd._up(3 * U32 * (prev_mag + _mag(new)) * c.hi)
-            darg = bd.cast(bd.widen(bd.mul(d, c), 0.0, np.where(unchanged | first, 0.0, dmag)),
-                           "fp32")
-            wild = ((prev_mag + _mag(new)) * c.hi * (1 + 4 * U32) >= format_max("fp32")) & ~first
-        darg = Interval(np.where(wild, -np.inf, darg.lo), np.where(wild, np.inf, darg.hi))
-        alpha = bd.exp2(darg, spec.exp2_ulp)
-        alphas.append(Interval(np.where(first, 1.0, alpha.lo), np.where(first, 1.0, alpha.hi)))
-        # p = exp2((S - m) c + off) with S <= m exactly in the kernel
-        with np.errstate(invalid="ignore"):
-            ds = Interval(St.lo - new.hi, np.minimum(St.hi - new.lo, 0.0))
-        vt = vis[..., idx]
-        ds = Interval(np.where(vt, ds.lo, -np.inf), np.where(vt, ds.hi, -np.inf))
-        arg = _bounded_arg(ds, c, new, smag[..., idx], off)
-        p = bd.exp2(arg, spec.exp2_ulp)
-        p = Interval(np.where(vt, p.lo, 0.0), np.where(vt, p.hi, 0.0))
-        scaled = p if mult == 1.0 else bd.cast(bd.mul(p, point(mult)), "fp32")
-        P = bd.cast(scaled, spec.p_format, spec.p_rounding)
-        p_lo[..., idx], p_hi[..., idx] = p.lo, p.hi
-        P_lo[..., idx], P_hi[..., idx] = P.lo, P.hi
-        m_lo, m_hi = new.lo, new.hi
-
-    # w_t = product of the factors of the tiles visited after t (nonnegative intervals)
-    w_lo = np.ones((B, Hq, Q, K))
-    w_hi = np.ones((B, Hq, Q, K))
-    acc_lo, acc_hi = np.ones((B, Hq, Q, 1)), np.ones((B, Hq, Q, 1))
-    for idx, alpha in zip(reversed(tiles), reversed(alphas), strict=True):
-        w_lo[..., idx] = acc_lo
-        w_hi[..., idx] = acc_hi
-        acc_lo = np.maximum(bd._down(acc_lo * alpha.lo), 0.0)
-        acc_hi = bd._up(acc_hi * alpha.hi)
-    W = Interval(w_lo, w_hi)
-
-    # l
-    terms = Interval(p_lo, p_hi) if spec.l_from == "unrounded" else Interval(P_lo, P_hi)
-    wt = bd.mul(W, terms)
-    wt = Interval(np.maximum(wt.lo, 0.0), wt.hi)
-    g64 = bd.gamma(K + 1, 2.0**-53)
-    u_l = U32 if spec.l_from == "unrounded" else max(U32, math.ldexp(1.0, 1 - spec.mma_bits))
-    gl = bd.gamma((K - 1) * 1.0 + T * U32 / u_l, u_l)
-    l_lo = bd._down(wt.lo.sum(-1) * (1 - g64) * (1 - gl))
-    l_hi = bd._up(bd._up(wt.hi.sum(-1) * (1 + g64)) * (1 + gl))
-    row_sum = bd.cast(Interval(np.maximum(l_lo, 0.0), l_hi), "fp32")  # (B, Hq, Q)
-
-    # acc
-    vc = ops["v"][0][:, call.head_map]  # (B, Hq, K, Dv)
-    a = bd.mul(W, Interval(P_lo, P_hi))
-    a = Interval(np.maximum(a.lo, 0.0), a.hi)
-    acc, mag = bd.nonneg_weighted_dot(a, vc, "bhqk,bhkd->bhqd")
-    fmax = format_max("fp32")
-    overflow = np.zeros(acc.shape, dtype=bool)
-    match spec.pv_accumulation:
-        case "fp32":
-            u = math.ldexp(1.0, 1 - spec.mma_bits)
-            g_acc = bd.gamma(1.0, (K - 1 + T) * u + T * U32)
-            tiny = K * FP32_MIN_NORMAL
-        case "fp16_per_tile":
-            u16 = math.ldexp(1.0, 1 - spec.mma_bits)
-            n_tile = max(len(t) for t in tiles)
-            g_acc = bd.gamma(1.0, n_tile * u16 + 2 * T * U32)
-            tiny = K * 2.0**-23
-            for idx in tiles:  # a tile's fp16 sum may overflow
-                _, tmag = bd.nonneg_weighted_dot(Interval(P_lo[..., idx], P_hi[..., idx]),
-                                                 vc[:, :, idx], "bhqk,bhkd->bhqd")
-                overflow |= tmag * (1 + g_acc) >= format_max("fp16")
-        case _:  # "exact"
-            g_acc, tiny = 0.0, 0.0
-    with np.errstate(over="ignore", invalid="ignore"):
-        err = bd._up(mag * bd._up(g_acc) + tiny)
-        overflow |= mag * (1 + g_acc) >= fmax
-    acc = bd.widen(acc, 0.0, err)
-    acc = Interval(np.where(overflow, -np.inf, acc.lo), np.where(overflow, np.inf, acc.hi))
-    acc = bd.cast(acc, "fp32")
-
-    # output
-    vd = ops["v"][1]
-    vd_eff = Interval(_kv_to_query_heads(vd.lo, call), _kv_to_query_heads(vd.hi, call))
-    denom = mult if spec.l_from == "unrounded" else 1.0
-    l4 = Interval(row_sum.lo[..., None], row_sum.hi[..., None])
-    o = bd.div(acc, l4)
-    if denom != 1.0:
-        o = bd.div(o, point(denom))
-    out_rel = spec.output_ulp * 2.0**-23
-    if spec.output_post_scale == "in_kernel":
-        o = bd.mul(o, vd_eff)
-        o = bd.cast(bd.widen(o, out_rel, FP32_MIN_NORMAL), "fp32")
-        output = bd.cast(o, spec.output_format)
-    else:
-        o = bd.cast(bd.widen(o, out_rel, FP32_MIN_NORMAL), "fp32")
-        o = bd.cast(o, spec.output_format)
-        output = bd.cast(bd.cast(bd.mul(o, vd_eff), "fp32"), spec.output_format)
-
-    m_final = Interval(m_lo[..., 0], m_hi[..., 0])
-    out = {"output": output, "scores": S, "row_max": m_final,
-           "probs_q": Interval(P_lo, P_hi), "row_sum": row_sum}
+    B, Hq, Q, K = call.score_shape
+    Dv = call.v.shape[3]
+    keep = _keep_intermediates(call, intermediates)
+    starts, ends = rows.kv_tiles(K, effective_kv_tile(spec, call), spec.kv_order)
+    vis_all = call.visible_array()
+    vis_all = np.broadcast_to(True if vis_all is None else vis_all, call.score_shape)
+    qc, qs = ops["q"]
+    kc, ks = ops["k"]
+    vc = ops["v"][0]
+    o_lo, o_hi = np.empty((B, Hq, Q, Dv)), np.empty((B, Hq, Q, Dv))
+    l_lo, l_hi = np.empty((B, Hq, Q)), np.empty((B, Hq, Q))
+    m_lo, m_hi = np.empty((B, Hq, Q)), np.empty((B, Hq, Q))
+    if keep:
+        s_lo, s_hi = np.empty((B, Hq, Q, K)), np.empty((B, Hq, Q, K))
+        pq_lo, pq_hi = np.empty((B, Hq, Q, K)), np.empty((B, Hq, Q, K))
+    n = _rows_per_block(Q, K)
+    for b in range(B):
+        for h in range(Hq):
+            hk = int(call.head_map[h])
+            k_rows = Interval(kc.lo[b, hk], kc.hi[b, hk])  # (K, Dk)
+            v_rows = Interval(vc.lo[b, hk], vc.hi[b, hk])  # (K, Dv)
+            cc = (float(c.lo[b, h, 0, 0]), float(c.hi[b, h, 0, 0]))
+            for i0 in range(0, Q, n):
+                i1 = min(i0 + n, Q)
+                q_rows = Interval(qc.lo[b, h, i0:i1], qc.hi[b, h, i0:i1])  # (R, Dk)
+                descale = None
+                if spec.s_descale == "after_dot":  # (R, 1) x (1, K)
+                    qsr = Interval(np.broadcast_to(qs.lo, (B, Hq, Q, 1))[b, h, i0:i1],
+                                   np.broadcast_to(qs.hi, (B, Hq, Q, 1))[b, h, i0:i1])
+                    ksr = Interval(np.broadcast_to(ks.lo, (B, kc.shape[1], K, 1))[b, hk, :, 0],
+                                   np.broadcast_to(ks.hi, (B, kc.shape[1], K, 1))[b, hk, :, 0])
+                    descale = (qsr, Interval(ksr.lo[None, :], ksr.hi[None, :]))
+                S = rows.scores(q_rows, k_rows, spec, descale)  # (R, K)
+                vis = vis_all[b, h, i0:i1]
+                res = rows.emulate_rows(S, vis, cc, v_rows, spec, starts, ends, keep=keep)
+                o_lo[b, h, i0:i1], o_hi[b, h, i0:i1] = res.acc_over_l.lo, res.acc_over_l.hi
+                l_lo[b, h, i0:i1], l_hi[b, h, i0:i1] = res.row_sum.lo, res.row_sum.hi
+                m_lo[b, h, i0:i1], m_hi[b, h, i0:i1] = res.row_max.lo, res.row_max.hi
+                if keep:
+                    s_lo[b, h, i0:i1] = np.where(vis, S.lo, -np.inf)
+                    s_hi[b, h, i0:i1] = np.where(vis, S.hi, -np.inf)
+                    pq_lo[b, h, i0:i1], pq_hi[b, h, i0:i1] = res.probs_q.lo, res.probs_q.hi
+    row_sum = Interval(l_lo, l_hi)
+    m_final = Interval(m_lo, m_hi)
+    out = {"output": _output(Interval(o_lo, o_hi), spec, ops, call), "row_max": m_final,
+           "row_sum": row_sum}
+    if keep:
+        out["scores"] = Interval(s_lo, s_hi)
+        out["probs_q"] = Interval(pq_lo, pq_hi)
     if spec.returns_lse:
+        off = spec.p_offset if spec.p_handling == "offset" else 0.0
         out["lse"] = _lse(m_final, c, row_sum, off)
     # a NaN that arose in the emulation (a cast to NaN, inf - inf) says nothing about what the
     # kernel returns (fmaxf ignores NaN, finalize guards l != l): unknown, [-inf, inf]
     return {name: _nan_unknown(iv) for name, iv in out.items()}
+
+
+def _output(o: Interval, spec: QuantSpec, ops: dict[str, tuple[Interval, Interval]],
+            call: AttentionCall) -> Interval:
+    """Stage 5: the kernel's output from the exact ``acc / l`` (B, Hq, Q, Dv): divided by P's
+    multiplier, times v's descale, within ``output_ulp`` fp32 ulps, cast to the output format
+    (or the descale applied after the kernel's cast)."""
+    mult = spec.p_multiplier if spec.p_handling == "multiplier" else 1.0
+    vd = ops["v"][1]
+    vd_eff = Interval(_kv_to_query_heads(vd.lo, call), _kv_to_query_heads(vd.hi, call))
+    if mult != 1.0 and spec.l_from == "unrounded":
+        o = bd.div(o, point(mult))
+    out_rel = spec.output_ulp * 2.0**-23
+    if spec.output_post_scale == "in_kernel":
+        o = bd.cast(bd.widen(bd.mul(o, vd_eff), out_rel, FP32_MIN_NORMAL), "fp32")
+        return bd.cast(o, spec.output_format)
+    o = bd.cast(bd.cast(bd.widen(o, out_rel, FP32_MIN_NORMAL), "fp32"), spec.output_format)
+    return bd.cast(bd.cast(bd.mul(o, vd_eff), "fp32"), spec.output_format)
 
 
 def _nan_unknown(iv: Interval) -> Interval:

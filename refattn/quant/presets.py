@@ -29,6 +29,10 @@ PRESETS = ("fa3_fp8", "flashinfer_sm90_fp8", "flashinfer_fp8_kv", "vllm_fp8_kv",
 SAT = "nearest_even_satfinite"
 FP8_MMA_BITS = 13  # FP8 MMA accumulation: undocumented; measured 14 significand bits, widened
 HALF_MMA_BITS = 22  # fp16/bf16 MMA into fp32: undocumented order/truncation, widened from 24
+#: keys or features per MMA k-block: Hopper's FP8 WGMMA (wgmma.mma_async.*.e4m3, k = 32) and
+#: mma.sync.m16n8k16 for fp16/bf16 (k = 16); PTX ISA, "Matrix shape" tables
+FP8_MMA_K = 32
+HALF_MMA_K = 16
 SAGE_LOG2E = 1.44269504  # SageAttention's literal (per_block_int8: sm_scale * 1.44269504)
 
 
@@ -59,6 +63,12 @@ def _descale(name: str, x: object, head_gran: str) -> tuple[np.ndarray, str]:
     return _arr(x, name), "tensor"
 
 
+def _table(tile_table: str | None, own: str) -> str:
+    """The kv tile table a builder sets: its kernel's own (``None``), none (``""``: a custom
+    ``kv_tile``) or another table by name (QuantSpec checks the name)."""
+    return own if tile_table is None else tile_table
+
+
 def _choice(name: str, x: str, allowed: tuple[str, ...]) -> str:
     if x not in allowed:
         raise RefAttnError(f"{name}: expected one of {', '.join(allowed)}, got {x!r}")
@@ -66,7 +76,8 @@ def _choice(name: str, x: str, allowed: tuple[str, ...]) -> str:
 
 
 def fa3_fp8(*, q_descale: Any = None, k_descale: Any = None, v_descale: Any = None,
-            kv_tile: int | None = None, mma_bits: int = FP8_MMA_BITS) -> QuantSpec:
+            kv_tile: int | None = None, mma_bits: int = FP8_MMA_BITS,
+            v_colmajor: bool = False, tile_table: str | None = None) -> QuantSpec:
     """FlashAttention-3's FP8 forward (hopper/), also behind PyTorch's
     ``_scaled_dot_product_attention_quantized``.
 
@@ -84,21 +95,35 @@ def fa3_fp8(*, q_descale: Any = None, k_descale: Any = None, v_descale: Any = No
     significand bits with truncation, one bit below what was measured (SageAttention2, Zhang
     et al. 2024: 13 mantissa bits, "FP22", on Ada and Hopper; DeepSeek-V3 technical report
     section 3.3.2: "around 14 bits" on H800); ``ex2.approx.ftz`` as 2 ulp with flush to zero;
-    fast-math ``1/l`` and the two products as 4 ulp. ``kv_tile=None`` uses the final row max
-    for every p, which is the kernel's arithmetic only when all keys fit one kBlockN block;
-    pass the kernel's kBlockN to emulate its online softmax (blocks visited from the last).
-    ``hopper/tile_size.h`` ``tile_size_fwd_sm90`` (commit 07602adc) gives FP8 kBlockN = 160
-    (head dim <= 64; 128 with one MMA warpgroup), 128 (<= 96), 224 (<= 128; 160 with paged KV
-    without TMA, 96 with one MMA warpgroup), 160 (<= 192), 128 (<= 256; 64 local): the issue's
-    single-max formula holds for K <= 96 in every configuration without a local window
-    (which the preset refuses).
+    fast-math ``1/l`` and the two products as 4 ulp.
+
+    kv tiles (``tile_table="fa3_fp8"``, :mod:`refattn.quant.tiles`): ``kv_tile=None`` is the
+    kernel's kBlockN for the call's head dim, from ``hopper/tile_size.h``
+    ``tile_size_fwd_sm90`` with element_size 1 (Dao-AILab/flash-attention commit 0251105a2fb1)
+    as ``hopper/flash_fwd_launch_template.h`` ``run_mha_fwd_`` calls it for a dense KV cache
+    without a local window or softcap (which the preset refuses): 160 (head dim <= 64), 128
+    (<= 96), 224 (<= 128), 160 (<= 192), 128 (<= 256); the kernel ignores ``is_causal`` for
+    FP8. The blocks start at key 0 and are visited from the last
+    (``mainloop_fwd_sm90_tma_gmma_ws.hpp`` ``mma``: ``n_block = n_block_max - 1``, then
+    ``--n_block``). ``v_colmajor=True`` (``tile_table="fa3_fp8_v_colmajor"``): a V with
+    ``stride(-1) != 1`` in a build with ``FLASH_ATTENTION_ENABLE_VCOLMAJOR``, kBlockN 192 at
+    head dim <= 128 (``mha_fwd`` at that commit refuses such a V; the table is kept for
+    builds that take it). A ``kv_tile`` other than the table's is refused by
+    :func:`~refattn.quant.spec.check_quant`; ``tile_table=""`` takes a custom one (every
+    preset takes ``tile_table``: None, its kernel's table; ``""``, none; or a table's name).
+    Not emulated: split-KV (``num_splits`` > 1, chosen by ``get_num_splits`` where
+    ``flash_attn_with_kvcache`` passes ``num_splits=0``; ``flash_attn_func`` passes 1).
 
     Examples
     --------
     >>> spec = fa3_fp8(q_descale=np.full((2, 1), 0.5))
     >>> spec.q.granularity, spec.k.granularity, spec.p_offset, spec.kv_order
     ('batch_kv_head', 'tensor', 8.0, 'descending')
+    >>> spec.kv_tile, spec.tile_table, fa3_fp8(v_colmajor=True).tile_table
+    (None, 'fa3_fp8', 'fa3_fp8_v_colmajor')
     """
+    if not isinstance(v_colmajor, bool):
+        raise RefAttnError(f"v_colmajor: expected a bool, got {v_colmajor!r}")
     q, k, v = (TensorQuant("e4m3fn", *_descale(f"{name}_descale", x, "batch_kv_head"), SAT,
                            "codes")
                for name, x in (("q", q_descale), ("k", k_descale), ("v", v_descale)))
@@ -106,13 +131,15 @@ def fa3_fp8(*, q_descale: Any = None, k_descale: Any = None, v_descale: Any = No
                      p_handling="offset", p_offset=8.0, l_from="unrounded",
                      pv_accumulation="fp32", output_format="bf16", output_post_scale="in_kernel",
                      exp2_ulp=2.0, name="fa3_fp8", s_descale="exponent", kv_tile=kv_tile,
-                     kv_order="descending", mma_bits=mma_bits, output_ulp=4.0,
-                     returns_lse=True, masks=("none", "causal"), gqa=True)
+                     kv_order="descending", mma_bits=mma_bits, mma_k=FP8_MMA_K, output_ulp=4.0,
+                     returns_lse=True, masks=("none", "causal"), gqa=True,
+                     tile_table=_table(tile_table, "fa3_fp8_v_colmajor" if v_colmajor
+                                       else "fa3_fp8"))
 
 
 def flashinfer_sm90_fp8(*, q_scale: Any = None, k_scale: Any = None, v_scale: Any = None,
                         kv_format: str = "e4m3fn", kv_tile: int | None = None,
-                        mma_bits: int = FP8_MMA_BITS) -> QuantSpec:
+                        mma_bits: int = FP8_MMA_BITS, tile_table: str | None = None) -> QuantSpec:
     """FlashInfer's SM90 (FA3-derived) FP8 prefill.
 
     Follows flashinfer-ai/flashinfer ``include/flashinfer/attention/hopper/variants.cuh``
@@ -123,6 +150,15 @@ def flashinfer_sm90_fp8(*, q_scale: Any = None, k_scale: Any = None, v_scale: An
     ``hopper/quantization/mainloop_mma.cuh`` (l from the unscaled fp32 p, before the cast),
     ``hopper/utils.cuh`` ``convert_type`` (round to nearest, satfinite). See
     docs/quant-sources.md, "FlashInfer SM90 FP8".
+
+    kv tiles (``tile_table="flashinfer_sm90_fp8"``): ``kv_tile=None`` is ``CTA_KV`` of
+    ``include/flashinfer/attention/hopper/quantization/prefill_sm90.cuh``
+    ``SingleFP8PrefillWithKVCacheDispatched`` (commit fb28d7242b35): 128 at head dim 64, 192
+    at 128, 128 at 256 (the only head dims it instantiates, v's equal to q's; another asks for
+    ``kv_tile``), visited from the last (``quantization/mainloop_mma.cuh``: ``kv_tile_idx =
+    kv_tile_idx_count - 1``, then ``--kv_tile_idx``). The paged batch kernel
+    (``BatchFP8PrefillWithPagedKVCacheDispatched``) uses 128, 128, 64:
+    ``tile_table="flashinfer_sm90_fp8_paged"``.
 
     Not emulated: the LSE (FlashInfer returns it in base 2; not part of this preset's
     result). Widened as :func:`fa3_fp8`.
@@ -141,13 +177,14 @@ def flashinfer_sm90_fp8(*, q_scale: Any = None, k_scale: Any = None, v_scale: An
                      l_from="unrounded", pv_accumulation="fp32", output_format="bf16",
                      output_post_scale="in_kernel", exp2_ulp=2.0, name="flashinfer_sm90_fp8",
                      s_descale="exponent", kv_tile=kv_tile, kv_order="descending",
-                     mma_bits=mma_bits, output_ulp=4.0, returns_lse=False,
-                     masks=("none", "causal"), gqa=True)
+                     mma_bits=mma_bits, mma_k=FP8_MMA_K, output_ulp=4.0, returns_lse=False,
+                     masks=("none", "causal"), gqa=True,
+                     tile_table=_table(tile_table, "flashinfer_sm90_fp8"))
 
 
 def flashinfer_fp8_kv(*, k_scale: float = 1.0, v_scale: float = 1.0, q_dtype: str = "fp16",
                       kv_format: str = "e4m3fn", kv_tile: int | None = None,
-                      mma_bits: int = HALF_MMA_BITS) -> QuantSpec:
+                      mma_bits: int = HALF_MMA_BITS, tile_table: str | None = None) -> QuantSpec:
     """FlashInfer's FA2 prefill with an FP8 KV cache (q in fp16/bf16).
 
     Follows flashinfer-ai/flashinfer ``include/flashinfer/attention/prefill.cuh``
@@ -160,6 +197,14 @@ def flashinfer_fp8_kv(*, k_scale: float = 1.0, v_scale: float = 1.0, q_dtype: st
 
     Assumed: fp32 QK accumulation (the default; ``use_fp16_qk_reduction`` is not emulated).
     Widened: fp16/bf16 MMA accumulation modelled as ``mma_bits`` = 22 bits with truncation.
+
+    kv tiles (``tile_table="flashinfer_fa2"``): the kernel's ``CTA_TILE_KV = NUM_MMA_KV *
+    NUM_WARPS_KV * 16`` is chosen at dispatch from the packed query rows and the device's
+    shared memory (``prefill.cuh`` ``SinglePrefillWithKVCacheDispatched``,
+    ``utils.cuh`` ``FA2DetermineCtaTileQ``, commit fb28d7242b35): 32, 64 or 128 for an FP8
+    cache, so ``kv_tile`` must be given (the tile the dispatch picks on the device); tiles
+    visited from the first. Not emulated: the 4-kv-warp layout of 16 packed query rows or
+    fewer, and split-KV (``partition_kv``).
 
     Examples
     --------
@@ -177,13 +222,14 @@ def flashinfer_fp8_kv(*, k_scale: float = 1.0, v_scale: float = 1.0, q_dtype: st
                      pv_accumulation="fp32", output_format=dtype,
                      output_post_scale="after_kernel", exp2_ulp=2.0, name="flashinfer_fp8_kv",
                      s_descale="exponent", kv_tile=kv_tile, kv_order="ascending",
-                     mma_bits=mma_bits, output_ulp=4.0, returns_lse=False,
-                     masks=("none", "causal"), gqa=True)
+                     mma_bits=mma_bits, mma_k=HALF_MMA_K, output_ulp=4.0, returns_lse=False,
+                     masks=("none", "causal"), gqa=True,
+                     tile_table=_table(tile_table, "flashinfer_fa2"))
 
 
 def vllm_fp8_kv(*, q_scale: float = 1.0, k_scale: float = 1.0, v_scale: float = 1.0,
                 dtype: str = "bf16", kv_tile: int | None = None,
-                mma_bits: int = FP8_MMA_BITS) -> QuantSpec:
+                mma_bits: int = FP8_MMA_BITS, tile_table: str | None = None) -> QuantSpec:
     """vLLM's FP8 KV cache read by FA3 (the call holds the model's unquantised q, k, v).
 
     Follows vllm-project/vllm ``csrc/quantization/fp8/nvidia/quant_utils.cuh``
@@ -198,6 +244,16 @@ def vllm_fp8_kv(*, q_scale: float = 1.0, k_scale: float = 1.0, v_scale: float = 
     division or the reciprocal product; fast math unknown), so a value next to an e4m3
     rounding boundary gets both codes. Assumed: vLLM's FA3 fork does what Dao-AILab's does.
 
+    kv tiles (``tile_table="vllm_fa3_fp8"``): vLLM builds its fork
+    vllm-project/flash-attention at the commit ``cmake/external_projects/vllm_flash_attn.cmake``
+    pins (2adfc8c2177c at vllm-project/vllm 3a7b2806) and reads a paged KV cache. Its
+    ``hopper/tile_size.h`` ``tile_size_fwd_sm90`` adds a one-MMA-warpgroup decode tile
+    (``hopper/heuristics.h`` ``use_one_mma_wg``: head dim exactly 64 or 128 and
+    ``max_seqlen_q * Hq / Hkv <= 64``) to FA3's: 160 (head dim < 64), 128 or 160 (64), 128
+    (<= 96), 160 or 224 (<= 127: 224 only for pages read by TMA, ``get_pagedkv_tma``), 96, 160
+    or 224 (128), 160 (<= 192), 128 (<= 256). Where the row has several, ``kv_tile`` must be
+    given. Not emulated: split-KV (``num_splits``), which vLLM's decode uses.
+
     Examples
     --------
     >>> spec = vllm_fp8_kv(k_scale=0.5)
@@ -208,11 +264,13 @@ def vllm_fp8_kv(*, q_scale: float = 1.0, k_scale: float = 1.0, v_scale: float = 
     q, k, v = (TensorQuant("e4m3fn", _arr(s, n), "tensor", SAT, "cast", input_format=fmt)
                for s, n in ((q_scale, "q_scale"), (k_scale, "k_scale"), (v_scale, "v_scale")))
     return fa3_fp8(kv_tile=kv_tile, mma_bits=mma_bits).replace(q=q, k=k, v=v,
-                                                                name="vllm_fp8_kv")
+                                                                name="vllm_fp8_kv",
+                                                                tile_table=_table(
+                                                                    tile_table, "vllm_fa3_fp8"))
 
 
-def sageattention_int8(*, dtype: str = "fp16", kv_tile: int | None = 64,
-                       mma_bits: int = 11) -> QuantSpec:
+def sageattention_int8(*, dtype: str = "fp16", kv_tile: int | None = None,
+                       mma_bits: int = 11, tile_table: str | None = None) -> QuantSpec:
     """SageAttention's Triton INT8-QK / FP16-PV kernel (``sageattn_qk_int8_pv_fp16_triton``).
 
     Follows thu-ml/SageAttention ``sageattention/core.py`` (K smoothed by its per-head mean
@@ -235,11 +293,17 @@ def sageattention_int8(*, dtype: str = "fp16", kv_tile: int | None = 64,
     Q == K (where it equals the lower-right mask). A block of zeros (scale 0, 0/0 in the kernel)
     is refused.
 
+    kv tiles (``tile_table="sageattention_triton"``): ``kv_tile=None`` is ``BLOCK_N = 64`` of
+    ``sageattention/triton/attn_qk_int8_per_block.py`` ``forward`` (commit d1a57a546c3d) at
+    every head dim the Triton path takes (``core.py`` pads to 64 or 128, refuses > 128),
+    visited from the first (``_attn_fwd_inner``: ``range(lo, hi, BLOCK_N)``). The CUDA
+    kernels (``csrc/qattn``, ``CTA_K = 64``) are not emulated.
+
     Examples
     --------
     >>> spec = sageattention_int8()
-    >>> spec.q.block, spec.k.block, spec.pv_accumulation, spec.kv_tile
-    (128, 64, 'fp16_per_tile', 64)
+    >>> spec.q.block, spec.k.block, spec.pv_accumulation, spec.kv_tile, spec.tile_table
+    (128, 64, 'fp16_per_tile', None, 'sageattention_triton')
     """
     fmt = _choice("dtype", dtype, ("fp16", "bf16"))
     q = TensorQuant("int8", None, "token_block", "half_away_from_zero", "cast", block=128,
@@ -253,8 +317,9 @@ def sageattention_int8(*, dtype: str = "fp16", kv_tile: int | None = 64,
                      output_post_scale="in_kernel", k_smoothing=True, q_prescale=True,
                      exp2_ulp=2.0, name="sageattention_int8", s_descale="after_dot",
                      log2e=SAGE_LOG2E, kv_tile=kv_tile, kv_order="ascending",
-                     mma_bits=mma_bits, output_ulp=2.0, returns_lse=False,
-                     masks=("none", "causal_equal_lengths"), gqa=True)
+                     mma_bits=mma_bits, mma_k=HALF_MMA_K, output_ulp=2.0, returns_lse=False,
+                     masks=("none", "causal_equal_lengths"), gqa=True,
+                     tile_table=_table(tile_table, "sageattention_triton"))
 
 
 _BUILDERS: dict[str, Callable[..., QuantSpec]] = {
@@ -276,10 +341,12 @@ def preset(name: str, **scales_and_options: Any) -> QuantSpec:
         One of :data:`PRESETS`.
     **scales_and_options
         The builder's keywords: ``fa3_fp8(q_descale, k_descale, v_descale, kv_tile,
-        mma_bits)``, ``flashinfer_sm90_fp8(q_scale, k_scale, v_scale, kv_format, kv_tile,
-        mma_bits)``, ``flashinfer_fp8_kv(k_scale, v_scale, q_dtype, kv_format, kv_tile,
+        mma_bits, v_colmajor)``, ``flashinfer_sm90_fp8(q_scale, k_scale, v_scale, kv_format,
+        kv_tile, mma_bits)``, ``flashinfer_fp8_kv(k_scale, v_scale, q_dtype, kv_format, kv_tile,
         mma_bits)``, ``vllm_fp8_kv(q_scale, k_scale, v_scale, dtype, kv_tile, mma_bits)``,
-        ``sageattention_int8(dtype, kv_tile, mma_bits)``.
+        ``sageattention_int8(dtype, kv_tile, mma_bits)``; each also takes ``tile_table``
+        (None: the kernel's kv tile table, :mod:`refattn.quant.tiles`; ``""``: none, for a
+        custom ``kv_tile``; or another table's name).
 
     Returns
     -------
@@ -294,6 +361,8 @@ def preset(name: str, **scales_and_options: Any) -> QuantSpec:
     --------
     >>> preset("fa3_fp8", v_descale=2.0).name
     'fa3_fp8'
+    >>> preset("fa3_fp8", kv_tile=4, tile_table="").tile_table  # a custom tile: no table
+    ''
     >>> preset("fa3_fp8", softcap=30.0)
     Traceback (most recent call last):
     ...

@@ -35,6 +35,7 @@ from refattn.call import AttentionCall
 from refattn.call.scores import Dot
 from refattn.errors import RefAttnError
 from refattn.quant.formats import FORMATS, check_on_grid, format_info, quantize
+from refattn.quant.tiles import TILE_TABLES, resolve_kv_tile
 
 __all__ = [
     "GRANULARITIES",
@@ -55,7 +56,10 @@ POST_SCALES = ("in_kernel", "after_kernel")
 S_DESCALES = ("exponent", "after_dot")
 KV_ORDERS = ("ascending", "descending")
 MASKS = ("none", "causal", "causal_equal_lengths")
-SCHEMA = "refattn_quant_spec_v1"
+SCHEMA = "refattn_quant_spec_v2"
+#: the schema before ``tile_table`` and ``mma_k`` (read as ``tile_table=""``, ``mma_k=0``: its
+#: ``kv_tile`` None meant one tile for the whole row, its ``mma_bits`` bounded every addition)
+SCHEMA_V1 = "refattn_quant_spec_v1"
 
 #: the range of each float field of :class:`QuantSpec` (every one finite)
 _FLOAT_BOUNDS: dict[str, dict[str, Any]] = {
@@ -67,7 +71,8 @@ _FLOAT_BOUNDS: dict[str, dict[str, Any]] = {
 }
 #: the range of each integer field of :class:`QuantSpec` read from a manifest
 _INT_BOUNDS: dict[str, dict[str, int]] = {"kv_tile": {"lo": 1, "hi": INT64_MAX},
-                                          "mma_bits": {"lo": 2, "hi": 53}}
+                                          "mma_bits": {"lo": 2, "hi": 53},
+                                          "mma_k": {"lo": 0, "hi": 2**20}}
 
 Granularity = Literal["tensor", "batch_kv_head", "head", "token_block", "channel"]
 Source = Literal["codes", "cast"]
@@ -279,14 +284,23 @@ class QuantSpec:
         The log2(e) constant the kernel uses (float64; SageAttention writes 1.44269504).
     kv_tile : int, optional
         Keys per step of the online softmax (the running max, the rescale of l and O).
-        None: the whole row in one tile (the row max is the final max; exact for a kernel
-        whose kv tile holds all keys).
+        None: the table's tile for the call's head dims when ``tile_table`` names one (refused
+        where the table is ambiguous), else the whole row in one tile (the row max is the
+        final max; exact for a kernel whose kv tile holds all keys). With a table, a given
+        tile must be one of the table's candidates.
     kv_order : {"ascending", "descending"}
-        The order the kernel visits the kv tiles (FA3 walks them from the last).
+        The order the kernel visits the kv tiles (FA3 walks them from the last); with a
+        table, the table's order.
     mma_bits : int
-        Significand bits (with the implicit one) the tensor cores' accumulator keeps between
-        additions; each addition may err by one unit in its last place (truncation). 24 =
-        fp32 with truncation; FP8 tensor-core accumulation is undocumented, widened to 13.
+        Significant bits (with the implicit one) of the tensor cores' accumulation: with
+        ``mma_k > 0``, of a k-block's sum (every addend, the incoming accumulator included,
+        within one unit of that bit of the block's largest magnitude); with ``mma_k = 0``,
+        of every addition (one unit in its last place, any order). 24 = fp32 with
+        truncation; FP8 tensor-core accumulation is undocumented, widened to 13.
+    mma_k : int
+        Terms per k-block of the MMA instruction (32: Hopper's FP8 WGMMA; 16:
+        ``mma.m16n8k16``), the model of :mod:`refattn.quant.accumulation`; 0: no block
+        structure (the any-order bound of ``mma_bits`` per addition).
     output_ulp : float
         Error of the output's division and post-scale in fp32 ulps (approximate division).
     returns_lse : bool
@@ -296,6 +310,10 @@ class QuantSpec:
         Q == K, as SageAttention's top-left mask agrees with it only there).
     gqa : bool
         Whether grouped query heads are supported (``head_map[h] = h // (Hq // Hkv)``).
+    tile_table : str
+        The named kernel's kv tile table (one of :data:`refattn.quant.tiles.TILE_TABLES`) that
+        ``kv_tile`` and ``kv_order`` follow, checked by :func:`check_quant` at the call's head
+        dims; ``""``: no table (a custom tile).
 
     Examples
     --------
@@ -329,10 +347,12 @@ class QuantSpec:
     kv_tile: int | None = None
     kv_order: str = "ascending"
     mma_bits: int = 24
+    mma_k: int = 0
     output_ulp: float = 4.0
     returns_lse: bool = False
     masks: tuple[str, ...] = ("none", "causal")
     gqa: bool = True
+    tile_table: str = ""
 
     def __post_init__(self) -> None:
         object.__setattr__(self, "masks", tuple(self.masks))
@@ -368,11 +388,17 @@ class QuantSpec:
                                                             **_INT_BOUNDS["kv_tile"]))
         object.__setattr__(self, "mma_bits", bounded_int("mma_bits", self.mma_bits,
                                                          **_INT_BOUNDS["mma_bits"]))
+        object.__setattr__(self, "mma_k", bounded_int("mma_k", self.mma_k,
+                                                      **_INT_BOUNDS["mma_k"]))
         if not self.masks or any(m not in MASKS for m in self.masks):
             raise RefAttnError(f"masks: expected a non-empty subset of {MASKS}, "
                                f"got {self.masks!r}")
         if not isinstance(self.name, str) or not self.name:
             raise RefAttnError(f"name: expected a non-empty str, got {self.name!r}")
+        if not isinstance(self.tile_table, str) or (self.tile_table
+                                                    and self.tile_table not in TILE_TABLES):
+            raise RefAttnError(f"tile_table: {self.tile_table!r} is not one of "
+                               f"{', '.join(TILE_TABLES)} or '' (no kernel table)")
         if self.s_accumulation == "int32" and (self.q.format != "int8" or self.k.format != "int8"):
             raise RefAttnError("s_accumulation: 'int32' needs q and k in int8")
         if self.s_accumulation != "int32" and "int8" in (self.q.format, self.k.format):
@@ -413,7 +439,7 @@ class QuantSpec:
         >>> from refattn.quant.presets import preset
         >>> m = preset("sageattention_int8").to_manifest()
         >>> m["schema"], m["name"], m["q"]["format"]
-        ('refattn_quant_spec_v1', 'sageattention_int8', 'int8')
+        ('refattn_quant_spec_v2', 'sageattention_int8', 'int8')
         >>> _ = json.dumps(m, allow_nan=False)
         """
         out: dict[str, Any] = {"schema": SCHEMA}
@@ -431,13 +457,33 @@ class QuantSpec:
 
     @classmethod
     def from_manifest(cls, m: object) -> QuantSpec:
-        """The spec :meth:`to_manifest` described, validated again (untrusted input)."""
+        """The spec :meth:`to_manifest` described, validated again (untrusted input).
+
+        A ``refattn_quant_spec_v1`` manifest (no ``tile_table``, no ``mma_k``) is read with
+        ``tile_table=""`` and ``mma_k=0``, v1's semantics: ``kv_tile`` None meant the whole row
+        in one tile, and ``mma_bits`` bounded every addition in any order.
+
+        Examples
+        --------
+        >>> from refattn.quant.presets import preset
+        >>> m = preset("fa3_fp8").to_manifest()
+        >>> m["tile_table"], QuantSpec.from_manifest(m).tile_table
+        ('fa3_fp8', 'fa3_fp8')
+        >>> v1 = {k: v for k, v in m.items() if k not in ("tile_table", "mma_k")}
+        >>> QuantSpec.from_manifest({**v1, "schema": "refattn_quant_spec_v1"}).tile_table
+        ''
+        """
         if not isinstance(m, dict):
             raise RefAttnError(f"quant: expected a dict, got {type(m).__name__}")
         names = [f.name for f in fields(cls)]
-        if m.get("schema") != SCHEMA or set(m) != {"schema", *names}:
-            raise RefAttnError(f"quant: expected schema {SCHEMA!r} with keys {sorted(names)}, "
-                               f"got {sorted(m)}")
+        if m.get("schema") == SCHEMA_V1:  # before tile_table and mma_k: v1's semantics
+            names = [n for n in names if n not in ("tile_table", "mma_k")]
+        elif m.get("schema") != SCHEMA:
+            names = []
+        if not names or set(m) != {"schema", *names}:
+            want = names or [f.name for f in fields(cls)]
+            raise RefAttnError(f"quant: expected schema {SCHEMA!r} with keys {sorted(want)} "
+                               f"(or {SCHEMA_V1!r} without tile_table and mma_k), got {sorted(m)}")
         values: dict[str, Any] = {}
         floats = {f.name for f in fields(cls) if f.type == "float"}
         for name in names:
@@ -452,6 +498,10 @@ class QuantSpec:
                 if not isinstance(x, list):
                     raise RefAttnError(f"quant.masks: expected a list, got {type(x).__name__}")
                 values[name] = tuple(x)
+            elif name == "tile_table" and not (isinstance(x, str) and
+                                               (x == "" or x in TILE_TABLES)):
+                raise RefAttnError(f"quant.tile_table: {x!r} is not one of "
+                                   f"{', '.join(TILE_TABLES)} or '' (no kernel table)")
             else:
                 values[name] = x
         return cls(**values)
@@ -533,7 +583,9 @@ def check_quant(call: AttentionCall, spec: QuantSpec) -> None:
     ``"cast"`` tensor on its ``input_format``'s grid, and that the call uses no feature the
     kernel does not define (dropout, bias, softcap, sink, query_valid, a non-dot score, a
     scale placement other than post, a visibility other than the kernel's masks, a head map
-    other than grouped).
+    other than grouped). Where ``spec.tile_table`` names a kernel's table, ``kv_order`` must be
+    its order and ``kv_tile`` one of its tiles at the call's head dims (q's and v's last axes),
+    or None where the table gives one tile (:func:`refattn.quant.tiles.resolve_kv_tile`).
 
     Parameters
     ----------
@@ -559,6 +611,11 @@ def check_quant(call: AttentionCall, spec: QuantSpec) -> None:
     ... except RefAttnError as exc:
     ...     print(str(exc)[:60])
     fa3_fp8: q: value 0.51 at index (0, 0, 0, 0) is not a finite
+    >>> try:  # FA3's kBlockN at head dim 4 is 160
+    ...     check_quant(AttentionCall(x, x, x), preset("fa3_fp8", kv_tile=8))
+    ... except RefAttnError as exc:
+    ...     print(str(exc)[:70])
+    fa3_fp8: kv_tile: 8 contradicts FlashAttention-3's FP8 forward's table
     """
     if not isinstance(call, AttentionCall):
         raise RefAttnError(f"call: expected an AttentionCall, got {type(call).__name__}")
@@ -627,3 +684,6 @@ def _check_quant(call: AttentionCall, spec: QuantSpec) -> None:
                            "(k.source='cast')")
     if spec.q_prescale and spec.q.source != "cast":
         raise RefAttnError("q_prescale: the kernel pre-scales the Q it quantises itself")
+    # the kv tiles against the named kernel's table (the call's head dims: q's and v's)
+    resolve_kv_tile(spec.tile_table, spec.kv_tile, spec.kv_order, int(call.q.shape[3]),
+                    int(call.v.shape[3]))

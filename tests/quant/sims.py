@@ -18,6 +18,13 @@ them, not match them): exp2/log/log2 are computed in float64 and rounded once to
 kernels' ``ex2.approx``/``__logf`` are within a few ulp of that); subnormal float32 results are
 kept (IEEE), where ``--use_fast_math`` builds flush them to zero; a fused multiply-add
 (``x * c - m``, ``m * c + log l``) is rounded once (nvcc contracts them by default).
+
+FA3's two products (S = Q K^T over d, O += P V over each kv tile's keys) take an
+``accumulate=`` order (``ACCUMULATORS``): float32 adds ascending (the default), pairwise or in a
+random order per output element, or the Hopper FP8 WGMMA accumulator model (``wgmma13``,
+``wgmma14``: k-blocks of 32, products aligned to the largest exponent and truncated to 13 or 14
+significand bits, see :func:`wgmma_block`). The FP8 WGMMA's accumulation is not documented by
+NVIDIA; these are orders and precisions a kernel may have, each an honest kernel.
 """
 
 from __future__ import annotations
@@ -28,8 +35,11 @@ from dataclasses import dataclass
 import numpy as np
 
 __all__ = [
+    "ACCUMULATORS",
     "BUGS",
+    "FA3_BUGS",
     "FORMATS",
+    "SAGE_BUGS",
     "SimResult",
     "cast",
     "fa3_fp8",
@@ -37,8 +47,10 @@ __all__ = [
     "flashinfer_sm90_fp8",
     "fma32",
     "int8_half_away",
+    "matmul32",
     "sageattention_int8",
     "vllm_fp8_kv",
+    "wgmma_block",
 ]
 
 #: M_LOG2E and M_LN2 as C doubles
@@ -60,9 +72,29 @@ FORMATS = {
 #: the planted bugs: a descale left out, the descales of the wrong kv head (kv head
 #: ``(hk + 1) % Hkv``), a cast to e4m3 that does not saturate (overflow -> NaN), l summed after
 #: the cast where the kernel sums before (and before where it sums after), the FP8 offset of
-#: FA3 left out (``Max_offset = 0``: p in [0, 1] and no division of l by 256 for the LSE)
+#: FA3 left out (``Max_offset = 0``: p in [0, 1] and no division of l by 256 for the LSE);
+#: FA3 only (issue 41): the log2 e factor left out of c (exp2 kept), the softmax scale applied
+#: twice, the kv tile holding the last key never visited, exp in place of exp2, P cast to e5m2;
+#: SageAttention only: Q pre-scaled without log2 e, the online softmax without its alpha
+#: rescale, every K block dequantised with K block 0's scale
 BUGS = ("no_q_descale", "no_k_descale", "no_v_descale", "wrong_kv_head", "no_saturate",
-        "l_after_rounding", "l_before_rounding", "no_offset")
+        "l_after_rounding", "l_before_rounding", "no_offset", "no_log2e", "scale_twice",
+        "drop_last_tile", "natural_exp", "p_e5m2", "no_log2e_prescale", "no_alpha_rescale",
+        "single_k_scale")
+
+#: the bugs :func:`fa3_fp8` models
+FA3_BUGS = ("no_q_descale", "no_k_descale", "no_v_descale", "wrong_kv_head", "no_saturate",
+            "l_after_rounding", "no_offset", "no_log2e", "scale_twice", "drop_last_tile",
+            "natural_exp", "p_e5m2")
+
+#: the bugs :func:`sageattention_int8` models
+SAGE_BUGS = ("l_after_rounding", "no_log2e_prescale", "no_alpha_rescale", "single_k_scale")
+
+#: the summation orders of FA3's two products (``accumulate=``)
+ACCUMULATORS = ("sequential", "pairwise", "random", "wgmma13", "wgmma14")
+
+#: the Hopper FP8 WGMMA's k extent: products summed per block of 32 consecutive indices
+WGMMA_K = 32
 
 F32 = np.float32
 
@@ -137,11 +169,126 @@ def _fn32(fn: Callable[[np.ndarray], np.ndarray], x32: np.ndarray) -> np.ndarray
 
 def _dot32(a: np.ndarray, b: np.ndarray) -> np.ndarray:
     """(..., Q, D) x (..., K, D) -> (..., Q, K): float32 products and sums, d ascending."""
-    acc = np.zeros((*a.shape[:-1], b.shape[-2]), dtype=np.float32)
+    return matmul32(a, b)
+
+
+def _rng(rng: np.random.Generator | int | None) -> np.random.Generator:
+    return rng if isinstance(rng, np.random.Generator) else np.random.default_rng(rng or 0)
+
+
+def _f32_toward_zero(x: np.ndarray) -> np.ndarray:
+    """float64 -> float32 truncated toward zero (a finite overflow gives +-max, inf and NaN
+    stay)."""
+    x = np.asarray(x, dtype=np.float64)
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = x.astype(np.float32)
+        over = np.abs(f.astype(np.float64)) > np.abs(x)
+    return np.where(over, np.nextafter(f, np.float32(0)), f).astype(np.float32)
+
+
+def wgmma_block(c: np.ndarray, products: np.ndarray, bits: int) -> np.ndarray:
+    """One k-block of the Hopper FP8 WGMMA accumulator model: ``c`` (...) float32, the
+    block's exact ``products`` (..., k) float64 -> the new float32 accumulator (...).
+
+    E = floor(log2(max(|c|, max |product|))); quantum = 2**(E - (bits - 1)); every addend,
+    c included, truncated toward zero to a multiple of the quantum; the truncated addends
+    summed exactly; the sum stored truncated toward zero to float32. All zero: c unchanged. A
+    non-finite addend: the plain float64 sum (inf and NaN propagate) rounded toward zero.
+    (Products aligned to the largest exponent and truncated: SageAttention2's "FP22
+    accumulator", DeepSeek-V3 technical report sec. 3.3.2, "around 14 bits".)
+    """
+    cd = _f32(c).astype(np.float64)
+    pr = np.asarray(products, dtype=np.float64)
+    cd, _ = np.broadcast_arrays(cd, pr[..., 0])
     with np.errstate(invalid="ignore", over="ignore"):
-        for d in range(a.shape[-1]):
-            acc = (acc + a[..., :, None, d] * b[..., None, :, d]).astype(np.float32)
-    return acc
+        big = np.maximum(np.abs(cd), np.abs(pr).max(axis=-1))
+        finite = np.isfinite(big)
+        use = finite & (big > 0)
+        _, e = np.frexp(np.where(use, big, 1.0))  # big = f 2**e, f in [0.5, 1): E = e - 1
+        quantum = np.ldexp(1.0, np.maximum(e - 1 - (bits - 1), -1074))
+        # multiples of the quantum below 2**(bits + 6) quanta: the float64 sum is exact
+        trunc = np.trunc(cd / quantum) * quantum + (
+            np.trunc(pr / quantum[..., None]) * quantum[..., None]).sum(axis=-1)
+        plain = cd + pr.sum(axis=-1)
+    return _f32_toward_zero(np.where(use, trunc, np.where(finite, cd, plain)))
+
+
+def _heads(a: np.ndarray, b: np.ndarray) -> tuple[np.ndarray, np.ndarray, tuple[int, ...]]:
+    lead = np.broadcast_shapes(a.shape[:-2], b.shape[:-2])
+    a = np.broadcast_to(a, (*lead, *a.shape[-2:])).reshape(-1, *a.shape[-2:])
+    b = np.broadcast_to(b, (*lead, *b.shape[-2:])).reshape(-1, *b.shape[-2:])
+    return a, b, lead
+
+
+def matmul32(a: np.ndarray, b: np.ndarray, accumulate: str = "sequential",
+             rng: np.random.Generator | int | None = None,
+             init: np.ndarray | None = None) -> np.ndarray:
+    """(..., M, n) x (..., N, n) -> (..., M, N): sum over n of float32 products, float32 out.
+
+    ``accumulate`` (``ACCUMULATORS``):
+
+    - ``"sequential"``: float32 adds, n ascending, one rounding per product and per add;
+    - ``"pairwise"``: recursive pairwise float32 summation (halves ``[lo, mid)``,
+      ``[mid, hi)`` with ``mid = lo + (hi - lo) // 2``), products rounded to float32;
+    - ``"random"``: float32 adds in a random permutation of n drawn per output element from
+      ``rng`` (a Generator or a seed; None = seed 0);
+    - ``"wgmma13"`` / ``"wgmma14"``: :func:`wgmma_block` over consecutive blocks of
+      ``WGMMA_K`` = 32 indices (the last one shorter), products exact, the accumulator
+      carried from block to block.
+
+    ``init`` (..., M, N) float32: the incoming accumulator. The WGMMA model adds it in its
+    first block (the C operand); the other orders sum the products from zero and then add
+    ``init`` with one float32 add (FA3 sims' ``acc + P V`` of a tile).
+    """
+    a, b = _f32(a), _f32(b)
+    n = a.shape[-1]
+    if n != b.shape[-1]:
+        raise ValueError(f"matmul32: summed lengths {n} and {b.shape[-1]} differ")
+    out_shape = (*np.broadcast_shapes(a.shape[:-2], b.shape[:-2]), a.shape[-2], b.shape[-2])
+    with np.errstate(invalid="ignore", over="ignore"):
+        if accumulate in ("wgmma13", "wgmma14"):
+            bits = int(accumulate[-2:])
+            c = np.zeros(out_shape, np.float32) if init is None else _f32(
+                np.broadcast_to(init, out_shape))
+            ah, bh, _ = _heads(a, b)
+            c = c.reshape(-1, *out_shape[-2:]).copy()
+            ad, bd = ah.astype(np.float64), bh.astype(np.float64)
+            for h in range(ah.shape[0]):  # one head at a time: (M, N, 32) float64 products
+                for lo in range(0, n, WGMMA_K):
+                    prods = ad[h, :, None, lo:lo + WGMMA_K] * bd[h, None, :, lo:lo + WGMMA_K]
+                    c[h] = wgmma_block(c[h], prods, bits)
+            return c.reshape(out_shape)
+        if accumulate == "sequential":
+            acc = np.zeros(out_shape, np.float32)
+            for d in range(n):
+                acc = (acc + a[..., :, None, d] * b[..., None, :, d]).astype(np.float32)
+        elif accumulate == "pairwise":
+            def pw(lo: int, hi: int) -> np.ndarray:
+                if hi - lo == 1:
+                    return (a[..., :, None, lo] * b[..., None, :, lo]).astype(np.float32)
+                mid = lo + (hi - lo) // 2
+                return (pw(lo, mid) + pw(mid, hi)).astype(np.float32)
+            acc = np.broadcast_to(pw(0, n), out_shape) if n else np.zeros(out_shape,
+                                                                          np.float32)
+        elif accumulate == "random":
+            gen = _rng(rng)
+            ah, bh, _ = _heads(a, b)
+            M, N = out_shape[-2:]
+            acc = np.zeros((ah.shape[0], M, N), np.float32)
+            order = np.broadcast_to(np.arange(n, dtype=np.intp), (M, N, n))
+            for h in range(ah.shape[0]):
+                perm = gen.permuted(order, axis=-1)
+                for t in range(n):
+                    idx = perm[..., t]  # (M, N): the t-th index each element sums
+                    ga = np.take_along_axis(ah[h], idx, axis=-1)
+                    gb = np.take_along_axis(bh[h], idx.T, axis=-1).T
+                    acc[h] = (acc[h] + ga * gb).astype(np.float32)
+            acc = acc.reshape(out_shape)
+        else:
+            raise ValueError(f"accumulate {accumulate!r}: expected one of {ACCUMULATORS}")
+        if init is not None:
+            acc = (_f32(init) + acc).astype(np.float32)
+    return np.asarray(acc, dtype=np.float32)
 
 
 def _pv32(p: np.ndarray, v: np.ndarray, acc_fmt: str | None = None) -> np.ndarray:
@@ -217,19 +364,27 @@ def _descales(d: np.ndarray | None, B: int, Hkv: int) -> np.ndarray:
 # -- the FA3 family ---------------------------------------------------------------------------
 def _online_fp8(S: np.ndarray, vis: np.ndarray, v: np.ndarray, c: np.ndarray, *, offset: float,
                 p_mult: float | None, fmt: str, saturate: bool, l_rounded: bool,
-                block_n: int | None) -> tuple[np.ndarray, ...]:
+                block_n: int | None, accumulate: str = "sequential",
+                rng: np.random.Generator | None = None, natural_exp: bool = False,
+                drop_last_tile: bool = False) -> tuple[np.ndarray, ...]:
     """The FA3 / FlashInfer SM90 softmax and PV on raw S (B, Hq, Q, K) with c (B, Hq, 1, 1).
 
     p = exp2(fma(S, c, -(fl(m c) - offset))) [x p_mult], cast to ``fmt``; l from p (or from
     the cast P with ``l_rounded``); O accumulated in float32. With ``block_n`` the keys are
     visited in blocks from the last to the first (FA3's ``n_block`` loop) with the running max
-    and the rescale exp2((m_old - m_new) c); without it, one block (the final row max).
+    and the rescale exp2((m_old - m_new) c); without it, one block (the final row max). Each
+    block's P V is summed over its keys in the order ``accumulate`` (:func:`matmul32`, the
+    running acc as the incoming accumulator). Bugs: ``natural_exp`` (exp for exp2, in p and in
+    the rescale), ``drop_last_tile`` (the block holding key K - 1, the first visited, skipped).
     Returns (acc, l, m, P8) with P8 as cast (each block's with the running max of its time).
     """
     K = S.shape[-1]
     Sm = np.where(vis, S, -np.inf).astype(np.float32)
     blocks = [(0, K)] if block_n is None else [
         (s, min(s + block_n, K)) for s in range(0, K, block_n)][::-1]
+    if drop_last_tile:
+        blocks = blocks[1:]
+    expf = (lambda x: _fn32(np.exp, x)) if natural_exp else _exp2
     shape = S.shape[:-1]
     m = np.full(shape, -np.inf, np.float32)
     lsum = np.zeros(shape, np.float32)
@@ -240,7 +395,7 @@ def _online_fp8(S: np.ndarray, vis: np.ndarray, v: np.ndarray, c: np.ndarray, *,
         m_new = np.maximum(m, blk.max(axis=-1)).astype(np.float32)
         if n > 0:  # rescale what the earlier blocks accumulated
             with np.errstate(invalid="ignore"):
-                alpha = _exp2(((m - m_new).astype(np.float32) * c[..., 0]).astype(np.float32))
+                alpha = expf(((m - m_new).astype(np.float32) * c[..., 0]).astype(np.float32))
             alpha = np.where(m_new == -np.inf, F32(1), alpha)
             lsum = (lsum * alpha).astype(np.float32)
             acc = (acc * alpha[..., None]).astype(np.float32)
@@ -248,7 +403,7 @@ def _online_fp8(S: np.ndarray, vis: np.ndarray, v: np.ndarray, c: np.ndarray, *,
         with np.errstate(invalid="ignore", over="ignore"):
             ms = (m * c[..., 0]).astype(np.float32)
             ms = np.where(m == -np.inf, F32(0), (ms - F32(offset)).astype(np.float32))
-            p = _exp2(fma32(blk, np.broadcast_to(c, blk.shape), -ms[..., None]))
+            p = expf(fma32(blk, np.broadcast_to(c, blk.shape), -ms[..., None]))
         p = np.where(np.isneginf(blk), F32(0), p)
         if not l_rounded:
             lsum = (lsum + _rowsum32(p)).astype(np.float32)
@@ -258,7 +413,7 @@ def _online_fp8(S: np.ndarray, vis: np.ndarray, v: np.ndarray, c: np.ndarray, *,
         if l_rounded:
             lsum = (lsum + _rowsum32(p8 / F32(1 if p_mult is None else p_mult))).astype(
                 np.float32)
-        acc = (acc + _pv32(p8, v[..., lo:hi, :])).astype(np.float32)
+        acc = matmul32(p8, np.swapaxes(v[..., lo:hi, :], -1, -2), accumulate, rng, init=acc)
         P8[..., lo:hi] = p8
     return acc, lsum, m, P8
 
@@ -266,13 +421,25 @@ def _online_fp8(S: np.ndarray, vis: np.ndarray, v: np.ndarray, c: np.ndarray, *,
 def fa3_fp8(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float,
             q_descale: np.ndarray | None = None, k_descale: np.ndarray | None = None,
             v_descale: np.ndarray | None = None, causal: bool = False,
-            block_n: int | None = None, bug: str | None = None) -> SimResult:
+            block_n: int | None = None, bug: str | None = None,
+            accumulate: str = "sequential",
+            rng: np.random.Generator | int | None = None) -> SimResult:
     """FlashAttention-3's FP8 forward (hopper/): e4m3 codes, (B, Hkv) float32 descales.
 
     c = fl(fl(scale log2e) fl(q_descale k_descale)); m = row max of raw S; p = exp2(fma(S, c,
     -(fl(m c) - 8))) in [0, 256]; l = sum p (fp32, before the cast); P8 = satfinite e4m3(p);
     O = bf16(fl(acc fl(fl(1/l) v_descale))); LSE = fma(m, fl(c ln2), log(l / 256)).
-    Causal is the lower-right triangle. ``block_n``: the online softmax over K blocks.
+    Causal is the lower-right triangle. ``block_n``: the online softmax over K blocks (FA3's
+    kBlockN). ``accumulate`` (``ACCUMULATORS``): the order and precision of both products,
+    S over d and each tile's P V over its keys (:func:`matmul32`); ``rng`` draws the
+    ``"random"`` orders (a Generator or a seed; None = seed 0).
+
+    Bugs (``FA3_BUGS``): ``no_q/k/v_descale``, ``wrong_kv_head``, ``no_saturate``,
+    ``l_after_rounding``, ``no_offset`` (see ``BUGS``); ``no_log2e``: c = fl(scale) fl(qd kd)
+    (exp2 kept); ``scale_twice``: c = fl(fl(scale scale log2e) fl(qd kd)); ``drop_last_tile``:
+    the kv block holding key K - 1 is never visited (an off-by-one in the block loop; with one
+    block every row is empty: l = 0, O = 0, LSE = -inf); ``natural_exp``: exp for exp2, same
+    arguments (p and the rescale); ``p_e5m2``: P cast to satfinite e5m2.
 
     Parameters
     ----------
@@ -280,8 +447,10 @@ def fa3_fp8(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float,
         e4m3fn values (float64).
     q_descale, k_descale, v_descale : (B, Hkv) or None (1.0)
     """
-    _check_bug(bug, ("no_q_descale", "no_k_descale", "no_v_descale", "wrong_kv_head",
-                     "no_saturate", "l_after_rounding", "no_offset"))
+    _check_bug(bug, FA3_BUGS)
+    if accumulate not in ACCUMULATORS:
+        raise ValueError(f"accumulate {accumulate!r}: expected one of {ACCUMULATORS}")
+    gen = _rng(rng) if accumulate == "random" else None
     q, k, v = _f32(q), _f32(k), _f32(v)
     B, Hq, Q, _ = q.shape
     Hkv, K = k.shape[1], k.shape[2]
@@ -290,15 +459,22 @@ def fa3_fp8(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float,
     qd = _descales(None if bug == "no_q_descale" else q_descale, B, Hkv)[:, hd]  # (B, Hq)
     kd = _descales(None if bug == "no_k_descale" else k_descale, B, Hkv)[:, hd]
     vd = _descales(None if bug == "no_v_descale" else v_descale, B, Hkv)[:, hd]
-    c0 = F32(float(F32(scale)) * LOG2E)  # float(softmax_scale * M_LOG2E)
+    if bug == "no_log2e":
+        c0 = F32(scale)
+    elif bug == "scale_twice":
+        c0 = F32(float(scale) * float(scale) * LOG2E)
+    else:
+        c0 = F32(float(F32(scale)) * LOG2E)  # float(softmax_scale * M_LOG2E)
     with np.errstate(over="ignore"):
         c = (c0 * (qd * kd).astype(np.float32)).astype(np.float32)[..., None, None]
-    S = _dot32(q, k[:, hk])  # (B, Hq, Q, K) raw, on the codes
+    S = matmul32(q, k[:, hk], accumulate, gen)  # (B, Hq, Q, K) raw, on the codes
     vis = _visible(Q, K, causal, "lower_right")
     offset = 0.0 if bug == "no_offset" else 8.0
     acc, lsum, m, P8 = _online_fp8(
-        S, vis, v[:, hk], c, offset=offset, p_mult=None, fmt="e4m3fn",
-        saturate=bug != "no_saturate", l_rounded=bug == "l_after_rounding", block_n=block_n)
+        S, vis, v[:, hk], c, offset=offset, p_mult=None,
+        fmt="e5m2" if bug == "p_e5m2" else "e4m3fn", saturate=bug != "no_saturate",
+        l_rounded=bug == "l_after_rounding", block_n=block_n, accumulate=accumulate, rng=gen,
+        natural_exp=bug == "natural_exp", drop_last_tile=bug == "drop_last_tile")
     with np.errstate(divide="ignore", invalid="ignore"):
         inv = np.where((lsum == 0) | np.isnan(lsum), F32(0), (F32(1) / lsum).astype(np.float32))
         o32 = (acc * (inv * vd[..., None]).astype(np.float32)[..., None]).astype(np.float32)
@@ -439,6 +615,7 @@ def vllm_fp8_kv(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float, q_
 def sageattention_int8(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: float,
                        dtype: str = "fp16", smooth_k: bool = True, causal: bool = False,
                        blkq: int = 128, blkk: int = 64, round_smoothing: bool = True,
+                       scale_order: str = "product_first",
                        bug: str | None = None) -> SimResult:
     """SageAttention's Triton kernel (``sageattn_qk_int8_pv_fp16_triton``).
 
@@ -450,8 +627,19 @@ def sageattention_int8(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: fl
     float32 from the unrounded p, alpha = exp2(fl(m_old - m_new)); each block's P V with P in
     fp16 accumulated and rounded in fp16 (key ascending), added to the float32 acc; O =
     dtype(fl(acc / l)). V is fp16 (bf16 input converted). Causal: upper-left triangle.
+    ``blkq`` / ``blkk``: the kernel's BLOCK_M = 128 (Q's quantisation block) and BLOCK_N = 64
+    (K's quantisation block and the key tile of the online softmax).
+
+    ``scale_order``: ``"product_first"`` (the kernel's: S = fl(fl(dot) fl(q_s k_s))) or
+    ``"sequential"`` (S = fl(fl(fl(dot) q_s) k_s)), both honest. Bugs (``SAGE_BUGS``):
+    ``l_after_rounding`` (l from the fp16 P); ``no_log2e_prescale``: Q x fl(scale) only, exp2
+    kept; ``no_alpha_rescale``: acc and l never rescaled when the max changes (the first tile
+    still starts them: l from 0); ``single_k_scale``: every K block dequantised with K block
+    0's scale (the codes still per block).
     """
-    _check_bug(bug, ("l_after_rounding",))
+    _check_bug(bug, SAGE_BUGS)
+    if scale_order not in ("product_first", "sequential"):
+        raise ValueError(f"scale_order {scale_order!r}: expected product_first or sequential")
     q, k, v = _f32(q), _f32(k), _f32(v)
     B, Hq, Q, _ = q.shape
     Hkv, K = k.shape[1], k.shape[2]
@@ -477,13 +665,21 @@ def sageattention_int8(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: fl
             sc[:, :, n] = s
         return xq, sc
 
-    q8, qsc = quant(q, blkq, F32(scale * SAGE_LOG2E))
+    q8, qsc = quant(q, blkq, F32(scale) if bug == "no_log2e_prescale"
+                    else F32(scale * SAGE_LOG2E))
     k8, ksc = quant(k, blkk, F32(1.0))
+    if bug == "single_k_scale":
+        ksc = np.broadcast_to(ksc[..., :1], ksc.shape)
     dot = np.einsum("bhqd,bhkd->bhqk", q8, k8[:, hk])  # exact in int64 (|dot| < 2**24 here)
     S = dot.astype(np.float32)
     qs_t = np.repeat(qsc, blkq, axis=-1)[..., :Q]  # (B, Hq, Q)
     ks_t = np.repeat(ksc, blkk, axis=-1)[..., :K][:, hk]  # (B, Hq, K)
-    S = (S * (qs_t[..., :, None] * ks_t[..., None, :]).astype(np.float32)).astype(np.float32)
+    if scale_order == "sequential":
+        S = (S * qs_t[..., :, None]).astype(np.float32)
+        S = (S * ks_t[..., None, :]).astype(np.float32)
+    else:
+        S = (S * (qs_t[..., :, None] * ks_t[..., None, :]).astype(np.float32)).astype(
+            np.float32)
     vis = _visible(Q, K, causal, "upper_left")
     Sm = np.where(vis, S, -np.inf).astype(np.float32)
     vv = v[:, hk]
@@ -499,6 +695,8 @@ def sageattention_int8(q: np.ndarray, k: np.ndarray, v: np.ndarray, *, scale: fl
             alpha = _exp2((m - m_new).astype(np.float32))
         p = np.where(np.isneginf(blk), F32(0), p)
         alpha = np.where(np.isnan(alpha), F32(1), alpha)
+        if bug == "no_alpha_rescale":  # only the first tile's alpha = 0 (clearing l = 1)
+            alpha = np.where(np.isneginf(m), alpha, F32(1))
         p16 = cast(p, "fp16", saturate=False)
         lsum = (lsum * alpha + _rowsum32(p16 if bug == "l_after_rounding" else p)).astype(
             np.float32)

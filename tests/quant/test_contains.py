@@ -82,7 +82,8 @@ def fa3(seed: int, *, causal: bool = False, kind: str = "random",
             d = [np.full((B, Hkv), _f32(0.32)), np.ones((B, Hkv)), np.ones((B, Hkv))]
         case _:
             raise ValueError(kind)
-    spec = preset("fa3_fp8", q_descale=d[0], k_descale=d[1], v_descale=d[2], kv_tile=kv_tile)
+    spec = preset("fa3_fp8", q_descale=d[0], k_descale=d[1], v_descale=d[2], kv_tile=kv_tile,
+                  tile_table="")  # toy sizes: a custom tile (None: one), not the kernel's
 
     def simulate(bug=None):
         return sims.fa3_fp8(q, k, v, scale=D ** -0.5, q_descale=d[0], k_descale=d[1],
@@ -110,7 +111,7 @@ def flashinfer_sm90(seed: int, *, fmt: str = "e4m3fn", causal: bool = False,
         e = 60.0 if kind == "s_overflow" else -70.0
         qs, ks = np.full(Hq, 2.0 ** e), np.full(Hkv, 2.0 ** e)
     spec = preset("flashinfer_sm90_fp8", q_scale=qs, k_scale=ks, v_scale=vs, kv_format=fmt,
-                  kv_tile=kv_tile)
+                  kv_tile=kv_tile, tile_table="")
 
     def simulate(bug=None):
         return sims.flashinfer_sm90_fp8(q, k, v, scale=D ** -0.5, q_scale=qs[None],
@@ -129,7 +130,7 @@ def flashinfer_fp8_kv(seed: int, *, dtype: str = "fp16", causal: bool = False,
     k = sims.fp8_values(rng, (B, Hkv, K, D), near_max=near)
     v = sims.fp8_values(rng, (B, Hkv, K, D), near_max=near)
     ks, vs = (_f32(0.001), _f32(0.01)) if near else (0.5, 2.0)
-    spec = preset("flashinfer_fp8_kv", k_scale=ks, v_scale=vs, q_dtype=dtype)
+    spec = preset("flashinfer_fp8_kv", k_scale=ks, v_scale=vs, q_dtype=dtype, tile_table="")
 
     def simulate(bug=None):
         return sims.flashinfer_fp8_kv(q, k, v, scale=D ** -0.5, k_scale=ks, v_scale=vs,
@@ -152,7 +153,7 @@ def vllm(seed: int, *, causal: bool = False, kind: str = "random") -> Scenario:
         k[..., 0] = sims.cast(k[..., 0] * 1.2 + np.sign(k[..., 0]) * 448 * ks * 1.5, "bf16",
                               saturate=False)
         v[..., 1] = sims.cast(np.sign(v[..., 1]) * 448 * vs * 2.5, "bf16", saturate=False)
-    spec = preset("vllm_fp8_kv", q_scale=qs, k_scale=ks, v_scale=vs)
+    spec = preset("vllm_fp8_kv", q_scale=qs, k_scale=ks, v_scale=vs, tile_table="")
 
     def simulate(bug=None):
         return sims.vllm_fp8_kv(q, k, v, scale=D ** -0.5, q_scale=qs, k_scale=ks,
@@ -352,7 +353,7 @@ def _random_configuration(name: str, seed: int) -> Scenario:
             k, v = sims.fp8_values(rng, kv, spread=spread), sims.fp8_values(rng, kv)
             d = [sims.f32_scales(rng, (B, Hkv)) for _ in range(3)]
             spec = preset(name, q_descale=d[0], k_descale=d[1], v_descale=d[2],
-                          kv_tile=tile, mma_bits=24)
+                          kv_tile=tile, mma_bits=24, tile_table="")
 
             def simulate(bug=None):
                 return sims.fa3_fp8(q, k, v, scale=scale, q_descale=d[0], k_descale=d[1],
@@ -363,7 +364,7 @@ def _random_configuration(name: str, seed: int) -> Scenario:
             k, v = sims.fp8_values(rng, kv, fmt, spread=spread), sims.fp8_values(rng, kv, fmt)
             qs, ks, vs = (sims.f32_scales(rng, (h,)) for h in (Hq, Hkv, Hkv))
             spec = preset(name, q_scale=qs, k_scale=ks, v_scale=vs, kv_format=fmt,
-                          kv_tile=tile, mma_bits=24)
+                          kv_tile=tile, mma_bits=24, tile_table="")
 
             def simulate(bug=None):
                 return sims.flashinfer_sm90_fp8(q, k, v, scale=scale, q_scale=qs[None],
@@ -375,7 +376,7 @@ def _random_configuration(name: str, seed: int) -> Scenario:
             v = sims.grid_values(rng, kv, "bf16", spread=spread)
             s3 = [_f32(x) for x in rng.uniform(0.005, 0.05, 3)]
             spec = preset(name, q_scale=s3[0], k_scale=s3[1], v_scale=s3[2], kv_tile=tile,
-                          mma_bits=24)
+                          mma_bits=24, tile_table="")
 
             def simulate(bug=None):
                 return sims.vllm_fp8_kv(q, k, v, scale=scale, q_scale=s3[0], k_scale=s3[1],
@@ -385,7 +386,8 @@ def _random_configuration(name: str, seed: int) -> Scenario:
             q = sims.grid_values(rng, (B, Hq, Q, D), dtype, spread=spread)
             k, v = sims.fp8_values(rng, kv, spread=spread), sims.fp8_values(rng, kv)
             ks, vs = (_f32(x) for x in rng.uniform(0.1, 3.0, 2))
-            spec = preset(name, k_scale=ks, v_scale=vs, q_dtype=dtype, mma_bits=24)
+            spec = preset(name, k_scale=ks, v_scale=vs, q_dtype=dtype, mma_bits=24,
+                          tile_table="")
 
             def simulate(bug=None):
                 return sims.flashinfer_fp8_kv(q, k, v, scale=scale, k_scale=ks, v_scale=vs,

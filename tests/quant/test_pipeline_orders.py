@@ -103,7 +103,7 @@ def _fa3_case(causal_mask):
 def test_fa3_every_order_inside(causal_mask, tile):
     q, k, v, (qd, kd, vd), call = _fa3_case(causal_mask)
     spec = preset("fa3_fp8", q_descale=np.array([[qd]]), k_descale=np.array([[kd]]),
-                  v_descale=vd, kv_tile=tile, mma_bits=24)
+                  v_descale=vd, kv_tile=tile, mma_bits=24, tile_table="")  # a custom tile
     em = quantized(call, spec).emulated
     c = f32(f32(f32(0.5 * LOG2E)) * f32(f32(qd) * f32(kd)))
     vis = call.visible_full()[0, 0]
@@ -149,7 +149,7 @@ def test_fa3_a_planted_bug_in_the_simulation_falls_outside(bug):
 def test_flashinfer_sm90_every_order_inside(tile):
     q, k, v, (qd, kd, vd), call = _fa3_case(True)
     spec = preset("flashinfer_sm90_fp8", q_scale=np.array([qd]), k_scale=np.array([kd]),
-                  v_scale=np.array([vd]), kv_tile=tile, mma_bits=24)
+                  v_scale=np.array([vd]), kv_tile=tile, mma_bits=24, tile_table="")
     em = quantized(call, spec).emulated
     c = f32(f32(f32(f32(qd) * f32(kd)) * f32(0.5)) * f32(LOG2E))  # variants.cuh order
     vis = call.visible_full()[0, 0]
@@ -177,7 +177,7 @@ def test_flashinfer_fp8_kv_every_order_inside():
     k_scale, v_scale, scale = 0.75, 0.375, 0.5
     em = quantized(AttentionCall(q, k, v, scale=scale),
                    preset("flashinfer_fp8_kv", k_scale=k_scale, v_scale=v_scale,
-                          mma_bits=24)).emulated
+                          mma_bits=24, tile_table="")).emulated
     c = f32(f32(scale * k_scale) * f32(LOG2E))  # sm_scale *= k_scale on the host
     for i in range(Q):
         for dperm, lperm, aperm in itertools.product(PERMS, PERMS, PERMS):
@@ -225,7 +225,7 @@ def test_sage_every_order_inside(tile):
                for s in ((1, 1, Q, D), (1, 1, K, D), (1, 1, K, D)))
     scale = 0.5
     em = quantized(AttentionCall(q, k, v, scale=scale),
-                   preset("sageattention_int8", kv_tile=tile)).emulated
+                   preset("sageattention_int8", kv_tile=tile, tile_table="")).emulated
     # K smoothing in fp16 (the mean accumulated in fp32, then rounded), Q pre-scaled
     km = f16(f32(k[0, 0].astype(np.float32).sum(axis=0) / f32(K)))
     ks = (k[0, 0].astype(np.float16) - km).astype(np.float16)

@@ -8,6 +8,7 @@ each simulated kernel (its error must be of the size of its roundings), and the 
 
 from __future__ import annotations
 
+import itertools
 from fractions import Fraction
 
 import numpy as np
@@ -256,3 +257,230 @@ def test_bug_names_are_checked():
     q, k, v, d = _fa3_inputs(np.random.default_rng(19))
     with pytest.raises(ValueError, match="not modelled"):
         sims.fa3_fp8(q, k, v, scale=0.25, bug="l_before_rounding", **d)
+
+
+# -- issue 41: the accumulation orders of FA3's products, each against its own witness ----------
+def _fp8_pair(rng, M, N, n, spread=3.0):
+    return sims.fp8_values(rng, (M, n), spread=spread), sims.fp8_values(rng, (N, n),
+                                                                         spread=spread)
+
+
+def _exact(a, b):
+    """The exact sums of the products (float64 products of e4m3 values are exact; the sum as
+    rationals)."""
+    return np.array([[float(sum(Fraction(float(x)) * Fraction(float(y)) for x, y in
+                                zip(a[i], b[j], strict=True)))
+                      for j in range(b.shape[0])] for i in range(a.shape[0])])
+
+
+def _gamma(k):
+    u = 2.0 ** -24
+    return k * u / (1 - k * u)
+
+
+def test_sequential_is_the_default_and_the_old_order():
+    rng = np.random.default_rng(40)
+    a, b = _fp8_pair(rng, 5, 6, 37)
+    want = np.zeros((5, 6), np.float32)
+    for d in range(37):  # float32 adds, d ascending
+        want = (want + (a[:, None, d] * b[None, :, d]).astype(np.float32)).astype(np.float32)
+    np.testing.assert_array_equal(sims.matmul32(a, b), want)
+    np.testing.assert_array_equal(sims.matmul32(a, b, "sequential"), want)
+
+
+def _pairwise_scalar(xs):
+    if len(xs) == 1:
+        return np.float32(xs[0])
+    mid = len(xs) // 2
+    return np.float32(_pairwise_scalar(xs[:mid]) + _pairwise_scalar(xs[mid:]))
+
+
+@pytest.mark.parametrize("n", [1, 2, 7, 32, 100])
+def test_pairwise_matches_a_scalar_recursion_and_its_bound(n):
+    rng = np.random.default_rng(41 + n)
+    a, b = _fp8_pair(rng, 4, 5, n)
+    got = sims.matmul32(a, b, "pairwise")
+    for i in range(4):
+        for j in range(5):
+            prods = [np.float32(a[i, d] * b[j, d]) for d in range(n)]
+            assert got[i, j] == _pairwise_scalar(prods), (i, j)
+    # |pairwise - exact| <= gamma_ceil(log2 n) sum |products| (the products are exact)
+    bound = _gamma(int(np.ceil(np.log2(n))) if n > 1 else 0) * (np.abs(a) @ np.abs(b).T)
+    assert (np.abs(got - _exact(a, b)) <= bound).all()
+
+
+def test_random_order_is_some_order_per_element_and_follows_the_seed():
+    """Three addends whose float32 sum depends on the order (1 + u + u = 1 ascending, 1 + 2u
+    when the two u go first): every element's result is one of the orders' results, both
+    appear, and the seed decides which."""
+    u = 2.0 ** -24
+    a = np.ones((40, 3))
+    b = np.tile([1.0, u, u], (50, 1))
+    orders = {float(np.float32(np.float32(np.float32(x) + np.float32(y)) + np.float32(z)))
+              for x, y, z in itertools.permutations([1.0, u, u])}
+    got = sims.matmul32(a, b, "random", rng=5)
+    assert set(np.unique(got).tolist()) == orders == {1.0, 1.0 + 2 * u}
+    np.testing.assert_array_equal(got, sims.matmul32(a, b, "random", rng=5))
+    np.testing.assert_array_equal(
+        got, sims.matmul32(a, b, "random", rng=np.random.default_rng(5)))
+    assert not np.array_equal(got, sims.matmul32(a, b, "random", rng=6))
+
+
+def test_random_order_is_within_the_sequential_bound():
+    rng = np.random.default_rng(43)
+    a, b = _fp8_pair(rng, 6, 7, 90)
+    got = sims.matmul32(a[None], b[None], "random", rng=1)[0]
+    bound = _gamma(89) * (np.abs(a) @ np.abs(b).T)
+    assert (np.abs(got - _exact(a, b)) <= bound).all()
+
+
+def _wgmma_witness(c, prods, bits):
+    """The WGMMA block model in exact rationals (the spec written again, scalar)."""
+    vals = [Fraction(float(c))] + [Fraction(float(p)) for p in prods]
+    big = max(abs(x) for x in vals)
+    if big == 0:
+        return float(c)
+    e = 0
+    while Fraction(2) ** (e + 1) <= big:
+        e += 1
+    while Fraction(2) ** e > big:
+        e -= 1
+    quantum = Fraction(2) ** (e - (bits - 1))
+    total = sum(int(x / quantum) * quantum for x in vals)  # int(): toward zero
+    f = np.float32(float(total))
+    if abs(Fraction(float(f))) > abs(total):  # store toward zero
+        f = np.nextafter(f, np.float32(0))
+    return float(f)
+
+
+def test_wgmma_block_on_hand_made_blocks():
+    blk = sims.wgmma_block
+    # products that fit in b bits below the largest exponent: the exact sum
+    ints = np.arange(1, 33, dtype=np.float64) * 37  # max 1184 < 2^11: quantum <= 1
+    assert blk(np.float32(0), ints, 13) == ints.sum()
+    # 2^13 sets E = 13, quantum 2 at 13 bits (the three ones are dropped), 1 at 14 bits
+    p = np.array([2.0 ** 13, 1.0, 1.0, 1.0])
+    assert blk(np.float32(0), p, 13) == 2.0 ** 13
+    assert blk(np.float32(0), p, 14) == 2.0 ** 13 + 3
+    # truncation toward zero, negative addends included: -8192 + trunc(3/2)*2 - trunc(3/2)*2
+    assert blk(np.float32(0), np.array([-(2.0 ** 13), 3.0, -3.0]), 13) == -(2.0 ** 13)
+    assert blk(np.float32(0), np.array([-(2.0 ** 13), 3.0]), 13) == -(2.0 ** 13) + 2
+    # the accumulator takes part: C = 2^20 sets the quantum 2^7 at 14 bits, 32 ones vanish
+    # (a float32 add per product would give 2^20 + 32), and C itself is truncated
+    assert blk(np.float32(2.0 ** 20), np.ones(32), 14) == 2.0 ** 20
+    assert blk(np.float32(2.0 ** 20 + 127), np.ones(32), 14) == 2.0 ** 20
+    assert blk(np.float32(2.0 ** 20 + 127), np.ones(32), 24) == 2.0 ** 20 + 127 + 32
+    # all zero: C unchanged; NaN and inf pass through
+    assert blk(np.float32(0), np.zeros(32), 13) == 0
+    assert np.isnan(blk(np.float32(1), np.array([np.nan, 1.0]), 13))
+    assert blk(np.float32(1), np.array([np.inf, 1.0]), 13) == np.inf
+
+
+def test_wgmma_matches_the_rational_witness():
+    rng = np.random.default_rng(44)
+    a, b = _fp8_pair(rng, 3, 4, 70)  # blocks of 32, 32 and 6
+    init = (rng.normal(size=(3, 4)) * 100).astype(np.float32)
+    for bits in (13, 14):
+        got = sims.matmul32(a, b, f"wgmma{bits}", init=init)
+        for i in range(3):
+            for j in range(4):
+                c = init[i, j]
+                for lo in range(0, 70, 32):
+                    prods = a[i, lo:lo + 32] * b[j, lo:lo + 32]
+                    c = np.float32(_wgmma_witness(c, prods, bits))
+                assert got[i, j] == c, (bits, i, j)
+
+
+def test_float32_toward_zero():
+    x = np.array([1 + 2.0 ** -30, -(1 + 2.0 ** -24 + 2.0 ** -30), 1e39, -1e39, np.inf, 0.5])
+    got = sims._f32_toward_zero(x)
+    f32max = float(np.finfo(np.float32).max)
+    np.testing.assert_array_equal(got, [1.0, -1.0, f32max, -f32max, np.inf, 0.5])
+
+
+@pytest.mark.parametrize("accumulate", sims.ACCUMULATORS)
+def test_fa3_accumulators_stay_within_the_roundings(accumulate):
+    rng = np.random.default_rng(45)
+    B, Hq, Hkv, Q, K, D = 1, 2, 1, 5, 70, 64
+    q = sims.fp8_values(rng, (B, Hq, Q, D), spread=1.0)
+    k = sims.fp8_values(rng, (B, Hkv, K, D), spread=1.0)
+    v = sims.fp8_values(rng, (B, Hkv, K, D))
+    r = sims.fa3_fp8(q, k, v, scale=D ** -0.5, block_n=48, accumulate=accumulate, rng=3)
+    o, _ = _real(q, k, v, D ** -0.5)
+    assert np.abs(r.output - o).max() <= 2.0 ** -4 * np.abs(v).max()
+    exact_s = np.einsum("bhqd,bhkd->bhqk", q, k[:, [0, 0]])
+    # 13-bit truncation: each of the 2 blocks of 32 loses < 33 quanta, a quantum at most
+    # 2^-12 of its largest addend, itself at most sum |q k|
+    bound = 2 * 33 * 2.0 ** -12 * np.einsum("bhqd,bhkd->bhqk", np.abs(q), np.abs(k[:, [0, 0]]))
+    assert (np.abs(r.scores - exact_s) <= bound).all()
+    if accumulate == "sequential":
+        np.testing.assert_array_equal(r.output, sims.fa3_fp8(q, k, v, scale=D ** -0.5,
+                                                             block_n=48).output)
+
+
+@pytest.mark.parametrize("bug", ["no_log2e", "scale_twice", "natural_exp", "p_e5m2",
+                                 "drop_last_tile"])
+def test_fa3_new_bugs_change_random_results(bug):
+    q, k, v, d = _fa3_inputs(np.random.default_rng(46))
+    good = sims.fa3_fp8(q, k, v, scale=0.25, block_n=3, **d)
+    bad = sims.fa3_fp8(q, k, v, scale=0.25, block_n=3, bug=bug, **d)
+    assert np.abs(bad.output - good.output).max() > 2.0 ** -8 * np.abs(good.output).max()
+
+
+def test_fa3_drop_last_tile():
+    q, k, v, d = _fa3_inputs(np.random.default_rng(47))  # K = 8
+    one = sims.fa3_fp8(q, k, v, scale=0.25, bug="drop_last_tile", **d)  # one tile: empty rows
+    assert (one.output == 0).all() and np.isneginf(one.lse).all() and (one.row_sum == 0).all()
+    # tiles of 3: keys 6, 7 are never visited; the result is FA3 on keys 0..5
+    bad = sims.fa3_fp8(q, k, v, scale=0.25, block_n=3, bug="drop_last_tile", **d)
+    cut = sims.fa3_fp8(q, k[:, :, :6], v[:, :, :6], scale=0.25, block_n=3, **d)
+    np.testing.assert_array_equal(bad.output, cut.output)
+    np.testing.assert_array_equal(bad.lse, cut.lse)
+
+
+def test_fa3_natural_exp_and_missing_log2e_are_distinct_bugs():
+    """The kernel's weights are 2^(S scale log2 e) = e^(S scale); without log2 e they are
+    2^(S scale), with exp for exp2 e^(S scale log2 e): three different softmax temperatures."""
+    q, k, v, d = _fa3_inputs(np.random.default_rng(48))
+    nat = sims.fa3_fp8(q, k, v, scale=0.25, bug="natural_exp", **d)
+    nolog = sims.fa3_fp8(q, k, v, scale=0.25, bug="no_log2e", **d)
+    good = sims.fa3_fp8(q, k, v, scale=0.25, **d)
+    assert not np.array_equal(nat.output, good.output)
+    assert not np.array_equal(nolog.output, good.output)
+    assert not np.array_equal(nat.output, nolog.output)
+
+
+def _sage_inputs(rng, Q=8, K=150, D=16):
+    q = sims.grid_values(rng, (1, 2, Q, D), "fp16")
+    k = sims.grid_values(rng, (1, 1, K, D), "fp16") + sims.grid_values(rng, (1, 1, 1, D),
+                                                                       "fp16")
+    v = sims.grid_values(rng, (1, 1, K, D), "fp16")
+    return q, sims.cast(k, "fp16", saturate=False).astype(np.float64), v
+
+
+def test_sage_scale_orders_are_both_near_the_real_result():
+    q, k, v = _sage_inputs(np.random.default_rng(49))
+    a = sims.sageattention_int8(q, k, v, scale=0.25)
+    b = sims.sageattention_int8(q, k, v, scale=0.25, scale_order="sequential")
+    assert not np.array_equal(a.scores, b.scores)  # one rounding apart somewhere
+    np.testing.assert_allclose(b.scores, a.scores, rtol=2.0 ** -22, atol=0)
+    o, _ = _real(q, k, v, 0.25)
+    assert np.abs(b.output - o).max() <= 0.02 * np.abs(v).max()
+    with pytest.raises(ValueError, match="scale_order"):
+        sims.sageattention_int8(q, k, v, scale=0.25, scale_order="reversed")
+
+
+@pytest.mark.parametrize("bug", ["no_log2e_prescale", "no_alpha_rescale", "single_k_scale"])
+def test_sage_bugs_change_multi_block_results(bug):
+    q, k, v = _sage_inputs(np.random.default_rng(50))  # three 64-key blocks
+    good = sims.sageattention_int8(q, k, v, scale=0.25)
+    bad = sims.sageattention_int8(q, k, v, scale=0.25, bug=bug)
+    assert np.abs(bad.output - good.output).max() > 2.0 ** -6 * np.abs(good.output).max()
+
+
+@pytest.mark.parametrize("bug", ["no_alpha_rescale", "single_k_scale"])
+def test_sage_tile_bugs_need_two_blocks(bug):
+    q, k, v = _sage_inputs(np.random.default_rng(51), K=64)  # one 64-key block
+    good = sims.sageattention_int8(q, k, v, scale=0.25)
+    bad = sims.sageattention_int8(q, k, v, scale=0.25, bug=bug)
+    np.testing.assert_array_equal(bad.output, good.output)

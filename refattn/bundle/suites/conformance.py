@@ -719,8 +719,10 @@ def _(rng):
        "axis (q (Hq,), k and v (Hkv,)), P = satfinite(p * 448), GQA Hq=4, Hkv=2", "Quantized",
        "QuantFlashInferSM90FP8", "GQA")
 def _(rng):
+    # the kernel has no head dim 8 (quant.tiles asks for the tile): head dim 64's 128, one tile
     spec = preset("flashinfer_sm90_fp8", q_scale=_f32(rng, (4,), 0.01, 0.1),
-                  k_scale=_f32(rng, (2,), 0.01, 0.1), v_scale=_f32(rng, (2,), 0.01, 0.1))
+                  k_scale=_f32(rng, (2,), 0.01, 0.1), v_scale=_f32(rng, (2,), 0.01, 0.1),
+                  kv_tile=128)
     return {"q": _grid(rng, (1, 4, 5, 8), "e4m3fn", 16.0),
             "k": _grid(rng, (1, 2, 5, 8), "e4m3fn", 16.0),
             "v": _grid(rng, (1, 2, 5, 8), "e4m3fn", 16.0), "quant": spec}
@@ -731,7 +733,7 @@ def _(rng):
        "LowerRightCausal", conventions=LR)
 def _(rng):
     spec = preset("flashinfer_sm90_fp8", kv_format="e5m2", q_scale=0.125, k_scale=0.25,
-                  v_scale=0.5)
+                  v_scale=0.5, kv_tile=128)  # no head dim 4 in the kernel: one tile of 128
     return {"q": _grid(rng, (1, 2, 5, 4), "e5m2", 4.0), "k": _grid(rng, (1, 2, 5, 4), "e5m2", 4.0),
             "v": _grid(rng, (1, 2, 5, 4), "e5m2", 4.0), "visible": _lr(5, 5), "quant": spec}
 
@@ -740,7 +742,8 @@ def _(rng):
        "codes, l summed from the fp16-rounded P, v_scale after the kernel; lower-right causal",
        "Quantized", "QuantFlashInferFP8KV", "LowerRightCausal", "CrossAttention", conventions=LR)
 def _(rng):
-    spec = preset("flashinfer_fp8_kv", k_scale=0.0625, v_scale=0.03125)
+    # FA2's kv tile is chosen at dispatch (32, 64 or 128): 64, all 6 keys in one tile
+    spec = preset("flashinfer_fp8_kv", k_scale=0.0625, v_scale=0.03125, kv_tile=64)
     return {"q": _grid(rng, (1, 2, 3, 8), "fp16"), "k": _grid(rng, (1, 2, 6, 8), "e4m3fn", 16.0),
             "v": _grid(rng, (1, 2, 6, 8), "e4m3fn", 16.0), "visible": _lr(3, 6), "quant": spec}
 

@@ -1,0 +1,146 @@
+"""The k-block accumulation model (refattn.quant.accumulation) against every accumulator it
+claims to enclose, simulated here from their definitions on tiny dot products with a tiny
+``bits`` (so that every rounding shows): alignment to the block's largest exponent with
+truncation or with rounding to nearest, the exact block sum rounded once, products aligned
+among themselves then added to the accumulator, and plain fp32 in every order of additions.
+Also the numba exp2 against refattn.quant.elementary.exp2, bit for bit.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+
+import numpy as np
+import pytest
+
+from refattn.engine.numba.quant_softmax import exp2_f64
+from refattn.quant import elementary
+from refattn.quant.accumulation import dot_block_model, quantum
+from refattn.quant.bounds import Interval, point
+from refattn.quant.formats import quantize
+
+
+def _grid(x: float, q: float, mode: str) -> float:
+    """x on the grid of spacing q: toward zero ("rz") or to nearest, ties to even ("rn")."""
+    if q == 0:
+        return x
+    t = x / q
+    return (math.trunc(t) if mode == "rz" else round(t)) * q
+
+
+def _round_bits(x: float, bits: int, mode: str) -> float:
+    """x rounded to ``bits`` significant bits (toward zero or to nearest)."""
+    if x == 0:
+        return 0.0
+    e = math.frexp(abs(x))[1] - 1
+    return _grid(x, math.ldexp(1.0, e - bits + 1), mode)
+
+
+def _f32(x: float) -> float:
+    return float(np.float32(x))
+
+
+def _f32_rz(x: float) -> float:
+    return _round_bits(x, 24, "rz")
+
+
+def _aligned(c: float, xs: list[float], bits: int, mode: str, include_c: bool) -> float:
+    """One block: the addends aligned to the largest exponent (with or without C), each put on
+    the grid of its ``bits``-th bit (toward zero or nearest), summed exactly."""
+    group = [c, *xs] if include_c else list(xs)
+    big = max(abs(t) for t in group)
+    if big == 0:
+        s = 0.0
+    else:
+        q = math.ldexp(1.0, math.frexp(big)[1] - 1 - bits + 1)
+        s = math.fsum(_grid(t, q, mode) for t in group)
+    return s if include_c else c + _round_bits(s, bits, mode)
+
+
+def _models(a: np.ndarray, b: np.ndarray, k_block: int, bits: int) -> list[float]:
+    """Every accumulator's result for one dot product (float64 values of the results)."""
+    D = a.size
+    prods = [float(a[d] * b[d]) for d in range(D)]
+    out = []
+    for mode, include_c in itertools.product(("rz", "rn"), (True, False)):
+        for store in (_f32, _f32_rz):
+            c = 0.0
+            for s in range(0, D, k_block):
+                c = store(_aligned(c, prods[s:s + k_block], bits, mode, include_c))
+            out.append(c)
+    for mode in ("rz", "rn"):  # the exact block sum rounded once to bits, stored in fp32
+        c = 0.0
+        for s in range(0, D, k_block):
+            c = _f32(_round_bits(c + math.fsum(prods[s:s + k_block]), bits, mode))
+        out.append(c)
+    for perm in itertools.permutations(range(D)):  # plain fp32, every order
+        c = np.float32(0)
+        for d in perm:
+            c = np.float32(c + np.float32(prods[d]))
+        out.append(float(c))
+    return out
+
+
+def _e4m3(rng: np.random.Generator, shape: tuple[int, ...], spread: float) -> np.ndarray:
+    return quantize(rng.normal(size=shape) * spread, "e4m3fn", "nearest_even_satfinite")
+
+
+@pytest.mark.parametrize("seed", range(6))
+@pytest.mark.parametrize("bits", [4, 7])
+def test_every_accumulator_lands_inside(seed, bits):
+    rng = np.random.default_rng(seed)
+    D, k_block = 6, 3
+    a = _e4m3(rng, (3, D), 2.0)
+    b = _e4m3(rng, (4, D), 2.0)
+    if seed % 2:  # same-sign products: truncation errors add up instead of cancelling
+        a, b = np.abs(a), np.abs(b)
+    iv = dot_block_model(point(a), point(b), k_block=k_block, bits=bits)
+    for r in range(a.shape[0]):
+        for c in range(b.shape[0]):
+            vals = np.array(_models(a[r], b[c], k_block, bits))
+            assert np.all((iv.lo[r, c] <= vals) & (vals <= iv.hi[r, c])), (r, c)
+
+
+def test_interval_operands_land_inside():
+    """The operands known only as intervals (a value each side of a cast's boundary): every
+    corner choice and every accumulator lands inside."""
+    rng = np.random.default_rng(7)
+    D, k_block, bits = 4, 2, 5
+    lo = _e4m3(rng, (2, D), 2.0)
+    hi = lo + np.where(rng.random((2, D)) < 0.5, 0.125, 0.0)
+    b = _e4m3(rng, (2, D), 2.0)
+    iv = dot_block_model(Interval(lo, hi), point(b), k_block=k_block, bits=bits)
+    for r in range(2):
+        for pick in itertools.product((0, 1), repeat=D):
+            a = np.where(np.array(pick) == 1, hi[r], lo[r])
+            for c in range(2):
+                vals = np.array(_models(a, b[c], k_block, bits))
+                assert np.all((iv.lo[r, c] <= vals) & (vals <= iv.hi[r, c]))
+
+
+def test_the_bound_is_attained_within_a_small_factor():
+    """A tight case: positive products below the quantum of a large accumulator all lose
+    almost a whole quantum under truncation; the bound is within 2.5x of that loss."""
+    D, k_block, bits = 8, 8, 5
+    a = np.array([[16.0] + [0.875] * (D - 1)])
+    b = np.array([[1.0] + [1.125] * (D - 1)])
+    iv = dot_block_model(point(a), point(b), k_block=k_block, bits=bits)
+    exact = float((a @ b.T)[0, 0])
+    worst = min(_models(a[0], b[0], k_block, bits))
+    assert iv.lo[0, 0] <= worst < exact
+    assert exact - iv.lo[0, 0] <= 2.5 * (exact - worst)
+
+
+def test_quantum_is_the_unit_of_the_bits_th_bit():
+    m = np.array([1.0, 1.5, 2.0, 0.75, 0.0])
+    assert quantum(m, 3).tolist() == [0.25, 0.25, 0.5, 0.125, 0.0]
+
+
+def test_exp2_numba_is_bit_identical_to_elementary():
+    rng = np.random.default_rng(3)
+    x = np.concatenate([rng.uniform(-1100, 1100, 20000), rng.uniform(-2, 2, 20000),
+                        rng.integers(-1080, 1030, 500) + 0.0, rng.uniform(-30, 10, 20000),
+                        [0.0, -0.0, np.inf, -np.inf, 1023.9, -1074.5, -1075.0]])
+    ours = np.array([exp2_f64(float(t)) for t in x])
+    assert np.array_equal(ours.view(np.int64), elementary.exp2(x).view(np.int64))
