@@ -37,9 +37,12 @@ import math
 
 import numpy as np
 
-from refattn.quant.bounds import Interval, gamma
+from refattn.engine.numba.quant_blocks import dot_blocks, matmul_fixed
+from refattn.quant.bounds import Interval, cast, gamma
+from refattn.quant.formats import format_info
 
-__all__ = ["block_error_factor", "dot_block_model", "quantum", "slack"]
+__all__ = ["block_error_factor", "blocks", "dot_block_model", "fixed_matmul", "grid_quantum",
+           "quantum", "slack"]
 
 U64 = 2.0**-53
 #: relative slack for the rounding of the float64 arithmetic that evaluates a bound: every bound
@@ -73,24 +76,119 @@ def quantum(m: np.ndarray, bits: int) -> np.ndarray:
     """``2**(floor(log2 m) - bits + 1)``: one unit in the ``bits``-th significant bit of a
     number of magnitude at most ``m`` (whose exponent is at most ``floor(log2 m)``); 0 for 0.
 
+    ``2**floor(log2 m)`` is ``m`` with its significand's fraction bits cleared (exact); for a
+    subnormal ``m`` it is replaced by ``2**-1022`` (larger: the bound stays an upper bound);
+    inf and NaN give inf.
+
     Examples
     --------
     >>> quantum(np.array([1.0, 1.5, 2.0, 0.0]), 3).tolist()
     [0.25, 0.25, 0.5, 0.0]
     """
-    _, e = np.frexp(m)  # m = mant 2**e, mant in [1/2, 1): floor(log2 m) = e - 1
-    with np.errstate(over="ignore"):
-        q = np.ldexp(1.0, (e - bits).astype(np.int64))
-    return np.where(m > 0, np.where(np.isfinite(m), q, np.inf), 0.0)
+    m = np.asarray(m, dtype=np.float64)
+    top = (np.abs(m).view(np.uint64) & np.uint64(0xFFF0000000000000)).view(np.float64)
+    top = np.where((top == 0) & (m != 0), 2.0**-1022, top)
+    with np.errstate(over="ignore", invalid="ignore"):
+        q = top * math.ldexp(1.0, 1 - bits)  # a power of two times a power of two: exact
+    return np.where(np.isnan(m), np.inf, q)
 
 
-def _signs(x: Interval) -> tuple[np.ndarray, np.ndarray]:
-    """(pos, neg) float 0/1 indicators: may the value be > 0, may it be < 0."""
-    return (x.hi > 0).astype(np.float64), (x.lo < 0).astype(np.float64)
+def grid_quantum(fmt: str) -> float:
+    """The spacing every value of format ``fmt`` is a multiple of (its smallest subnormal; 1
+    for int8).
+
+    Examples
+    --------
+    >>> grid_quantum("e4m3fn") == 2**-9, grid_quantum("int8")
+    (True, 1.0)
+    """
+    if fmt == "int8":
+        return 1.0
+    info = format_info(fmt)
+    return math.ldexp(1.0, info.emin - info.precision + 1)
+
+
+def fixed_matmul(x: np.ndarray, y: np.ndarray, qx: float, qy: float) -> np.ndarray:
+    """``x @ y`` (2-d or batched 3-d float64), the same bits on every machine and thread count.
+
+    Where ``x`` and ``y`` hold multiples of ``qx`` and ``qy`` and ``k max|x| max|y| <
+    2**53 qx qy``, every product and partial sum is a multiple of ``qx qy`` below 2**53 of
+    them: exact in float64 in any order, so BLAS's order does not matter (FP8 and INT8 codes,
+    FP8 P times FP8 v). Otherwise a fixed-order loop
+    (:func:`refattn.engine.numba.quant_blocks.matmul_fixed`) sums each element over ``k`` in
+    ascending order; BLAS's blocking and SIMD width differ between CPUs.
+
+    Examples
+    --------
+    >>> x = np.array([[0.5, 0.25]]); y = np.array([[2.0], [4.0]])
+    >>> fixed_matmul(x, y, 0.25, 1.0).tolist(), fixed_matmul(x, y, 2.0**-60, 1.0).tolist()
+    ([[2.0]], [[2.0]])
+    """
+    k = x.shape[-1]
+    with np.errstate(over="ignore", invalid="ignore"):
+        top = float(np.max(np.abs(x), initial=0.0)) * float(np.max(np.abs(y), initial=0.0))
+    if math.isfinite(top) and k * top < math.ldexp(qx * qy, 53):
+        return x @ y
+    x3, y3 = (x, y) if x.ndim == 3 else (x[None], y[None])
+    out = np.empty((x3.shape[0], x3.shape[1], y3.shape[2]))
+    matmul_fixed(np.ascontiguousarray(x3), np.ascontiguousarray(y3), out)
+    return out if x.ndim == 3 else out[0]
+
+
+def blocks(x: np.ndarray, k_block: int) -> np.ndarray:
+    """(R, D) -> (N, R, k_block): consecutive k-blocks of the last axis, the last one padded
+    with zeros (a zero product changes no sum and is counted as no term).
+
+    Examples
+    --------
+    >>> blocks(np.arange(5.0)[None], 2)[:, 0].tolist()
+    [[0.0, 1.0], [2.0, 3.0], [4.0, 0.0]]
+    """
+    R, D = x.shape
+    N = -(-D // k_block)
+    out = np.zeros((R, N * k_block), dtype=x.dtype)
+    out[:, :D] = x
+    return np.ascontiguousarray(out.reshape(R, N, k_block).transpose(1, 0, 2))
+
+
+def _blocked(a: Interval, b: Interval, k_block: int, bits: int, acc_precision: int,
+             sabs: np.ndarray, tiny: float, to_fp32: bool,
+             quanta: tuple[float, float]) -> tuple[np.ndarray, np.ndarray]:
+    """The block model's enclosure (R, C), joined with plain fp32 in any order, widened by
+    ``tiny`` and rounded outward (to fp32 with ``to_fp32``)."""
+    am, ar, amag = blocks(a.mid, k_block), blocks(a.rad, k_block), blocks(_mag(a), k_block)
+    bm, br, bmag = blocks(b.mid, k_block), blocks(b.rad, k_block), blocks(_mag(b), k_block)
+    D = a.shape[1]
+    n = np.minimum(k_block, D - k_block * np.arange(am.shape[0])).astype(np.float64)
+    bt = lambda x: x.transpose(0, 2, 1)  # noqa: E731 - (N, C, k) -> (N, k, C)
+    qa, qb = quanta
+    x = fixed_matmul(am, bt(bm), qa / 2, qb / 2)  # (N, R, C): each block's exact sum
+    block_abs = fixed_matmul(amag, bt(bmag), qa, qb)
+    xr = gamma(k_block + 2, U64) * block_abs  # the float64 products and sums of a block
+    f32 = np.float32  # the sign counts: small integers, exact in float32 (half the work)
+    a_pos, a_neg = blocks((a.hi > 0).astype(f32), k_block), blocks((a.lo < 0).astype(f32), k_block)
+    b_pos, b_neg = blocks((b.hi > 0).astype(f32), k_block), blocks((b.lo < 0).astype(f32), k_block)
+    if ar.any() or br.any():  # interval operands: their spread, and signs possibly both
+        xr = (xr + fixed_matmul(np.abs(am), bt(br), qa / 2, qb / 2)
+              + fixed_matmul(ar, bt(bmag), qa / 2, qb))
+        n_pos = a_pos @ bt(b_pos) + a_neg @ bt(b_neg)
+        n_neg = a_pos @ bt(b_neg) + a_neg @ bt(b_pos)
+        n_sum, n_diff = n_pos + n_neg, n_pos - n_neg
+    else:  # a value's sign is known: n+ - n- in one product
+        n_sum = (a_pos + a_neg) @ bt(b_pos + b_neg)
+        n_diff = (a_pos - a_neg) @ bt(b_pos - b_neg)
+    any_order = gamma(max(D - 1, 0), 2.0**-23) * sabs  # plain fp32, any order
+    lo, hi = np.empty(sabs.shape), np.empty(sabs.shape)
+    dot_blocks(x, xr, block_abs, np.ascontiguousarray(amag.max(axis=2)),
+               np.ascontiguousarray(bmag.max(axis=2)), n_sum, n_diff, n,
+               math.ldexp(1.0, 1 - bits), math.ldexp(1.0, 1 - acc_precision), any_order, tiny,
+               to_fp32, lo, hi)
+    return lo, hi
 
 
 def dot_block_model(a: Interval, b: Interval, *, k_block: int, bits: int,
-                    acc_precision: int = 24, tiny: float = 0.0) -> Interval:
+                    acc_precision: int = 24, tiny: float = 0.0, to_fp32: bool = False,
+                    quanta: tuple[float, float] = (0.0, 0.0)) -> Interval:
     """Enclosure of ``sum_d a[r, d] b[c, d]`` as the k-block model accumulates it.
 
     Per block, with ``q`` the unit of the ``bits``-th significant bit of ``M`` (a power of two,
@@ -116,6 +214,12 @@ def dot_block_model(a: Interval, b: Interval, *, k_block: int, bits: int,
         The accumulator's precision between blocks (24: fp32).
     tiny : float
         An absolute error per term for underflow (flush to zero of a partial sum).
+    to_fp32 : bool
+        The accumulator's value is an fp32 number: the ends rounded to fp32 (a cast is
+        monotone).
+    quanta : (float, float)
+        The grid spacing of ``a``'s and ``b``'s ends (:func:`grid_quantum`; 0: unknown), so
+        that the products are summed by BLAS where that is exact (:func:`fixed_matmul`).
 
     Returns
     -------
@@ -131,54 +235,21 @@ def dot_block_model(a: Interval, b: Interval, *, k_block: int, bits: int,
     >>> bool(r.lo[0, 0] <= 4.0 <= r.hi[0, 0]), bool(r.hi[0, 0] - r.lo[0, 0] < 0.01)
     (True, True)
     """
-    am, ar = a.mid, a.rad
-    bm, br = b.mid, b.rad
-    amag, bmag = _mag(a), _mag(b)
-    D = am.shape[1]
-    exact_operands = not (ar.any() or br.any())
-    sabs = amag @ bmag.T  # (R, C): sum of |a b| over every value in the intervals
-    f64 = gamma(D + 2, U64) * sabs  # every float64 product and addition below
+    D = a.shape[1]
+    qa, qb = quanta
+    sabs = fixed_matmul(_mag(a), _mag(b).T, qa, qb)  # (R, C): sum of |a b| over the intervals
+    if k_block > 0:
+        return Interval(*_blocked(a, b, k_block, bits, acc_precision, sabs, D * tiny, to_fp32,
+                                  quanta))
+    am, ar, bm, br = a.mid, a.rad, b.mid, b.rad
     with np.errstate(over="ignore", invalid="ignore"):
-        if k_block <= 0:
-            total = am @ bm.T
-            spread = 0.0 if exact_operands else np.abs(am) @ br.T + ar @ bmag.T
-            rad = spread + gamma(max(D - 1, 0), math.ldexp(1.0, 1 - bits)) * sabs
-            e_lo, e_hi = -rad, rad
-        else:
-            a_pos, a_neg = _signs(a)
-            b_pos, b_neg = _signs(b)
-            total = np.zeros((am.shape[0], bm.shape[0]))
-            spread = np.zeros_like(total)  # the operands' uncertainty, in exact arithmetic
-            e_lo, e_hi = np.zeros_like(total), np.zeros_like(total)  # the accumulator's errors
-            for start in range(0, D, k_block):
-                sl = slice(start, min(start + k_block, D))
-                n = sl.stop - sl.start
-                unc = spread + f64
-                c_lo, c_hi = total + e_lo - unc, total + e_hi + unc  # C before the block
-                c_mag = np.maximum(np.abs(c_lo), np.abs(c_hi))
-                top = np.minimum(  # max |a b| in the block: rank one, or the block's sum
-                    amag[:, sl].max(axis=1)[:, None] * bmag[:, sl].max(axis=1)[None, :],
-                    amag[:, sl] @ bmag[:, sl].T)
-                q = quantum(np.maximum(c_mag, top), bits)
-                n_pos = a_pos[:, sl] @ b_pos[:, sl].T + a_neg[:, sl] @ b_neg[:, sl].T
-                n_neg = a_pos[:, sl] @ b_neg[:, sl].T + a_neg[:, sl] @ b_pos[:, sl].T
-                half = 0.5 * (np.minimum(n_pos + n_neg, n) + 1)  # rounding to nearest
-                lose = q * np.maximum(n_pos + (c_hi > 0), half)  # truncation of positives
-                gain = q * np.maximum(n_neg + (c_lo < 0), half)
-                x = am[:, sl] @ bm[:, sl].T
-                if not exact_operands:
-                    spread = spread + np.abs(am[:, sl]) @ br[:, sl].T + ar[:, sl] @ bmag[:, sl].T
-                new_mag = c_mag + np.abs(x) + spread + f64  # |C| after the block
-                once = quantum(new_mag, bits)  # the exact block sum rounded once
-                store = quantum(new_mag, acc_precision)  # stored in the accumulator
-                e_lo = e_lo - np.maximum(lose, once) - store
-                e_hi = e_hi + np.maximum(gain, once) + store
-                total = total + x
-            any_order = gamma(max(D - 1, 0), 2.0**-23) * sabs  # plain fp32, any order
-            e_lo, e_hi = np.minimum(e_lo, -any_order), np.maximum(e_hi, any_order)
-        pad = slack(spread + f64 + D * tiny)
-        lo = np.nextafter(total + slack(e_lo) - pad, -np.inf)
-        hi = np.nextafter(total + slack(e_hi) + pad, np.inf)
-    lo = np.where(np.isnan(lo), -np.inf, lo)
-    hi = np.where(np.isnan(hi), np.inf, hi)
-    return Interval(lo, hi)
+        spread = (fixed_matmul(np.abs(am), br.T, qa / 2, qb / 2)
+                  + fixed_matmul(ar, _mag(b).T, qa / 2, qb)) if (ar.any() or br.any()) else 0.0
+        rad = slack(spread + (gamma(max(D - 1, 0), math.ldexp(1.0, 1 - bits))
+                              + gamma(D + 2, U64)) * sabs)  # the model's, and float64's own
+        total = fixed_matmul(am, bm.T, qa / 2, qb / 2)
+        pad = slack(D * tiny + 2.0**-50 * np.abs(total))
+        lo = np.nextafter(total - rad - pad, -np.inf)
+        hi = np.nextafter(total + rad + pad, np.inf)
+    iv = Interval(np.where(np.isnan(lo), -np.inf, lo), np.where(np.isnan(hi), np.inf, hi))
+    return cast(iv, "fp32") if to_fp32 else iv

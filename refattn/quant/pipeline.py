@@ -65,12 +65,13 @@ class QuantResult:
     spec : QuantSpec
         The pipeline.
     real : Trace
-        Float64 attention of the dequantised call (every canonical tensor).
+        Float64 attention of the dequantised call (output, lse and row_max from the streaming
+        numba engine; every canonical tensor from ``"numpy"`` or ``"exact"``).
     emulated : dict of str to Interval
         ``"output"`` (B, Hq, Q, Dv); ``"lse"`` (B, Hq, Q) when the kernel returns it;
-        ``"scores"`` (B, Hq, Q, K) the kernel's raw S; ``"row_max"`` (B, Hq, Q) its final
-        max; ``"probs_q"`` (B, Hq, Q, K) P as cast; ``"row_sum"`` (B, Hq, Q) its l. Units in
-        docs/quant.md.
+        ``"row_max"`` (B, Hq, Q) its final max; ``"row_sum"`` (B, Hq, Q) its l; with
+        intermediates, ``"scores"`` (B, Hq, Q, K) the kernel's raw S and ``"probs_q"``
+        (B, Hq, Q, K) P as cast. Units in docs/quant.md.
     backend : str
         The engine that computed ``real``.
     """
@@ -114,8 +115,9 @@ def quantized(call: AttentionCall, spec: QuantSpec, *, backend: str = "numba",
     spec : QuantSpec
         The pipeline (:func:`refattn.quant.preset`).
     backend : str
-        The engine for the real result (``"numba"``, the default: fused, memory O(L D);
-        ``"numpy"``, ``"exact"``, ...).
+        The engine for the real result: ``"numba"`` (the default; streaming unless options
+        are given: the real ``output``, ``lse`` and ``row_max`` only, memory O(L D)),
+        ``"numpy"`` or ``"exact"`` (every canonical tensor), ...
     intermediates : bool or None
         Also emulate ``scores`` and ``probs_q`` (B, Hq, Q, K); None: only while the four
         arrays fit in 64 MiB (``output``, ``lse``, ``row_max`` and ``row_sum`` always).
@@ -147,6 +149,8 @@ def quantized(call: AttentionCall, spec: QuantSpec, *, backend: str = "numba",
     check_quant(call, spec)
     keep = _keep_intermediates(call, intermediates)
     check_emulation_memory(call, spec=spec, intermediates=keep)
+    if backend == "numba" and not options:  # streaming: output, lse, row_max (memory O(L D))
+        options = {"materialize": False}
     real = forward(dequantized_call(call, spec), backend=backend, **options)
     return QuantResult(call, spec, real, emulate(call, spec, intermediates=keep), backend)
 

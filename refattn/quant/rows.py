@@ -47,11 +47,12 @@ from dataclasses import dataclass
 import numpy as np
 
 import refattn.quant.bounds as bd
+from refattn.engine.numba.quant_blocks import pv_blocks
 from refattn.engine.numba.quant_softmax import online_softmax_rows
 from refattn.errors import RefAttnError
-from refattn.quant.accumulation import dot_block_model, quantum, slack
+from refattn.quant.accumulation import dot_block_model, fixed_matmul, grid_quantum, slack
 from refattn.quant.bounds import Interval, gamma, point
-from refattn.quant.formats import format_max
+from refattn.quant.formats import format_info, format_max
 from refattn.quant.spec import QuantSpec
 
 __all__ = ["RowsResult", "emulate_rows", "kv_tiles"]
@@ -108,12 +109,13 @@ def scores(q: Interval, k: Interval, spec: QuantSpec,
     q and k scales, (R, 1) and (1, K), where they multiply the dot (INT8): either order of the
     two fp32 products, ``fl(S fl(x y))`` or ``fl(fl(S x) y)``, lies inside (exact S: times
     ``fl(x y)``, unrounded)."""
+    quanta = (grid_quantum(spec.q.format), grid_quantum(spec.k.format))
     match spec.s_accumulation:
         case "fp32":
-            s = bd.cast(dot_block_model(q, k, k_block=spec.mma_k, bits=spec.mma_bits,
-                                        tiny=FP32_MIN_NORMAL), "fp32")
+            s = dot_block_model(q, k, k_block=spec.mma_k, bits=spec.mma_bits,
+                                tiny=FP32_MIN_NORMAL, to_fp32=True, quanta=quanta)
         case "int32" | "exact":  # an exact integer (or exact) sum
-            s = dot_block_model(q, k, k_block=0, bits=53)
+            s = dot_block_model(q, k, k_block=0, bits=53, quanta=quanta)
             if spec.s_accumulation == "int32":
                 s = bd.cast(s, "fp32")
         case other:  # pragma: no cover - QuantSpec refuses it
@@ -166,6 +168,21 @@ def _pv_blocks(spec: QuantSpec) -> tuple[int, int, int]:
             return 0, 53, 53
 
 
+def _block_keys(starts: np.ndarray, ends: np.ndarray, kb: int,
+                K: int) -> tuple[np.ndarray, np.ndarray]:
+    """The k-blocks of the PV product in the kernel's order: (N, kb) key indices (``K`` pads
+    a block past its tile's end) and (N,) the tile of each block."""
+    rows, tile = [], []
+    for t, (j0, j1) in enumerate(zip(starts, ends, strict=True)):
+        for b0 in range(int(j0), int(j1), kb):
+            keys = np.arange(b0, b0 + kb)
+            rows.append(np.where(keys < j1, keys, K))
+            tile.append(t)
+    if not rows:
+        return np.zeros((0, kb), dtype=np.int64), np.zeros(0, dtype=np.int64)
+    return np.array(rows, dtype=np.int64), np.array(tile, dtype=np.int64)
+
+
 def _tiles_pv(P: Interval, v: Interval, a: Interval, starts: np.ndarray, ends: np.ndarray,
               spec: QuantSpec) -> tuple[np.ndarray, np.ndarray, Interval, np.ndarray]:
     """Each tile's exact ``A_t = sum_j P_j v_j`` as midpoint and radius (T, R, Dv), the PV
@@ -178,76 +195,62 @@ def _tiles_pv(P: Interval, v: Interval, a: Interval, starts: np.ndarray, ends: n
     ``alpha``), then each k-block of the tile's keys, ascending, adds its products ``P_j v_j``
     (``P >= 0``: a product's sign is ``v``'s) with the block model's signed error (fp16 tiles:
     into a fresh fp16 sum, added to the fp32 accumulator at the tile's end with one more
-    rounding); joined at the end with the any-order bound of a plain fp32 accumulator."""
-    R, Dv, T = P.shape[0], v.shape[1], starts.size
-    vm, vr, vmag = v.mid, v.rad, _mag(v)
-    v_pos, v_neg = (v.hi > 0).astype(np.float64), (v.lo < 0).astype(np.float64)
-    p_nz = (P.hi > 0).astype(np.float64)
-    v_point = not vr.any()
-    pm, pr = P.mid, P.rad
-    a_mid, a_rad = np.zeros((T, R, Dv)), np.zeros((T, R, Dv))
-    c_lo, c_hi = np.zeros((R, Dv)), np.zeros((R, Dv))
-    e_lo, e_hi, any_mag = np.zeros((R, Dv)), np.zeros((R, Dv)), np.zeros((R, Dv))
-    overflow = np.zeros((R, Dv), dtype=bool)
+    rounding); joined at the end with the any-order bound of a plain fp32 accumulator
+    (:func:`refattn.engine.numba.quant_blocks.pv_blocks`). The blocks' sums are batched
+    matrix products of the gathered keys."""
+    R, K = P.shape
+    Dv, T = v.shape[1], starts.size
     kb, bits, prec = _pv_blocks(spec)
+    blocked = kb > 0 and spec.pv_accumulation != "exact"
+    step = kb if kb > 0 else max(int((ends - starts).max()) if T else 1, 1)
+    keys, tile = _block_keys(starts, ends, step, K)  # (N, step), (N,)
+    vmag = _mag(v)
+
+    def gather_p(x: np.ndarray) -> np.ndarray:  # (R, K) -> (N, R, step)
+        ext = np.concatenate([x, np.zeros((R, 1))], axis=1)
+        return np.ascontiguousarray(ext[:, keys].transpose(1, 0, 2))
+
+    def gather_v(x: np.ndarray) -> np.ndarray:  # (K, Dv) -> (N, step, Dv)
+        return np.concatenate([x, np.zeros((1, Dv), dtype=x.dtype)], axis=0)[keys]
+
+    ph = gather_p(P.hi)
+    with np.errstate(invalid="ignore", over="ignore"):
+        rad = 0.5 * (P.hi - P.lo)  # P's ends lie on a narrow format's grid: exact here
+        mid = P.lo + rad
+        if not np.array_equal(mid - rad, P.lo) or not np.array_equal(mid + rad, P.hi):
+            mid, rad = P.mid, P.rad  # an infinite end, or an inexact step: rounded outward
+    pm, pr = gather_p(mid), gather_p(rad)
+    vm, vg = gather_v(v.mid), gather_v(vmag)
+    qp, qv = grid_quantum(spec.p_format), grid_quantum(spec.v.format)
+    x = fixed_matmul(pm, vm, qp / 2, qv / 2)  # (N, R, Dv)
+    mag = fixed_matmul(ph, vg, qp, qv)
+    n = (keys < K).sum(axis=1).astype(np.float64)  # (N,)
+    xr = fixed_matmul(pr, vg, qp / 2, qv) + gamma(step + 2, U64) * mag
+    if v.rad.any():
+        xr = xr + fixed_matmul(np.abs(pm), gather_v(v.rad), qp / 2, qv / 2)
+    f32 = np.float32  # the sign counts: small integers, exact in float32
+    nz = (ph > 0).astype(f32)
+    vpos, vneg = gather_v((v.hi > 0).astype(f32)), gather_v((v.lo < 0).astype(f32))
+    n_sum, n_diff = nz @ (vpos + vneg), nz @ (vpos - vneg)
     per_tile = spec.pv_accumulation == "fp16_per_tile"
-    exact = spec.pv_accumulation == "exact"
+    a_mid, a_rad = np.empty((T, R, Dv)), np.empty((T, R, Dv))
+    e_lo, e_hi = np.empty((R, Dv)), np.empty((R, Dv))
+    any_mag = np.empty((R, Dv))
+    overflow = np.empty((R, Dv), dtype=bool)
+    pv_blocks(x, xr, mag, np.ascontiguousarray(ph.max(axis=2)),
+              np.ascontiguousarray(vg.max(axis=1)), n_sum, n_diff, n, tile,
+              np.ascontiguousarray(a.lo), np.ascontiguousarray(a.hi), blocked, per_tile,
+              math.ldexp(1.0, 1 - bits), math.ldexp(1.0, 1 - prec),
+              FP16_MAX if per_tile else FP32_MAX, a_mid, a_rad, e_lo, e_hi, any_mag, overflow)
     with np.errstate(over="ignore", invalid="ignore"):
-        for t, (j0, j1) in enumerate(zip(starts, ends, strict=True)):
-            al, ah = a.lo[:, t, None], a.hi[:, t, None]
-            c_lo = np.minimum(al * c_lo, ah * c_lo)  # C <- fl(alpha C), alpha >= 0
-            c_hi = np.maximum(al * c_hi, ah * c_hi)
-            e_mul = 0.0 if exact else U32 * np.maximum(np.abs(c_lo), np.abs(c_hi))
-            e_lo, e_hi, any_mag = ah * e_lo - e_mul, ah * e_hi + e_mul, ah * any_mag
-            c_lo, c_hi = c_lo - e_mul, c_hi + e_mul
-            s_lo, s_hi = (np.zeros((R, Dv)), np.zeros((R, Dv))) if per_tile else (c_lo, c_hi)
-            step = max((j1 - j0) if kb <= 0 else kb, 1)
-            for b0 in range(j0, j1, step):
-                b1 = min(b0 + step, j1)
-                mid = pm[:, b0:b1] @ vm[b0:b1]
-                mag = P.hi[:, b0:b1] @ vmag[b0:b1]
-                rad = pr[:, b0:b1] @ vmag[b0:b1] + gamma(b1 - b0 + 2, U64) * mag
-                if not v_point:
-                    rad = rad + np.abs(pm[:, b0:b1]) @ vr[b0:b1]
-                a_mid[t] += mid
-                a_rad[t] += rad
-                any_mag = any_mag + mag
-                lose = gain = 0.0
-                if kb > 0 and not exact:
-                    top = np.minimum(  # max P |v| in the block: rank one, or the block's sum
-                        P.hi[:, b0:b1].max(axis=1)[:, None] * vmag[b0:b1].max(axis=0)[None, :],
-                        mag)
-                    cur = np.maximum(np.abs(s_lo), np.abs(s_hi))
-                    q = quantum(np.maximum(cur, top), bits)
-                    n_pos = p_nz[:, b0:b1] @ v_pos[b0:b1]
-                    n_neg = p_nz[:, b0:b1] @ v_neg[b0:b1]
-                    half = 0.5 * (np.minimum(n_pos + n_neg, b1 - b0) + 1)
-                    new_mag = cur + np.abs(mid) + rad
-                    once = quantum(new_mag, bits)
-                    store = quantum(new_mag, prec)
-                    lose = np.maximum(q * np.maximum(n_pos + (s_hi > 0), half), once) + store
-                    gain = np.maximum(q * np.maximum(n_neg + (s_lo < 0), half), once) + store
-                    e_lo, e_hi = e_lo - lose, e_hi + gain
-                s_lo, s_hi = s_lo + mid - rad - lose, s_hi + mid + rad + gain
-                if per_tile:
-                    overflow |= np.maximum(np.abs(s_lo), np.abs(s_hi)) >= FP16_MAX
-            if per_tile:  # the fp16 tile sum added to the fp32 accumulator: one rounding
-                e_add = U32 * (np.maximum(np.abs(c_lo), np.abs(c_hi))
-                               + np.maximum(np.abs(s_lo), np.abs(s_hi)))
-                c_lo, c_hi = c_lo + s_lo - e_add, c_hi + s_hi + e_add
-                e_lo, e_hi = e_lo - e_add, e_hi + e_add
-            else:
-                c_lo, c_hi = s_lo, s_hi
-            overflow |= np.maximum(np.abs(c_lo), np.abs(c_hi)) >= FP32_MAX
-        if not exact:
-            K = int(ends.max()) if T else 0
+        if spec.pv_accumulation != "exact":
             tiny = K * (2.0**-23 if per_tile else FP32_MIN_NORMAL)
             if kb <= 0:  # no block structure: every addition of a bits-bit accumulator
-                g_any = gamma(1.0, (K - 1 + T) * math.ldexp(1.0, 1 - bits) + 2 * T * U32)
-                e_lo, e_hi = e_lo - g_any * any_mag, e_hi + g_any * any_mag
+                g = gamma(1.0, (K - 1 + T) * math.ldexp(1.0, 1 - bits) + 2 * T * U32) * any_mag
+                e_lo, e_hi = e_lo - g, e_hi + g
             else:  # joined with plain fp32 in any order
-                g_any = gamma(1.0, (K - 1 + T) * 2.0**-23 + 2 * T * U32)
-                e_lo, e_hi = np.minimum(e_lo, -g_any * any_mag), np.maximum(e_hi, g_any * any_mag)
+                g = gamma(1.0, (K - 1 + T) * 2.0**-23 + 2 * T * U32) * any_mag
+                e_lo, e_hi = np.minimum(e_lo, -g), np.maximum(e_hi, g)
             e_lo, e_hi = e_lo - tiny, e_hi + tiny
         e_lo, e_hi = slack(e_lo), slack(e_hi)
     overflow |= ~(np.isfinite(e_lo) & np.isfinite(e_hi))
@@ -256,6 +259,15 @@ def _tiles_pv(P: Interval, v: Interval, a: Interval, starts: np.ndarray, ends: n
 
 
 # -- stages 3-5 --------------------------------------------------------------------------------
+def _cast_args(spec: QuantSpec) -> tuple[float, int, int, float, int]:
+    """P's cast for :func:`refattn.engine.numba.quant_softmax.online_softmax_rows`."""
+    info = format_info(spec.p_format)
+    mult = spec.p_multiplier if spec.p_handling == "multiplier" else 1.0
+    over = {"nearest_even_satfinite": 0, "nearest_even": 2}.get(spec.p_rounding,
+                                                                1 if not info.has_inf else 2)
+    return float(mult), int(info.emin), int(info.precision), float(info.max), over
+
+
 def _cast_p(p: Interval, spec: QuantSpec) -> Interval:
     """P = cast(fl32(p mult)) in the kernel's P format."""
     mult = spec.p_multiplier if spec.p_handling == "multiplier" else 1.0
@@ -312,13 +324,15 @@ def emulate_rows(S: Interval, vis: np.ndarray, c: tuple[float, float], v: Interv
     off = spec.p_offset if spec.p_handling == "offset" else 0.0
     rel = float(np.nextafter(spec.exp2_ulp * 2.0**-23 + _EXP2_SLACK, np.inf))
     p_lo, p_hi = np.empty((R, K)), np.empty((R, K))
+    q_lo, q_hi = np.empty((R, K)), np.empty((R, K))
     m_lo, m_hi = np.empty(R), np.empty(R)
     a_lo, a_hi = np.empty((R, T)), np.empty((R, T))
     online_softmax_rows(np.ascontiguousarray(S.lo), np.ascontiguousarray(S.hi),
                         np.ascontiguousarray(vis), float(c[0]), float(c[1]), float(off), rel,
-                        starts, ends, p_lo, p_hi, m_lo, m_hi, a_lo, a_hi)
+                        starts, ends, _cast_args(spec), p_lo, p_hi, q_lo, q_hi, m_lo, m_hi,
+                        a_lo, a_hi)
     p = Interval(p_lo, p_hi)
-    P = _cast_p(p, spec)
+    P = Interval(q_lo, q_hi)
     alpha = Interval(a_lo, a_hi)
     w_lo, w_hi = _suffix_products(a_lo, a_hi)  # (R, T)
     terms = p if spec.l_from == "unrounded" else P

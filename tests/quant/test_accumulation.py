@@ -144,3 +144,44 @@ def test_exp2_numba_is_bit_identical_to_elementary():
                         [0.0, -0.0, np.inf, -np.inf, 1023.9, -1074.5, -1075.0]])
     ours = np.array([exp2_f64(float(t)) for t in x])
     assert np.array_equal(ours.view(np.int64), elementary.exp2(x).view(np.int64))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2", "fp16", "bf16", "fp32"])
+def test_numba_format_rounding_is_bit_identical_to_quantize(fmt):
+    """The online softmax kernel casts P with round_to_format; quantize is the reference."""
+    from refattn.engine.numba.quant_softmax import round_to_format
+    from refattn.quant.formats import format_info
+    from refattn.quant.rows import _cast_args
+    from refattn.quant.spec import QuantSpec, TensorQuant
+
+    rng = np.random.default_rng(11)
+    mags = np.exp2(rng.uniform(-160, 140, 4000)) * rng.choice([-1.0, 1.0], 4000)
+    x = np.concatenate([mags, rng.normal(size=2000) * 300, [0.0, -0.0, np.inf, -np.inf]])
+    info = format_info(fmt)
+    tq = TensorQuant("fp16", 1.0, "tensor", "nearest_even", "codes")
+    for rounding in info.rounds:
+        spec = QuantSpec(tq, tq, tq, s_accumulation="fp32", p_format=fmt, p_rounding=rounding,
+                         output_format="fp32")
+        _, emin, prec, fmax, over = _cast_args(spec)
+        ours = np.array([round_to_format(float(t), emin, prec, fmax, over) for t in x])
+        want = quantize(x, fmt, rounding)
+        same = (ours == want) | (np.isnan(ours) & np.isnan(want))
+        assert same.all(), (rounding, x[~same][:3], ours[~same][:3], want[~same][:3])
+        assert np.array_equal(np.signbit(ours[want == 0]), np.signbit(want[want == 0]))
+
+
+@pytest.mark.parametrize("fmt", ["e4m3fn", "e5m2", "fp16", "bf16", "fp32"])
+def test_quantize_fast_path_equals_the_numpy_path(fmt):
+    """quantize casts arrays of 4096 elements or more in numba; chunks below that take the
+    numpy path: the two agree bit for bit (signed zeros and NaN included)."""
+    from refattn.quant.formats import format_info
+
+    rng = np.random.default_rng(12)
+    x = np.concatenate([np.exp2(rng.uniform(-160, 140, 6000)) * rng.choice([-1.0, 1.0], 6000),
+                        [0.0, -0.0, np.inf, -np.inf, np.nan]])
+    for rounding in format_info(fmt).rounds:
+        fast = quantize(x, fmt, rounding)
+        slow = np.concatenate([quantize(x[i:i + 1000], fmt, rounding)
+                               for i in range(0, x.size, 1000)])
+        assert np.array_equal(fast.view(np.int64), slow.view(np.int64)) or np.array_equal(
+            fast, slow, equal_nan=True), rounding

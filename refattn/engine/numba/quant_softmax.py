@@ -22,7 +22,7 @@ from numba import prange
 
 from ._jit import kernel
 
-__all__ = ["exp2_f64", "online_softmax_rows"]
+__all__ = ["cast_array", "exp2_f64", "online_softmax_rows", "round_to_format"]
 
 U32 = 2.0**-24
 FP32_MAX = 3.4028234663852886e38
@@ -176,10 +176,80 @@ def _bounded_arg(d_lo: float, d_hi: float, c_lo: float, c_hi: float, m_mag: floa
     return _widen_cast32(a_lo, a_hi, err)
 
 
+@kernel
+def round_to_format(x: float, emin: int, precision: int, fmax: float, over: int) -> float:
+    """``x`` rounded to nearest (ties to even) on a float format's grid, bit-identical to
+    :func:`refattn.quant.formats.quantize` for the float formats: ``emin`` the smallest normal
+    exponent, ``precision`` the significand bits, ``fmax`` the largest finite value; past it
+    (after rounding) ``over`` 0 saturates to +-fmax, 1 gives NaN, 2 gives +-inf.
+
+    Examples
+    --------
+    >>> round_to_format(0.30, -6, 4, 448.0, 0), round_to_format(500.0, -6, 4, 448.0, 0)
+    (0.3125, 448.0)
+    """
+    if x == 0.0 or math.isnan(x):
+        return x
+    if math.isfinite(x):
+        _, e2 = math.frexp(x)
+        quantum = max(e2 - 1, emin) - (precision - 1)
+        r = math.ldexp(np.rint(math.ldexp(x, -quantum)), quantum)
+    else:
+        r = x
+    if abs(r) > fmax:
+        if over == 0:
+            return math.copysign(fmax, r)
+        if over == 1:
+            return math.nan
+        return math.copysign(math.inf, r)
+    return r
+
+
+@kernel(parallel=True)
+def cast_array(x: np.ndarray, emin: int, precision: int, fmax: float, over: int,
+               out: np.ndarray) -> None:
+    """:func:`round_to_format` of every element of the 1-d ``x`` into ``out``, vectorised:
+    ``2**floor(log2 |x|)`` by clearing the fraction bits (through a uint64 view of a scratch
+    chunk), the quantum ``max(that, 2**emin) 2**(1 - precision)`` (a power of two), and
+    ``rint(x / quantum) quantum`` (both steps exact)."""
+    n = x.shape[0]
+    chunk = 4096
+    low = math.ldexp(1.0, emin)
+    shift = math.ldexp(1.0, 1 - precision)
+    mask = np.uint64(0x7FF0000000000000)
+    for ci in prange((n + chunk - 1) // chunk):
+        s = ci * chunk
+        e = min(n, s + chunk)
+        buf = np.empty(e - s)
+        bits = buf.view(np.uint64)
+        for i in range(s, e):
+            buf[i - s] = x[i]
+        for i in range(e - s):
+            bits[i] = bits[i] & mask  # |x| rounded down to a power of two (inf/NaN: inf)
+        for i in range(s, e):
+            v = x[i]
+            if v == 0.0 or math.isnan(v):
+                out[i] = v
+                continue
+            r = v
+            if math.isfinite(v):
+                q = max(buf[i - s], low) * shift
+                r = np.rint(v / q) * q
+            if abs(r) > fmax:
+                if over == 0:
+                    r = math.copysign(fmax, r)
+                elif over == 1:
+                    r = math.nan
+                else:
+                    r = math.copysign(math.inf, r)
+            out[i] = r
+
+
 @kernel(parallel=True)
 def online_softmax_rows(s_lo: np.ndarray, s_hi: np.ndarray, vis: np.ndarray, c_lo: float,
                         c_hi: float, off: float, rel: float, starts: np.ndarray,
-                        ends: np.ndarray, p_lo: np.ndarray, p_hi: np.ndarray,
+                        ends: np.ndarray, cast: tuple[float, int, int, float, int],
+                        p_lo: np.ndarray, p_hi: np.ndarray, q_lo: np.ndarray, q_hi: np.ndarray,
                         m_lo_out: np.ndarray, m_hi_out: np.ndarray, a_lo: np.ndarray,
                         a_hi: np.ndarray) -> None:
     """The online softmax of a block of rows, as intervals, written into the output arrays.
@@ -197,8 +267,13 @@ def online_softmax_rows(s_lo: np.ndarray, s_hi: np.ndarray, vis: np.ndarray, c_l
         exp2's relative error bound (the kernel's and float64 exp2's).
     starts, ends : (T,) int64
         The kv tiles in the kernel's visiting order (key ranges ``[start, end)``).
+    cast : (float, int, int, float, int)
+        P's cast: the multiplier (P = cast(fl32(p mult))), then :func:`round_to_format`'s
+        ``emin``, ``precision``, ``fmax`` and overflow rule.
     p_lo, p_hi : (R, K) float64, out
         ``p`` of every key (0 where not visible), with the running max of its tile's time.
+    q_lo, q_hi : (R, K) float64, out
+        ``P``, the cast ``p`` (an end that becomes NaN: that side unbounded).
     m_lo_out, m_hi_out : (R,) float64, out
         The final row max (-inf for a row with no visible key).
     a_lo, a_hi : (R, T) float64, out
@@ -206,6 +281,7 @@ def online_softmax_rows(s_lo: np.ndarray, s_hi: np.ndarray, vis: np.ndarray, c_l
     """
     R = s_lo.shape[0]
     T = starts.shape[0]
+    mult, emin, prec, fmax, over = cast
     for r in prange(R):
         m_lo = -math.inf
         m_hi = -math.inf
@@ -250,6 +326,8 @@ def online_softmax_rows(s_lo: np.ndarray, s_hi: np.ndarray, vis: np.ndarray, c_l
                 if not vis[r, j]:
                     p_lo[r, j] = 0.0
                     p_hi[r, j] = 0.0
+                    q_lo[r, j] = 0.0
+                    q_hi[r, j] = 0.0
                     continue
                 ds_lo = s_lo[r, j] - n_hi
                 ds_hi = min(s_hi[r, j] - n_lo, 0.0)
@@ -262,6 +340,13 @@ def online_softmax_rows(s_lo: np.ndarray, s_hi: np.ndarray, vis: np.ndarray, c_l
                 pl, ph = _exp2_iv(x_lo, x_hi, rel)
                 p_lo[r, j] = pl
                 p_hi[r, j] = ph
+                if mult != 1.0:
+                    pl = _f32(pl * mult)  # p mult is exact in float64 (fp32 times fp32)
+                    ph = _f32(ph * mult)
+                ql = round_to_format(pl, emin, prec, fmax, over)
+                qh = round_to_format(ph, emin, prec, fmax, over)
+                q_lo[r, j] = -math.inf if math.isnan(ql) else ql
+                q_hi[r, j] = math.inf if math.isnan(qh) else qh
             m_lo = n_lo
             m_hi = n_hi
         m_lo_out[r] = m_lo
