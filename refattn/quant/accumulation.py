@@ -37,7 +37,7 @@ import math
 
 import numpy as np
 
-from refattn.engine.numba.quant_blocks import dot_blocks, matmul_fixed
+from refattn.engine.numba.quant_blocks import dot_blocks, dot_exact, matmul_fixed
 from refattn.quant.bounds import Interval, cast, gamma
 from refattn.quant.formats import format_info
 
@@ -188,7 +188,8 @@ def _blocked(a: Interval, b: Interval, k_block: int, bits: int, acc_precision: i
 
 def dot_block_model(a: Interval, b: Interval, *, k_block: int, bits: int,
                     acc_precision: int = 24, tiny: float = 0.0, to_fp32: bool = False,
-                    quanta: tuple[float, float] = (0.0, 0.0)) -> Interval:
+                    quanta: tuple[float, float] = (0.0, 0.0),
+                    exact_truncation: bool = False) -> Interval:
     """Enclosure of ``sum_d a[r, d] b[c, d]`` as the k-block model accumulates it.
 
     Per block, with ``q`` the unit of the ``bits``-th significant bit of ``M`` (a power of two,
@@ -220,6 +221,11 @@ def dot_block_model(a: Interval, b: Interval, *, k_block: int, bits: int,
     quanta : (float, float)
         The grid spacing of ``a``'s and ``b``'s ends (:func:`grid_quantum`; 0: unknown), so
         that the products are summed by BLAS where that is exact (:func:`fixed_matmul`).
+    exact_truncation : bool
+        For point operands with k-blocks: sum every product's truncation exactly
+        (:func:`refattn.engine.numba.quant_blocks.dot_exact`, O(R C D) scalar work) instead of
+        counting the products of each sign (BLAS products of 0/1 matrices): far tighter, as
+        the truncations of signed products mostly cancel.
 
     Returns
     -------
@@ -237,6 +243,12 @@ def dot_block_model(a: Interval, b: Interval, *, k_block: int, bits: int,
     """
     D = a.shape[1]
     qa, qb = quanta
+    if exact_truncation and k_block > 0 and not (a.rad.any() or b.rad.any()):
+        lo, hi = np.empty((a.shape[0], b.shape[0])), np.empty((a.shape[0], b.shape[0]))
+        dot_exact(np.ascontiguousarray(a.lo), np.ascontiguousarray(b.lo.T), k_block, bits,
+                  math.ldexp(1.0, 1 - acc_precision), gamma(max(D - 1, 0), 2.0**-23), D * tiny,
+                  to_fp32, lo, hi)
+        return Interval(lo, hi)
     sabs = fixed_matmul(_mag(a), _mag(b).T, qa, qb)  # (R, C): sum of |a b| over the intervals
     if k_block > 0:
         return Interval(*_blocked(a, b, k_block, bits, acc_precision, sabs, D * tiny, to_fp32,

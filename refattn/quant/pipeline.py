@@ -104,7 +104,8 @@ class QuantResult:
 
 @public
 def quantized(call: AttentionCall, spec: QuantSpec, *, backend: str = "numba",
-              intermediates: bool | None = None, **options: Any) -> QuantResult:
+              intermediates: bool | None = None, truncation: str = "auto",
+              **options: Any) -> QuantResult:
     """The real result and the emulated pipeline of a quantised call.
 
     Parameters
@@ -121,6 +122,8 @@ def quantized(call: AttentionCall, spec: QuantSpec, *, backend: str = "numba",
     intermediates : bool or None
         Also emulate ``scores`` and ``probs_q`` (B, Hq, Q, K); None: only while the four
         arrays fit in 64 MiB (``output``, ``lse``, ``row_max`` and ``row_sum`` always).
+    truncation : {"auto", "exact", "counted"}
+        How S's k-block truncations are bounded (:func:`emulate`).
     **options
         Passed to the engine.
 
@@ -147,12 +150,14 @@ def quantized(call: AttentionCall, spec: QuantSpec, *, backend: str = "numba",
     (True, [1.0, 1.0, 1.0, 1.0])
     """
     check_quant(call, spec)
+    _exact_truncation(call, truncation)  # refuse a bad option before any work
     keep = _keep_intermediates(call, intermediates)
     check_emulation_memory(call, spec=spec, intermediates=keep)
     if backend == "numba" and not options:  # streaming: output, lse, row_max (memory O(L D))
         options = {"materialize": False}
     real = forward(dequantized_call(call, spec), backend=backend, **options)
-    return QuantResult(call, spec, real, emulate(call, spec, intermediates=keep), backend)
+    em = emulate(call, spec, intermediates=keep, truncation=truncation)
+    return QuantResult(call, spec, real, em, backend)
 
 
 def emulation_bytes(call: AttentionCall, spec: QuantSpec | None = None, *,
@@ -385,14 +390,28 @@ def _rows_per_block(Q: int, K: int) -> int:
     return max(1, min(Q, ROWS_TIMES_KEYS // max(K, 1)))
 
 
+#: the products (B Hq Q K Dk) up to which "auto" sums every truncation exactly
+EXACT_TRUNCATION_PRODUCTS = 2**28
+TRUNCATIONS = ("auto", "exact", "counted")
+
+
+def _exact_truncation(call: AttentionCall, truncation: str) -> bool:
+    if truncation not in TRUNCATIONS:
+        raise RefAttnError(f"truncation: expected one of {', '.join(TRUNCATIONS)}, "
+                           f"got {truncation!r}")
+    if truncation == "auto":
+        return math.prod(call.score_shape) * call.q.shape[3] <= EXACT_TRUNCATION_PRODUCTS
+    return truncation == "exact"
+
+
 def _keep_intermediates(call: AttentionCall, intermediates: bool | None) -> bool:
     if intermediates is None:  # kept while they fit in 64 MiB (4 arrays of (B, Hq, Q, K))
         return 32 * math.prod(call.score_shape) <= 2**26
     return bool(intermediates)
 
 
-def emulate(call: AttentionCall, spec: QuantSpec, *,
-            intermediates: bool | None = None) -> dict[str, Interval]:
+def emulate(call: AttentionCall, spec: QuantSpec, *, intermediates: bool | None = None,
+            truncation: str = "auto") -> dict[str, Interval]:
     """The emulated pipeline's intervals (no validation: :func:`quantized` checks first).
 
     Runs stages 2-5 (:mod:`refattn.quant.rows`) per head and per block of query rows, so its
@@ -405,6 +424,11 @@ def emulate(call: AttentionCall, spec: QuantSpec, *,
     intermediates : bool or None
         Also return ``scores`` and ``probs_q`` (B, Hq, Q, K); None: only when the four arrays
         fit in 64 MiB.
+    truncation : {"auto", "exact", "counted"}
+        How the k-block model bounds S's truncations (point operands): ``"exact"`` sums every
+        product's truncation (O(B Hq Q K Dk) scalar work; about 5x tighter), ``"counted"``
+        bounds them by the count of products of each sign (BLAS); ``"auto"``: exact up to
+        :data:`EXACT_TRUNCATION_PRODUCTS` products.
 
     Returns
     -------
@@ -430,6 +454,7 @@ def emulate(call: AttentionCall, spec: QuantSpec, *,
     B, Hq, Q, K = call.score_shape
     Dv = call.v.shape[3]
     keep = _keep_intermediates(call, intermediates)
+    exact = _exact_truncation(call, truncation)
     starts, ends = rows.kv_tiles(K, effective_kv_tile(spec, call), spec.kv_order)
     vis_all = call.visible_array()
     vis_all = np.broadcast_to(True if vis_all is None else vis_all, call.score_shape)
@@ -459,7 +484,7 @@ def emulate(call: AttentionCall, spec: QuantSpec, *,
                     ksr = Interval(np.broadcast_to(ks.lo, (B, kc.shape[1], K, 1))[b, hk, :, 0],
                                    np.broadcast_to(ks.hi, (B, kc.shape[1], K, 1))[b, hk, :, 0])
                     descale = (qsr, Interval(ksr.lo[None, :], ksr.hi[None, :]))
-                S = rows.scores(q_rows, k_rows, spec, descale)  # (R, K)
+                S = rows.scores(q_rows, k_rows, spec, descale, exact_truncation=exact)  # (R, K)
                 vis = vis_all[b, h, i0:i1]
                 res = rows.emulate_rows(S, vis, cc, v_rows, spec, starts, ends, keep=keep)
                 o_lo[b, h, i0:i1], o_hi[b, h, i0:i1] = res.acc_over_l.lo, res.acc_over_l.hi

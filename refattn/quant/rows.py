@@ -104,16 +104,19 @@ def _mag(iv: Interval) -> np.ndarray:
 
 # -- stage 2: S --------------------------------------------------------------------------------
 def scores(q: Interval, k: Interval, spec: QuantSpec,
-           descale: tuple[Interval, Interval] | None) -> Interval:
+           descale: tuple[Interval, Interval] | None, *, exact_truncation: bool = False
+           ) -> Interval:
     """The kernel's raw S (R, K) in fp32 for q rows (R, Dk) and keys (K, Dk); ``descale`` the
     q and k scales, (R, 1) and (1, K), where they multiply the dot (INT8): either order of the
     two fp32 products, ``fl(S fl(x y))`` or ``fl(fl(S x) y)``, lies inside (exact S: times
-    ``fl(x y)``, unrounded)."""
+    ``fl(x y)``, unrounded). ``exact_truncation``: the block model's truncations summed
+    product by product (:func:`refattn.quant.accumulation.dot_block_model`)."""
     quanta = (grid_quantum(spec.q.format), grid_quantum(spec.k.format))
     match spec.s_accumulation:
         case "fp32":
             s = dot_block_model(q, k, k_block=spec.mma_k, bits=spec.mma_bits,
-                                tiny=FP32_MIN_NORMAL, to_fp32=True, quanta=quanta)
+                                tiny=FP32_MIN_NORMAL, to_fp32=True, quanta=quanta,
+                                exact_truncation=exact_truncation)
         case "int32" | "exact":  # an exact integer (or exact) sum
             s = dot_block_model(q, k, k_block=0, bits=53, quanta=quanta)
             if spec.s_accumulation == "int32":

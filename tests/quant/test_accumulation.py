@@ -86,16 +86,18 @@ def _e4m3(rng: np.random.Generator, shape: tuple[int, ...], spread: float) -> np
     return quantize(rng.normal(size=shape) * spread, "e4m3fn", "nearest_even_satfinite")
 
 
+@pytest.mark.parametrize("exact", [False, True], ids=["counted", "exact"])
 @pytest.mark.parametrize("seed", range(6))
 @pytest.mark.parametrize("bits", [4, 7])
-def test_every_accumulator_lands_inside(seed, bits):
+def test_every_accumulator_lands_inside(seed, bits, exact):
     rng = np.random.default_rng(seed)
     D, k_block = 6, 3
     a = _e4m3(rng, (3, D), 2.0)
     b = _e4m3(rng, (4, D), 2.0)
     if seed % 2:  # same-sign products: truncation errors add up instead of cancelling
         a, b = np.abs(a), np.abs(b)
-    iv = dot_block_model(point(a), point(b), k_block=k_block, bits=bits)
+    iv = dot_block_model(point(a), point(b), k_block=k_block, bits=bits,
+                         exact_truncation=exact)
     for r in range(a.shape[0]):
         for c in range(b.shape[0]):
             vals = np.array(_models(a[r], b[c], k_block, bits))
@@ -119,13 +121,14 @@ def test_interval_operands_land_inside():
                 assert np.all((iv.lo[r, c] <= vals) & (vals <= iv.hi[r, c]))
 
 
-def test_the_bound_is_attained_within_a_small_factor():
+@pytest.mark.parametrize("exact", [False, True], ids=["counted", "exact"])
+def test_the_bound_is_attained_within_a_small_factor(exact):
     """A tight case: positive products below the quantum of a large accumulator all lose
     almost a whole quantum under truncation; the bound is within 2.5x of that loss."""
     D, k_block, bits = 8, 8, 5
     a = np.array([[16.0] + [0.875] * (D - 1)])
     b = np.array([[1.0] + [1.125] * (D - 1)])
-    iv = dot_block_model(point(a), point(b), k_block=k_block, bits=bits)
+    iv = dot_block_model(point(a), point(b), k_block=k_block, bits=bits, exact_truncation=exact)
     exact = float((a @ b.T)[0, 0])
     worst = min(_models(a[0], b[0], k_block, bits))
     assert iv.lo[0, 0] <= worst < exact
@@ -185,3 +188,24 @@ def test_quantize_fast_path_equals_the_numpy_path(fmt):
                                for i in range(0, x.size, 1000)])
         assert np.array_equal(fast.view(np.int64), slow.view(np.int64)) or np.array_equal(
             fast, slow, equal_nan=True), rounding
+
+
+def test_exact_truncation_is_tighter_and_still_holds_the_block_simulations():
+    """At a real head width (D = 128, four WGMMA k-blocks, 13 and 14 bits): the exact sums of
+    the truncations give an interval several times narrower than the counted one, and both
+    hold the block accumulator simulated from its definition (tests/quant/sims.py) and the
+    exact dot."""
+    from . import sims
+
+    rng = np.random.default_rng(5)
+    a = _e4m3(rng, (16, 128), 1.0)
+    b = _e4m3(rng, (24, 128), 1.0)
+    counted = dot_block_model(point(a), point(b), k_block=32, bits=13, to_fp32=True)
+    exact = dot_block_model(point(a), point(b), k_block=32, bits=13, to_fp32=True,
+                            exact_truncation=True)
+    assert np.median(exact.rad) * 3 < np.median(counted.rad)
+    values = [a @ b.T] + [np.asarray(sims.matmul32(a[None], b[None], accumulate=f"wgmma{n}"),
+                                     dtype=np.float64)[0] for n in (13, 14)]
+    for x in values:
+        for iv in (counted, exact):
+            assert np.all((iv.lo <= x) & (x <= iv.hi))

@@ -277,3 +277,149 @@ def matmul_fixed(a: np.ndarray, b: np.ndarray, out: np.ndarray) -> None:
             x = a[n, r, j]
             for c in range(C):
                 out[n, r, c] += x * b[n, j, c]
+
+
+@kernel
+def _floor_pow2(m: float) -> float:
+    """``2**floor(log2 m)`` for ``m > 0`` (exact); 0 for 0; inf for inf or NaN."""
+    if m == 0.0:
+        return 0.0
+    if not math.isfinite(m):
+        return math.inf
+    return math.ldexp(1.0, math.frexp(m)[1] - 1)
+
+
+@kernel(parallel=True)
+def dot_exact(a: np.ndarray, bt: np.ndarray, k_block: int, bits: int, acc_unit: float,
+              any_unit: float, tiny: float, to_fp32: bool, lo_out: np.ndarray,
+              hi_out: np.ndarray) -> None:
+    """The k-block model of ``a @ bt`` with every addend's truncation computed, not counted.
+
+    For point operands (R, D) and (D, C), each block's products are formed exactly (float64:
+    two narrow significands), and for each candidate quantum ``q`` (the unit of the
+    ``bits``-th bit of ``max(|C|, max |x|)``: one or two powers of two, as the accumulator's
+    enclosure decides ``|C|``'s exponent) the truncation of every product toward zero is
+    summed exactly (``x/q - trunc(x/q)``, in units of ``q``); the accumulator's own
+    truncation is the one unknown addend (less than ``q``, toward zero). The models joined:
+    alignment to the block's largest exponent with the accumulator (each candidate ``q``) or
+    among the products only (then the block sum rounded once to ``bits`` bits and added),
+    the exact block sum rounded once to ``bits`` bits, the store to the accumulator's
+    precision (``acc_unit``), and plain fp32 in any order (``any_unit`` times the sum of
+    magnitudes). Where the exponent of ``|C|`` spans more than two values the block falls back
+    to the counted bound ``(n + 1) q``.
+
+    Parameters
+    ----------
+    a : (R, D) float64
+    bt : (D, C) float64
+    k_block, bits : int
+    acc_unit, any_unit, tiny : float
+    to_fp32 : bool
+        Round the ends to fp32.
+    lo_out, hi_out : (R, C) float64, out
+    """
+    R, D = a.shape
+    C = bt.shape[1]
+    bits_unit = math.ldexp(1.0, 1 - bits)
+    u64 = 2.0**-53
+    for r in prange(R):
+        clo = np.zeros(C)
+        chi = np.zeros(C)
+        total = np.zeros(C)
+        sabs = np.zeros(C)
+        s = np.empty(C)
+        mx = np.empty(C)
+        sa = np.empty(C)
+        inv = np.empty((3, C))
+        z = np.empty((3, C))
+        for t0 in range(0, D, k_block):
+            t1 = min(t0 + k_block, D)
+            n = t1 - t0
+            for c in range(C):
+                s[c] = 0.0
+                mx[c] = 0.0
+                sa[c] = 0.0
+            for d in range(t0, t1):
+                ad = a[r, d]
+                for c in range(C):
+                    x = ad * bt[d, c]
+                    ax = abs(x)
+                    s[c] += x
+                    sa[c] += ax
+                    mx[c] = max(mx[c], ax)
+            for c in range(C):
+                lo = clo[c]
+                hi = chi[c]
+                cmax = max(abs(lo), abs(hi)) * _GROW
+                cmin = 0.0 if lo <= 0.0 <= hi else min(abs(lo), abs(hi)) * (1.0 - 2.0**-40)
+                qa = _floor_pow2(max(cmax, mx[c])) * bits_unit
+                qb = _floor_pow2(max(cmin, mx[c])) * bits_unit
+                qp = _floor_pow2(mx[c]) * bits_unit
+                inv[0, c] = 1.0 / qa if qa > 0.0 and math.isfinite(qa) else 0.0
+                inv[1, c] = 1.0 / qb if qb > 0.0 and math.isfinite(qb) else 0.0
+                inv[2, c] = 1.0 / qp if qp > 0.0 and math.isfinite(qp) else 0.0
+                z[0, c] = 0.0
+                z[1, c] = 0.0
+                z[2, c] = 0.0
+            for d in range(t0, t1):
+                ad = a[r, d]
+                for c in range(C):
+                    x = ad * bt[d, c]
+                    y0 = x * inv[0, c]
+                    y1 = x * inv[1, c]
+                    y2 = x * inv[2, c]
+                    z[0, c] += y0 - math.trunc(y0)
+                    z[1, c] += y1 - math.trunc(y1)
+                    z[2, c] += y2 - math.trunc(y2)
+            for c in range(C):
+                lo = clo[c]
+                hi = chi[c]
+                cmax = max(abs(lo), abs(hi)) * _GROW
+                q_top = 0.0 if inv[0, c] == 0.0 else 1.0 / inv[0, c]
+                # the float64 sums of this block: of the products, and of the truncations
+                f64 = ((n + 2) * u64 * sa[c] + n * n * u64 * q_top) * _GROW
+                can_pos = hi + cmax * _WIDEN > 0.0
+                can_neg = lo - cmax * _WIDEN < 0.0
+                e_lo = 0.0
+                e_hi = 0.0
+                qa = 0.0 if inv[0, c] == 0.0 else 1.0 / inv[0, c]
+                qb = 0.0 if inv[1, c] == 0.0 else 1.0 / inv[1, c]
+                if not math.isfinite(cmax) or not math.isfinite(sa[c]):
+                    e_lo = -math.inf
+                    e_hi = math.inf
+                elif qa > 2.0 * qb and qb > 0.0:  # |C|'s exponent spans > 2 values: counted
+                    e_lo = -qa * (n + 1.0)
+                    e_hi = qa * (n + 1.0)
+                else:
+                    for w in range(2):  # alignment with the accumulator, each candidate q
+                        q = qa if w == 0 else qb
+                        loss = z[w, c] * q  # the products' truncations, exact up to f64
+                        e_lo = min(e_lo, -loss - (q if can_pos else 0.0))
+                        e_hi = max(e_hi, -loss + (q if can_neg else 0.0))
+                    qp = 0.0 if inv[2, c] == 0.0 else 1.0 / inv[2, c]
+                    once_p = _floor_pow2((sa[c] + n * qp) * _GROW) * bits_unit
+                    e_lo = min(e_lo, -z[2, c] * qp - once_p)  # products aligned, then added
+                    e_hi = max(e_hi, -z[2, c] * qp + once_p)
+                new_mag = (cmax + abs(s[c]) + sa[c] * u64 * (n + 2)) * _GROW
+                once = _floor_pow2(new_mag) * bits_unit  # the exact block sum rounded once
+                store = _floor_pow2(new_mag + (e_hi - e_lo)) * acc_unit
+                e_lo = min(e_lo, -once) - store - f64
+                e_hi = max(e_hi, once) + store + f64
+                a_ = lo + s[c] + e_lo
+                b_ = hi + s[c] + e_hi
+                clo[c] = a_ - abs(a_) * _WIDEN
+                chi[c] = b_ + abs(b_) * _WIDEN
+                total[c] += s[c]
+                sabs[c] += sa[c]
+        for c in range(C):
+            w_ = (any_unit * sabs[c] + (D + 2) * u64 * sabs[c]) * _GROW + abs(total[c]) * _WIDEN
+            x_lo = min(clo[c], total[c] - w_)
+            x_hi = max(chi[c], total[c] + w_)
+            pad = (tiny + 2.0**-50 * max(abs(x_lo), abs(x_hi))) * _GROW
+            x_lo = np.nextafter(x_lo - pad, -math.inf)
+            x_hi = np.nextafter(x_hi + pad, math.inf)
+            if to_fp32:
+                x_lo = float(np.float32(x_lo))
+                x_hi = float(np.float32(x_hi))
+            lo_out[r, c] = -math.inf if math.isnan(x_lo) else x_lo
+            hi_out[r, c] = math.inf if math.isnan(x_hi) else x_hi
