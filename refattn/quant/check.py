@@ -37,7 +37,7 @@ if TYPE_CHECKING:
     from refattn.quant.pipeline import QuantResult
     from refattn.quant.spec import QuantSpec
 
-__all__ = ["QuantReport", "TensorReport", "bf16_path", "check_candidate", "contains",
+__all__ = ["QuantReport", "TensorReport", "bf16", "bf16_path", "check_candidate", "contains",
            "widened"]
 
 #: the tensors of the real Trace a candidate's tensor of the same name is compared with
@@ -230,6 +230,25 @@ def _sqnr_db(c: np.ndarray, r: np.ndarray) -> float:
     return 10.0 * math.log10(signal / noise)
 
 
+def bf16(x: np.ndarray) -> np.ndarray:
+    """``x`` rounded to fp32, then to bf16 (nearest, ties to even; overflow to +-inf), float64
+    out: the bits of ``quantize(quantize(x, "fp32", ...), "bf16", ...)`` through float32's
+    bit pattern (round to nearest even at bit 16: add ``0x7FFF`` plus the kept part's lowest
+    bit, clear the low half), NaN kept.
+
+    Examples
+    --------
+    >>> bf16(np.array([1.0 + 2.0**-8, 1.0 + 3 * 2.0**-8, 3.4e38, np.nan])).tolist()
+    [1.0, 1.015625, inf, nan]
+    """
+    with np.errstate(over="ignore", invalid="ignore"):
+        f = np.asarray(x, dtype=np.float64).astype(np.float32)  # IEEE: nearest even, overflow
+    u = f.view(np.uint32).astype(np.uint64)
+    u = (u + np.uint64(0x7FFF) + ((u >> np.uint64(16)) & np.uint64(1))) & np.uint64(0xFFFF0000)
+    out = u.astype(np.uint32).view(np.float32).astype(np.float64)
+    return np.where(np.isnan(f), np.nan, out)
+
+
 def bf16_path(result: QuantResult) -> np.ndarray:
     """FA3's bf16 PyTorch path (``attention_ref(upcast=False, reorder_ops=True)``) of the
     dequantised call, emulated here in float64.
@@ -250,9 +269,6 @@ def bf16_path(result: QuantResult) -> np.ndarray:
     call = result.real.call
     spec = result.spec
 
-    def bf16(x: np.ndarray) -> np.ndarray:
-        with np.errstate(over="ignore"):
-            return quantize(quantize(x, "fp32", "nearest_even"), "bf16", "nearest_even")
 
     hm = np.asarray(call.head_map)
     q, k, v = bf16(call.q), bf16(call.k), bf16(call.v)

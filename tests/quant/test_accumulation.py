@@ -209,3 +209,16 @@ def test_exact_truncation_is_tighter_and_still_holds_the_block_simulations():
     for x in values:
         for iv in (counted, exact):
             assert np.all((iv.lo <= x) & (x <= iv.hi))
+
+
+def test_bf16_bit_trick_equals_the_two_casts():
+    from refattn.quant.check import bf16
+
+    rng = np.random.default_rng(13)
+    x = np.concatenate([np.exp2(rng.uniform(-150, 129, 20000)) * rng.choice([-1.0, 1.0], 20000),
+                        [0.0, -0.0, np.inf, -np.inf, np.nan, 3.3961e38, -3.3961e38]])
+    with np.errstate(over="ignore"):
+        want = quantize(quantize(x, "fp32", "nearest_even"), "bf16", "nearest_even")
+    got = bf16(x)
+    assert np.array_equal(got, want, equal_nan=True)
+    assert np.array_equal(np.signbit(got), np.signbit(want))

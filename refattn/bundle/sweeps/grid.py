@@ -59,6 +59,7 @@ from refattn.errors import RefAttnError
 from refattn.masks import causal, relation, segments_from_cu_seqlens
 from refattn.quant.formats import format_max, quantize
 from refattn.quant.presets import PRESETS, preset
+from refattn.quant.tiles import kernel_tiles
 
 __all__ = ["DESCRIPTION_VERSION", "MAX_CASES", "MAX_CASE_SECONDS", "MAX_EXTENT", "MAX_SCALE",
            "MAX_SPEC_DEPTH", "MAX_SPEC_VALUES", "CaseBudget", "Sweep", "SweepCase", "build_case",
@@ -833,7 +834,10 @@ def _quant_inputs(record: Mapping[str, Any], *draws: np.ndarray
     input is then rounded onto the format's grid (saturating), a ``"cast"`` one (the kernel
     quantises ``x / scale``) multiplied by its scale and rounded onto its input format's grid,
     so that ``near_limit`` saturates in the kernel's own cast. A 16-bit input is the draws on
-    its grid. Every scale of the spec is ``record["scale"]``, per tensor.
+    its grid. Every scale of the spec is ``record["scale"]``, per tensor. The kv tile is the
+    kernel's for the head dims; where its table has no single tile (a head dim the kernel does
+    not build, or one chosen at run time), the whole row is one tile and the spec names no
+    table.
     """
     name, scale, values = record["preset"], float(record["scale"]), record["values"]
     options = {"fa3_fp8": ("q_descale", "k_descale", "v_descale"),
@@ -842,6 +846,9 @@ def _quant_inputs(record: Mapping[str, Any], *draws: np.ndarray
                "vllm_fp8_kv": ("q_scale", "k_scale", "v_scale"),
                "sageattention_int8": ()}[name]
     spec = preset(name, **dict.fromkeys(options, scale))
+    rule = kernel_tiles(spec.tile_table, draws[0].shape[-1], draws[2].shape[-1])
+    if rule.tile is None:  # a head dim the kernel has no single tile for: one tile, no table
+        spec = spec.replace(tile_table="", kv_tile=None)
     out = []
     for tq, x in zip((spec.q, spec.k, spec.v), draws, strict=True):
         fmt = tq.format if tq.source == "codes" else tq.input_format
