@@ -1,34 +1,45 @@
-"""How a kernel's tensor cores accumulate, as rigorous error bounds: the k-block model.
+"""How a kernel's tensor cores accumulate, as rigorous enclosures: the k-block model.
 
-Owns :func:`block_error_factor` and :func:`dot_block_model`, the enclosure of a dot product
-accumulated the way the presets state their matrix units do (``QuantSpec.mma_k`` and
-``mma_bits``). Defers the interval type to :mod:`refattn.quant.bounds`.
+Owns :func:`dot_block_model`, the enclosure of a dot product accumulated the way a preset states
+its matrix unit does (``QuantSpec.mma_k`` and ``mma_bits``), :func:`fixed_matmul` (products that
+give the same bits on every machine), :func:`blocks`, :func:`quantum` and
+:func:`grid_quantum`. Defers the element-wise recurrences to
+:mod:`refattn.engine.numba.quant_blocks` and the interval type to :mod:`refattn.quant.bounds`.
 
-The model (``mma_k = n > 0``): the summed index is cut into consecutive k-blocks of ``n`` terms
+The model (``mma_k = n > 0``). The summed index is cut into consecutive k-blocks of ``n`` terms
 (one MMA instruction's k: 32 for Hopper's FP8 WGMMA, 16 for ``mma.m16n8k16``); the products are
-exact; a block's products and the incoming accumulator ``C`` are added with every addend's error
-below one unit in the ``b``-th significant bit (``b = mma_bits``) of the block's largest
-magnitude ``M = max(|C|, max_i |x_i|)``, and the sum is stored in the accumulator's format
-(precision ``p``: 24 for fp32, 11 for fp16) with one more rounding. This covers the alignment
-of every addend to the largest exponent with truncation to ``b`` bits (what SageAttention2 and
-DeepSeek-V3 measured on FP8 tensor cores: 13 and "around 14" bits), an exact block sum rounded
-once to ``b`` bits, and products aligned among themselves then added to ``C``. So one block errs
-by at most
+exact. A block's products and the incoming accumulator ``C`` are added in one of these ways, and
+the interval holds the result of each:
 
-    e = (n + 1) (2**(1 - b) + 2**(1 - p)) M
+* aligned to the block's largest exponent ``E`` (of ``max(|C|, max |x_i|)``), every addend
+  truncated toward zero to a multiple of ``q = 2**(E - b + 1)`` (``b = mma_bits``), the
+  truncated addends summed exactly (what SageAttention2, section 4, and the DeepSeek-V3 report,
+  section 3.3.2, describe for FP8 tensor cores: a 13- or "around 14"-bit accumulation;
+  truncation in the alignment is what Fasi, Higham, Mikaitis and Pranesh, PeerJ CS 2021,
+  measured on V100, T4 and A100);
+* the products aligned among themselves (``q`` from ``max |x_i|`` only), their sum rounded once
+  to ``b`` bits and added to ``C``;
+* the exact block sum ``C + sum x_i`` rounded once to ``b`` bits (in either direction);
 
-(each of the ``n + 1`` truncated addends by less than ``2**(1 - b) M``; the stored result, at most
-``(n + 1) M`` in magnitude, by ``2**(1 - p)`` of it). ``|C|`` before a block is bounded by the
-exact partial sum (float64 BLAS over the blocks so far) plus the errors already made, and
-``max_i |x_i|`` by ``max_i |a_i| max_i |b_i|`` over the block (a rank-one bound). The bound is
-then joined with the any-order bound of an fp32 accumulator, ``gamma_{n-1}(2**-23) sum |x_i|``
-(Higham, eq. (4.4), with a truncating unit): a kernel that accumulates in plain fp32, in any
-order (sequential, pairwise, random), also lies inside.
+then stored in the accumulator's format (precision 24: fp32; 11: fp16), and, besides the model,
+plain fp32 accumulation in any order (``gamma_{D-1}(2**-23) sum |x_i|``, Higham eq. (4.4) with a
+truncating unit: sequential, pairwise, random order).
+
+Bounding a block's truncation. ``x - trunc_q(x)`` has the sign of ``x`` and magnitude below
+``q``: with ``n+`` positive and ``n-`` negative products the loss lies in ``(-n+ q, n- q)``,
+where the counts come from BLAS products of 0/1 sign matrices (``"counted"``). For point
+operands the loss of every product is also computed exactly for each candidate ``q`` (one or
+two powers of two, as the enclosure of ``C`` decides ``E``), so only ``C``'s own truncation
+(below ``q``) is unknown (``"exact"``, :func:`refattn.engine.numba.quant_blocks.dot_exact`):
+signed truncations mostly cancel, and the interval is about 5x narrower. ``|C|`` before a block
+is bounded by the enclosure carried from block to block (the exact partial sums plus the
+errors made so far), ``max |x_i|`` by ``min(max_i |a_i| max_i |b_i|, sum_i |a_i b_i|)``; a
+power of two ``2**floor(log2 m)`` is ``m`` with its fraction bits cleared (exact).
 
 Why it is tighter than the any-order bound at ``b`` bits: that bound is
 ``gamma_{D-1}(2**(1-b)) sum |x_i|``, about ``D 2**(1-b)`` times the sum of magnitudes (3 % of it
-at D = 128, b = 13); the block bound is ``(n + 1) 2**(1-b)`` times ``D / n`` block maxima of
-``|partial sum|``, which for signed terms grows like the square root of the terms.
+at D = 128, b = 13); the block model charges each block a few units of the ``b``-th bit of the
+running sum, which for signed terms grows like the square root of the terms.
 """
 
 from __future__ import annotations
@@ -41,8 +52,7 @@ from refattn.engine.numba.quant_blocks import dot_blocks, dot_exact, matmul_fixe
 from refattn.quant.bounds import Interval, cast, gamma
 from refattn.quant.formats import format_info
 
-__all__ = ["block_error_factor", "blocks", "dot_block_model", "fixed_matmul", "grid_quantum",
-           "quantum", "slack"]
+__all__ = ["blocks", "dot_block_model", "fixed_matmul", "grid_quantum", "quantum", "slack"]
 
 U64 = 2.0**-53
 #: relative slack for the rounding of the float64 arithmetic that evaluates a bound: every bound
@@ -55,17 +65,6 @@ def slack(x: np.ndarray) -> np.ndarray:
     """A nonnegative float64 bound ``x`` rounded up generously (``x (1 + 2**-30)``)."""
     with np.errstate(over="ignore", invalid="ignore"):
         return x * (1.0 + SLACK)
-
-
-def block_error_factor(n: int, bits: int, acc_precision: int) -> float:
-    """``(n + 1) (2**(1 - bits) + 2**(1 - acc_precision))``: one k-block's error over ``M``.
-
-    Examples
-    --------
-    >>> block_error_factor(32, 13, 24) == 33 * (2**-12 + 2**-23)
-    True
-    """
-    return (n + 1) * (math.ldexp(1.0, 1 - bits) + math.ldexp(1.0, 1 - acc_precision))
 
 
 def _mag(iv: Interval) -> np.ndarray:
