@@ -28,7 +28,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 
 from refattn._boundary import public, shown
-from refattn._checks import as_array, format_index
+from refattn._checks import as_array, first_index, format_index
 from refattn.errors import RefAttnError
 from refattn.quant.formats import quantize, round_down, round_up
 
@@ -306,6 +306,18 @@ def _candidate(name: str, x: object, shape: tuple[int, ...]) -> np.ndarray:
     return arr
 
 
+def _check_returned_format(name: str, c: np.ndarray, fmt: str, spec_name: str) -> None:
+    fin = np.isfinite(c)
+    with np.errstate(over="ignore"):
+        off = fin & (quantize(np.where(fin, c, 0.0), fmt, "nearest_even") != np.where(fin, c, 0.0))
+    idx = first_index(off)
+    if idx is not None:
+        raise RefAttnError(f"candidate[{name!r}]: value {float(c[idx])!r} at index "
+                           f"{format_index(idx)} is not a {fmt} value, the format {spec_name} "
+                           f"returns {name} in; pass the kernel's own {name} converted exactly "
+                           "to float64 (require_format=False checks other values)")
+
+
 def _returned_format(spec: QuantSpec, name: str) -> str | None:
     """The format the kernel returns tensor ``name`` in (output and lse only)."""
     return {"output": spec.output_format, "lse": LSE_FORMAT}.get(name)
@@ -334,7 +346,8 @@ def _interval(result: QuantResult, name: str) -> tuple[np.ndarray, np.ndarray]:
 
 
 @public
-def check_candidate(result: QuantResult, candidate: dict[str, Any]) -> QuantReport:
+def check_candidate(result: QuantResult, candidate: dict[str, Any], *,
+                    require_format: bool = True) -> QuantReport:
     """Check a kernel's tensors against the emulated pipeline and the real result.
 
     Parameters
@@ -345,6 +358,11 @@ def check_candidate(result: QuantResult, candidate: dict[str, Any]) -> QuantRepo
         The kernel's tensors by the pipeline's names: ``"output"`` (B, Hq, Q, Dv),
         ``"lse"`` (B, Hq, Q) (natural log), or any intermediate in ``result.emulated``;
         each converted exactly to float64 (a bf16 or fp32 value is a float64 value).
+    require_format : bool
+        Refuse an output or lse with a finite value that is not a value of the format the
+        kernel returns it in (the spec's ``output_format``; fp32 for lse): a candidate that is
+        not the kernel's own tensor (a float32 reference, a rescaled copy). False: check such
+        values anyway and count them in ``off_grid``.
 
     Returns
     -------
@@ -358,7 +376,8 @@ def check_candidate(result: QuantResult, candidate: dict[str, Any]) -> QuantRepo
     ------
     RefAttnError
         An empty candidate, a name the pipeline does not emulate, a tensor that is not
-        float64 or has the wrong shape.
+        float64 or has the wrong shape, an output or lse off its returned format's grid
+        (``require_format``): each before any arithmetic.
 
     Examples
     --------
@@ -368,12 +387,17 @@ def check_candidate(result: QuantResult, candidate: dict[str, Any]) -> QuantRepo
     >>> rng = np.random.default_rng(0)
     >>> q, k, v = (np.round(rng.standard_normal((1, 1, 4, 8)) * 4) / 4 for _ in range(3))
     >>> result = quantized(AttentionCall(q, k, v), preset("fa3_fp8"))
-    >>> report = check_candidate(result, {"output": result.emulated["output"].mid})
+    >>> report = check_candidate(result, {"output": result.emulated["output"].lo})
     >>> report.passed, report.tensors["output"].outside
     (True, 0)
-    >>> bad = check_candidate(result, {"output": result.real.output * 1.5})
+    >>> bad = check_candidate(result, {"output": 1.5 * result.emulated["output"].lo})
     >>> bad.passed
     False
+    >>> try:  # a float64 value that is not a bf16 value: not what FA3 returns
+    ...     check_candidate(result, {"output": result.real.output})
+    ... except RefAttnError as exc:
+    ...     print(str(exc)[:48])
+    candidate['output']: value -0.17364120480120... at
     """
     from refattn.quant.pipeline import QuantResult  # the pipeline imports this module
 
@@ -383,13 +407,20 @@ def check_candidate(result: QuantResult, candidate: dict[str, Any]) -> QuantRepo
     if not isinstance(candidate, dict) or not candidate:
         raise RefAttnError("candidate: expected a non-empty dict of tensor name to float64 "
                            f"ndarray, got {shown(candidate)}")
-    tensors: dict[str, TensorReport] = {}
-    for name, x in candidate.items():
+    checked: dict[str, np.ndarray] = {}
+    for name, x in candidate.items():  # every tensor validated before any arithmetic
         if name not in result.emulated:
+            hint = (" (emulate it with quantized(..., intermediates=True))"
+                    if name in ("scores", "probs_q") else "")
             raise RefAttnError(f"candidate: {name!r} is not a tensor the pipeline emulates "
-                               f"({', '.join(sorted(result.emulated))})")
+                               f"({', '.join(sorted(result.emulated))}){hint}")
+        checked[name] = _candidate(name, x, result.emulated[name].shape)
+        fmt = _returned_format(result.spec, name)
+        if require_format and fmt is not None:
+            _check_returned_format(name, checked[name], fmt, result.spec.name)
+    tensors: dict[str, TensorReport] = {}
+    for name, c in checked.items():
         lo, hi = _interval(result, name)
-        c = _candidate(name, x, lo.shape)
         tensors[name] = _tensor_report(result, name, c, lo, hi)
     passed = all(t.passed for t in tensors.values())
     return QuantReport(passed, result.spec.name, tensors,

@@ -10,9 +10,11 @@ loops it over heads and query blocks. Defers the k-block accumulation model to
 What makes the intervals tight, and why each step stays rigorous
 ----------------------------------------------------------------
 * **S per k-block** (:func:`refattn.quant.accumulation.dot_block_model`): the accumulator's bits
-  as the preset states them, per MMA k-block, over the actual partial sums.
-* **p in [0, 2**off]** (the exponent ``(S - m) c + off`` is at most ``off`` plus its rounding,
-  and ``exp2`` is monotone): the p interval of every key is clipped to ``[0, 2**off (1 + r)]``.
+  as the preset states them, per MMA k-block, over the actual partial sums (every product's
+  truncation summed exactly where the caller asks).
+* **p in [0, 2**off]**: the kernel's S never exceeds its running max, so ``S - m`` is taken at
+  most 0 (``min(S_hi - m_lo, 0)``) before the exponent: ``p <= 2**off`` up to the exponent's
+  rounding and exp2's error, whatever the S intervals.
 * **l's lower bound from the row maximum's own term.** The kernel's final max ``m`` is one of
   its own S values, say ``S_j*``; when the kernel visits ``j*``'s tile its running max becomes
   ``m`` and stays ``m``, so ``p_j* = exp2(fl(m c - fl(m c - off)))`` (an exponent within
@@ -34,9 +36,9 @@ What makes the intervals tight, and why each step stays rigorous
   ascending order, with the running accumulator's bound carried through the rescales
   (``C <- fl(alpha C)``, error ``u |alpha C|``, earlier errors scaled by ``alpha``); joined with
   the any-order fp32 bound.
-* **|O| <= max |v|** times the largest ``P / p`` ratio and the accumulators' relative error:
-  ``acc / l`` is a weighted mean of the visible ``v`` when ``P = p``; in general
-  ``|acc| <= sum_j w_j P_j |v_j| + e_A`` and ``l >= sum_j w_j p_j - e_l``.
+* **|O| <= max |v|** up to P's rounding and the accumulators' errors: the independent quotient
+  ``[sum_t w_t A_t + e_A] / [l]`` that the ratio is intersected with is at most
+  ``(sum_j w_j P_j |v_j| + |e_A|) / l`` with ``l >= sum_j w_j p_j - e_l``.
 """
 
 from __future__ import annotations

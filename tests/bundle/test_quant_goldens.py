@@ -21,6 +21,7 @@ from refattn.bundle.suites.conformance import CASES
 from refattn.bundle.verification.verifier import verify
 from refattn.cli import main
 from refattn.errors import RefAttnError
+from refattn.quant.formats import quantize
 from refattn.quant.pipeline import emulate
 from refattn.quant.spec import QuantSpec
 from tests.bundle.resealing import reseal_case_file
@@ -189,11 +190,20 @@ def test_the_real_inputs_must_be_the_dequantised_codes(bundle):
 def test_compare_judges_a_candidate_by_the_emulated_interval(pristine, tmp_path, capsys):
     t = load(pristine / "cases" / f"{FA3}.safetensors").tensors
     good, bad = tmp_path / "good.safetensors", tmp_path / "bad.safetensors"
-    write_candidate(good, {"output": np.array(t["quant_output_mid"]).astype(np.float32)})
-    write_candidate(bad, {"output": np.array(t["output"]) * 1.25})
+    def bf16(x: np.ndarray) -> np.ndarray:  # what FA3 returns, stored as float32
+        return quantize(np.asarray(x, dtype=np.float64), "bf16", "nearest_even").astype(np.float32)
+
+    write_candidate(good, {"output": bf16(t["quant_output_mid"])})  # inside: ends are bf16
+    write_candidate(bad, {"output": bf16(np.array(t["output"]) * 1.25)})
     golden = str(pristine / "cases" / f"{FA3}.safetensors")
     assert main(["compare", golden, str(good)]) == 0
     assert "fa3_fp8: PASS" in capsys.readouterr().out
+    float32 = tmp_path / "float32.safetensors"  # a float32 reference is not the kernel's bf16
+    write_candidate(float32, {"output": np.array(t["output"]).astype(np.float32)})
+    assert main(["compare", golden, str(float32)]) == 2
+    err = capsys.readouterr().err
+    assert "is not a bf16 value, the format fa3_fp8 returns output in" in err
+    assert len(err.strip().splitlines()) == 1
     assert main(["compare", str(pristine), str(bad), "--case", FA3, "--json"]) == 1
     doc = json.loads(capsys.readouterr().out)
     assert doc["passed"] is False and doc["tensors"]["output"]["outside"] > 0

@@ -96,9 +96,16 @@ def test_the_midpoint_passes_and_off_grid_values_are_counted():
     ml_dtypes = pytest.importorskip("ml_dtypes")
     off = int(np.count_nonzero(mid.astype(ml_dtypes.bfloat16).astype(np.float64) != mid))
     assert off > 0  # the midpoint of two bf16 values is mostly not one
-    report = check_candidate(result, {"output": mid})
+    with pytest.raises(RefAttnError, match=r"candidate\['output'\]: value .* at index .* is not a "
+                       r"bf16 value, the format fa3_fp8 returns output in"):
+        check_candidate(result, {"output": mid})  # not what the kernel returns: refused
+    report = check_candidate(result, {"output": mid}, require_format=False)
     assert report.passed and report.tensors["output"].off_grid == off
     assert f"{off} value(s) not on the returned format's grid" in report.summary()
+    lse = result.emulated["lse"].lo
+    with pytest.raises(RefAttnError, match=r"candidate\['lse'\]: .* is not a fp32 value"):
+        check_candidate(result, {"output": result.emulated["output"].lo,
+                                 "lse": lse + 2.0**-30 * np.abs(lse) + 2.0**-60})
 
 
 def test_the_online_softmax_over_kv_tiles_passes_and_a_bug_is_named():
