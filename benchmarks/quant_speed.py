@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.timing import cpu_model  # noqa: E402
+from benchmarks.timing import cpu_model
 
 CHILD = r"""
 import json, resource, sys, time
