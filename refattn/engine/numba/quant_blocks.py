@@ -1,8 +1,10 @@
 """The k-block accumulation model's element-wise recurrences, fused (numba).
 
-Owns :func:`dot_blocks` (a dot product accumulated block by block: the kernel's S) and
-:func:`pv_blocks` (the PV accumulator over the kv tiles in the kernel's order, rescaled at
-each tile's start). Both take the blocks' exact sums, magnitudes and sign counts computed by
+Owns :func:`dot_blocks` (a dot product accumulated block by block, the truncations bounded by
+the products' sign counts: the kernel's S), :func:`dot_exact` (the same with every product's
+truncation summed), :func:`pv_blocks` (the PV accumulator over the kv tiles in the kernel's
+order, rescaled at each tile's start) and :func:`matmul_fixed` (a product summed in a fixed
+order: the same bits on every machine). Both take the blocks' exact sums, magnitudes and sign counts computed by
 BLAS (:mod:`refattn.quant.accumulation`, :mod:`refattn.quant.rows`) and run the recurrence of
 :mod:`refattn.quant.accumulation`'s model for every output element in one pass. One step, for
 an accumulator known to lie in ``[lo, hi]`` and a block of ``n`` products with exact sum
@@ -29,7 +31,7 @@ from numba import prange
 
 from ._jit import kernel
 
-__all__ = ["dot_blocks", "pv_blocks"]
+__all__ = ["dot_blocks", "dot_exact", "matmul_fixed", "pv_blocks"]
 
 _MASK = np.uint64(0xFFF0000000000000)  # sign and exponent: m with its fraction bits cleared
 _GROW = 1.0 + 2.0**-40  # float64 roundings of this arithmetic, on magnitudes
