@@ -470,9 +470,10 @@ def emulate(call: AttentionCall, spec: QuantSpec, *, intermediates: bool | None 
         s_lo, s_hi = np.empty((B, Hq, Q, K)), np.empty((B, Hq, Q, K))
         pq_lo, pq_hi = np.empty((B, Hq, Q, K)), np.empty((B, Hq, Q, K))
     n = _rows_per_block(Q, K)
+    head_map = np.asarray(call.head_map)  # set by the gate: grouped (check_quant)
     for b in range(B):
         for h in range(Hq):
-            hk = int(call.head_map[h])
+            hk = int(head_map[h])
             k_rows = Interval(kc.lo[b, hk], kc.hi[b, hk])  # (K, Dk)
             v_rows = Interval(vc.lo[b, hk], vc.hi[b, hk])  # (K, Dv)
             cc = (float(c.lo[b, h, 0, 0]), float(c.hi[b, h, 0, 0]))
@@ -492,7 +493,7 @@ def emulate(call: AttentionCall, spec: QuantSpec, *, intermediates: bool | None 
                 o_lo[b, h, i0:i1], o_hi[b, h, i0:i1] = res.acc_over_l.lo, res.acc_over_l.hi
                 l_lo[b, h, i0:i1], l_hi[b, h, i0:i1] = res.row_sum.lo, res.row_sum.hi
                 m_lo[b, h, i0:i1], m_hi[b, h, i0:i1] = res.row_max.lo, res.row_max.hi
-                if keep:
+                if keep and res.probs_q is not None:
                     s_lo[b, h, i0:i1] = np.where(vis, S.lo, -np.inf)
                     s_hi[b, h, i0:i1] = np.where(vis, S.hi, -np.inf)
                     pq_lo[b, h, i0:i1], pq_hi[b, h, i0:i1] = res.probs_q.lo, res.probs_q.hi
