@@ -11,10 +11,11 @@ to keep the cost down), SageAttention with Q, K <= 192 (two Q blocks of 128, up 
 64-key tiles). ``benchmarks/quant_corpus.py`` runs the issue's shapes (Q, K <= 256).
 
 EXPENSIVE: the two module fixtures (``fa3_verdicts``, ``sage_verdicts``) emulate every call
-and check every variant (about 10 s each on 2 cores with the emulator at commit 8c5024f); only
-the tests named ``test_corpus_*`` take them. The rest of the file is cheap (the generator and
-the bookkeeping, no emulator). The ``test_corpus_*`` tests judge the emulator, not the
-simulations: they are expected to fail while its FP8 intervals are too loose.
+and check every variant (about 15 s each on 2 cores); only the tests named ``test_corpus_*``
+take them. The rest of the file is cheap (the generator and the bookkeeping, no emulator).
+The ``test_corpus_*`` tests judge the emulator, not the simulations: with the any-order
+intervals of commit 8c5024f four FA3 bugs failed them (v_descale 8 of 30, the dropped tile
+37 of 40, e5m2 1 of 34, l after the cast 0 of 7).
 """
 
 from __future__ import annotations
@@ -27,6 +28,10 @@ from . import corpus, sims
 FA3_CALLS, FA3_MAX_Q, FA3_MAX_LEN = 40, 32, 384
 SAGE_CALLS, SAGE_MAX_LEN = 16, 192
 MIN_AFFECTED, RATE = 5, 0.95
+#: l summed after the cast is not among issue 41's targets: its change, the common factor
+#: sum p / sum P of P's average rounding, is near the interval's own width at amplitude 4
+#: (measured: 5 of 7 affected CI calls, 5 of 5 at the issue's shapes); asserted at this rate
+RATES = {"l_after_rounding": 0.6}
 
 
 # -- cheap: the generator and the bookkeeping ----------------------------------------------
@@ -143,8 +148,17 @@ def test_corpus_fa3_bug_is_caught(fa3_verdicts, bug):
     affected, missed = _rate(fa3_verdicts, bug)
     if affected < MIN_AFFECTED:
         pytest.skip(f"{bug}: {affected} of {FA3_CALLS} calls changed beyond the honest error")
-    assert 1 - len(missed) / affected >= RATE, (f"{bug}: missed on {len(missed)} of "
-                                                f"{affected}: {missed[:5]}")
+    assert 1 - len(missed) / affected >= RATES.get(bug, RATE), (
+        f"{bug}: missed on {len(missed)} of {affected}: {missed[:5]}")
+
+
+def test_corpus_fa3_missing_offset_fails_most_calls(fa3_verdicts):
+    """The +8 offset left out never moves the output past the honest spread here (no call is
+    affected), yet it turns the p between 2**-14 and 2**-6 into e4m3 subnormals, which the
+    tight interval sees: measured 36 of these 40 calls fail (48 of 48 at the issue's shapes);
+    asserted at 85 %."""
+    caught = sum(v.bugs["no_offset"] is False for v in fa3_verdicts)
+    assert caught >= 0.85 * len(fa3_verdicts), f"{caught} of {len(fa3_verdicts)}"
 
 
 @pytest.mark.parametrize("variant", list(corpus.SAGE_HONEST))
