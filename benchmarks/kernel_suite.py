@@ -34,7 +34,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from timing import cpu_model  # benchmarks/ is the script's directory
+from timing import environment  # benchmarks/ is the script's directory
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -56,27 +56,6 @@ print(time.perf_counter() - t0)
 SIDE_BY_SIDE = ("edge_causal_lr_q1_k65", "window_lr_q1_k147", "alibi_q1_k147",
                 "decode_q1_k147", "varlen_q64_k101", "model_gptoss_q257_k129",
                 "causal_lr_q113_k203", "shape_q256_k512_d64")
-
-
-def environment() -> str:
-    import numpy  # noqa: F401  (BLAS libraries are listed once loaded)
-    import scipy.linalg  # noqa: F401
-    from threadpoolctl import threadpool_info
-
-    cpu = cpu_model()
-    fields = {}
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            key = line.split(":", 1)[0].strip()
-            if key in ("cpu family", "model") and key not in fields:
-                fields[key] = line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    blas = sorted({f"{i.get('internal_api')} {i.get('version')} {i.get('architecture')}"
-                   for i in threadpool_info() if i.get("user_api") == "blas"})
-    return (f"CPU {cpu} (family {fields.get('cpu family', '?')}, model "
-            f"{fields.get('model', '?')}), {os.cpu_count()} cores, load "
-            f"{os.getloadavg()[0]:.2f}; BLAS {', '.join(blas)}")
 
 
 def whole_suite() -> None:

@@ -7,9 +7,9 @@ Each run is a fresh ``python`` process (the numba kernels loaded from their on-d
 a second run of a user's test finds them; a warm-up process fills the cache first) that builds
 the same causal call (e4m3 codes of standard normal draws, seed 0, unit descales), times
 ``quantized`` (the real result from the streaming numba engine and the emulated intervals)
-and ``check_candidate`` (the emulated midpoints as the candidate: every report figure is
-computed), and reports its own peak RSS (``ru_maxrss``). Side by side in one run: the
-``"auto"`` truncation (exact sums of the truncations up to 2**28 products, counted above) and,
+and ``check_candidate`` (the emulated lower ends, bf16 and fp32 values, as the candidate:
+every report figure is computed), and reports its own peak RSS (``ru_maxrss``). Side by side
+in one run: the ``"auto"`` truncation (exact sums of the truncations up to 2**28 products, counted above) and,
 at 1024, the exact sums forced, with the median output radius each gives. Prints the CPU model
 and the BLAS kernel with the figures.
 
@@ -27,7 +27,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from benchmarks.timing import cpu_model
+from benchmarks.timing import environment
 
 CHILD = r"""
 import json, resource, sys, time
@@ -43,7 +43,7 @@ call = refattn.AttentionCall(q, k, v, visible=causal(L, L, alignment="lower_righ
 t0 = time.perf_counter()
 res = quantized(call, preset("fa3_fp8"), truncation=truncation)
 t1 = time.perf_counter()
-check_candidate(res, {"output": res.emulated["output"].mid, "lse": res.emulated["lse"].mid})
+check_candidate(res, {"output": res.emulated["output"].lo, "lse": res.emulated["lse"].lo})
 t2 = time.perf_counter()
 print(json.dumps({"quantized": t1 - t0, "check": t2 - t1,
                   "rss_gb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20,
@@ -58,27 +58,13 @@ def run(length: int, truncation: str) -> dict[str, float]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def blas_kernel() -> str:
-    """The BLAS library and kernel numpy uses (threadpoolctl when present)."""
-    try:
-        from threadpoolctl import threadpool_info
-    except ImportError:
-        import numpy as np
-
-        info = np.show_config(mode="dicts").get("Build Dependencies", {}).get("blas", {})
-        return f"{info.get('name', 'unknown')} {info.get('version', '')}".strip()
-    pools = [p for p in threadpool_info() if p.get("user_api") == "blas"]
-    return ", ".join(f"{p.get('internal_api')} {p.get('version')} ({p.get('architecture')})"
-                     for p in pools) or "unknown"
-
-
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--lengths", type=int, nargs="+", default=[1024, 4096])
     parser.add_argument("--repeats", type=int, default=3)
     args = parser.parse_args()
-    print(f"CPU: {cpu_model()}; BLAS: {blas_kernel()}; FA3 FP8, causal, (1, 8, L, 128), "
-          f"median of {args.repeats} fresh processes each")
+    print(f"{environment()}; FA3 FP8, causal, (1, 8, L, 128), median of {args.repeats} fresh "
+          "processes each")
     run(256, "auto")  # fills the numba cache
     print("| L | truncation | quantized s | check s | total s | peak RSS GB | median radius |")
     print("|---|---|---|---|---|---|---|")

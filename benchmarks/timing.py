@@ -8,13 +8,14 @@ then one timed call.
 
 from __future__ import annotations
 
+import os
 import statistics
 import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-__all__ = ["cpu_model", "interleaved", "timed"]
+__all__ = ["cpu_model", "environment", "interleaved", "timed"]
 
 
 def timed(fn: Callable[[], Any]) -> float:
@@ -54,3 +55,26 @@ def cpu_model() -> str:
         return "unknown"
     return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")),
                 "unknown")
+
+
+def environment() -> str:
+    """The CPU (model, family, model number), cores, load and the BLAS libraries with their
+    kernels (threadpoolctl), printed with every figure."""
+    import numpy  # noqa: F401  (BLAS libraries are listed once loaded)
+    import scipy.linalg  # noqa: F401
+    from threadpoolctl import threadpool_info
+
+    cpu = cpu_model()
+    fields = {}
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            key = line.split(":", 1)[0].strip()
+            if key in ("cpu family", "model") and key not in fields:
+                fields[key] = line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    blas = sorted({f"{i.get('internal_api')} {i.get('version')} {i.get('architecture')}"
+                   for i in threadpool_info() if i.get("user_api") == "blas"})
+    return (f"CPU {cpu} (family {fields.get('cpu family', '?')}, model "
+            f"{fields.get('model', '?')}), {os.cpu_count()} cores, load "
+            f"{os.getloadavg()[0]:.2f}; BLAS {', '.join(blas)}")
