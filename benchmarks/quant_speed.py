@@ -9,9 +9,9 @@ the same causal call (e4m3 codes of standard normal draws, seed 0, unit descales
 ``quantized`` (the real result from the streaming numba engine and the emulated intervals)
 and ``check_candidate`` (the emulated lower ends, bf16 and fp32 values, as the candidate:
 every report figure is computed), and reports its own peak RSS (``ru_maxrss``). Side by side
-in one run: the ``"auto"`` truncation (exact sums of the truncations up to 2**28 products, counted above) and,
-at 1024, the exact sums forced, with the median output radius each gives. Prints the CPU model
-and the BLAS kernel with the figures.
+in one run: the ``"auto"`` truncation (exact sums of the truncations up to 2**28 products,
+counted above) and, at 1024, the exact sums forced, with the median output radius each gives.
+Prints the CPU model and the BLAS kernel with the figures.
 
 Run: ``python benchmarks/quant_speed.py [--lengths 1024 4096] [--repeats 3]``.
 """

@@ -4,9 +4,10 @@ Owns :func:`dot_blocks` (a dot product accumulated block by block, the truncatio
 the products' sign counts: the kernel's S), :func:`dot_exact` (the same with every product's
 truncation summed), :func:`pv_blocks` (the PV accumulator over the kv tiles in the kernel's
 order, rescaled at each tile's start) and :func:`matmul_fixed` (a product summed in a fixed
-order: the same bits on every machine). Both take the blocks' exact sums, magnitudes and sign counts computed by
-BLAS (:mod:`refattn.quant.accumulation`, :mod:`refattn.quant.rows`) and run the recurrence of
-:mod:`refattn.quant.accumulation`'s model for every output element in one pass. One step, for
+order: the same bits on every machine). The block kernels take the blocks' exact sums,
+magnitudes and sign counts computed by BLAS (:mod:`refattn.quant.accumulation`,
+:mod:`refattn.quant.rows`) and run the recurrence of :mod:`refattn.quant.accumulation`'s model
+for every output element in one pass. One step, for
 an accumulator known to lie in ``[lo, hi]`` and a block of ``n`` products with exact sum
 ``x +- r``, ``n+`` possibly positive and ``n-`` possibly negative products, the largest at most
 ``top``, and ``q`` the unit of the ``bits``-th bit of ``max(|C|, top)``:
