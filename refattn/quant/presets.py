@@ -91,10 +91,12 @@ def fa3_fp8(*, q_descale: Any = None, k_descale: Any = None, v_descale: Any = No
     LSE = ``m c ln2 + log(l / 256)``), ``hopper/utils.h`` ``convert_type_out``
     (``cvt.rn.satfinite`` to e4m3). See docs/quant-sources.md, "FlashAttention-3 FP8 forward".
 
-    Widened: the FP8 WGMMA accumulator (undocumented) is modelled as ``mma_bits`` = 13
-    significand bits with truncation, one bit below what was measured (SageAttention2, Zhang
-    et al. 2024: 13 mantissa bits, "FP22", on Ada and Hopper; DeepSeek-V3 technical report
-    section 3.3.2: "around 14 bits" on H800); ``ex2.approx.ftz`` as 2 ulp with flush to zero;
+    Widened: the FP8 WGMMA accumulator (undocumented) is modelled per k-block of
+    ``mma_k`` = 32 products (one ``wgmma ... k32 ... e4m3`` instruction) summed to ``mma_bits``
+    = 13 significant bits with truncation, one bit below what was measured (SageAttention2,
+    Zhang et al. 2024: 13 mantissa bits, "FP22", on Ada and Hopper; DeepSeek-V3 technical
+    report section 3.3.2: "around 14 bits" on H800; the model and its alternatives:
+    :mod:`refattn.quant.accumulation`); ``ex2.approx.ftz`` as 2 ulp with flush to zero;
     fast-math ``1/l`` and the two products as 4 ulp.
 
     kv tiles (``tile_table="fa3_fp8"``, :mod:`refattn.quant.tiles`): ``kv_tile=None`` is the
