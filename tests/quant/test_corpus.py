@@ -143,13 +143,17 @@ def test_corpus_fa3_honest_variant_passes(fa3_verdicts, variant):
     assert not _honest_failures(fa3_verdicts, variant)
 
 
-@pytest.mark.parametrize("bug", corpus.FA3_CORPUS_BUGS)
-def test_corpus_fa3_bug_is_caught(fa3_verdicts, bug):
-    affected, missed = _rate(fa3_verdicts, bug)
+def _assert_caught(verdicts: list, bug: str, calls: int) -> None:
+    affected, missed = _rate(verdicts, bug)
     if affected < MIN_AFFECTED:
-        pytest.skip(f"{bug}: {affected} of {FA3_CALLS} calls changed beyond the honest error")
+        pytest.skip(f"{bug}: {affected} of {calls} calls changed beyond the honest error")
     assert 1 - len(missed) / affected >= RATES.get(bug, RATE), (
         f"{bug}: missed on {len(missed)} of {affected}: {missed[:5]}")
+
+
+@pytest.mark.parametrize("bug", corpus.FA3_CORPUS_BUGS)
+def test_corpus_fa3_bug_is_caught(fa3_verdicts, bug):
+    _assert_caught(fa3_verdicts, bug, FA3_CALLS)
 
 
 def test_corpus_fa3_missing_offset_fails_most_calls(fa3_verdicts):
@@ -168,8 +172,4 @@ def test_corpus_sage_honest_variant_passes(sage_verdicts, variant):
 
 @pytest.mark.parametrize("bug", corpus.SAGE_CORPUS_BUGS)
 def test_corpus_sage_bug_is_caught(sage_verdicts, bug):
-    affected, missed = _rate(sage_verdicts, bug)
-    if affected < MIN_AFFECTED:
-        pytest.skip(f"{bug}: {affected} of {SAGE_CALLS} calls changed beyond the honest error")
-    assert 1 - len(missed) / affected >= RATE, (f"{bug}: missed on {len(missed)} of "
-                                                f"{affected}: {missed[:5]}")
+    _assert_caught(sage_verdicts, bug, SAGE_CALLS)

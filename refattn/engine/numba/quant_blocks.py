@@ -81,6 +81,24 @@ def _steps(lo: np.ndarray, hi: np.ndarray, xm: np.ndarray, xr: np.ndarray, top: 
         up[c] = u
 
 
+@kernel
+def _joined(a: float, b: float, total: float, w: float, tiny: float,
+            to_fp32: bool) -> tuple[float, float]:
+    """The block model's enclosure ``[a, b]`` joined with plain fp32's ``total +- w``, widened by
+    ``tiny`` and the float64 roundings, rounded outward (to fp32 with ``to_fp32``); an end that
+    is NaN: that side unbounded."""
+    w = w + abs(total) * _WIDEN
+    x_lo = min(a, total - w)
+    x_hi = max(b, total + w)
+    pad = (tiny + 2.0**-50 * max(abs(x_lo), abs(x_hi))) * _GROW
+    x_lo = np.nextafter(x_lo - pad, -math.inf)
+    x_hi = np.nextafter(x_hi + pad, math.inf)
+    if to_fp32:
+        x_lo = float(np.float32(x_lo))
+        x_hi = float(np.float32(x_hi))
+    return (-math.inf if math.isnan(x_lo) else x_lo), (math.inf if math.isnan(x_hi) else x_hi)
+
+
 @kernel(parallel=True)
 def dot_blocks(x: np.ndarray, xr: np.ndarray, block_abs: np.ndarray, a_max: np.ndarray,
                b_max: np.ndarray, n_sum: np.ndarray, n_diff: np.ndarray, n: np.ndarray,
@@ -130,17 +148,8 @@ def dot_blocks(x: np.ndarray, xr: np.ndarray, block_abs: np.ndarray, a_max: np.n
                 total[c] += x[t, r, c]
                 spread[c] += xr[t, r, c]
         for c in range(C):
-            w = (any_order[r, c] + spread[c]) * _GROW + abs(total[c]) * _WIDEN
-            x_lo = min(a[c], total[c] - w)
-            x_hi = max(b[c], total[c] + w)
-            pad = (tiny + 2.0**-50 * max(abs(x_lo), abs(x_hi))) * _GROW
-            x_lo = np.nextafter(x_lo - pad, -math.inf)
-            x_hi = np.nextafter(x_hi + pad, math.inf)
-            if to_fp32:
-                x_lo = float(np.float32(x_lo))
-                x_hi = float(np.float32(x_hi))
-            lo[r, c] = -math.inf if math.isnan(x_lo) else x_lo
-            hi[r, c] = math.inf if math.isnan(x_hi) else x_hi
+            w = (any_order[r, c] + spread[c]) * _GROW
+            lo[r, c], hi[r, c] = _joined(a[c], b[c], total[c], w, tiny, to_fp32)
 
 
 @kernel(parallel=True)
@@ -415,14 +424,5 @@ def dot_exact(a: np.ndarray, bt: np.ndarray, k_block: int, bits: int, acc_unit: 
                 total[c] += s[c]
                 sabs[c] += sa[c]
         for c in range(C):
-            w_ = (any_unit * sabs[c] + (D + 2) * u64 * sabs[c]) * _GROW + abs(total[c]) * _WIDEN
-            x_lo = min(clo[c], total[c] - w_)
-            x_hi = max(chi[c], total[c] + w_)
-            pad = (tiny + 2.0**-50 * max(abs(x_lo), abs(x_hi))) * _GROW
-            x_lo = np.nextafter(x_lo - pad, -math.inf)
-            x_hi = np.nextafter(x_hi + pad, math.inf)
-            if to_fp32:
-                x_lo = float(np.float32(x_lo))
-                x_hi = float(np.float32(x_hi))
-            lo_out[r, c] = -math.inf if math.isnan(x_lo) else x_lo
-            hi_out[r, c] = math.inf if math.isnan(x_hi) else x_hi
+            w = (any_unit * sabs[c] + (D + 2) * u64 * sabs[c]) * _GROW
+            lo_out[r, c], hi_out[r, c] = _joined(clo[c], chi[c], total[c], w, tiny, to_fp32)
