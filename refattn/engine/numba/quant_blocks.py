@@ -41,12 +41,15 @@ _WIDEN = 2.0**-45  # and on the enclosure's ends, per step
 
 @kernel
 def _steps(lo: np.ndarray, hi: np.ndarray, xm: np.ndarray, xr: np.ndarray, top: np.ndarray,
-           ns: np.ndarray, nd: np.ndarray, n: float, bits_unit: float, acc_unit: float,
-           down: np.ndarray, up: np.ndarray, buf: np.ndarray) -> None:
+           sa: np.ndarray, ns: np.ndarray, nd: np.ndarray, n: float, bits_unit: float,
+           acc_unit: float, down: np.ndarray, up: np.ndarray, buf: np.ndarray) -> None:
     """One k-block for a row of elements (module docstring), in place on ``lo`` and ``hi``;
     the error's (down, up) into ``down`` and ``up``. ``buf`` (2 C) is scratch: each element's
-    two magnitudes, then (their fraction bits cleared through the uint64 view) ``2**floor(log2
-    m)``: exact for normal ``m``, 2**-1022 for subnormal (a larger bound), inf for inf/NaN."""
+    magnitudes, then (their fraction bits cleared through the uint64 view) ``2**floor(log2
+    m)``: exact for normal ``m``, 2**-1022 for subnormal (a larger bound), inf for inf/NaN.
+    ``sa`` is the block's sum of product magnitudes: the products aligned among themselves
+    lose less than ``n+ q`` (gain less than ``n- q``) and their sum, at most ``sa + n q``, is
+    then rounded once to ``bits`` bits."""
     C = lo.shape[0]
     bits = buf.view(np.uint64)
     for c in range(C):
@@ -54,6 +57,13 @@ def _steps(lo: np.ndarray, hi: np.ndarray, xm: np.ndarray, xr: np.ndarray, top: 
         buf[c] = max(c_mag, top[c])
         buf[C + c] = (c_mag + abs(xm[c]) + xr[c]) * _GROW
     for i in range(2 * C):
+        bits[i] = bits[i] & _MASK
+    for c in range(C):
+        q = buf[c]
+        if q == 0.0 and max(max(abs(lo[c]), abs(hi[c])), top[c]) != 0.0:
+            q = 2.0**-1022
+        buf[2 * C + c] = (sa[c] + n * q * bits_unit) * _GROW
+    for i in range(2 * C, 3 * C):
         bits[i] = bits[i] & _MASK
     for c in range(C):
         c_mag = max(abs(lo[c]), abs(hi[c])) * _GROW
@@ -70,9 +80,12 @@ def _steps(lo: np.ndarray, hi: np.ndarray, xm: np.ndarray, xr: np.ndarray, top: 
         lose = q * max(0.5 * (ns[c] + nd[c]) + pos, half)
         gain = q * max(0.5 * (ns[c] - nd[c]) + neg, half)
         once = new_top * bits_unit
+        once_p = buf[2 * C + c] * bits_unit  # the products' aligned sum rounded once
+        if once_p == 0.0 and sa[c] != 0.0:
+            once_p = 2.0**-1022
         store = new_top * acc_unit
-        dn = max(lose, once) + store
-        u = max(gain, once) + store
+        dn = max(max(lose, once), q * 0.5 * (ns[c] + nd[c]) + once_p) + store
+        u = max(max(gain, once), q * 0.5 * (ns[c] - nd[c]) + once_p) + store
         a = lo[c] + xm[c] - xr[c] - dn
         b = hi[c] + xm[c] + xr[c] + u
         lo[c] = a - abs(a) * _WIDEN
@@ -137,13 +150,13 @@ def dot_blocks(x: np.ndarray, xr: np.ndarray, block_abs: np.ndarray, a_max: np.n
         spread = np.zeros(C)
         down = np.empty(C)
         up = np.empty(C)
-        buf = np.empty(2 * C)
+        buf = np.empty(3 * C)
         top = np.empty(C)
         for t in range(N):
             for c in range(C):
                 top[c] = min(a_max[t, r] * b_max[t, c], block_abs[t, r, c])
-            _steps(a, b, x[t, r], xr[t, r], top, n_sum[t, r], n_diff[t, r], n[t],
-                   bits_unit, acc_unit, down, up, buf)
+            _steps(a, b, x[t, r], xr[t, r], top, block_abs[t, r], n_sum[t, r], n_diff[t, r],
+                   n[t], bits_unit, acc_unit, down, up, buf)
             for c in range(C):
                 total[c] += x[t, r, c]
                 spread[c] += xr[t, r, c]
@@ -206,7 +219,7 @@ def pv_blocks(x: np.ndarray, xr: np.ndarray, mag: np.ndarray, p_max: np.ndarray,
         over = np.zeros(Dv, dtype=np.bool_)
         down = np.zeros(Dv)
         up = np.zeros(Dv)
-        buf = np.empty(2 * Dv)
+        buf = np.empty(3 * Dv)
         top = np.empty(Dv)
         for t in range(t_mid.shape[0]):
             for d in range(Dv):
@@ -240,8 +253,8 @@ def pv_blocks(x: np.ndarray, xr: np.ndarray, mag: np.ndarray, p_max: np.ndarray,
             if blocked:
                 for d in range(Dv):
                     top[d] = min(p_max[i, r] * v_max[i, d], mag[i, r, d])
-                _steps(s_lo, s_hi, x[i, r], xr[i, r], top, n_sum[i, r], n_diff[i, r],
-                       n[i], bits_unit, acc_unit, down, up, buf)
+                _steps(s_lo, s_hi, x[i, r], xr[i, r], top, mag[i, r], n_sum[i, r],
+                       n_diff[i, r], n[i], bits_unit, acc_unit, down, up, buf)
             for d in range(Dv):
                 t_mid[t, r, d] += x[i, r, d]
                 t_rad[t, r, d] += xr[i, r, d]
@@ -399,15 +412,16 @@ def dot_exact(a: np.ndarray, bt: np.ndarray, k_block: int, bits: int, acc_unit: 
                 if not math.isfinite(cmax) or not math.isfinite(sa[c]):
                     e_lo = -math.inf
                     e_hi = math.inf
-                elif qa > 2.0 * qb and qb > 0.0:  # |C|'s exponent spans > 2 values: counted
-                    e_lo = -qa * (n + 1.0)
-                    e_hi = qa * (n + 1.0)
                 else:
-                    for w in range(2):  # alignment with the accumulator, each candidate q
-                        q = qa if w == 0 else qb
-                        loss = z[w, c] * q  # the products' truncations, exact up to f64
-                        e_lo = min(e_lo, -loss - (q if can_pos else 0.0))
-                        e_hi = max(e_hi, -loss + (q if can_neg else 0.0))
+                    if qa > 2.0 * qb and qb > 0.0:  # |C|'s exponent spans > 2 values: counted
+                        e_lo = -qa * (n + 1.0)
+                        e_hi = qa * (n + 1.0)
+                    else:
+                        for w in range(2):  # alignment with the accumulator, each candidate q
+                            q = qa if w == 0 else qb
+                            loss = z[w, c] * q  # the products' truncations, exact up to f64
+                            e_lo = min(e_lo, -loss - (q if can_pos else 0.0))
+                            e_hi = max(e_hi, -loss + (q if can_neg else 0.0))
                     qp = 0.0 if inv[2, c] == 0.0 else 1.0 / inv[2, c]
                     once_p = _floor_pow2((sa[c] + n * qp) * _GROW) * bits_unit
                     e_lo = min(e_lo, -z[2, c] * qp - once_p)  # products aligned, then added
