@@ -2,9 +2,9 @@
 
 Owns :func:`dot_block_model`, the enclosure of a dot product accumulated the way a preset states
 its matrix unit does (``QuantSpec.mma_k`` and ``mma_bits``), :func:`fixed_matmul` (products that
-give the same bits on every machine), :func:`blocks`, :func:`quantum` and
-:func:`grid_quantum`. Defers the element-wise recurrences to
-:mod:`refattn.engine.numba.quant_blocks` and the interval type to :mod:`refattn.quant.bounds`.
+give the same bits on every machine), :func:`blocks` and :func:`grid_quantum`. Defers the
+element-wise recurrences to :mod:`refattn.engine.numba.quant_blocks` and the interval type to
+:mod:`refattn.quant.bounds`.
 
 The model (``mma_k = n > 0``). The summed index is cut into consecutive k-blocks of ``n`` terms
 (one MMA instruction's k: 32 for Hopper's FP8 WGMMA, 16 for ``mma.m16n8k16``); the products are
@@ -52,7 +52,7 @@ from refattn.engine.numba.quant_blocks import dot_blocks, dot_exact, matmul_fixe
 from refattn.quant.bounds import Interval, cast, gamma
 from refattn.quant.formats import format_info
 
-__all__ = ["blocks", "dot_block_model", "fixed_matmul", "grid_quantum", "quantum", "slack"]
+__all__ = ["blocks", "dot_block_model", "fixed_matmul", "grid_quantum", "slack"]
 
 U64 = 2.0**-53
 #: relative slack for the rounding of the float64 arithmetic that evaluates a bound: every bound
@@ -69,27 +69,6 @@ def slack(x: np.ndarray) -> np.ndarray:
 
 def _mag(iv: Interval) -> np.ndarray:
     return np.maximum(np.abs(iv.lo), np.abs(iv.hi))
-
-
-def quantum(m: np.ndarray, bits: int) -> np.ndarray:
-    """``2**(floor(log2 m) - bits + 1)``: one unit in the ``bits``-th significant bit of a
-    number of magnitude at most ``m`` (whose exponent is at most ``floor(log2 m)``); 0 for 0.
-
-    ``2**floor(log2 m)`` is ``m`` with its significand's fraction bits cleared (exact); for a
-    subnormal ``m`` it is replaced by ``2**-1022`` (larger: the bound stays an upper bound);
-    inf and NaN give inf.
-
-    Examples
-    --------
-    >>> quantum(np.array([1.0, 1.5, 2.0, 0.0]), 3).tolist()
-    [0.25, 0.25, 0.5, 0.0]
-    """
-    m = np.asarray(m, dtype=np.float64)
-    top = (np.abs(m).view(np.uint64) & np.uint64(0xFFF0000000000000)).view(np.float64)
-    top = np.where((top == 0) & (m != 0), 2.0**-1022, top)
-    with np.errstate(over="ignore", invalid="ignore"):
-        q = top * math.ldexp(1.0, 1 - bits)  # a power of two times a power of two: exact
-    return np.where(np.isnan(m), np.inf, q)
 
 
 def grid_quantum(fmt: str) -> float:
@@ -191,8 +170,9 @@ def dot_block_model(a: Interval, b: Interval, *, k_block: int, bits: int,
                     exact_truncation: bool = False) -> Interval:
     """Enclosure of ``sum_d a[r, d] b[c, d]`` as the k-block model accumulates it.
 
-    Per block, with ``q`` the unit of the ``bits``-th significant bit of ``M`` (a power of two,
-    :func:`quantum`): truncation toward zero moves each addend toward zero by less than ``q``,
+    Per block, with ``q`` the unit of the ``bits``-th significant bit of ``M`` (a power of two:
+    ``M`` with its fraction bits cleared, times ``2**(1 - bits)``): truncation toward zero moves
+    each addend toward zero by less than ``q``,
     so the ``n+`` positive addends (the incoming accumulator included) lose less than ``n+ q``
     and the ``n-`` negative ones gain less than ``n- q``: the block's error lies in
     ``(-n+ q, n- q)``, where ``n+`` and ``n-`` are counted exactly by two products of 0/1 sign

@@ -16,7 +16,7 @@ import pytest
 
 from refattn.engine.numba.quant_softmax import exp2_f64
 from refattn.quant import elementary
-from refattn.quant.accumulation import dot_block_model, quantum
+from refattn.quant.accumulation import dot_block_model
 from refattn.quant.bounds import Interval, point
 from refattn.quant.formats import quantize
 
@@ -133,11 +133,6 @@ def test_the_bound_is_attained_within_a_small_factor(exact):
     worst = min(_models(a[0], b[0], k_block, bits))
     assert iv.lo[0, 0] <= worst < exact
     assert exact - iv.lo[0, 0] <= 2.5 * (exact - worst)
-
-
-def test_quantum_is_the_unit_of_the_bits_th_bit():
-    m = np.array([1.0, 1.5, 2.0, 0.75, 0.0])
-    assert quantum(m, 3).tolist() == [0.25, 0.25, 0.5, 0.125, 0.0]
 
 
 def test_exp2_numba_is_bit_identical_to_elementary():
