@@ -286,6 +286,12 @@ class PagedKV:
         return PageGradients(self.scatter(grads.grad_k, "grad_k"),
                              self.scatter(grads.grad_v, "grad_v"))
 
+    def gradient_tensors(self, grads: Any) -> dict[str, np.ndarray]:
+        """:meth:`page_gradients` under their golden names (the layout protocol of
+        :mod:`refattn.bundle.golden.layouts`)."""
+        pages = self.page_gradients(grads)
+        return {"grad_k_pages": pages.grad_k_pages, "grad_v_pages": pages.grad_v_pages}
+
     def tensors(self) -> dict[str, np.ndarray]:
         """The paged inputs as given, under their golden names."""
         return {"k_pages": self.k_pages, "v_pages": self.v_pages,

@@ -58,10 +58,10 @@ class GoldenCase:
         Wycheproof-style labels, e.g. ``("LowerRightCausal", "AllDroppedRow")``.
     conventions : dict
         Conventions beyond the call manifest (causal alignment, window convention, ...).
-    layout : PagedKV, optional
-        The physical inputs the call was built from (:class:`refattn.call.paged.PagedKV`, a
-        paged KV cache): they are stored as given beside the canonical tensors, with the
-        page gradients ``grad_k_pages`` and ``grad_v_pages``.
+    layout : optional
+        The physical inputs the call was built from (:mod:`refattn.bundle.golden.layouts`:
+        e.g. :class:`refattn.call.paged.PagedKV`, a paged KV cache): they are stored as given
+        beside the canonical tensors, with their gradients (``grad_k_pages``, ...).
     quant : QuantCase, optional
         A quantised case (:class:`refattn.bundle.golden.quantized.QuantCase`: the
         :class:`~refattn.quant.spec.QuantSpec` and the call as the kernel receives it);
@@ -291,16 +291,15 @@ def case_inputs(case: GoldenCase) -> dict[str, np.ndarray]:
 def case_tensors(trace: Trace, grads: Gradients, layout: Any = None) -> dict[str, np.ndarray]:
     """Every tensor a case file stores, by canonical name, C-contiguous.
 
-    With a ``layout`` (a paged KV cache, :class:`refattn.call.paged.PagedKV`) its inputs as
-    given and the gradients mapped back onto them (``grad_k_pages``, ``grad_v_pages``) too.
+    With a ``layout`` (:mod:`refattn.bundle.golden.layouts`: a paged KV cache, ...) its inputs
+    as given and the gradients mapped back onto them (``grad_k_pages``, ``grad_v_pages``, ...)
+    too.
     """
     tensors = {**trace.tensors(), **grads.tensors()}
     if isinstance(trace.call.dropout, np.ndarray):  # explicit Z, not a MultiplierSource
         tensors["dropout"] = trace.call.dropout  # the multiplier as given (pre-broadcast)
     if layout is not None:
-        pages = layout.page_gradients(grads)
-        tensors.update(layout.tensors(), grad_k_pages=pages.grad_k_pages,
-                       grad_v_pages=pages.grad_v_pages)
+        tensors.update({**layout.tensors(), **layout.gradient_tensors(grads)})
     return {name: np.ascontiguousarray(t) for name, t in tensors.items()}
 
 

@@ -31,11 +31,11 @@ from refattn.bundle.golden.case import (
     emulated_tensors,
     stored_by,
 )
+from refattn.bundle.golden.layouts import read_layout
 from refattn.bundle.golden.quantized import QuantCase, kernel_inputs
 from refattn.bundle.storage.read import LoadedCase, load
 from refattn.call import AttentionCall, scores
 from refattn.call.gate import AllMaskedRows, ReturnedWeights
-from refattn.call.paged import PagedKV
 from refattn.call.placement import ScalePlacement
 from refattn.dropout import from_manifest
 from refattn.errors import RefAttnError
@@ -315,7 +315,7 @@ class CaseSpec:
             raise RefAttnError(f"{self.case_id}: tensor 'grad_output' is missing")
         conv = dict(self.conventions)
         return GoldenCase(self.case_id, self.to_call(), self.tensors["grad_output"],
-                          self.comment, tuple(self.flags), conv, self.paged(),
+                          self.comment, tuple(self.flags), conv, self.input_layout(),
                           self.quant_case())
 
     def quant_spec(self) -> QuantSpec | None:
@@ -349,18 +349,10 @@ class CaseSpec:
             raise RefAttnError(f"{self.case_id}: {exc}") from None
         return QuantCase(spec, kernel)
 
-    def paged(self) -> Any:
-        """The paged KV cache the case stores as given (conventions ``kv_layout: paged``), or
-        None."""
-        if self.conventions.get("kv_layout") != "paged":
-            return None
-        t = self.tensors
-        for name in ("k_pages", "v_pages", "block_table", "seqlens"):
-            if name not in t:
-                raise RefAttnError(f"{self.case_id}: a paged case needs tensor {name!r}")
-        page_size = bounded_int(f"{self.case_id}: conventions.page_size",
-                                self.conventions.get("page_size"), lo=1, hi=INT64_MAX)
-        return PagedKV(t["k_pages"], t["v_pages"], t["block_table"], t["seqlens"], page_size)
+    def input_layout(self) -> Any:
+        """The physical inputs the case stores as given (its ``conventions["kv_layout"]``:
+        :mod:`refattn.bundle.golden.layouts`), or None."""
+        return read_layout(self.tensors, self.conventions, self.case_id)
 
 
 class _Regenerated(Mapping[str, np.ndarray]):

@@ -1,0 +1,80 @@
+"""Physical input layouts a golden case stores beside its canonical call.
+
+A kernel reads its inputs in its own layout (a paged KV cache, a latent cache whose first
+columns are also the values, keys before a rotary embedding); the canonical call is built from
+them. A *layout* object keeps those inputs as given and maps the canonical gradients back onto
+them. It provides:
+
+- ``tensors()``: the inputs as given, by golden name;
+- ``gradient_tensors(grads)``: the gradients of those inputs, by golden name, from the
+  canonical call's :class:`~refattn.Gradients`;
+- ``conventions()``: what the manifest records, with ``"kv_layout"`` naming the layout.
+
+:data:`READERS` maps each ``kv_layout`` name to the function that rebuilds the layout from a
+case file's tensors and conventions, so that ``refattn verify`` recomputes the gradients a case
+stores in its layout, whatever wrote it. Defers each layout's arithmetic to its own module.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from typing import Any
+
+from refattn._checks import INT64_MAX, bounded_int
+from refattn.call.paged import PagedKV
+from refattn.errors import RefAttnError
+
+__all__ = ["READERS", "read_layout"]
+
+
+def _need(tensors: Mapping[str, Any], names: tuple[str, ...], case_id: str, kind: str) -> None:
+    for name in names:
+        if name not in tensors:
+            raise RefAttnError(f"{case_id}: a {kind} case needs tensor {name!r}")
+
+
+def _paged(tensors: Mapping[str, Any], conventions: Mapping[str, Any], case_id: str) -> Any:
+    _need(tensors, ("k_pages", "v_pages", "block_table", "seqlens"), case_id, "paged")
+    page_size = bounded_int(f"{case_id}: conventions.page_size", conventions.get("page_size"),
+                            lo=1, hi=INT64_MAX)
+    return PagedKV(tensors["k_pages"], tensors["v_pages"], tensors["block_table"],
+                   tensors["seqlens"], page_size)
+
+
+#: ``conventions["kv_layout"]`` -> the function rebuilding that layout from a case file
+READERS: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any], str], Any]] = {
+    "paged": _paged,
+}
+
+
+def read_layout(tensors: Mapping[str, Any], conventions: Mapping[str, Any],
+                case_id: str) -> Any:
+    """The layout a case file stores (its ``conventions["kv_layout"]``), or None.
+
+    Parameters
+    ----------
+    tensors : mapping of str to ndarray
+        The case's tensors.
+    conventions : mapping
+        The case's manifest conventions.
+    case_id : str
+        Named in errors.
+
+    Raises
+    ------
+    RefAttnError
+        On an unknown ``kv_layout`` or a missing tensor.
+
+    Examples
+    --------
+    >>> read_layout({}, {}, "c") is None
+    True
+    """
+    kind = conventions.get("kv_layout")
+    if kind is None:
+        return None
+    reader = READERS.get(kind) if isinstance(kind, str) else None
+    if reader is None:
+        raise RefAttnError(f"{case_id}: conventions.kv_layout {kind!r} is not one of "
+                           f"{sorted(READERS)}")
+    return reader(tensors, conventions, case_id)
