@@ -35,6 +35,7 @@ _OWNERS: dict[str, str] = {
     "SweepResult": "sweep", "run_sweep": "sweep",
     "verify": "verification",
     "ShardPlan": "shard", "plan_shards": "shard", "value_and_grad": "shard",
+    "KeySharded": "keyshard", "key_sharded": "keyshard",
 }
 
 __all__ = sorted(_OWNERS)

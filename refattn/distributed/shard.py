@@ -34,6 +34,14 @@ same values the kernel regenerates). A key shard whose rows could be left with n
 gets one more key block in front, with a single always-visible zero key, so that the gate
 accepts it; that block's contributions land only on its own rows, which are discarded.
 
+This module reproduces the streaming backend's bits, so it takes only what that backend runs
+(dot score, post scale, no softcap or sink). Every other feature (softcap, sinks, every score
+family and scale placement, with bias, dropout, GQA and varlen relations) is split by keys in
+:mod:`refattn.distributed.keyshard`: shards merged with :mod:`refattn.states`, the same
+mask and the sink counted once, within a documented float64 bound rather than bit for bit.
+The slicing helpers here (:func:`_slice_relation`, :func:`_philox_multiplier`,
+:func:`_take4`) serve both.
+
 The call and ``grad_output`` are scattered to every worker once (``broadcast=True``); tasks
 name them by future, and each worker slices its shard locally. Workers run one numba thread
 per task, so each shard's backward has one key chunk, as the single-process backend has when
@@ -148,17 +156,22 @@ class ShardPlan:
 
 
 # -- checks and plan --------------------------------------------------------------------------
+_KEYSHARD_HINT = ("refattn.distributed.keyshard.key_sharded splits any call by keys (merged "
+                  "within a float64 bound)")
+
+
 def _check_streamable(call: AttentionCall) -> None:
     """What the numba streaming backend runs (the same refusals, before anything is sent)."""
     score = cast(ScoreFamily, call.score)  # validated: never None
     if score.name != "dot":
         raise RefAttnError(f"score: the numba streaming backend runs the dot score only, got "
-                           f"{score.name!r}")
+                           f"{score.name!r}; {_KEYSHARD_HINT}")
     for attr, default in (("scale_placement", "post"), ("softcap", None), ("sink", None)):
         value = getattr(call, attr)
         if not (value is None if default is None else value == default):
             raise RefAttnError(f"{attr}: the numba streaming backend supports only "
-                               f"{default!r}; this call cannot be sharded")
+                               f"{default!r}; this call cannot be sharded bit for bit "
+                               f"here; {_KEYSHARD_HINT}")
     if call.returned_weights != "none":
         raise RefAttnError(f"returned_weights: {call.returned_weights!r} asks for weights, "
                            "which streaming shards never materialise")

@@ -33,7 +33,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 #: the public modules whose ``__all__`` is the surface
-MODULES = ("refattn", "refattn.masks", "refattn.dropout", "refattn.softmax", "refattn.call",
+MODULES = ("refattn", "refattn.masks", "refattn.dropout", "refattn.softmax", "refattn.states", "refattn.call",
            "refattn.engine", "refattn.analysis", "refattn.quant", "refattn.bundle",
            "refattn.testing", "refattn.adapters", "refattn.adapters.flash_attn",
            "refattn.adapters.flex", "refattn.adapters.jax", "refattn.adapters.onnx",
