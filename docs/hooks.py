@@ -38,6 +38,7 @@ API = {
     "dropout": ("refattn.dropout: Philox multipliers", "refattn.dropout"),
     "softmax": ("refattn.softmax: the row softmax", "refattn.softmax"),
     "states": ("refattn.states: merging attention states", "refattn.states"),
+    "rope": ("refattn.rope: rotary embeddings", "refattn.rope"),
     "engine": ("refattn.engine: backends and traces", "refattn.engine"),
     "bundle": ("refattn.bundle: golden bundles", "refattn.bundle"),
     "quant": ("refattn.quant: quantised attention (FP8, INT8)", "refattn.quant"),

@@ -2,9 +2,12 @@
 
 Owns :class:`FlashCall`, :func:`flash_call` (``case.to_flash_attn()``,
 ``case.to_flash_attn_varlen()``, ``case.to_flash_attn_kvcache()``) and :func:`ineligible`
-(a golden case -> FlashAttention's arguments), and the other direction for the paged KV
-cache: :func:`kvcache_call` and :func:`flash_attn_with_kvcache` (FlashAttention's arguments ->
-refattn's paged call, :func:`refattn.call.paged.paged_call`, run by the reference forward).
+(a golden case -> FlashAttention's arguments), and the other direction for the KV cache:
+:func:`kvcache_call` and :func:`flash_attn_with_kvcache` (FlashAttention's arguments, appends
+``k`` / ``v``, rotary tables, ``cache_leftpad`` and ``cache_batch_idx`` included -> the
+inputs as given, :class:`refattn.call.kvcache.KVCacheAppend`, and refattn's canonical call
+through :func:`refattn.call.paged.paged_call`, run by the reference forward; the updated
+caches returned as copies with ``return_updated_cache=True``).
 The interface is the one ``flash_attn/flash_attn_interface.py`` of Dao-AILab/flash-attention
 (FlashAttention 2) documents, which Triton and CUDA kernels that follow FlashAttention's API
 take as-is:
@@ -83,7 +86,8 @@ from refattn.adapters import semantic_limits
 from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
 from refattn.bundle.golden.spec import CaseSpec
 from refattn.call.gate import AttentionCall
-from refattn.call.paged import READ_LESS, PagedKV, gather_bytes, paged_call
+from refattn.call.kvcache import KVCacheAppend
+from refattn.call.paged import READ_LESS, PagedKV, gather_bytes
 from refattn.call.placement import operand_multipliers
 from refattn.engine import forward
 from refattn.errors import RefAttnError
@@ -523,35 +527,27 @@ def flash_call(spec: CaseSpec, variant: str = "flash_attn", *, dtype: Any = "flo
 
 # -- the interface as a reference: flash_attn_with_kvcache's arguments -> refattn's paged call --
 
-#: flash_attn_with_kvcache arguments the float64 reference refuses, and what to do instead
-KVCACHE_UNSUPPORTED = {
-    "k": "appending keys (k=, v=) writes k_cache/v_cache in place, and refattn never changes "
-         "its inputs; write the new tokens into the cache and count them in cache_seqlens",
-    "v": "appending values (k=, v=) writes v_cache in place, and refattn never changes its "
-         "inputs; write the new tokens into the cache and count them in cache_seqlens",
-    "rotary_cos": "rotary embeddings apply only to appended keys (k=); rotate q and the cache "
-                  "before the call",
-    "rotary_sin": "rotary embeddings apply only to appended keys (k=); rotate q and the cache "
-                  "before the call",
-    "cache_batch_idx": "cache_batch_idx is not supported; pass a block_table (FlashAttention "
-                       "refuses cache_batch_idx with a paged cache too)",
-    "cache_leftpad": "cache_leftpad is not supported (FlashAttention refuses it with a paged "
-                     "cache too)",
-}
+#: flash_attn_with_kvcache arguments the float64 reference refuses, and what to do instead:
+#: none since appends (k=, v=), rotary_cos / rotary_sin, cache_leftpad and cache_batch_idx
+#: are computed (refattn.call.kvcache.KVCacheAppend); kept for callers that look names up
+KVCACHE_UNSUPPORTED: dict[str, str] = {}
 
 _FA_LAYOUT = {"q": "(batch_size, seqlen, nheads, headdim)",
               "k_cache": "(num_blocks, page_block_size, nheads_k, headdim)",
-              "v_cache": "(num_blocks, page_block_size, nheads_k, headdim)"}
+              "v_cache": "(num_blocks, page_block_size, nheads_k, headdim)",
+              "k": "(batch_size, seqlen_new, nheads_k, headdim)",
+              "v": "(batch_size, seqlen_new, nheads_k, headdim)"}
 
 
-def _fa_float64(name: str, x: Any) -> np.ndarray:
+def _fa_float64(name: str, x: Any, ndim: int = 4) -> np.ndarray:
     arr = as_array(name, x)
     if arr.dtype != np.float64:
         raise RefAttnError(f"{name}: expected dtype float64 (the reference computes in float64 "
                            f"and never casts; FlashAttention's kernels take float16/bfloat16), "
                            f"got {arr.dtype}")
-    if arr.ndim != 4:
-        raise RefAttnError(f"{name}: expected shape {_FA_LAYOUT[name]}, got {list(arr.shape)}")
+    if arr.ndim != ndim:
+        layout = _FA_LAYOUT.get(name, "(seqlen_ro, rotary_dim / 2)")
+        raise RefAttnError(f"{name}: expected shape {layout}, got {list(arr.shape)}")
     return arr
 
 
@@ -571,30 +567,37 @@ def _fa_int32(name: str, x: Any, ndim: int, B: int, letters: str) -> np.ndarray:
 @public
 @dataclass(frozen=True, eq=False)
 class KVCacheCall:
-    """``flash_attn_with_kvcache``'s arguments as refattn's canonical paged call.
+    """``flash_attn_with_kvcache``'s arguments as refattn's canonical call.
 
     Attributes
     ----------
     call : AttentionCall
-        q ``(B, Hq, Q, D)``; keys and values the cache gathered through the block table,
-        ``(B, Hkv, K, D)`` with ``K`` the slots of the blocks the longest sequence reads,
-        ``ceil(max_b cache_seqlens[b] / page_block_size) * page_block_size``, never the
-        table's declared width (key t of sequence b is its token t); visibility the
-        cache-layout relation (query i of sequence b at position ``cache_seqlens[b] - Q +
-        i``, keys ``t < cache_seqlens[b]``);
-        ALiBi as a bias, softcap and scale as given.
-    paged : PagedKV
-        The cache as given, with the gather and its inverse; sequences may share pages (a
-        common prefix), as FlashAttention allows.
+        q ``(B, Hq, Q, D)`` (rotated when rotary tables are given); keys and values of the
+        caches after the append, gathered through the block table (or row
+        ``cache_batch_idx[b]``), ``(B, Hkv, K, D)`` with ``K`` the slots of the blocks the
+        longest sequence reads, ``ceil(max_b seqlens[b] / page_block_size) *
+        page_block_size`` (without a block table: ``max_b seqlens[b]``), never the table's
+        declared width; ``seqlens = cache_seqlens + seqlen_new``; key t of sequence b is its
+        token t; visibility the cache-layout relation (query i of sequence b at position
+        ``seqlens[b] - Q + i``, keys ``cache_leftpad[b] <= t < seqlens[b]``); ALiBi as a
+        bias, softcap and scale as given.
+    paged : PagedKV or None
+        The (updated) cache as read, with the gather and its inverse; sequences may share
+        pages (a common prefix), as FlashAttention allows. None with ``cache_leftpad``.
     row_has_key : (B, Q) bool ndarray
         Whether query i of sequence b sees at least one key; FlashAttention writes a zero
         output row and lse +inf for one that does not (refattn zeroes it through
         ``query_valid``).
+    append : KVCacheAppend
+        The inputs as given (:class:`refattn.call.kvcache.KVCacheAppend`):
+        ``append.updated_caches()`` are the caches FlashAttention leaves behind, and the
+        object is the golden layout of the call.
     """
 
     call: AttentionCall
-    paged: PagedKV
+    paged: PagedKV | None
     row_has_key: np.ndarray
+    append: KVCacheAppend
 
     def outputs(self, trace: Any) -> tuple[np.ndarray, np.ndarray]:
         """``(out, softmax_lse)`` in FlashAttention's layouts from a forward of :attr:`call`:
@@ -605,25 +608,43 @@ class KVCacheCall:
 
 
 @public
-def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = None,
+def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, k: Any = None, v: Any = None,
+                 rotary_cos: Any = None, rotary_sin: Any = None, cache_seqlens: Any = None,
+                 cache_batch_idx: Any = None, cache_leftpad: Any = None,
                  block_table: Any = None, softmax_scale: float | None = None,
                  causal: bool = False, window_size: tuple[int, int] = (-1, -1),
-                 softcap: float = 0.0, alibi_slopes: Any = None) -> KVCacheCall:
-    """The canonical paged call (:func:`refattn.call.paged.paged_call`) of one
-    ``flash_attn_with_kvcache`` call, with FlashAttention's semantics.
+                 softcap: float = 0.0, rotary_interleaved: bool = True,
+                 alibi_slopes: Any = None) -> KVCacheCall:
+    """The canonical call of one ``flash_attn_with_kvcache`` call, with FlashAttention's
+    semantics (appends, rotary embeddings, left padding and cache_batch_idx included).
 
     Parameters
     ----------
     q : (B, Q, Hq, D) float64 ndarray
         The Q newest tokens of each sequence (FlashAttention's ``(batch_size, seqlen,
-        nheads, headdim)``).
+        nheads, headdim)``), before any rotation.
     k_cache, v_cache : (num_blocks, page_block_size, Hkv, D) float64 ndarray
         With ``block_table``; without it ``(batch_size_cache, seqlen_cache, Hkv, D)``, read
-        as one page per sequence (sequence b reads row b). Any page size: FlashAttention 2's
-        kernels need a multiple of 256, FlashAttention 3's do not.
+        as one page per sequence (sequence b reads row b, or ``cache_batch_idx[b]``). Any
+        page size: FlashAttention 2's kernels need a multiple of 256, FlashAttention 3's do
+        not. Never changed: the appended caches are ``.append.updated_caches()``.
+    k, v : (B, seqlen_new, Hkv, D) float64 ndarray, optional
+        Appended at cache rows ``cache_seqlens[b] .. cache_seqlens[b] + seqlen_new - 1``
+        (k after rotation); the call reads the caches after the append.
+    rotary_cos, rotary_sin : (seqlen_ro, rotary_dim / 2) float64 ndarray, optional
+        Only with k and v: k rotated at its cache rows, q at ``cache_seqlens[b] + i`` when
+        causal or local (a window bound in ``[0, seqlen_k)``, seqlen_k the cache's declared
+        length, as ``mha_fwd_kvcache`` resets larger ones), else all at
+        ``cache_seqlens[b]``; every such position must lie in the table.
     cache_seqlens : int or (B,) int32 ndarray, optional
-        Tokens in each sequence's cache, ``1 <= cache_seqlens[b] <= max_num_blocks_per_seq *
-        page_block_size``; default: the whole table. An int may be a numpy integer scalar.
+        Tokens in each sequence's cache before the append, ``cache_seqlens[b] + seqlen_new
+        <= capacity`` (``max_num_blocks_per_seq * page_block_size``, or ``seqlen_cache``) and
+        ``>= 1`` without an append; default: the whole table. An int may be a numpy integer
+        scalar.
+    cache_batch_idx : (B,) int32 ndarray, optional
+        Distinct rows of a non-paged cache.
+    cache_leftpad : (B,) int32 ndarray, optional
+        Keys before ``cache_leftpad[b] <= cache_seqlens[b]`` are invisible (non-paged).
     block_table : (B, max_num_blocks_per_seq) int32 ndarray, optional
         Block p of sequence b is page ``block_table[b, p]``; entries past a sequence's last
         block are not read (-1 padding is fine), and the memory the call needs depends on
@@ -638,6 +659,9 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
         integer in ``[-2**63, 2**63 - 1]``.
     softcap : float
         ``> 0``: scores become ``softcap * tanh(score / softcap)`` (``<= 0``: off); finite.
+    rotary_interleaved : bool
+        True (FlashAttention's default): GPT-J pairs ``(2i, 2i + 1)``; False: GPT-NeoX pairs
+        ``(i, i + rotary_dim / 2)``.
     alibi_slopes : (Hq,) or (B, Hq) float32 or float64 ndarray, optional
         Adds ``-slope * |pos - j|`` to the score of key j; finite, within float32's range.
 
@@ -648,13 +672,16 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
     Raises
     ------
     RefAttnError
-        On a dtype other than float64 (q, caches) or int32 (block_table, cache_seqlens), a
-        shape that does not match FlashAttention's layout, a block-table entry outside
-        ``[0, num_blocks)`` among the blocks a sequence reads (naming ``block_table[b, p]``),
-        ``cache_seqlens[b]`` beyond the table (or below 1), a scalar argument that is not a
-        number of its kind or lies outside its range (naming it and the range), or a call
-        whose keys, values and ALiBi bias would need more memory than is available
-        (refused before anything is gathered).
+        On a dtype other than float64 (q, caches, k, v, rotary tables) or int32
+        (block_table, cache_seqlens, cache_leftpad, cache_batch_idx), a shape that does not
+        match FlashAttention's layout, a block-table entry outside ``[0, num_blocks)`` among
+        the blocks a sequence reads (naming ``block_table[b, p]``), ``cache_seqlens[b]``
+        beyond the table (or below 1 without an append), an append past the cache's
+        capacity, a rotary position past the table's rows, a leftpad beyond
+        ``cache_seqlens[b]``, a ``cache_batch_idx`` out of range or duplicated, a scalar
+        argument that is not a number of its kind or lies outside its range (naming it and
+        the range), or a call whose keys, values and ALiBi bias would need more memory than
+        is available (refused before anything is gathered).
 
     Examples
     --------
@@ -680,6 +707,9 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
                            "(FlashAttention's GQA: query head h reads kv head h // (Hq // Hkv))")
     if not isinstance(causal, (bool, np.bool_)):
         raise RefAttnError(f"causal: expected True or False, got {causal!r}")
+    if not isinstance(rotary_interleaved, (bool, np.bool_)):
+        raise RefAttnError(f"rotary_interleaved: expected True or False, got "
+                           f"{rotary_interleaved!r}")
     # every scalar bounded before any arithmetic uses it
     if isinstance(window_size, (str, bytes)) or not hasattr(window_size, "__len__") or len(
             window_size) != 2:
@@ -690,8 +720,25 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
     cap = bounded_float("softcap", softcap)  # <= 0: off
     scale = None if softmax_scale is None else bounded_float(
         "softmax_scale", softmax_scale, lo=0.0, lo_open=True)
+    ka = va = None
+    if (k is None) != (v is None):
+        raise RefAttnError("k, v: pass both (the new keys and values) or neither")
+    new = 0
+    if k is not None:
+        ka, va = _fa_float64("k", k), _fa_float64("v", v)
+        new = ka.shape[1]
+    cos = sin = None
+    if rotary_cos is not None or rotary_sin is not None:
+        if rotary_cos is None or rotary_sin is None:
+            raise RefAttnError("rotary_cos, rotary_sin: pass both or neither")
+        cos, sin = _fa_float64("rotary_cos", rotary_cos, 2), _fa_float64("rotary_sin",
+                                                                         rotary_sin, 2)
+    leftpad = None if cache_leftpad is None else _fa_int32("cache_leftpad", cache_leftpad, 1,
+                                                           B, "")
+    batch_idx = None if cache_batch_idx is None else _fa_int32("cache_batch_idx",
+                                                               cache_batch_idx, 1, B, "")
     if block_table is None:
-        if nb < B:
+        if batch_idx is None and nb < B:
             raise RefAttnError(f"k_cache: batch_size_cache={nb} holds fewer caches than q's "
                                f"batch_size={B} (without a block_table sequence b reads row b)")
         given = None
@@ -703,40 +750,44 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
             raise RefAttnError("block_table: expected at least one block per sequence, got "
                                f"shape {list(given.shape)}")
     capacity = columns * ps
-    seqlens_range = (f"1 <= cache_seqlens[b] <= max_num_blocks_per_seq * page_block_size = "
+    lo = 0 if new else 1
+    seqlens_range = (f"{lo} <= cache_seqlens[b] <= max_num_blocks_per_seq * page_block_size = "
                      f"{columns} * {ps} = {capacity}")
     if cache_seqlens is None:
         lens = np.full(B, capacity, dtype=np.int64)
     elif isinstance(cache_seqlens, (int, np.integer)) and not isinstance(cache_seqlens, bool):
-        lens = np.full(B, bounded_int("cache_seqlens", cache_seqlens, lo=1, hi=capacity),
+        lens = np.full(B, bounded_int("cache_seqlens", cache_seqlens, lo=lo, hi=capacity),
                        dtype=np.int64)
     else:
         lens = index_array("cache_seqlens", _fa_int32("cache_seqlens", cache_seqlens, 1, B, ""),
-                           lo=1, hi=capacity, letters="b", expected=seqlens_range)
+                           lo=lo, hi=capacity, letters="b", expected=seqlens_range)
+    total = lens + new  # over the capacity: refused by KVCacheAppend, naming the append
     # everything from here on is sized from the tokens actually read, never from the table's
-    # declared width: sequence b reads its first ceil(cache_seqlens[b] / page_block_size) blocks
-    read = int(-(-int(lens.max()) // ps))
-    if given is None:  # one page per sequence: row b of the cache, cut to the longest sequence
-        read_ps = int(lens.max())
-        table = np.arange(B, dtype=np.int64)[:, None]
-        kc, vc = kc[:, :read_ps], vc[:, :read_ps]
-    else:
-        read_ps = ps
-        used = np.arange(read)[None, :] < -(-lens // ps)[:, None]  # (B, read)
-        table = index_array(
-            "block_table", given[:, :read], lo=0, hi=nb - 1, used=used, letters="bp",
-            expected=f"a block in [0, num_blocks={nb}) of k_cache (sequence b reads its first "
-                     "ceil(cache_seqlens[b] / page_block_size) blocks)")
-    K = table.shape[1] * read_ps  # canonical keys: the slots of the blocks read
+    # declared width: sequence b reads its first ceil(seqlens[b] / page_block_size) blocks
+    if given is not None and int(total.max()) <= capacity:
+        read = int(-(-int(total.max()) // ps))
+        used = np.arange(read)[None, :] < -(-total // ps)[:, None]  # (B, read)
+        index_array("block_table", given[:, :read], lo=0, hi=nb - 1, used=used, letters="bp",
+                    expected=f"a block in [0, num_blocks={nb}) of k_cache (sequence b reads "
+                             "its first ceil(cache_seqlens[b] / page_block_size) blocks)")
+    # FlashAttention's mha_fwd_kvcache: bounds at or past seqlen_k are unbounded; q is rotated
+    # token by token when causal or local
+    local = 0 <= w_left < capacity or 0 <= w_right < capacity
+    layout = KVCacheAppend(qa, kc, vc, lens, ka, va, cos, sin, bool(rotary_interleaved),
+                           leftpad, batch_idx, given, bool(causal) or local)
+    K = int(-(-int(total.max()) // ps) * ps) if given is not None else int(total.max())
     # a window bound at or beyond every distance |position - key| < K + Q is no bound
     span = K + Q
     left = None if w_left < 0 or w_left >= span else w_left
     right = 0 if causal else (None if w_right < 0 or w_right >= span else w_right)
-    # query i of sequence b sits at position cache_seqlens[b] - Q + i (bottom-right aligned)
-    pos = lens[:, None] - Q + np.arange(Q)[None, :]  # (B, Q)
-    lo = np.zeros_like(pos) if left is None else np.maximum(pos - left, 0)
-    hi = lens[:, None] - 1 if right is None else np.minimum(pos + right, lens[:, None] - 1)
-    row_has_key = lo <= hi  # (B, Q): the documented window, intersected with the cache
+    # query i of sequence b sits at position seqlens[b] - Q + i (bottom-right aligned)
+    pos = total[:, None] - Q + np.arange(Q)[None, :]  # (B, Q)
+    first = np.zeros((B, 1), np.int64) if layout.cache_leftpad is None else \
+        layout.cache_leftpad[:, None]
+    lo_key = first if left is None else np.maximum(pos - left, first)
+    hi_key = total[:, None] - 1 if right is None else np.minimum(pos + right,
+                                                                 total[:, None] - 1)
+    row_has_key = lo_key <= hi_key  # (B, Q): the documented window, intersected with the cache
     kwargs: dict[str, Any] = {}
     if not row_has_key.all():  # FlashAttention: "the output will be zero"
         kwargs = {"query_valid": row_has_key[:, None, :, None],
@@ -768,10 +819,9 @@ def kvcache_call(q: Any, k_cache: Any, v_cache: Any, *, cache_seqlens: Any = Non
         window = None if left is None else (left, None)
     else:
         window = None if left is None and right is None else (left, right)
-    pc = paged_call(np.ascontiguousarray(qa.transpose(0, 2, 1, 3)), kc, vc, table, lens,
-                    read_ps, causal=bool(causal), window=window, shared_pages=True, scale=scale,
-                    softcap=cap if cap > 0 else None, **kwargs)
-    return KVCacheCall(pc.call, pc.paged, row_has_key)
+    call, paged = layout.canonical(causal=bool(causal), window=window, scale=scale,
+                                   softcap=cap if cap > 0 else None, **kwargs)
+    return KVCacheCall(call, paged, row_has_key, layout)
 
 
 @public
@@ -782,14 +832,18 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
                             softmax_scale: float | None = None, causal: bool = False,
                             window_size: tuple[int, int] = (-1, -1), softcap: float = 0.0,
                             rotary_interleaved: bool = True, alibi_slopes: Any = None,
-                            num_splits: int = 0, return_softmax_lse: bool = False) -> Any:
+                            num_splits: int = 0, return_softmax_lse: bool = False,
+                            *, return_updated_cache: bool = False) -> Any:
     """FlashAttention's ``flash_attn_with_kvcache``, computed by refattn in float64.
 
     The signature of ``flash_attn/flash_attn_interface.py`` (Dao-AILab/flash-attention), so
     that a test can call it where it calls the kernel; the arguments are lowered by
-    :func:`kvcache_call` and run by the reference forward. ``num_splits`` and
-    ``rotary_interleaved`` change nothing here; the arguments of
-    :data:`KVCACHE_UNSUPPORTED` are refused.
+    :func:`kvcache_call` (appends, rotary embeddings, ``cache_leftpad`` and
+    ``cache_batch_idx`` with FlashAttention's semantics) and run by the reference forward.
+    ``num_splits`` changes nothing here. FlashAttention writes ``k`` / ``v`` into
+    ``k_cache`` / ``v_cache`` in place; refattn never changes its arguments and returns the
+    updated caches as new arrays with ``return_updated_cache=True``, so that a test compares
+    the kernel's in-place-updated caches with them.
 
     Returns
     -------
@@ -797,6 +851,10 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
     softmax_lse : (B, Hq, Q) float64 ndarray
         Only with ``return_softmax_lse=True``: the logsumexp of each row's scores (+inf on a
         row without a key).
+    k_cache, v_cache : float64 ndarray
+        Only with ``return_updated_cache=True`` (keyword only, refattn's): the caches after
+        the append, in the layout given (copies of the given ones without ``k``). The result
+        is then ``(out, [softmax_lse,] k_cache, v_cache)``.
 
     Examples
     --------
@@ -807,14 +865,23 @@ def flash_attn_with_kvcache(q: Any, k_cache: Any, v_cache: Any, k: Any = None, v
     ...                                    return_softmax_lse=True)
     >>> out[0, 0, 0].tolist() == pages[2, 0, 0].tolist(), lse.shape  # one key: its value
     (True, (1, 1, 1))
+    >>> new = np.full((1, 1, 1, 4), 9.0)                             # append one token
+    >>> out, kc, vc = flash_attn_with_kvcache(np.ones((1, 1, 1, 4)), pages, pages, new, new,
+    ...                                       cache_seqlens=np.array([1], np.int32),
+    ...                                       block_table=np.array([[2, 0]], np.int32),
+    ...                                       return_updated_cache=True)
+    >>> kc[2, 1, 0].tolist(), pages[2, 1, 0].tolist() != [9.0] * 4    # the copy, not pages
+    ([9.0, 9.0, 9.0, 9.0], True)
     """
-    for name, value in (("k", k), ("v", v), ("rotary_cos", rotary_cos),
-                        ("rotary_sin", rotary_sin), ("cache_batch_idx", cache_batch_idx),
-                        ("cache_leftpad", cache_leftpad)):
-        if value is not None:
-            raise RefAttnError(f"{name}: {KVCACHE_UNSUPPORTED[name]}")
-    kv = kvcache_call(q, k_cache, v_cache, cache_seqlens=cache_seqlens,
+    bounded_int("num_splits", num_splits, lo=0, hi=INT64_MAX)
+    kv = kvcache_call(q, k_cache, v_cache, k=k, v=v, rotary_cos=rotary_cos,
+                      rotary_sin=rotary_sin, cache_seqlens=cache_seqlens,
+                      cache_batch_idx=cache_batch_idx, cache_leftpad=cache_leftpad,
                       block_table=block_table, softmax_scale=softmax_scale, causal=causal,
-                      window_size=window_size, softcap=softcap, alibi_slopes=alibi_slopes)
+                      window_size=window_size, softcap=softcap,
+                      rotary_interleaved=rotary_interleaved, alibi_slopes=alibi_slopes)
     out, lse = kv.outputs(forward(kv.call))
-    return (out, lse) if return_softmax_lse else out
+    result: tuple[Any, ...] = (out, lse) if return_softmax_lse else (out,)
+    if return_updated_cache:
+        result = (*result, *kv.append.updated_caches())
+    return result if len(result) > 1 else out

@@ -4,7 +4,8 @@ Owns :class:`AttentionCall` (the ``attention_call_v1`` manifest and its validati
 :mod:`~refattn.call.gate`), the score families (:mod:`~refattn.call.scores`), where the scale is
 applied (:mod:`~refattn.call.placement`), bias helpers such as ALiBi
 (:mod:`~refattn.call.bias`) and physical layouts that build a canonical call, such as a paged
-KV cache (:mod:`~refattn.call.paged`). It composes the pieces below it -- visibility relations from
+KV cache (:mod:`~refattn.call.paged`), a kvcache call with appends and rotary embeddings
+(:mod:`~refattn.call.kvcache`). It composes the pieces below it -- visibility relations from
 :mod:`refattn.masks` and dropout streams through the :class:`MultiplierSource` protocol -- and
 must not import the engine, analysis, bundle, adapters or cli layers above it.
 """
@@ -12,8 +13,9 @@ must not import the engine, analysis, bundle, adapters or cli layers above it.
 from __future__ import annotations
 
 from refattn.call.gate import AttentionCall, MultiplierSource
+from refattn.call.kvcache import KVCacheAppend
 from refattn.call.paged import PagedCall, PagedKV, paged_call
 from refattn.records import float_record, tensor_record
 
-__all__ = ["AttentionCall", "MultiplierSource", "PagedCall", "PagedKV", "float_record",
-           "paged_call", "tensor_record"]
+__all__ = ["AttentionCall", "KVCacheAppend", "MultiplierSource", "PagedCall", "PagedKV",
+           "float_record", "paged_call", "tensor_record"]

@@ -228,7 +228,7 @@ def test_wrong_dtypes_name_the_tensor(name, value, start):
     assert msg.startswith(start), msg
 
 
-def test_layouts_and_unsupported_arguments_are_refused():
+def test_layouts_and_bad_arguments_are_refused():
     q, k_cache, _, lens, table = _inputs(Q=2)
     assert _bad(k_cache=k_cache[0]).startswith(
         "k_cache: expected shape (num_blocks, page_block_size, nheads_k, headdim)")
@@ -236,8 +236,11 @@ def test_layouts_and_unsupported_arguments_are_refused():
                                           "nheads_k=2")
     assert _bad(block_table=table[:1]).startswith(
         "block_table: expected shape [batch_size=2, max_num_blocks_per_seq]")
-    assert _bad(k=q).startswith("k: appending keys (k=, v=) writes k_cache/v_cache in place")
-    assert _bad(cache_leftpad=lens).startswith("cache_leftpad: ")
+    # appends, rotary tables, leftpad and batch_idx are computed (test_flash_attn_kvcache_rope);
+    # what stays refused: half an append, leftpad or batch_idx with a paged cache
+    assert _bad(k=q).startswith("k, v: pass both (the new keys and values) or neither")
+    assert _bad(cache_leftpad=lens).startswith("cache_leftpad / cache_batch_idx: not with a "
+                                               "block_table")
     assert _bad(window_size=(1.5, 0)).startswith(
         "flash_attn_with_kvcache: window_size[0]: expected an integer below 2**128 in magnitude, "
         "got 1.5")

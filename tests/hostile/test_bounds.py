@@ -259,8 +259,8 @@ def test_a_call_that_reads_more_than_memory_holds_is_refused_before_allocating(m
     ({"alibi_slopes": np.full(4, np.inf)}, r"alibi_slopes: non-finite value inf at index \(0\)"),
     ({"alibi_slopes": np.full(4, 1e300)}, r"alibi_slopes: entry \(0\) is 1e\+300, beyond "
                                           r"float32's range"),
-    ({"cache_batch_idx": np.zeros(2, np.int32)}, r"cache_batch_idx: cache_batch_idx is not "
-                                                 r"supported"),
+    ({"cache_batch_idx": np.zeros(2, np.int32)}, r"cache_leftpad / cache_batch_idx: not with "
+                                                 r"a block_table"),
 ])
 def test_scalar_arguments_out_of_range_name_the_field(kw, message):
     q, kc, vc, args = _kvcache()

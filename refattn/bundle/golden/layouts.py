@@ -21,6 +21,7 @@ from collections.abc import Callable, Mapping
 from typing import Any
 
 from refattn._checks import INT64_MAX, bounded_int
+from refattn.call.kvcache import KV_LAYOUT, TENSOR_NAMES, KVCacheAppend
 from refattn.call.paged import PagedKV
 from refattn.errors import RefAttnError
 
@@ -41,9 +42,30 @@ def _paged(tensors: Mapping[str, Any], conventions: Mapping[str, Any], case_id: 
                    tensors["seqlens"], page_size)
 
 
+def _kvcache_append(tensors: Mapping[str, Any], conventions: Mapping[str, Any],
+                    case_id: str) -> Any:
+    """A ``flash_attn_with_kvcache`` call with appends (:class:`KVCacheAppend`): its
+    ``kvcache_*`` inputs as given and its two flags from the conventions."""
+    _need(tensors, ("kvcache_q", "kvcache_k_cache", "kvcache_v_cache",
+                    "kvcache_cache_seqlens"), case_id, KV_LAYOUT)
+    kwargs: dict[str, Any] = {attr: tensors[name] for name, attr in TENSOR_NAMES.items()
+                              if name in tensors}
+    for flag in ("rotary_interleaved", "rotate_q_per_token"):
+        value = conventions.get(flag)
+        if not isinstance(value, bool):
+            raise RefAttnError(f"{case_id}: conventions.{flag}: expected true or false, got "
+                               f"{value!r}")
+        kwargs[flag] = value
+    try:
+        return KVCacheAppend(**kwargs)
+    except RefAttnError as exc:
+        raise RefAttnError(f"{case_id}: {exc}") from None
+
+
 #: ``conventions["kv_layout"]`` -> the function rebuilding that layout from a case file
 READERS: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any], str], Any]] = {
     "paged": _paged,
+    KV_LAYOUT: _kvcache_append,
 }
 
 
