@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from functools import cache, cached_property, partial
+from functools import cache, cached_property
 from pathlib import Path
 from typing import Any, Literal
 
@@ -22,6 +22,7 @@ import numpy as np
 
 from refattn._boundary import public
 from refattn.adapters import flash_attn as flash_adapter
+from refattn.adapters import flash_mla as flash_mla_adapter
 from refattn.adapters import flex as flex_adapter
 from refattn.adapters import jax as jax_adapter
 from refattn.adapters import torch as torch_adapter
@@ -35,7 +36,7 @@ __all__ = ["TARGETS", "Case", "causal_alignments", "flash_window", "load_cases"]
 
 #: lowerings a case offers
 TARGETS = ("numpy", "torch_sdpa", "jax", "flex_attention", "flash_attn", "flash_attn_varlen",
-           "flash_attn_kvcache")
+           "flash_attn_kvcache", "flash_mla")
 
 
 @public
@@ -242,7 +243,8 @@ class Case:
     # -- framework lowerings ------------------------------------------------------------
     def not_expressible(self, target: Literal["numpy", "torch_sdpa", "jax", "flex_attention",
                                               "flash_attn", "flash_attn_varlen",
-                                              "flash_attn_kvcache"]) -> str | None:
+                                              "flash_attn_kvcache", "flash_mla"]
+                        ) -> str | None:
         """Why ``target`` cannot express this case, or None when it can.
 
         Examples
@@ -262,6 +264,8 @@ class Case:
                 return flex_adapter.ineligible(self.spec)
             case "flash_attn" | "flash_attn_varlen" | "flash_attn_kvcache":
                 return flash_adapter.ineligible(self.spec, target)
+            case "flash_mla":
+                return flash_mla_adapter.ineligible(self.spec)
             case _:
                 raise RefAttnError(f"target: expected one of {list(TARGETS)}, got {target!r}")
 
@@ -318,6 +322,15 @@ class Case:
         a cache with ``cache_seqlens``; a paged case's pages with its ``block_table``."""
         return flash_adapter.flash_call(self.spec, "flash_attn_kvcache",
                                         dtype=dtype or self.dtype)
+
+    def to_flash_mla(self, *, dtype: Any = None) -> Any:
+        """The arguments of FlashMLA's ``flash_mla_with_kvcache`` (forward only) in ``dtype``
+        (default: the case's), as :class:`refattn.adapters.flash_mla.FlashMlaCall`: ``out, lse
+        = flash_mla_with_kvcache(*c.args, **c.kwargs)``, compared with ``c.expected(spec)``.
+        A paged MLA case's latent pages as stored; otherwise the keys cut into pages of 64.
+        Raises :class:`~refattn.RefAttnError` naming why when FlashMLA cannot express the
+        case (V not the first Dv columns of K, a bias, dropout, ...)."""
+        return flash_mla_adapter.to_flash_mla(self.spec, dtype=dtype or self.dtype)
 
 
 def causal_alignments(spec: CaseSpec) -> tuple[str, ...]:
@@ -381,7 +394,7 @@ def _suite(name: str) -> tuple[CaseSpec, ...]:
     where it is numba (the kernel suite: no more than a few cases' tensors held at once)."""
     if default_generator(name) == "exact":
         return tuple(case_spec(c) for c in build_suite(name))
-    return tuple(regenerated_spec(partial(kernels.build, s)) for s in kernels.SPECS)
+    return tuple(regenerated_spec(make) for make in kernels.builders())
 
 
 def _bundle(directory: Path) -> tuple[CaseSpec, ...]:

@@ -34,6 +34,7 @@ from refattn.bundle.comparison.tolerances import (
     ulp,
 )
 from refattn.bundle.golden.case import GoldenCase
+from refattn.bundle.golden.layouts import LAYOUT_INPUTS
 from refattn.bundle.golden.spec import CaseSpec, case_spec
 from refattn.bundle.storage.read import LoadedCase
 from refattn.errors import RefAttnError
@@ -59,8 +60,7 @@ CHECKS = ("auto", "forward", "gradients", "listed")
 INPUT_NAMES = frozenset({
     "q", "k", "v", "head_map", "visible", "query_valid", "bias", "dropout", "sink",
     "grad_output", "score_W", "score_Wq", "score_Wk", "score_b", "score_v",
-    "k_pages", "v_pages", "block_table", "seqlens",
-})
+}) | LAYOUT_INPUTS
 _INPUT_GRADIENTS = ("grad_q", "grad_k", "grad_v", "grad_bias", "grad_sink")
 
 

@@ -18,6 +18,7 @@ from threadpoolctl import threadpool_info, threadpool_limits
 
 from refattn._boundary import public
 from refattn._checks import format_index
+from refattn.bundle.golden.layouts import LAYOUT_INPUTS
 from refattn.bundle.golden.quantized import INPUTS, PREFIX, quant_tensors
 from refattn.call import AttentionCall
 from refattn.engine import backward, forward
@@ -256,8 +257,7 @@ def stored_by(backend: str, tensors: Mapping[str, np.ndarray]) -> dict[str, np.n
 #: the tensors :func:`case_inputs` gives (with ``score_<param>``): a case's call and cotangent
 #: as stored, known without any arithmetic
 INPUT_TENSORS = frozenset({"q", "k", "v", "head_map", "visible", "query_valid", "bias", "sink",
-                           "dropout", "sanitized_rows", "grad_output", "k_pages", "v_pages",
-                           "block_table", "seqlens"})
+                           "dropout", "sanitized_rows", "grad_output"}) | LAYOUT_INPUTS
 
 
 def case_inputs(case: GoldenCase) -> dict[str, np.ndarray]:

@@ -34,6 +34,7 @@ from typing import Any, NamedTuple
 import numpy as np
 
 from refattn._checks import format_index
+from refattn.bundle.golden.layouts import LAYOUT_INPUTS
 from refattn.call.placement import operand_multipliers
 from refattn.engine.reduce import gather_heads, reduce_to_shape, sum_heads
 
@@ -410,7 +411,7 @@ def saved_state_scales(call: Any, trace: Any, grads: Any) -> tuple[float, dict[s
 RECORD_RULE = "float64_backend_bound"
 #: tensors a record never lists: the call's inputs, stored as given
 _INPUTS = frozenset({"q", "k", "v", "head_map", "visible", "query_valid", "bias", "dropout",
-                     "sink", "grad_output", "k_pages", "v_pages", "block_table", "seqlens"})
+                     "sink", "grad_output"}) | LAYOUT_INPUTS
 
 
 def _allowance(name: str, t: np.ndarray, kap: float, scale: float | None) -> dict[str, float]:

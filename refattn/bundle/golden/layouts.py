@@ -22,10 +22,11 @@ from typing import Any
 
 from refattn._checks import INT64_MAX, bounded_int
 from refattn.call.kvcache import KV_LAYOUT, TENSOR_NAMES, KVCacheAppend
+from refattn.call.mla import AbsorbedLatent, LatentKV, PagedLatentKV
 from refattn.call.paged import PagedKV
 from refattn.errors import RefAttnError
 
-__all__ = ["READERS", "read_layout"]
+__all__ = ["LAYOUT_INPUTS", "READERS", "read_layout"]
 
 
 def _need(tensors: Mapping[str, Any], names: tuple[str, ...], case_id: str, kind: str) -> None:
@@ -40,6 +41,29 @@ def _paged(tensors: Mapping[str, Any], conventions: Mapping[str, Any], case_id: 
                             lo=1, hi=INT64_MAX)
     return PagedKV(tensors["k_pages"], tensors["v_pages"], tensors["block_table"],
                    tensors["seqlens"], page_size)
+
+
+def _mla_latent(tensors: Mapping[str, Any], conventions: Mapping[str, Any], case_id: str) -> Any:
+    """An MLA latent layout (:mod:`refattn.call.mla`): dense, paged or absorbed."""
+    form = conventions.get("mla_form")
+    if form not in ("absorbed", "dense", "paged"):
+        raise RefAttnError(f"{case_id}: conventions.mla_form {form!r} is not one of "
+                           "['absorbed', 'dense', 'paged']")
+    if form == "absorbed":
+        _need(tensors, ("q_nope", "q_pe", "kv_c", "k_pe"), case_id, "mla_latent absorbed")
+        return AbsorbedLatent(tensors["q_nope"], tensors["q_pe"], tensors["kv_c"],
+                              tensors["k_pe"])
+    dv = bounded_int(f"{case_id}: conventions.head_dim_v", conventions.get("head_dim_v"),
+                     lo=1, hi=INT64_MAX)
+    if form == "dense":
+        _need(tensors, ("kv_latent",), case_id, "mla_latent dense")
+        return LatentKV(tensors["kv_latent"], dv)
+    _need(tensors, ("kv_latent_pages", "block_table", "seqlens"), case_id, "mla_latent paged")
+    page_size = bounded_int(f"{case_id}: conventions.page_size", conventions.get("page_size"),
+                            lo=1, hi=INT64_MAX)
+    return PagedLatentKV(tensors["kv_latent_pages"], tensors["block_table"],
+                         tensors["seqlens"], page_size, dv,
+                         shared_pages=conventions.get("shared_pages") is True)
 
 
 def _kvcache_append(tensors: Mapping[str, Any], conventions: Mapping[str, Any],
@@ -66,7 +90,18 @@ def _kvcache_append(tensors: Mapping[str, Any], conventions: Mapping[str, Any],
 READERS: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any], str], Any]] = {
     "paged": _paged,
     KV_LAYOUT: _kvcache_append,
+    "mla_latent": _mla_latent,
 }
+
+
+#: the input tensors the layouts store (given, never computed): no guarantee record lists
+#: them, a candidate never computes them, and a regenerated case knows them without arithmetic
+LAYOUT_INPUTS = frozenset({
+    "k_pages", "v_pages", "block_table", "seqlens",  # paged
+    *TENSOR_NAMES,  # kvcache_append: kvcache_q, kvcache_k_cache, ...
+    "kv_latent", "kv_latent_pages", "q_nope", "q_pe", "kv_c", "k_pe",  # mla_latent
+    "indices", "block_indices",  # index_list
+})
 
 
 def read_layout(tensors: Mapping[str, Any], conventions: Mapping[str, Any],

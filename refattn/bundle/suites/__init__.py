@@ -3,7 +3,9 @@
 Owns the registry of suite names and the generator each suite is written with unless told
 otherwise; each suite module owns its case definitions (``contract``: the contract's published
 fixtures; ``conformance``: the 79 named cases of ``data/golden``; ``kernels``: the cases at
-the shapes real kernels run, across their tile edges). Suites build calls and GoldenCases;
+the shapes real kernels run, across their tile edges, with the feature suites below;
+``kvcache``: FlashAttention's kvcache matrix with appends and rotary embeddings; ``mla``:
+FlashMLA's decode shapes). Suites build calls and GoldenCases;
 they must not import the readers, verify or compare.
 """
 
@@ -13,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from refattn._boundary import public
 from refattn.bundle.golden.case import GoldenCase
-from refattn.bundle.suites import conformance, contract, kernels
+from refattn.bundle.suites import conformance, contract, kernels, kvcache, mla
 from refattn.errors import RefAttnError
 
 __all__ = ["DEFAULT_GENERATORS", "SUITES", "build_suite", "default_generator"]
@@ -23,6 +25,8 @@ SUITES: dict[str, Callable[[], Sequence[GoldenCase]]] = {
     "contract": contract.cases,
     "conformance": conformance.cases,
     "kernels": kernels.cases,
+    "kvcache": kvcache.cases,
+    "mla": mla.cases,
 }
 #: suite name -> the generator it is written with by default: exact where that is cheap (the
 #: miniatures), numba at kernel shapes (float64 within the recorded bound, in seconds)
@@ -30,6 +34,8 @@ DEFAULT_GENERATORS: dict[str, str] = {
     "contract": "exact",
     "conformance": "exact",
     "kernels": kernels.DEFAULT_GENERATOR,
+    "kvcache": kvcache.DEFAULT_GENERATOR,
+    "mla": mla.DEFAULT_GENERATOR,
 }
 
 
@@ -49,7 +55,7 @@ def build_suite(name: str) -> Sequence[GoldenCase]:
     >>> build_suite("kernel")
     Traceback (most recent call last):
     refattn.errors.RefAttnError: suite: unknown suite 'kernel'; known suites: ['conformance', \
-'contract', 'kernels']
+'contract', 'kernels', 'kvcache', 'mla']
     """
     _check(name)
     return SUITES[name]()

@@ -19,6 +19,9 @@ kernels implement, as a designed covering set rather than a full product:
   cross (different query and key lengths), causal and not;
 - ``paged_*``: paged KV caches at page sizes 1, 16, 64 and 256, block tables out of order;
 - ``dkdv_*``: Dk != Dv (192/128 as DeepSeek's prefill, 128/64, 40/72);
+- the feature suites (:data:`FEATURES`): ``kvcache_*``, FlashAttention's kvcache matrix with
+  appends and rotary embeddings (:mod:`~refattn.bundle.suites.kvcache`), and ``mla_*``,
+  FlashMLA's decode shapes (:mod:`~refattn.bundle.suites.mla`);
 - ``model_*``: the combinations models ship (Llama: GQA causal; Mistral: a causal window;
   Gemma 2: softcap and a window; gpt-oss: a sink, a window and GQA; MPT/BLOOM: ALiBi;
   training: dropout with causal GQA).
@@ -36,13 +39,15 @@ writing the suite nor the plugin holds every case's tensors at once.
 from __future__ import annotations
 
 import zlib
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from functools import partial
 from typing import Any, overload
 
 import numpy as np
 
 from refattn.bundle.golden.case import GoldenCase
+from refattn.bundle.suites import kvcache, mla
 from refattn.call import AttentionCall
 from refattn.call.bias import alibi, alibi_slopes
 from refattn.call.paged import paged_call
@@ -50,7 +55,8 @@ from refattn.dropout import Philox
 from refattn.errors import RefAttnError
 from refattn.masks import causal, relation
 
-__all__ = ["DEFAULT_GENERATOR", "HEAD_DIMS", "LENGTH_PAIRS", "SPECS", "KernelSpec", "cases"]
+__all__ = ["DEFAULT_GENERATOR", "FEATURES", "HEAD_DIMS", "LENGTH_PAIRS", "SPECS", "KernelSpec",
+           "builders", "cases"]
 
 #: FlashAttention's head dims (tests/test_flash_attn.py)
 HEAD_DIMS = (32, 40, 59, 64, 80, 96, 111, 128, 160, 192, 224, 256)
@@ -451,14 +457,32 @@ def build(spec: KernelSpec) -> GoldenCase:
     return GoldenCase(spec.case_id, call, g_o, spec.comment, spec.flags, conv, layout)
 
 
+#: the feature suites whose cases the kernel suite runs after its own (case id -> builder):
+#: FlashAttention's kvcache matrix with appends and rotary embeddings, FlashMLA's shapes
+FEATURES: tuple[Mapping[str, Callable[[], GoldenCase]], ...] = (kvcache.CASES, mla.CASES)
+
+
+def builders() -> tuple[Callable[[], GoldenCase], ...]:
+    """Every kernel case's builder, in definition order: the designed specs, then the feature
+    suites' cases (:data:`FEATURES`).
+
+    Examples
+    --------
+    >>> len(builders()) > len(SPECS), builders()[0]().case_id
+    (True, 'shape_q1_k147_d32_b1h4')
+    """
+    return tuple(partial(build, s) for s in SPECS) + tuple(
+        make for suite in FEATURES for make in suite.values())
+
+
 class _Lazy(Sequence[GoldenCase]):
     """The suite's cases, each built when asked for (no two need be alive at once)."""
 
-    def __init__(self, specs: Sequence[KernelSpec]) -> None:
-        self.specs = tuple(specs)
+    def __init__(self, makers: Sequence[Callable[[], GoldenCase]]) -> None:
+        self.makers = tuple(makers)
 
     def __len__(self) -> int:
-        return len(self.specs)
+        return len(self.makers)
 
     @overload
     def __getitem__(self, i: int) -> GoldenCase: ...
@@ -468,11 +492,11 @@ class _Lazy(Sequence[GoldenCase]):
 
     def __getitem__(self, i: int | slice) -> GoldenCase | list[GoldenCase]:
         if isinstance(i, slice):
-            return [build(s) for s in self.specs[i]]
-        return build(self.specs[i])
+            return [make() for make in self.makers[i]]
+        return self.makers[i]()
 
     def __iter__(self) -> Iterator[GoldenCase]:
-        return (build(s) for s in self.specs)
+        return (make() for make in self.makers)
 
 
 def cases() -> Sequence[GoldenCase]:
@@ -484,4 +508,4 @@ def cases() -> Sequence[GoldenCase]:
     >>> len(suite) >= 300, suite[0].case_id
     (True, 'shape_q1_k147_d32_b1h4')
     """
-    return _Lazy(SPECS)
+    return _Lazy(builders())
