@@ -89,3 +89,27 @@ def test_available_bytes_reads_meminfo_or_falls_back(monkeypatch, tmp_path):
 def test_max_bytes_must_be_a_non_negative_int():
     with pytest.raises(RefAttnError, match="max_bytes: expected a non-negative int"):
         refattn.forward(_call(Q=4, K=4), max_bytes=-1)
+
+
+def test_the_numba_streaming_backward_is_checked_before_it_allocates(monkeypatch):
+    """Its per-query-head dK/dV partials are Hq / Hkv times the keys' size: a 128:1 MLA call
+    once ran out of memory instead of being refused; the estimate names the fused way out."""
+    pytest.importorskip("numba")
+    import refattn._memory as shared
+
+    rng = np.random.default_rng(1)
+    q = rng.standard_normal((1, 8, 4, 16))
+    k = rng.standard_normal((1, 1, 96, 16))
+    call = refattn.AttentionCall(q, k, k[..., :8].copy())
+    trace = refattn.forward(call, backend="numba", materialize=False)
+    g = rng.standard_normal((1, 8, 4, 8))
+    partials = 8 * 8 * 96 * (16 + 8)  # the (B, Hq, K, Dk + Dv) partials alone
+    monkeypatch.setattr(shared, "available_bytes", lambda: partials)
+    with pytest.raises(RefAttnError, match=r"streaming backward's per-query-head dK/dV "
+                                           r"partials over \(B, Hq, K\) = \(1, 8, 96\).*"
+                                           r"value_and_grad"):
+        refattn.backward(trace, g)
+    monkeypatch.setattr(shared, "available_bytes", lambda: 100 * partials)  # honest: it fits
+    grads = refattn.backward(trace, g)
+    ref = refattn.backward(refattn.forward(call), g)
+    np.testing.assert_allclose(grads.grad_k, ref.grad_k, rtol=1e-10, atol=1e-12)

@@ -30,6 +30,7 @@ from typing import Any
 import numba
 import numpy as np
 
+from refattn._memory import check_bytes
 from refattn.call import AttentionCall
 from refattn.call.gate import check_head_map
 from refattn.dropout import Philox
@@ -323,6 +324,16 @@ def _stream_backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
     split_b, split_h, C, Cb = _partition(call, nkb)
     bias_shape = None if call.bias is None else call.bias.shape
     gshape = (1, 1, 1, 1) if bias_shape is None else (1,) * (4 - len(bias_shape)) + bias_shape
+    Hkv = call.k.shape[1]
+    # per query head dK and dV partials (summed over a kv head's query heads afterwards, in
+    # order: the same bits on every thread count), the per-chunk dQ and the sums: refused
+    # before any allocation when they would not fit (a 128:1 MLA call needs Hq x the kv size)
+    check_bytes(8 * (C * B * Hq * Q * (Dk + 1) + B * (Hq + Hkv) * K * (Dk + Dv)
+                     + B * Hq * Q * Dv + Cb * math.prod(gshape)),
+                f"the numba streaming backward's per-query-head dK/dV partials over (B, Hq, K) "
+                f"= ({B}, {Hq}, {K})",
+                "refattn.engine.value_and_grad(call, grad_output, backend='numba') (the fused "
+                "kernel sums a kv head's query heads as it goes), or fewer heads per call")
     dq, dk, dv, rowdot, gbias = zeros_block(
         (C, B, Hq, Q, Dk), (B, Hq, K, Dk), (B, Hq, K, Dv), (C, B, Hq, Q), (Cb, *gshape)
     )
@@ -336,7 +347,6 @@ def _stream_backward(trace: Trace, grad_output: np.ndarray) -> Gradients:
             dgemm_address(),
             numba.get_num_threads(), dq, dk, dv, rowdot, gbias, tiles,
         )
-    Hkv = call.k.shape[1]
     return Gradients(
         grad_output=grad_output, grad_v=_head_sum(dv, call.head_map, Hkv),
         grad_consumed=None, grad_probs=None, row_dot=rowdot.sum(axis=0) if C > 1 else rowdot[0],
