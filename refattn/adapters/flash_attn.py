@@ -86,13 +86,13 @@ from refattn.adapters import semantic_limits
 from refattn.bundle.comparison.tolerances import precision_name, resolve_dtype
 from refattn.bundle.golden.spec import CaseSpec
 from refattn.call.gate import AttentionCall
-from refattn.call.kvcache import KVCacheAppend
+from refattn.call.kvcache import KV_LAYOUT, KVCacheAppend
 from refattn.call.paged import READ_LESS, PagedKV, gather_bytes
 from refattn.call.placement import operand_multipliers
 from refattn.engine import forward
 from refattn.errors import RefAttnError
 
-__all__ = ["FUNCTIONS", "KVCACHE_UNSUPPORTED", "FlashCall", "KVCacheCall",
+__all__ = ["FUNCTIONS", "FlashCall", "KVCacheCall",
            "flash_attn_with_kvcache", "flash_call", "ineligible", "kvcache_call",
            "page_size_note"]
 
@@ -295,6 +295,10 @@ def ineligible(spec: CaseSpec, variant: str = "flash_attn") -> str | None:
     >>> ineligible(case_spec(CASES["key_padding_lengths_7_5_2"]()), "flash_attn_varlen") is None
     True
     """
+    if variant == "flash_attn_kvcache" and spec.conventions.get("kv_layout") == KV_LAYOUT:
+        if spec.scale_placement != "post" or spec.softcap is not None:
+            return "the scale applied after the product, no softcap (kvcache with appends)"
+        return None  # lowered with its inputs as given (_append_call)
     plan = _plan(spec, variant)
     return plan if isinstance(plan, str) else None
 
@@ -335,6 +339,11 @@ class FlashCall:
     notes : tuple of str
         What a particular kernel of the interface may refuse although the interface
         expresses the case (:func:`page_size_note`).
+    updated : tuple of str
+        A case with appends (``kv_layout: kvcache_append``): the golden tensors
+        ``("kvcache_k_cache_updated", "kvcache_v_cache_updated")`` that ``args[1]`` and
+        ``args[2]`` (``k_cache``, ``v_cache``) must equal after the kernel updated them in
+        place; empty otherwise.
     """
 
     function: Function
@@ -348,6 +357,7 @@ class FlashCall:
     query_multiplier: float = 1.0
     key_multiplier: float = 1.0
     notes: tuple[str, ...] = ()
+    updated: tuple[str, ...] = ()
 
     @property
     def packed(self) -> bool:
@@ -456,6 +466,8 @@ def flash_call(spec: CaseSpec, variant: str = "flash_attn", *, dtype: Any = "flo
     >>> c.args[3].tolist(), c.args[4].tolist(), c.args[5:]
     ([0, 4, 8, 12], [0, 7, 12, 14], (4, 7))
     """
+    if variant == "flash_attn_kvcache" and spec.conventions.get("kv_layout") == KV_LAYOUT:
+        return _append_call(spec, dtype)
     plan = _plan(spec, variant)
     if isinstance(plan, str):
         raise RefAttnError(f"{spec.case_id}: {FUNCTIONS.get(variant, variant)} cannot express "
@@ -525,12 +537,54 @@ def flash_call(spec: CaseSpec, variant: str = "flash_attn", *, dtype: Any = "flo
                      spec.score_shape, float(mult.query), float(mult.key), notes)
 
 
-# -- the interface as a reference: flash_attn_with_kvcache's arguments -> refattn's paged call --
+def _append_call(spec: CaseSpec, dtype: Any) -> FlashCall:
+    """A ``kvcache_append`` case lowered to ``flash_attn_with_kvcache`` with its inputs as
+    given: q before rotation, the caches before the append, ``k``/``v``, the rotary tables,
+    ``cache_seqlens``, ``cache_leftpad``, ``cache_batch_idx``, ``block_table`` and the
+    ``causal`` / ``window_size`` the case records (``kvcache_causal``, ``kvcache_window``)."""
+    layout = spec.input_layout()
+    conv = spec.conventions
+    precision = precision_name(resolve_dtype(dtype))
+    np_dtype = resolve_dtype(precision)
+    if spec.scale_placement != "post" or spec.softcap is not None:
+        raise RefAttnError(f"{spec.case_id}: flash_attn_with_kvcache cannot express this "
+                           "case: the scale applied after the product, no softcap")
+    causal = conv.get("kvcache_causal")
+    window = conv.get("kvcache_window")
+    if not isinstance(causal, bool) or not (window == "none" or (
+            isinstance(window, list) and len(window) == 2
+            and all(isinstance(w, int) and not isinstance(w, bool) for w in window))):
+        raise RefAttnError(f"{spec.case_id}: conventions kvcache_causal / kvcache_window: "
+                           f"expected a bool and 'none' or [left, right], got {causal!r}, "
+                           f"{window!r}")
 
-#: flash_attn_with_kvcache arguments the float64 reference refuses, and what to do instead:
-#: none since appends (k=, v=), rotary_cos / rotary_sin, cache_leftpad and cache_batch_idx
-#: are computed (refattn.call.kvcache.KVCacheAppend); kept for callers that look names up
-KVCACHE_UNSUPPORTED: dict[str, str] = {}
+    def cast(x: Any) -> Any:
+        return None if x is None else np.ascontiguousarray(x).astype(np_dtype)
+
+    def int32(x: Any) -> Any:
+        return None if x is None else np.asarray(x).astype(np.int32)
+
+    kwargs: dict[str, Any] = {
+        "rotary_cos": cast(layout.rotary_cos), "rotary_sin": cast(layout.rotary_sin),
+        "cache_seqlens": int32(layout.cache_seqlens),
+        "cache_batch_idx": int32(layout.cache_batch_idx),
+        "cache_leftpad": int32(layout.cache_leftpad), "block_table": int32(layout.block_table),
+        "softmax_scale": None if spec.scale_is_default else float(spec.scale),
+        "causal": causal, "window_size": (-1, -1) if window == "none" else tuple(window),
+        "rotary_interleaved": bool(layout.rotary_interleaved), "return_softmax_lse": True}
+    args = (cast(layout.q), cast(layout.k_cache), cast(layout.v_cache), cast(layout.k),
+            cast(layout.v))
+    g_o = np.where(spec.query_valid_full(), spec.tensors["grad_output"], 0.0)
+    B, Q = layout.q.shape[:2]
+    seqs = [(b, 0, Q, 0, 0) for b in range(B)]
+    return FlashCall("flash_attn_with_kvcache", args, kwargs, seqs,
+                     np.ascontiguousarray(g_o.transpose(0, 2, 1, 3)).astype(np_dtype),
+                     np.ascontiguousarray(spec.query_valid_full()), precision,
+                     spec.score_shape,
+                     updated=("kvcache_k_cache_updated", "kvcache_v_cache_updated"))
+
+
+# -- the interface as a reference: flash_attn_with_kvcache's arguments -> refattn's paged call --
 
 _FA_LAYOUT = {"q": "(batch_size, seqlen, nheads, headdim)",
               "k_cache": "(num_blocks, page_block_size, nheads_k, headdim)",

@@ -25,7 +25,14 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from refattn.adapters.flash_attn import flash_attn_with_kvcache, kvcache_call
+from refattn.adapters.flash_attn import (
+    flash_attn_with_kvcache,
+    flash_call,
+    ineligible,
+    kvcache_call,
+)
+from refattn.bundle.golden.spec import case_spec
+from refattn.bundle.suites import kvcache as kvcache_suite
 from refattn.errors import RefAttnError
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -206,3 +213,24 @@ def test_without_an_append_the_updated_caches_are_copies():
         return_updated_cache=True)
     assert np.array_equal(k_after, kc) and k_after is not kc and out.shape == (2, 1, 2, 8)
     assert np.array_equal(v_after, kc) and v_after is not kc
+
+
+# -- a golden case with appends lowers to flash_attn_with_kvcache with its inputs as given ---
+@pytest.mark.parametrize("case_id", sorted(kvcache_suite.CASES))
+def test_a_kvcache_case_lowers_to_its_inputs_and_reproduces_its_golden(case_id):
+    """``case.to_flash_attn_kvcache()`` hands the kernel q before rotation, the caches before
+    the append, k, v and the tables: run through refattn's own flash_attn_with_kvcache, the
+    output matches the golden and the updated caches equal the golden's bit for bit."""
+    spec = case_spec(kvcache_suite.CASES[case_id](), backend="numpy")
+    c = flash_call(spec, "flash_attn_kvcache")
+    assert ineligible(spec, "flash_attn_kvcache") is None
+    assert c.updated == ("kvcache_k_cache_updated", "kvcache_v_cache_updated")
+    k_before = c.args[1].copy()
+    out, lse, k_cache, v_cache = flash_attn_with_kvcache(*c.args, **c.kwargs,
+                                                         return_updated_cache=True)
+    got = c.finish((out, lse))
+    np.testing.assert_allclose(got["output"], spec.tensors["output"], rtol=1e-12, atol=1e-13)
+    assert np.array_equal(k_cache, spec.tensors[c.updated[0]])
+    assert np.array_equal(v_cache, spec.tensors[c.updated[1]])
+    assert np.array_equal(c.args[1], k_before)  # the arguments are not changed
+    assert not np.array_equal(k_cache, k_before)  # the append wrote something
