@@ -42,6 +42,7 @@ API = {
     "engine": ("refattn.engine: backends and traces", "refattn.engine"),
     "bundle": ("refattn.bundle: golden bundles", "refattn.bundle"),
     "quant": ("refattn.quant: quantised attention (FP8, INT8)", "refattn.quant"),
+    "sparse": ("refattn.sparse: attention by index lists", "refattn.sparse"),
     "testing": ("refattn.testing: the pytest plugin", "refattn.testing"),
     "adapters": ("refattn.adapters: PyTorch, JAX, ONNX, NumPy", "refattn.adapters"),
     "distributed": ("refattn.distributed: Dask", "refattn.distributed"),

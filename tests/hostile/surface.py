@@ -33,12 +33,13 @@ from typing import Any, NamedTuple
 import numpy as np
 
 #: the public modules whose ``__all__`` is the surface
-MODULES = ("refattn", "refattn.masks", "refattn.dropout", "refattn.softmax", "refattn.states", "refattn.call",
-           "refattn.engine", "refattn.analysis", "refattn.quant", "refattn.bundle",
-           "refattn.testing", "refattn.adapters", "refattn.adapters.flash_attn",
-           "refattn.adapters.flex", "refattn.adapters.jax", "refattn.adapters.onnx",
-           "refattn.adapters.plain", "refattn.adapters.torch", "refattn.distributed",
-           "gradcheck")
+MODULES = ("refattn", "refattn.masks", "refattn.dropout", "refattn.softmax", "refattn.rope",
+           "refattn.states", "refattn.call", "refattn.engine", "refattn.analysis",
+           "refattn.quant", "refattn.sparse", "refattn.bundle", "refattn.testing",
+           "refattn.adapters", "refattn.adapters.flash_attn", "refattn.adapters.flash_mla",
+           "refattn.adapters.sparse", "refattn.adapters.rope_diagnosis", "refattn.adapters.flex",
+           "refattn.adapters.jax", "refattn.adapters.onnx", "refattn.adapters.plain",
+           "refattn.adapters.torch", "refattn.distributed", "gradcheck")
 #: seconds one fuzzed call may take (a hang is reported past it)
 CALL_SECONDS = 20.0
 #: memory a fuzzed call may use beyond twice its honest call's peak (the interpreter's own)

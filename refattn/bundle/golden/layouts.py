@@ -25,6 +25,7 @@ from refattn.call.kvcache import KV_LAYOUT, TENSOR_NAMES, KVCacheAppend
 from refattn.call.mla import AbsorbedLatent, LatentKV, PagedLatentKV
 from refattn.call.paged import PagedKV
 from refattn.errors import RefAttnError
+from refattn.sparse.layout import read_index_list
 
 __all__ = ["LAYOUT_INPUTS", "READERS", "read_layout"]
 
@@ -89,6 +90,7 @@ def _kvcache_append(tensors: Mapping[str, Any], conventions: Mapping[str, Any],
 #: ``conventions["kv_layout"]`` -> the function rebuilding that layout from a case file
 READERS: dict[str, Callable[[Mapping[str, Any], Mapping[str, Any], str], Any]] = {
     "paged": _paged,
+    "index_list": read_index_list,  # refattn.sparse: per-query key index lists
     KV_LAYOUT: _kvcache_append,
     "mla_latent": _mla_latent,
 }

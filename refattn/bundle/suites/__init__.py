@@ -5,8 +5,8 @@ otherwise; each suite module owns its case definitions (``contract``: the contra
 fixtures; ``conformance``: the 79 named cases of ``data/golden``; ``kernels``: the cases at
 the shapes real kernels run, across their tile edges, with the feature suites below;
 ``kvcache``: FlashAttention's kvcache matrix with appends and rotary embeddings; ``mla``:
-FlashMLA's decode shapes). Suites build calls and GoldenCases;
-they must not import the readers, verify or compare.
+FlashMLA's decode shapes; ``sparse``: index-list sparsity, up to L = 8192 with k = 2048).
+Suites build calls and GoldenCases; they must not import the readers, verify or compare.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Callable, Sequence
 
 from refattn._boundary import public
 from refattn.bundle.golden.case import GoldenCase
-from refattn.bundle.suites import conformance, contract, kernels, kvcache, mla
+from refattn.bundle.suites import conformance, contract, kernels, kvcache, mla, sparse
 from refattn.errors import RefAttnError
 
 __all__ = ["DEFAULT_GENERATORS", "SUITES", "build_suite", "default_generator"]
@@ -27,6 +27,7 @@ SUITES: dict[str, Callable[[], Sequence[GoldenCase]]] = {
     "kernels": kernels.cases,
     "kvcache": kvcache.cases,
     "mla": mla.cases,
+    "sparse": sparse.cases,
 }
 #: suite name -> the generator it is written with by default: exact where that is cheap (the
 #: miniatures), numba at kernel shapes (float64 within the recorded bound, in seconds)
@@ -36,6 +37,7 @@ DEFAULT_GENERATORS: dict[str, str] = {
     "kernels": kernels.DEFAULT_GENERATOR,
     "kvcache": kvcache.DEFAULT_GENERATOR,
     "mla": mla.DEFAULT_GENERATOR,
+    "sparse": sparse.DEFAULT_GENERATOR,
 }
 
 
@@ -55,7 +57,7 @@ def build_suite(name: str) -> Sequence[GoldenCase]:
     >>> build_suite("kernel")
     Traceback (most recent call last):
     refattn.errors.RefAttnError: suite: unknown suite 'kernel'; known suites: ['conformance', \
-'contract', 'kernels', 'kvcache', 'mla']
+'contract', 'kernels', 'kvcache', 'mla', 'sparse']
     """
     _check(name)
     return SUITES[name]()

@@ -21,7 +21,8 @@ kernels implement, as a designed covering set rather than a full product:
 - ``dkdv_*``: Dk != Dv (192/128 as DeepSeek's prefill, 128/64, 40/72);
 - the feature suites (:data:`FEATURES`): ``kvcache_*``, FlashAttention's kvcache matrix with
   appends and rotary embeddings (:mod:`~refattn.bundle.suites.kvcache`), and ``mla_*``,
-  FlashMLA's decode shapes (:mod:`~refattn.bundle.suites.mla`);
+  FlashMLA's decode shapes (:mod:`~refattn.bundle.suites.mla`), and ``sparse_*``, index-list
+  sparsity (:mod:`~refattn.bundle.suites.sparse`, its small cases);
 - ``model_*``: the combinations models ship (Llama: GQA causal; Mistral: a causal window;
   Gemma 2: softcap and a window; gpt-oss: a sink, a window and GQA; MPT/BLOOM: ALiBi;
   training: dropout with causal GQA).
@@ -47,7 +48,7 @@ from typing import Any, overload
 import numpy as np
 
 from refattn.bundle.golden.case import GoldenCase
-from refattn.bundle.suites import kvcache, mla
+from refattn.bundle.suites import kvcache, mla, sparse
 from refattn.call import AttentionCall
 from refattn.call.bias import alibi, alibi_slopes
 from refattn.call.paged import paged_call
@@ -458,8 +459,12 @@ def build(spec: KernelSpec) -> GoldenCase:
 
 
 #: the feature suites whose cases the kernel suite runs after its own (case id -> builder):
-#: FlashAttention's kvcache matrix with appends and rotary embeddings, FlashMLA's shapes
-FEATURES: tuple[Mapping[str, Callable[[], GoldenCase]], ...] = (kvcache.CASES, mla.CASES)
+#: FlashAttention's kvcache matrix with appends and rotary embeddings, FlashMLA's shapes, the
+#: index-list cases but the 8192 x 8192 one (``refattn golden --suite sparse`` writes it; every
+#: test of a kernel over this suite would spend minutes on its dense 64 MiB mask)
+FEATURES: tuple[Mapping[str, Callable[[], GoldenCase]], ...] = (
+    kvcache.CASES, mla.CASES,
+    {name: make for name, make in sparse.CASES.items() if name != sparse.BIG_CASE})
 
 
 def builders() -> tuple[Callable[[], GoldenCase], ...]:
