@@ -128,6 +128,16 @@ def _variants(args: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 
 @public
+def _candidate(name: str, x: Any) -> np.ndarray:
+    """A candidate tensor in float64: any floating dtype (the kernel's own, bfloat16 too) widened
+    exactly; anything else (an integer beyond every float, an object array) refused."""
+    arr = as_array(name, x)
+    if arr.dtype.kind != "f" and arr.dtype.name != "bfloat16":
+        raise RefAttnError(f"{name}: expected a floating-point array (the kernel's output in its "
+                           f"own dtype), got dtype {arr.dtype}")
+    return arr.astype(np.float64)
+
+
 def diagnose_kvcache(arguments: Mapping[str, Any], output: Any, k_cache: Any = None, *,
                      rtol: float = 1e-6, atol: float = 1e-6) -> KVCacheDiagnosis:
     """Which RoPE bug fits a kernel's ``flash_attn_with_kvcache`` result.
@@ -177,8 +187,8 @@ def diagnose_kvcache(arguments: Mapping[str, Any], output: Any, k_cache: Any = N
     at = bounded_float("atol", atol, lo=0.0, hi=1.0)
     args = {n: a for n, a in arguments.items() if n not in (
         "return_softmax_lse", "return_updated_cache")}
-    cand = as_array("output", output).astype(np.float64)
-    cand_k = None if k_cache is None else as_array("k_cache", k_cache).astype(np.float64)
+    cand = _candidate("output", output)
+    cand_k = None if k_cache is None else _candidate("k_cache", k_cache)
     ref, ref_k, _ = flash_attn_with_kvcache(**args, return_updated_cache=True)
     if cand.shape != ref.shape:
         raise RefAttnError(f"output: expected shape {list(ref.shape)} (B, Q, Hq, D), got "

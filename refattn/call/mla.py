@@ -129,7 +129,7 @@ def latent_gradient(grad_k: Any, grad_v: Any) -> np.ndarray:
     Raises
     ------
     RefAttnError
-        On non-float64 input, mismatched leading axes or ``Dv > Dk``.
+        On non-float64 or non-finite input, mismatched leading axes or ``Dv > Dk``.
 
     Examples
     --------
@@ -139,6 +139,8 @@ def latent_gradient(grad_k: Any, grad_v: Any) -> np.ndarray:
     gk, gv = as_array("grad_k", grad_k), as_array("grad_v", grad_v)
     check_float64("grad_k", gk)
     check_float64("grad_v", gv)
+    check_finite("grad_k", gk)  # a NaN would pass into the sum silently
+    check_finite("grad_v", gv)
     if gk.ndim == 0 or gk.shape[:-1] != gv.shape[:-1]:
         raise RefAttnError(f"grad_v: shape {list(gv.shape)} must match grad_k "
                            f"{list(gk.shape)} on every axis but the last")

@@ -17,7 +17,7 @@ its reference reports ``lse = +inf`` for it, which :mod:`refattn.adapters.sparse
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 import numpy as np
 
@@ -127,7 +127,8 @@ class SparseCall:
         return self.visibility.counts[:, self.index_head, :] == 0
 
 
-def sparse_bytes(call: SparseCall, stage: str = "backward") -> int:
+@public
+def sparse_bytes(call: SparseCall, stage: Literal["forward", "backward"] = "backward") -> int:
     """Upper estimate of the bytes a sparse forward (or backward) allocates beyond its inputs:
     the outputs, the row statistics and (backward) the key-major transposed lists.
 

@@ -67,9 +67,32 @@ class IndexListLayout:
         return out
 
 
+@public
 def read_index_list(tensors: Mapping[str, Any], conventions: Mapping[str, Any],
                     case_id: str) -> IndexListLayout:
-    """Rebuild the layout from a case file's tensors and conventions (validated again)."""
+    """Rebuild the layout from a case file's tensors and conventions (validated again).
+
+    Parameters
+    ----------
+    tensors : mapping of str to ndarray
+        ``indices`` (B, H_idx, Q, k) and, for the block form, ``block_indices``.
+    conventions : mapping
+        ``num_keys``; ``block_q`` and ``block_k`` for the block form.
+    case_id : str
+        Named in errors.
+
+    Raises
+    ------
+    RefAttnError
+        A missing tensor, a convention out of range, lists the validation refuses, or
+        ``indices`` that differ from the expansion of ``block_indices``.
+
+    Examples
+    --------
+    >>> lay = read_index_list({"indices": np.array([[[[0, -1], [1, 0]]]])}, {"num_keys": 2}, "c")
+    >>> lay.conventions()["kv_layout"], lay.visibility.nnz
+    ('index_list', 3)
+    """
     if "indices" not in tensors:
         raise RefAttnError(f"{case_id}: an index_list case needs tensor 'indices'")
     K = bounded_int(f"{case_id}: conventions.num_keys", conventions.get("num_keys"), lo=1,
@@ -81,7 +104,11 @@ def read_index_list(tensors: Mapping[str, Any], conventions: Mapping[str, Any],
                          hi=MAX_KEYS)
         bk = bounded_int(f"{case_id}: conventions.block_k", conventions.get("block_k"), lo=1,
                          hi=MAX_KEYS)
-        Q = int(np.shape(tensors["indices"])[2])
+        shape = np.shape(tensors["indices"])
+        if len(shape) != 4:
+            raise RefAttnError(f"{case_id}: indices: expected (B, H_idx, Q, k), got shape "
+                               f"{list(shape)}")
+        Q = int(shape[2])
         vis = block_visibility(tensors["block_indices"], block_q=bq, block_k=bk,
                                num_queries=Q, num_keys=K)
         if not np.array_equal(vis.indices, tensors["indices"]):
