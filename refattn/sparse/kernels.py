@@ -29,22 +29,12 @@ def _dot(a, b):
 
 @njit(cache=True)
 def transpose(idx, num_keys):
-    """Key-major lists: ``ptr`` ((B * H_idx * K) + 1,) int64 and ``rows`` (nnz,) int32, the
-    rows reading key j of (b, h) being ``rows[ptr[(b*H + h)*K + j] : ptr[... + 1]]``,
-    increasing."""
+    """Key-major lists: ``ptr`` ((B * H_idx * K) + 1,) int64 (:func:`key_counts`) and ``rows``
+    (nnz,) int32, the rows reading key j of (b, h) being ``rows[ptr[(b*H + h)*K + j] :
+    ptr[... + 1]]``, increasing."""
     B, H, Q, kk = idx.shape
     K = num_keys
-    ptr = np.zeros(B * H * K + 1, np.int64)
-    for b in range(B):
-        for h in range(H):
-            base = (b * H + h) * K
-            for i in range(Q):
-                for s in range(kk):
-                    j = idx[b, h, i, s]
-                    if j >= 0:
-                        ptr[base + j + 1] += 1
-    for t in range(B * H * K):
-        ptr[t + 1] += ptr[t]
+    ptr = key_counts(idx, K)
     rows = np.empty(ptr[B * H * K], np.int32)
     fill = ptr[:-1].copy()
     for b in range(B):
