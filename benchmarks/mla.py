@@ -130,13 +130,13 @@ def main() -> None:
         for _ in range(args.repeat):
             r = run_child(variant, args.threads)
             f, w = r["first"], r["warm"]
+            work = "forward" if variant == "adapter" else "forward+backward"
             print(f"{variant:7s} fresh process: {f['since_start']:.2f} s from its first line to "
                   f"the result ({r['process_wall']:.2f} s wall with the interpreter's start and "
-                  f"a warm repeat; import {r['import']:.2f}, build {f['build']:.2f}, forward"
-                  f"{'' if variant == 'adapter' else '+backward'} "
+                  f"a warm repeat; import {r['import']:.2f}, build {f['build']:.2f}, {work} "
                   f"{f['forward_backward']:.2f}, page gradient {f['page_gradient']:.2f}; "
                   f"first call {f['call_total']:.2f} s) | warm repeat {w['call_total']:.2f} s "
-                  f"(forward+backward {w['forward_backward']:.2f})")
+                  f"({work} {w['forward_backward']:.2f})")
 
 
 if __name__ == "__main__":
