@@ -38,8 +38,8 @@ from refattn._boundary import public
 from refattn._checks import (
     INT64_MAX,
     as_array,
-    check_finite,
     check_float64,
+    float64_input,
     immutable_copy,
     index_array,
 )
@@ -64,12 +64,7 @@ TENSOR_NAMES = {"kvcache_q": "q", "kvcache_k_cache": "k_cache", "kvcache_v_cache
 
 
 def _float(name: str, x: Any, ndim: int) -> np.ndarray:
-    arr = as_array(name, x)
-    check_float64(name, arr)
-    if arr.ndim != ndim:
-        raise RefAttnError(f"{name}: expected {ndim} axes, got shape {list(arr.shape)}")
-    check_finite(name, arr)
-    return immutable_copy(arr)
+    return immutable_copy(float64_input(name, x, ndim))
 
 
 def _ints(name: str, x: Any, B: int) -> np.ndarray:
