@@ -31,21 +31,10 @@ def _dot(a, b):
 def transpose(idx, num_keys):
     """Key-major lists: ``ptr`` ((B * H_idx * K) + 1,) int64 (:func:`key_counts`) and ``rows``
     (nnz,) int32, the rows reading key j of (b, h) being ``rows[ptr[(b*H + h)*K + j] :
-    ptr[... + 1]]``, increasing."""
-    B, H, Q, kk = idx.shape
-    K = num_keys
-    ptr = key_counts(idx, K)
-    rows = np.empty(ptr[B * H * K], np.int32)
-    fill = ptr[:-1].copy()
-    for b in range(B):
-        for h in range(H):
-            base = (b * H + h) * K
-            for i in range(Q):
-                for s in range(kk):
-                    j = idx[b, h, i, s]
-                    if j >= 0:
-                        rows[fill[base + j]] = i
-                        fill[base + j] += 1
+    ptr[... + 1]]``, increasing (:func:`fill_positions` without the slots)."""
+    ptr = key_counts(idx, num_keys)
+    rows = np.empty(ptr[-1], np.int32)
+    fill_positions(idx, num_keys, ptr, rows, False)
     return ptr, rows
 
 
@@ -198,9 +187,9 @@ def key_counts(idx, num_keys):
 
 
 @njit(cache=True)
-def fill_positions(idx, num_keys, ptr, pos):
-    """Fill ``pos`` (nnz,) with ``i * k + slot`` of the rows reading key j of (b, h), at
-    ``ptr[(b*H + h)*K + j] ...``, increasing in i (a counting sort)."""
+def fill_positions(idx, num_keys, ptr, pos, slots=True):
+    """Fill ``pos`` (nnz,) with ``i * k + slot`` (``slots``) or ``i`` of the rows reading key
+    j of (b, h), at ``ptr[(b*H + h)*K + j] ...``, increasing in i (a counting sort)."""
     B, H, Q, kk = idx.shape
     K = num_keys
     fill = ptr[:-1].copy()
@@ -211,7 +200,7 @@ def fill_positions(idx, num_keys, ptr, pos):
                 for s in range(kk):
                     j = idx[b, h, i, s]
                     if j >= 0:
-                        pos[fill[base + j]] = i * kk + s
+                        pos[fill[base + j]] = i * kk + s if slots else i
                         fill[base + j] += 1
 
 
