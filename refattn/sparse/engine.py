@@ -175,30 +175,31 @@ def sparse_backward(trace: SparseTrace, grad_output: np.ndarray,
     return SparseGradients(gq, gk, gv, gsink, dsum)
 
 
-#: rows of one (batch, query head) the fused path holds P and dS for at once: the key-major
-#: pass then reads q and dO rows from a window of 512 rows (1 MiB at D = 128: in cache)
-FUSED_ROWS = 512
+#: rows of one (batch, query head) the fused path holds P and dS for at once (4 MiB each at
+#: k = 2048): small enough that the key-major pass finds the window's q and dO rows in the
+#: core's L2 cache; the row passes split it into chunks of ``kernels.CHUNK_ROWS``
+FUSED_ROWS = 256
 
 
 def fused_bytes(call: SparseCall) -> int:
     """Bytes :func:`sparse_value_and_grad`'s fused numba path allocates beyond its inputs:
-    outputs, gradients, row statistics, the key-major positions and the per-chunk P and dS.
+    outputs, gradients, row statistics and one window's sorted lists, block starts, P and dS.
 
     Examples
     --------
     >>> from refattn.sparse.lists import index_visibility
     >>> x = np.ones((1, 1, 2, 4))
     >>> fused_bytes(SparseCall(x, x, x, index_visibility(np.array([[[[0], [1]]]]), 2)))
-    384
+    440
     """
     a = call.axes
     rows = a["B"] * a["Hq"] * a["Q"]
-    nnz = call.visibility.nnz
-    width = 4 if a["Q"] * a["k"] < 2**31 else 8
+    window = min(a["Q"], FUSED_ROWS)
+    blocks = -(-a["K"] // _kernels().BLOCK_KEYS)
     return (8 * rows * (a["Dv"] + a["Dk"] + 4)
             + 8 * a["B"] * a["Hkv"] * a["K"] * (a["Dk"] + a["Dv"])
-            + width * nnz + 8 * (a["B"] * a["H_idx"] * a["K"] + 1)
-            + 16 * min(a["Q"], FUSED_ROWS) * a["k"])
+            + window * (16 * a["k"] + 16 * a["k"] + 4 * (blocks + 1) + 8)
+            + 8 * (a["K"] + 1))
 
 
 def _fused(call: SparseCall, go: np.ndarray) -> tuple[SparseTrace, SparseGradients]:
@@ -207,7 +208,6 @@ def _fused(call: SparseCall, go: np.ndarray) -> tuple[SparseTrace, SparseGradien
     _, _, K, Dv = call.v.shape
     idx = call.visibility.indices
     kk = idx.shape[3]
-    H = idx.shape[1]
     scale = _scale(call)
     sink, has_sink = _sink_args(call)
     out = np.empty((B, Hq, Q, Dv))
@@ -215,25 +215,35 @@ def _fused(call: SparseCall, go: np.ndarray) -> tuple[SparseTrace, SparseGradien
     gq = np.empty_like(call.q)
     gk = np.zeros(call.k.shape)
     gv = np.zeros(call.v.shape)
-    ptr = kern.key_counts(idx, K)
-    pos = np.empty(int(ptr[-1]), np.int32 if Q * kk < 2**31 else np.int64)
-    kern.fill_positions(idx, K, ptr, pos)
     rows = min(Q, FUSED_ROWS)
     P = np.empty((rows, kk))
     DS = np.empty((rows, kk))
+    m = np.empty(rows)
+    sidx = np.empty((rows, kk), np.int64)
+    starts = np.empty((rows, -(-K // kern.BLOCK_KEYS) + 1), np.int32)
+    tptr = np.empty(K + 1, np.int64)
+    tpos = np.empty(rows * kk, np.int64)
     for b in range(B):
-        for h in range(Hq):  # query heads in order: each kv head's sums in a fixed order
-            ih, kh = int(call.index_head[h]), int(call.kv_head[h])
-            base = (b * H + ih) * K
-            cursor = ptr[base:base + K].copy()
-            for i0 in range(0, Q, rows):
-                n = min(rows, Q - i0)
-                kern.fused_rows(call.q[b, h], call.k[b, kh], call.v[b, kh],
-                                idx[b, ih, i0:i0 + n], i0, scale, float(sink[h]), has_sink,
-                                go[b, h], out[b, h], lse[b, h], row_max[b, h], dsum[b, h],
-                                gq[b, h], sink_term[b, h], P, DS)
-                kern.fused_keys(call.q[b, h], go[b, h], ptr, pos, base, cursor, i0, n, kk,
-                                scale, P, DS, gk[b, kh], gv[b, kh])
+        for i0 in range(0, Q, rows):
+            n = min(rows, Q - i0)
+            listed = -1
+            for h in range(Hq):  # query heads in order: each kv head's sums in a fixed order
+                ih, kh = int(call.index_head[h]), int(call.kv_head[h])
+                if ih != listed:
+                    kern.window_lists(idx[b, ih, i0:i0 + n], call.visibility.is_sorted,
+                                      sidx[:n], starts[:n])
+                    kern.block_transpose(sidx[:n], starts[:n], tptr, tpos)
+                    listed = ih
+                qh, kh_, vh, goh = call.q[b, h], call.k[b, kh], call.v[b, kh], go[b, h]
+                kern.block_scores(qh, kh_, sidx[:n], starts[:n], i0, scale, P, m)
+                kern.block_softmax(starts[:n], i0, float(sink[h]), has_sink, P, m, out[b, h],
+                                   lse[b, h], row_max[b, h], gq[b, h])
+                kern.block_values(vh, goh, sidx[:n], starts[:n], i0, P, DS, out[b, h])
+                kern.block_grad_q(kh_, goh, sidx[:n], starts[:n], i0, scale, float(sink[h]),
+                                  has_sink, P, DS, out[b, h], lse[b, h], dsum[b, h],
+                                  sink_term[b, h], gq[b, h])
+                kern.block_grad_kv(qh, goh, tptr, tpos, i0, kk, scale, P, DS, gk[b, kh],
+                                   gv[b, kh])
     gsink = sink_term.sum(axis=(0, 2)) if has_sink else None
     return (SparseTrace(call, out, lse, row_max),
             SparseGradients(gq, gk, gv, gsink, dsum))
@@ -244,11 +254,13 @@ def sparse_value_and_grad(call: SparseCall, grad_output: np.ndarray,
                           backend: Backend = "numba") -> tuple[SparseTrace, SparseGradients]:
     """Forward and backward at once (default on numba: the fused path).
 
-    On numba one pass per row computes the output, ``lse``, ``D`` and ``dQ`` and keeps each
-    slot's ``P`` and ``dS`` for a chunk of :data:`FUSED_ROWS` rows; a key-major pass over
-    the transposed lists then adds that chunk into ``dK`` and ``dV`` (six length-D vector
-    operations per listed key instead of the nine of forward then backward). The same bits
-    on every thread count. On numpy: :func:`sparse_forward` then :func:`sparse_backward`.
+    On numba, a window of :data:`FUSED_ROWS` rows at a time: passes over its sorted lists,
+    key block by key block (a block's K or V rows read from memory once per chunk of rows,
+    then from cache), compute the output, ``lse``, ``D`` and ``dQ`` and keep each slot's
+    ``P`` and ``dS``; a key-major pass then adds the window into ``dK`` and ``dV`` (six
+    length-D vector operations per listed key instead of the nine of forward then
+    backward). The same bits on every thread count. On numpy: :func:`sparse_forward` then
+    :func:`sparse_backward`.
 
     Examples
     --------

@@ -1,11 +1,21 @@
-"""numba kernels of sparse attention: query-major forward and dQ, key-major dK/dV.
+"""numba kernels of sparse attention: the separate forward and backward, and the fused path.
 
 Owns the ``"numba"`` backend's compiled loops. Every output element is written by one
 iteration of a ``prange`` and summed in a fixed order, so the bits do not depend on the thread
-count: the forward and ``dQ`` run one query row per iteration (slots in list order); ``dK`` and
-``dV`` run one key per iteration over the transposed (CSR) lists, query heads in order and the
-rows that read the key in increasing order, recomputing each probability from ``lse`` (nothing
-of size ``Q x k`` is stored). :func:`transpose` builds those lists by a counting sort.
+count.
+
+- :func:`forward` and :func:`backward_rows` run one query row per iteration (slots in list
+  order); :func:`backward_keys` one key per iteration over the transposed (CSR) lists of
+  :func:`transpose`, query heads in order and the rows that read the key in increasing order,
+  recomputing each probability from ``lse``.
+- The fused path (``sparse_value_and_grad``) works on a window of rows at a time, their lists
+  sorted (:func:`window_lists`) and cut into blocks of :data:`BLOCK_KEYS` keys. The row passes
+  (:func:`block_scores`, :func:`block_softmax`, :func:`block_values`, :func:`block_grad_q`)
+  walk key block by key block within a chunk of :data:`CHUNK_ROWS` rows, so a block's K or V
+  rows are read from memory once per chunk and then from cache, not once per row that lists
+  them; they keep each slot's P and dS. :func:`block_grad_kv` adds the window into dK and dV
+  key by key over :func:`block_transpose`'s key-major positions. Each row's sums run in
+  increasing key order and each key's in increasing row order, whatever the thread count.
 
 This module imports nothing from refattn (numba's own on-disk cache, keyed on this file's
 source, is then exact: nothing is inlined from another file). Exempt from mypy like the
@@ -31,10 +41,10 @@ def _dot(a, b):
 def transpose(idx, num_keys):
     """Key-major lists: ``ptr`` ((B * H_idx * K) + 1,) int64 (:func:`key_counts`) and ``rows``
     (nnz,) int32, the rows reading key j of (b, h) being ``rows[ptr[(b*H + h)*K + j] :
-    ptr[... + 1]]``, increasing (:func:`fill_positions` without the slots)."""
+    ptr[... + 1]]``, increasing (:func:`fill_rows`)."""
     ptr = key_counts(idx, num_keys)
     rows = np.empty(ptr[-1], np.int32)
-    fill_positions(idx, num_keys, ptr, rows, False)
+    fill_rows(idx, num_keys, ptr, rows)
     return ptr, rows
 
 
@@ -187,9 +197,9 @@ def key_counts(idx, num_keys):
 
 
 @njit(cache=True)
-def fill_positions(idx, num_keys, ptr, pos, slots=True):
-    """Fill ``pos`` (nnz,) with ``i * k + slot`` (``slots``) or ``i`` of the rows reading key
-    j of (b, h), at ``ptr[(b*H + h)*K + j] ...``, increasing in i (a counting sort)."""
+def fill_rows(idx, num_keys, ptr, rows):
+    """Fill ``rows`` (nnz,) with the rows i reading key j of (b, h), at
+    ``ptr[(b*H + h)*K + j] ...``, increasing in i (a counting sort)."""
     B, H, Q, kk = idx.shape
     K = num_keys
     fill = ptr[:-1].copy()
@@ -200,19 +210,21 @@ def fill_positions(idx, num_keys, ptr, pos, slots=True):
                 for s in range(kk):
                     j = idx[b, h, i, s]
                     if j >= 0:
-                        pos[fill[base + j]] = i * kk + s if slots else i
+                        rows[fill[base + j]] = i
                         fill[base + j] += 1
 
 
-#: rows (keys) a task of the fused kernels walks in lockstep, slot chunk by slot chunk: the
-#: keys (rows) neighbouring rows (keys) share are then read once per tile from the cache
-TILE = 8
-#: slots per lockstep step
-SLOTS = 64
-#: tasks are dealt to tiles by ``t * SPREAD mod ntiles`` (SPREAD prime: a permutation unless it
-#: divides ntiles, then the identity): numba hands each thread a
-#: contiguous range of tasks, and consecutive tiles have very different work (a causal key
-#: range, say), so the tiles a thread gets are spread over the whole range
+#: keys per block of the fused path: one block's K or V rows (128 KiB at D = 128) stay in the
+#: core's L2 cache while a chunk of rows reads them, instead of each listed key being fetched
+#: from memory once per row that lists it
+BLOCK_KEYS = 128
+#: rows per task of the fused path's row passes: their q (or O and dO, or dQ) rows stay in L2
+#: across the key blocks, so each block is streamed from memory once per chunk of rows
+CHUNK_ROWS = 128
+#: key-block tasks are dealt by ``t * SPREAD mod ntasks`` (SPREAD prime: a permutation unless
+#: it divides ntasks, then the identity): numba hands each thread a contiguous range of tasks,
+#: and consecutive key blocks have very different work (the most recent keys are in every
+#: causal row's list), so the blocks a thread gets are spread over the whole range
 SPREAD = 1000003
 
 
@@ -225,174 +237,306 @@ def _spread(t, ntiles):
     return (t * SPREAD) % n
 
 
-@njit(cache=True, parallel=True, fastmath=_FM)
-def fused_rows(qh, kh, vh, idx_rows, i0, scale, sink_h, has_sink, goh, out, lse, row_max,
-               dsum, grad_q, sink_term, P, DS):
-    """Forward and the row half of the backward of rows ``i0 .. i0 + len(idx_rows)`` of one
-    (batch, query head): ``qh`` (Q, Dk), ``kh`` (K, Dk), ``vh`` (K, Dv), ``goh`` (Q, Dv);
-    the outputs are that head's (Q, ...) slices; ``P`` and ``DS`` (rows, k) receive each
-    slot's probability and score gradient (0 on padding) for :func:`fused_keys`.
-
-    One task per tile of :data:`TILE` rows, which it walks in lockstep :data:`SLOTS` slots at
-    a time (sorted local lists make neighbouring rows read neighbouring keys). Each row's
-    arithmetic is the same whatever the tile: the bits do not depend on the thread count."""
+@njit(cache=True, parallel=True)
+def window_lists(idx_rows, is_sorted, sidx, starts):
+    """Sorted lists and block starts of a window of rows: ``sidx`` (n, k) int32 receives each
+    row's valid keys in increasing order (-1 after them); ``starts`` (n, nb + 1) int32 the
+    number of a row's keys below ``b * BLOCK_KEYS``, so block b's keys of row c are
+    ``sidx[c, starts[c, b] : starts[c, b + 1]]``. ``is_sorted``: the lists are known sorted
+    (no sort needed)."""
     n, kk = idx_rows.shape
+    nb = starts.shape[1] - 1
+    for c in prange(n):
+        row = sidx[c]
+        cnt = 0
+        for s in range(kk):
+            j = idx_rows[c, s]
+            if j >= 0:
+                row[cnt] = j
+                cnt += 1
+        if not is_sorted:
+            row[:cnt] = np.sort(row[:cnt])
+        for s in range(cnt, kk):
+            row[s] = -1
+        s = 0
+        for b in range(nb + 1):
+            lim = b * BLOCK_KEYS
+            while s < cnt and row[s] < lim:
+                s += 1
+            starts[c, b] = s
+
+
+@njit(cache=True, parallel=True, fastmath=_FM)
+def block_scores(qh, kh, sidx, starts, i0, scale, P, m):
+    """Scores ``P[c, s] = scale * q[i0 + c] . k[sidx[c, s]]`` and row maxima ``m`` (n,) of a
+    window, key block by key block within each chunk of :data:`CHUNK_ROWS` rows."""
+    n = sidx.shape[0]
+    nb = starts.shape[1] - 1
     Dk = qh.shape[1]
-    Dv = vh.shape[1]
-    ntiles = (n + TILE - 1) // TILE
-    for task in prange(ntiles):
-        tile = _spread(task, ntiles)
-        c0 = tile * TILE
-        c1 = min(n, c0 + TILE)
-        m = np.full(TILE, -np.inf)
-        dp = np.empty((TILE, kk))
-        # 1. scores and row maxima
-        for s0 in range(0, kk, SLOTS):
-            s1 = min(kk, s0 + SLOTS)
+    for task in prange((n + CHUNK_ROWS - 1) // CHUNK_ROWS):
+        c0 = task * CHUNK_ROWS
+        c1 = min(n, c0 + CHUNK_ROWS)
+        for c in range(c0, c1):
+            m[c] = -np.inf
+        for b in range(nb):
             for c in range(c0, c1):
+                s0 = starts[c, b]
+                s1 = starts[c, b + 1]
+                if s0 == s1:
+                    continue
                 qi = qh[i0 + c]
                 pr = P[c]
-                mc = m[c - c0]
-                for s in range(s0, s1):
-                    j = idx_rows[c, s]
-                    if j >= 0:
-                        x = scale * _dot(qi, kh[j])
-                        pr[s] = x
-                        if x > mc:
-                            mc = x
-                    else:
-                        pr[s] = 0.0
-                m[c - c0] = mc
-        # 2. softmax per row
-        for c in range(c0, c1):
-            i = i0 + c
-            mc = m[c - c0]
-            if has_sink and sink_h > mc:
-                mc = sink_h
-                m[c - c0] = mc
-            row_max[i] = mc
-            o = out[i]
-            g = grad_q[i]
-            for d in range(Dv):
-                o[d] = 0.0
-            for d in range(Dk):
-                g[d] = 0.0
-            pr = P[c]
-            if mc == -np.inf:
-                lse[i] = -np.inf
-                for s in range(kk):
-                    pr[s] = 0.0
-                continue
-            den = 0.0
-            for s in range(kk):
-                if idx_rows[c, s] >= 0:
-                    e = np.exp(pr[s] - mc)
-                    pr[s] = e
-                    den += e
-            if has_sink:
-                den += np.exp(sink_h - mc)
-            lse[i] = mc + np.log(den)
-            for s in range(kk):
-                pr[s] = pr[s] / den  # 0 stays 0 on padding
-        # 3. output and dP = dO . v
-        for s0 in range(0, kk, SLOTS):
-            s1 = min(kk, s0 + SLOTS)
+                row = sidx[c]
+                s = s0
+                while s + 4 <= s1:  # four keys per pass over q: a quarter of its loads
+                    k0, k1, k2, k3 = kh[row[s]], kh[row[s + 1]], kh[row[s + 2]], kh[row[s + 3]]
+                    a0 = 0.0
+                    a1 = 0.0
+                    a2 = 0.0
+                    a3 = 0.0
+                    for d in range(Dk):
+                        x = qi[d]
+                        a0 += x * k0[d]
+                        a1 += x * k1[d]
+                        a2 += x * k2[d]
+                        a3 += x * k3[d]
+                    pr[s] = scale * a0
+                    pr[s + 1] = scale * a1
+                    pr[s + 2] = scale * a2
+                    pr[s + 3] = scale * a3
+                    s += 4
+                for t in range(s, s1):
+                    pr[t] = scale * _dot(qi, kh[row[t]])
+                mc = m[c]
+                for t in range(s0, s1):
+                    if pr[t] > mc:
+                        mc = pr[t]
+                m[c] = mc
+
+
+@njit(cache=True, parallel=True, fastmath=_FM)
+def block_softmax(starts, i0, sink_h, has_sink, P, m, out, lse, row_max, grad_q):
+    """Probabilities in ``P`` (in place), ``lse`` and ``row_max`` of a window's rows; their
+    ``out`` and ``grad_q`` rows zeroed for the passes that add into them."""
+    n = starts.shape[0]
+    nb = starts.shape[1] - 1
+    Dv = out.shape[1]
+    Dk = grad_q.shape[1]
+    for c in prange(n):
+        i = i0 + c
+        cnt = starts[c, nb]
+        mc = m[c]
+        if has_sink and sink_h > mc:
+            mc = sink_h
+        row_max[i] = mc
+        o = out[i]
+        g = grad_q[i]
+        for d in range(Dv):
+            o[d] = 0.0
+        for d in range(Dk):
+            g[d] = 0.0
+        if mc == -np.inf:
+            lse[i] = -np.inf
+            continue
+        pr = P[c]
+        den = 0.0
+        for s in range(cnt):
+            e = np.exp(pr[s] - mc)
+            pr[s] = e
+            den += e
+        if has_sink:
+            den += np.exp(sink_h - mc)
+        lse[i] = mc + np.log(den)
+        for s in range(cnt):
+            pr[s] = pr[s] / den
+
+
+@njit(cache=True, parallel=True, fastmath=_FM)
+def block_values(vh, goh, sidx, starts, i0, P, DP, out):
+    """``out[i0 + c] += P v`` and ``DP[c, s] = dO[i0 + c] . v[sidx[c, s]]``, key block by key
+    block within each chunk of rows."""
+    n = sidx.shape[0]
+    nb = starts.shape[1] - 1
+    Dv = vh.shape[1]
+    for task in prange((n + CHUNK_ROWS - 1) // CHUNK_ROWS):
+        c0 = task * CHUNK_ROWS
+        c1 = min(n, c0 + CHUNK_ROWS)
+        for b in range(nb):
             for c in range(c0, c1):
-                i = i0 + c
-                if m[c - c0] == -np.inf:
+                s0 = starts[c, b]
+                s1 = starts[c, b + 1]
+                if s0 == s1:
                     continue
-                o = out[i]
-                go = goh[i]
+                o = out[i0 + c]
+                go = goh[i0 + c]
                 pr = P[c]
-                for s in range(s0, s1):
-                    j = idx_rows[c, s]
-                    if j >= 0:
-                        p = pr[s]
-                        vj = vh[j]
-                        for d in range(Dv):
-                            o[d] += p * vj[d]
-                        dp[c - c0, s] = _dot(go, vj)
-        # 4. D = dO . O and the sink's term
+                dp = DP[c]
+                row = sidx[c]
+                s = s0
+                while s + 4 <= s1:  # four keys per pass over O and dO
+                    v0, v1, v2, v3 = vh[row[s]], vh[row[s + 1]], vh[row[s + 2]], vh[row[s + 3]]
+                    p0, p1, p2, p3 = pr[s], pr[s + 1], pr[s + 2], pr[s + 3]
+                    a0 = 0.0
+                    a1 = 0.0
+                    a2 = 0.0
+                    a3 = 0.0
+                    for d in range(Dv):
+                        x0, x1, x2, x3 = v0[d], v1[d], v2[d], v3[d]
+                        o[d] += ((p0 * x0 + p1 * x1) + p2 * x2) + p3 * x3
+                        y = go[d]
+                        a0 += y * x0
+                        a1 += y * x1
+                        a2 += y * x2
+                        a3 += y * x3
+                    dp[s] = a0
+                    dp[s + 1] = a1
+                    dp[s + 2] = a2
+                    dp[s + 3] = a3
+                    s += 4
+                for t in range(s, s1):
+                    vj = vh[row[t]]
+                    p = pr[t]
+                    for d in range(Dv):
+                        o[d] += p * vj[d]
+                    dp[t] = _dot(go, vj)
+
+
+@njit(cache=True, parallel=True, fastmath=_FM)
+def block_grad_q(kh, goh, sidx, starts, i0, scale, sink_h, has_sink, P, DS, out, lse, dsum,
+                 sink_term, grad_q):
+    """``D = dO . O``, the sink's term, ``dS = P (dP - D)`` (in ``DS``, which holds dP on
+    entry) and ``grad_q``, key block by key block within each chunk of rows."""
+    n = sidx.shape[0]
+    nb = starts.shape[1] - 1
+    Dk = kh.shape[1]
+    for task in prange((n + CHUNK_ROWS - 1) // CHUNK_ROWS):
+        c0 = task * CHUNK_ROWS
+        c1 = min(n, c0 + CHUNK_ROWS)
         for c in range(c0, c1):
             i = i0 + c
-            if m[c - c0] == -np.inf:
+            if lse[i] == -np.inf:
                 dsum[i] = 0.0
                 sink_term[i] = 0.0
                 continue
             dd = _dot(goh[i], out[i])
             dsum[i] = dd
             sink_term[i] = -np.exp(sink_h - lse[i]) * dd if has_sink else 0.0
-        # 5. dS = P (dP - D) and dQ
-        for s0 in range(0, kk, SLOTS):
-            s1 = min(kk, s0 + SLOTS)
+        for b in range(nb):
             for c in range(c0, c1):
-                i = i0 + c
-                dsr = DS[c]
-                if m[c - c0] == -np.inf:
-                    for s in range(s0, s1):
-                        dsr[s] = 0.0
+                s0 = starts[c, b]
+                s1 = starts[c, b + 1]
+                if s0 == s1:
                     continue
-                g = grad_q[i]
-                dd = dsum[i]
+                g = grad_q[i0 + c]
+                dd = dsum[i0 + c]
                 pr = P[c]
-                for s in range(s0, s1):
-                    j = idx_rows[c, s]
-                    if j >= 0:
-                        ds = pr[s] * (dp[c - c0, s] - dd)
-                        dsr[s] = ds
-                        kj = kh[j]
-                        for d in range(Dk):
-                            g[d] += ds * kj[d]
-                    else:
-                        dsr[s] = 0.0
+                dsr = DS[c]
+                row = sidx[c]
+                for t in range(s0, s1):
+                    dsr[t] = pr[t] * (dsr[t] - dd)
+                s = s0
+                while s + 4 <= s1:  # four keys per pass over dQ
+                    k0, k1, k2, k3 = kh[row[s]], kh[row[s + 1]], kh[row[s + 2]], kh[row[s + 3]]
+                    e0, e1, e2, e3 = dsr[s], dsr[s + 1], dsr[s + 2], dsr[s + 3]
+                    for d in range(Dk):
+                        g[d] += ((e0 * k0[d] + e1 * k1[d]) + e2 * k2[d]) + e3 * k3[d]
+                    s += 4
+                for t in range(s, s1):
+                    kj = kh[row[t]]
+                    e = dsr[t]
+                    for d in range(Dk):
+                        g[d] += e * kj[d]
         for c in range(c0, c1):
             g = grad_q[i0 + c]
             for d in range(Dk):
                 g[d] *= scale
 
 
+@njit(cache=True, parallel=True)
+def block_transpose(sidx, starts, tptr, tpos):
+    """Key-major positions of a window: ``tpos[tptr[j] : tptr[j + 1]]`` are ``c * k + s`` of
+    the window's slots that list key j, in increasing rows c (``tptr`` (K + 1,) int64,
+    ``tpos`` (n * k,) int64). One task per key block: a counting sort within the block."""
+    n, kk = sidx.shape
+    nb = starts.shape[1] - 1
+    K = tptr.shape[0] - 1
+    tot = np.zeros(nb + 1, np.int64)
+    for b in prange(nb):
+        acc = 0
+        for c in range(n):
+            acc += starts[c, b + 1] - starts[c, b]
+        tot[b + 1] = acc
+    for b in range(nb):
+        tot[b + 1] += tot[b]
+    tptr[K] = tot[nb]
+    for b in prange(nb):
+        j0 = b * BLOCK_KEYS
+        j1 = min(K, j0 + BLOCK_KEYS)
+        fill = np.zeros(BLOCK_KEYS, np.int64)
+        for c in range(n):
+            for s in range(starts[c, b], starts[c, b + 1]):
+                fill[sidx[c, s] - j0] += 1
+        at = tot[b]
+        for j in range(j0, j1):
+            cnt = fill[j - j0]
+            tptr[j] = at
+            fill[j - j0] = at
+            at += cnt
+        for c in range(n):
+            for s in range(starts[c, b], starts[c, b + 1]):
+                t = sidx[c, s] - j0
+                tpos[fill[t]] = c * kk + s
+                fill[t] += 1
+
+
 @njit(cache=True, parallel=True, fastmath=_FM)
-def fused_keys(qh, goh, ptr, pos, base, cursor, i0, n, kk, scale, P, DS, grad_k, grad_v):
-    """Add rows ``i0 .. i0 + n`` of one query head into ``grad_k`` / ``grad_v`` (K, D) of its
-    kv head: each key's positions from ``cursor[j]`` on while their row is below ``i0 + n``,
-    in increasing rows (the same order on every thread count). One task per tile of
-    :data:`TILE` keys, walked in lockstep :data:`SLOTS` positions at a time."""
-    K = grad_k.shape[0]
-    Dk = grad_k.shape[1]
+def block_grad_kv(qh, goh, tptr, tpos, i0, kk, scale, P, DS, grad_k, grad_v):
+    """Add a window's rows into ``grad_k`` / ``grad_v`` (K, D) of their kv head: one task per
+    key block (dealt by :func:`_spread`), each key's rows in increasing order from the
+    :func:`block_transpose` positions (the same order on every thread count). A key's P and
+    dS are gathered first (independent loads), then four rows per pass over its gradient
+    rows."""
+    K, Dk = grad_k.shape
     Dv = grad_v.shape[1]
-    stop = (i0 + n) * kk
-    ntiles = (K + TILE - 1) // TILE
-    for task in prange(ntiles):
-        tile = _spread(task, ntiles)
-        j0 = tile * TILE
-        j1 = min(K, j0 + TILE)
-        ends = np.empty(TILE, np.int64)
-        longest = 0
-        for j in range(j0, j1):
-            lo = cursor[j]
-            hi = ptr[base + j + 1]
-            e = lo + np.searchsorted(pos[lo:hi], stop)
-            ends[j - j0] = e
-            if e - lo > longest:
-                longest = e - lo
-        for r0 in range(0, longest, SLOTS):
-            for j in range(j0, j1):
-                gk = grad_k[j]
-                gv = grad_v[j]
-                e0 = cursor[j] + r0
-                e1 = min(ends[j - j0], e0 + SLOTS)
-                for e in range(e0, e1):
-                    t = pos[e]
-                    i = t // kk
-                    c = i - i0
-                    s = t - i * kk
-                    p = P[c, s]
-                    ds = DS[c, s] * scale
-                    go = goh[i]
-                    qi = qh[i]
-                    for d in range(Dv):
-                        gv[d] += p * go[d]
-                    for d in range(Dk):
-                        gk[d] += ds * qi[d]
-        for j in range(j0, j1):
-            cursor[j] = ends[j - j0]
+    n = P.shape[0]
+    nb = (K + BLOCK_KEYS - 1) // BLOCK_KEYS
+    Pf = P.reshape(-1)
+    Sf = DS.reshape(-1)
+    for task in prange(nb):
+        b = _spread(task, nb)
+        pt = np.empty(n)
+        xt = np.empty(n)
+        rt = np.empty(n, np.int64)
+        for j in range(b * BLOCK_KEYS, min(K, (b + 1) * BLOCK_KEYS)):
+            e0 = tptr[j]
+            m = tptr[j + 1] - e0
+            if m == 0:
+                continue
+            for e in range(m):
+                t = tpos[e0 + e]
+                pt[e] = Pf[t]
+                xt[e] = Sf[t] * scale
+                rt[e] = i0 + t // kk
+            gv = grad_v[j]
+            gk = grad_k[j]
+            e = 0
+            while e + 4 <= m:
+                r0, r1, r2, r3 = rt[e], rt[e + 1], rt[e + 2], rt[e + 3]
+                p0, p1, p2, p3 = pt[e], pt[e + 1], pt[e + 2], pt[e + 3]
+                y0, y1, y2, y3 = goh[r0], goh[r1], goh[r2], goh[r3]
+                for d in range(Dv):
+                    gv[d] += ((p0 * y0[d] + p1 * y1[d]) + p2 * y2[d]) + p3 * y3[d]
+                x0, x1, x2, x3 = xt[e], xt[e + 1], xt[e + 2], xt[e + 3]
+                y0, y1, y2, y3 = qh[r0], qh[r1], qh[r2], qh[r3]
+                for d in range(Dk):
+                    gk[d] += ((x0 * y0[d] + x1 * y1[d]) + x2 * y2[d]) + x3 * y3[d]
+                e += 4
+            for f in range(e, m):
+                p = pt[f]
+                x = xt[f]
+                y = goh[rt[f]]
+                for d in range(Dv):
+                    gv[d] += p * y[d]
+                y = qh[rt[f]]
+                for d in range(Dk):
+                    gk[d] += x * y[d]

@@ -257,12 +257,43 @@ def test_fused_tiles_all_visited():
         assert len(seen) == (n if n < 10**5 else len(range(0, n, max(1, n // 997))))
 
 
-@pytest.mark.parametrize("Q", [17, 25, 40, 64, 65])
+def _windows_and_blocks():
+    """Rows over several fused windows (the last one partial), keys over several key blocks
+    (the last one partial), unsorted lists with padding anywhere and empty rows, GQA."""
+    from refattn.sparse.engine import FUSED_ROWS
+    from refattn.sparse.kernels import BLOCK_KEYS
+
+    Q, K = 2 * FUSED_ROWS + 37, 3 * BLOCK_KEYS + 5
+    return _call(8, B=1, Hq=4, Hkv=2, Q=Q, K=K, Dk=9, Dv=6, k=23, H=2, sink=True, empty=0.05)
+
+
+@pytest.mark.parametrize("Q", [17, 25, 40, 64, 65, None])
 def test_fused_path_many_tiles(Q):
-    call, rng = _call(7, B=1, Hq=2, Hkv=1, Q=Q, K=Q + 3, k=6, H=1, sink=True, empty=0.1)
-    go = rng.standard_normal((1, 2, Q, 3))
+    if Q is None:
+        call, rng = _windows_and_blocks()
+        assert not call.visibility.is_sorted
+    else:
+        call, rng = _call(7, B=1, Hq=2, Hkv=1, Q=Q, K=Q + 3, k=6, H=1, sink=True, empty=0.1)
+    go = rng.standard_normal((*call.q.shape[:3], call.v.shape[3]))
     ref_tr, ref_g = sparse_value_and_grad(call, go, backend="numpy")
     tr, g = sparse_value_and_grad(call, go, backend="numba")
     np.testing.assert_allclose(tr.output, ref_tr.output, atol=TOL, rtol=0)
-    for name in ("grad_q", "grad_k", "grad_v", "grad_sink"):
+    np.testing.assert_allclose(tr.lse, ref_tr.lse, atol=TOL, rtol=0)
+    for name in ("grad_q", "grad_k", "grad_v", "grad_sink", "row_dot"):
         np.testing.assert_allclose(getattr(g, name), getattr(ref_g, name), atol=TOL, rtol=0)
+
+
+def test_fused_same_bits_on_one_and_two_threads_across_windows_and_blocks():
+    call, rng = _windows_and_blocks()
+    go = rng.standard_normal((*call.q.shape[:3], call.v.shape[3]))
+    before = numba.get_num_threads()
+    runs = []
+    try:
+        for n in (1, min(2, numba.config.NUMBA_NUM_THREADS)):
+            numba.set_num_threads(n)
+            tr, g = sparse_value_and_grad(call, go, backend="numba")
+            runs.append([tr.output, tr.lse, g.grad_q, g.grad_k, g.grad_v, g.grad_sink])
+    finally:
+        numba.set_num_threads(before)
+    for a, b in zip(*runs, strict=True):
+        assert a.tobytes() == b.tobytes()
