@@ -19,6 +19,7 @@ from refattn.cli import (
     diagnostics,
     golden,
     gradcheck,
+    include_dir,
     mask,
     plot,
     sweep,
@@ -29,7 +30,8 @@ from refattn.errors import RefAttnError
 __all__ = ["main"]
 
 #: subcommand modules, in help order
-COMMANDS = (golden, sweep, verify, compare, plot, mask, diagnostics, gradcheck, calibrate)
+COMMANDS = (golden, sweep, verify, compare, plot, mask, diagnostics, gradcheck, calibrate,
+            include_dir)
 
 
 class _Parser(argparse.ArgumentParser):
