@@ -28,12 +28,38 @@ directory). ``--dry-run`` runs the same program on the CPU emulator with tiny sh
 torch on the CPU, to check the script without a GPU.
 
     python3 benchmarks/gpu.py [--dry-run] [--out DIR] [--budget SECONDS] [--cubin-dir DIR]
+                              [--micro-dir DIR] [--no-micro]
 
 ``--cubin-dir DIR`` loads the kernels from the cubin built ahead on a machine without a GPU
 (``python3 -m gpu_backend.compile_check --arch sm_90 --cubin-dir DIR``: nvcc, about 90 s
 saved on the lent machine, no NVRTC needed there) instead of compiling them with NVRTC; the
 cubin's record must name these kernel sources (``REFATTN_CUBIN_DIR``,
 :mod:`gpu_backend.cupy_backend`).
+
+First of all, before the kernels (issue 43, item 4), a **micro-benchmark pass** (budget 30 s;
+a few seconds expected, not yet measured on a GPU) measures the constants the performance
+model assumes and prints them beside the model's values (:mod:`benchmarks.gpu_micro.micro`):
+DMMA.16x8x4 (sm_90) and DMMA.8x8x4 cycles per issue per SMSP (many independent accumulators)
+and latency (a dependent chain), DFMA cycles and whether DFMA beside DMMA adds cycles or hides
+(co-issue), the issue cycles of a 16-byte cp.async and its L2 and DRAM -> shared bandwidth.
+Its cubins come from ``--micro-dir DIR`` (built ahead: ``python3 benchmarks/gpu_micro/micro.py
+--build DIR``), else they are built with nvcc at the start of the run (a few seconds, outside
+the pass's 30 s; the lent machine has CUDA 13.0's nvcc); ``--no-micro`` skips the pass. A dry
+run records it as skipped.
+
+How to run it on the lent machine: build both sets of cubins here (no GPU needed; ``build/``
+is git-ignored, so the ``run`` tool must carry it)::
+
+    python3 -m gpu_backend.compile_check --arch sm_90 --cubin-dir build/cubins
+    python3 benchmarks/gpu_micro/micro.py --build build/micro
+
+then one ``run`` call with ``carry=["build"]``::
+
+    python3 benchmarks/gpu.py --cubin-dir build/cubins --micro-dir build/micro --out $OUT
+
+Without ``--micro-dir`` the micro cubins are built with the device's nvcc at the start (a few
+seconds, recorded as ``micro.build_s`` and kept out of the pass's 30 s); without
+``--cubin-dir`` the kernels are compiled by NVRTC there (about 90 s of device time).
 """
 
 from __future__ import annotations
@@ -55,6 +81,7 @@ import numpy as np
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import refattn
+from benchmarks.gpu_micro import micro
 from gpu_backend import launch
 from refattn.bundle.suites import build_suite
 from refattn.dropout import Philox
@@ -63,6 +90,7 @@ from refattn.masks import causal
 SHAPES = [(8, 16, 4096, 128), (4, 32, 8192, 64), (1, 8, 32768, 128), (1, 8, 131072, 128)]
 DRY_SHAPES = [(1, 2, 64, 16), (1, 2, 96, 8)]
 BUDGET_S = 225.0  # the whole run, start-up and compile included, under four minutes
+MICRO_BUDGET_S = 30.0  # the micro-benchmark pass, its cubins' build excluded
 MAX_REPEATS = 5
 WEIGHT_FLOOR = 2e13  # FLOPs' worth of fixed cost per shape when sharing out the budget
 #: useful multiply-adds x 2 per (B, H, L, L, D) element: forward 2 products, backward 4
@@ -412,6 +440,33 @@ def _guarded(what: str, fn: Any, *args: Any) -> dict[str, Any]:
         return {"error": f"{type(exc).__name__}: {first}"}
 
 
+def micro_pass(gpu: bool, cubin_dir: Path | None, skip: bool = False) -> dict[str, Any]:
+    """The micro-benchmarks (:mod:`benchmarks.gpu_micro.micro`): their cubins built with nvcc
+    unless ``cubin_dir`` holds them (``build_s``, outside the pass's budget), run, and set
+    beside the model's values (``rows``); ``{"skipped": why}`` on a dry run or with
+    ``--no-micro``."""
+    if skip:
+        return {"skipped": "--no-micro"}
+    if not gpu:
+        return {"skipped": "dry run: the micro-benchmarks need a GPU (their compile is "
+                           "tested without one: tests/gpu/test_benchmark_script.py)"}
+    out: dict[str, Any] = {}
+    if cubin_dir is None:
+        import tempfile
+
+        t0 = time.perf_counter()
+        cubin_dir = Path(tempfile.mkdtemp(prefix="refattn-micro-"))
+        micro.build(cubin_dir)
+        out["build_s"] = time.perf_counter() - t0
+    t0 = time.perf_counter()
+    raw = micro.run(cubin_dir, MICRO_BUDGET_S)
+    measured = micro.derive(raw)
+    out.update(device=raw.get("name"), arch=raw["arch"], raw=raw, measured=measured,
+               rows=micro.table(measured, micro.assumed(raw["arch"])),
+               seconds=time.perf_counter() - t0)
+    return out
+
+
 def _device(gpu: bool) -> tuple[Any, float]:
     """The backend's device with its kernels loaded, and the seconds that took."""
     t0 = time.perf_counter()
@@ -437,6 +492,10 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cubin-dir", type=Path,
                    help="load the kernels from the cubin built ahead in DIR (compile_check "
                    "--cubin-dir) instead of compiling them with NVRTC")
+    p.add_argument("--micro-dir", type=Path,
+                   help="the micro-benchmarks' cubins built ahead (benchmarks/gpu_micro/"
+                   "micro.py --build DIR); default: built with nvcc at the start")
+    p.add_argument("--no-micro", action="store_true", help="skip the micro-benchmark pass")
     args = p.parse_args(argv)
     if not args.out.is_dir():
         print(f"gpu.py: --out {args.out}: not a directory", file=sys.stderr)
@@ -448,10 +507,15 @@ def main(argv: list[str] | None = None) -> int:
         from gpu_backend.cupy_backend import CUBIN_DIR_ENV
 
         os.environ[CUBIN_DIR_ENV] = str(args.cubin_dir.resolve())
+    if args.micro_dir is not None and not args.micro_dir.is_dir():
+        print(f"gpu.py: --micro-dir {args.micro_dir}: not a directory", file=sys.stderr)
+        return 2
     start = time.perf_counter()
     deadline = start + args.budget
     gpu = not args.dry_run
     backend = "cupy" if gpu else "cuda_emulator"
+    # before the kernels: the model's constants, measured (a failure is a result)
+    micro_report = _guarded("micro-benchmarks", micro_pass, gpu, args.micro_dir, args.no_micro)
     try:
         inner, compile_s = _device(gpu)
     except refattn.RefAttnError as exc:
@@ -468,7 +532,7 @@ def main(argv: list[str] | None = None) -> int:
     report: dict[str, Any] = {
         "backend": backend, "device": inner.describe(), "python": platform.python_version(),
         "numpy": np.__version__, "compile_options": list(inner.compile_options),
-        "kernel_load_s": compile_s, "budget_s": args.budget,
+        "micro": micro_report, "kernel_load_s": compile_s, "budget_s": args.budget,
         "flops_per_element": FLOPS_PER_ELEMENT,
         "method": {"device_s": "CUDA events: refattn an event pair around each kernel launch "
                                "(summed), torch one pair around forward+backward; inputs on "
@@ -546,11 +610,23 @@ def _s(x: Any) -> str:
     return f"{x:.3f}" if isinstance(x, float) else "-"
 
 
+def print_micro(m: dict[str, Any]) -> None:
+    """The micro-benchmark pass: the model's constants, measured beside assumed."""
+    if "rows" in m:
+        build = f", cubins built in {m['build_s']:.1f} s" if "build_s" in m else ""
+        print(f"micro-benchmarks on {m.get('device')} ({m['arch']}, {m['seconds']:.1f} s"
+              f"{build}):")
+        print(micro.format_table(m["rows"]))
+    else:
+        print(f"micro-benchmarks: {m.get('skipped') or m.get('error')}")
+
+
 def print_report(r: dict[str, Any]) -> None:
     c = r["conformance"]
     d = r["dgemm"]
     print(f"backend {r['backend']}; device {r['device']}; torch {r['torch']}; kernels loaded "
           f"in {r['kernel_load_s']:.1f} s")
+    print_micro(r.get("micro", {}))
     if "error" in d:
         print(f"DGEMM: {d['error']}")
     else:

@@ -170,3 +170,138 @@ def test_the_gpu_path_imports_nothing_the_gpu_image_lacks():
     out = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True,
                          text=True, check=True, env={"PYTHONPATH": str(root), "PATH": ""})
     assert out.stdout.strip() == "[]"
+
+
+# -- the micro-benchmark pass (issue 43, item 4) ------------------------------------------------
+def _micro():
+    from benchmarks.gpu_micro import micro
+
+    return micro
+
+
+@pytest.fixture(scope="module")
+def micro_sass(tmp_path_factory):
+    """The micro-benchmarks built with nvcc for sm_90 and sm_80, disassembled: arch -> the
+    loop counts of each kernel (skipped where nvcc or cuobjdump is missing)."""
+    import shutil
+
+    from gpu_backend.sass import disassemble, tool_path
+
+    if shutil.which("nvcc") is None or tool_path("cuobjdump") is None:
+        pytest.skip("nvcc or cuobjdump not installed (CUDA 13 toolkit)")
+    micro = _micro()
+    paths = micro.build(tmp_path_factory.mktemp("micro"))
+    return {arch: micro.loop_counts(disassemble(path.read_bytes()))
+            for arch, path in paths.items()}
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_the_micro_benchmarks_compile_to_the_instructions_they_time(micro_sass, arch):
+    """Each timed loop holds exactly the DMMA, DFMA and LDGSTS (cp.async) instructions its
+    constants say (nothing folded, nothing hoisted out), with the DMMA shape of the arch; a
+    latency chain is dependent (each DMMA accumulates onto the previous one's result), a
+    throughput loop is not."""
+    micro = _micro()
+    counts = micro_sass[arch]
+    for kernel, want in micro.EXPECTED_LOOPS.items():
+        if arch == "sm_80" and kernel in micro.M16_KERNELS:
+            assert counts[kernel]["opcodes"]["DMMA"] == 0  # no m16n8k4 below sm_90
+            continue
+        got = counts[kernel]["opcodes"]
+        for opcode in ("DMMA", "DFMA", "LDGSTS"):
+            assert got[opcode] == want.get(opcode, 0), (arch, kernel, opcode, got)
+        assert counts[kernel]["chain"] is kernel.endswith("_latency"), (arch, kernel)
+
+
+def test_the_micro_benchmarks_issue_the_dmma_shapes_of_each_arch(tmp_path):
+    import shutil
+
+    from gpu_backend.sass import disassemble, parse, tool_path
+
+    if shutil.which("nvcc") is None or tool_path("cuobjdump") is None:
+        pytest.skip("nvcc or cuobjdump not installed (CUDA 13 toolkit)")
+    micro = _micro()
+    shapes = {}
+    for arch, path in micro.build(tmp_path).items():
+        funcs = parse(disassemble(path.read_bytes()))
+        shapes[arch] = {name: {i.opcode for i in ins if i.base == "DMMA"}
+                        for name, ins in funcs.items()}
+    assert shapes["sm_90"]["dmma16_throughput"] == {"DMMA.16x8x4"}
+    assert shapes["sm_90"]["dmma8_throughput"] == {"DMMA.8x8x4"}
+    assert shapes["sm_80"]["dmma8_throughput"] == {"DMMA.884"}
+
+
+def test_the_micro_derivation_on_synthetic_counts_that_overlap():
+    """DFMA hidden entirely behind DMMA: the mixed loop takes the DMMA loop's cycles, so the
+    co-issue is 1; the model's assumed values come from perf_model's HARDWARE (16 cycles per
+    DMMA.16x8x4 issue on an H200: 512 FMA at 67 TFLOP/s over 132 SMs x 4 SMSPs x 1.98 GHz)."""
+    micro = _micro()
+    d = micro.DEFINES
+    per_warp = d["ACC"] * d["STEPS"] * 4
+    raw = {"arch": "sm_90", "sms": 1, "defines": d, "trips": 4,
+           "dmma16_latency": [4 * d["CHAIN"] * 48],
+           "dmma16_throughput_w1": [per_warp * 16] * 4,
+           "dfma_throughput_w1": [per_warp * 2 * 2] * 4,
+           "dmma16_dfma_mixed_w1": [per_warp * 16] * 4}
+    out = micro.derive(raw)
+    assert out["dmma16_latency_cycles"] == 48.0
+    assert out["dmma16_cycles_per_issue_smsp"] == 16.0
+    assert out["dfma_cycles_per_warp_instruction_smsp"] == 2.0
+    assert out["dmma16_dfma_coissue"] == 1.0
+    assert "dmma8_cycles_per_issue_smsp" not in out and "cp_async_l2_gb_per_s" not in out
+    model = micro.assumed("sm_90")
+    assert model["dmma16_cycles_per_issue_smsp"] == pytest.approx(16.0, rel=0.01)
+    assert model["dmma8_cycles_per_issue_smsp"] == pytest.approx(8.0, rel=0.01)
+    assert model["dmma16_dfma_coissue"] == 0.0
+    rows = {r["constant"]: r for r in micro.table(out, model)}
+    assert rows["dmma16_cycles_per_issue_smsp"]["ratio"] == pytest.approx(1.0, rel=0.01)
+    assert rows["dmma16_dfma_coissue"]["ratio"] is None  # 1 against an assumed 0
+    text = micro.format_table(micro.table(out, model))
+    assert "DMMA.16x8x4 cycles per issue per SMSP" in text and len(text.splitlines()) == 1 + 4
+
+
+def test_the_micro_pass_in_the_report(bench, tmp_path, monkeypatch, capsys):
+    """On a GPU the pass runs before the kernels (its cubins from --micro-dir, else built):
+    here micro.run is replaced by synthetic counts; the table is printed and recorded. A dry
+    run records the pass as skipped, and a failing pass is a result, not a crash."""
+    micro = _micro()
+    d = micro.DEFINES
+    raw = {"arch": "sm_80", "sms": 1, "defines": d, "trips": 1, "name": "fake A100",
+           "dmma8_latency": [d["CHAIN"] * 20]}
+    seen = {}
+
+    def fake_run(cubin_dir, budget):
+        seen["dir"], seen["budget"] = cubin_dir, budget
+        return raw
+
+    monkeypatch.setattr(bench.micro, "run", fake_run)
+    out = bench.micro_pass(True, tmp_path)
+    assert seen == {"dir": tmp_path, "budget": bench.MICRO_BUDGET_S}
+    assert out["measured"]["dmma8_latency_cycles"] == 20.0 and "build_s" not in out
+    assert [r["constant"] for r in out["rows"]] == ["dmma8_latency_cycles"]
+    bench.print_micro(out)
+    assert "DMMA.8x8x4 dependent latency" in capsys.readouterr().out
+    assert bench.micro_pass(False, None)["skipped"].startswith("dry run")
+    assert bench.micro_pass(True, None, skip=True) == {"skipped": "--no-micro"}
+    assert bench.main(["--dry-run", "--out", str(tmp_path), "--micro-dir",
+                       str(tmp_path / "none")]) == 2
+    assert "--micro-dir" in capsys.readouterr().err
+
+
+def test_the_micro_driver_doctests_pass():
+    """benchmarks/ is outside the doctest paths: the driver's examples run here."""
+    import doctest
+
+    result = doctest.testmod(_micro(), optionflags=doctest.ELLIPSIS)
+    assert result.attempted >= 3 and result.failed == 0
+
+
+def test_the_micro_build_names_what_is_missing(tmp_path, monkeypatch):
+    import refattn
+
+    micro = _micro()
+    with pytest.raises(refattn.RefAttnError, match=r"unknown arch \['sm_70'\]"):
+        micro.build(tmp_path, ("sm_70",))
+    monkeypatch.setattr(micro.shutil, "which", lambda name: None)
+    with pytest.raises(refattn.RefAttnError, match="nvcc is not on PATH"):
+        micro.build(tmp_path)
