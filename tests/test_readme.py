@@ -54,6 +54,8 @@ NOT_RUN = {
     "python3 benchmarks/": "a benchmark (long, machine-dependent)",
     "python3 -m gpu_backend": "needs the CUDA toolkit (tests/gpu runs what a CPU can)",
     "mkdocs": "builds this site (tests/test_docs_site.py does)",
+    "g++": "compiles a user's C++ test (tests/cpp/test_cpp.py builds the header's own)",
+    "cmake": "configures a user's C++ project (tests/cpp/test_cpp.py builds the header's own)",
     "refattn golden --suite kernels": "writes 2 GB in about 35 s (benchmarks/"
                                       "kernel_suite.py; tests/bundle/test_numba_generator.py "
                                       "writes and verifies a selection)",
