@@ -1,19 +1,58 @@
-"""``refattn golden``: generate a golden bundle for a named suite."""
+"""``refattn golden``: generate a golden bundle for a named suite.
+
+Owns the command's parser and body. With ``--with-yardsticks DTYPES`` each case's manifest
+entry also stores the lower-precision rule's yardsticks
+(:func:`refattn.bundle.native.yardstick_table`, what the C++ header's ``refattn::compare``
+multiplies by k): the bundle is written into a temporary directory, read back with every
+checksum, and committed to ``--out`` in one transaction holding the yardsticks (the lock on
+``--out`` is taken first, so a directory refattn may not write is refused before any work).
+"""
 
 from __future__ import annotations
 
 import argparse
 import os
+import tempfile
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
+from refattn.bundle.comparison.tolerances import LOWER_PRECISIONS
 from refattn.bundle.golden.case import GENERATORS
-from refattn.bundle.storage.manifest import check_schema, read_manifest
+from refattn.bundle.golden.spec import case_spec
+from refattn.bundle.native import DEFAULT_NAMES, yardstick_table
+from refattn.bundle.storage.format import dump_json
+from refattn.bundle.storage.fsio import MAX_CASE_BYTES, MAX_MANIFEST_BYTES, read_confined
+from refattn.bundle.storage.manifest import check_schema, parse_manifest, read_manifest
+from refattn.bundle.storage.read import load_bytes
+from refattn.bundle.storage.transaction import BundleTransaction
 from refattn.bundle.suites import SUITES, build_suite, default_generator
 from refattn.bundle.writing.write import MAX_EXACT_SECONDS, write_bundle
 from refattn.cli.verify import seconds_value
 from refattn.errors import RefAttnError
 
-__all__ = ["add_parser"]
+__all__ = ["add_parser", "dtype_list", "run"]
+
+
+def dtype_list(text: str) -> tuple[str, ...]:
+    """``--with-yardsticks``'s value: comma-separated lower precisions, each once.
+
+    Examples
+    --------
+    >>> dtype_list("float32,bfloat16")
+    ('float32', 'bfloat16')
+    >>> dtype_list("float64")
+    Traceback (most recent call last):
+        ...
+    argparse.ArgumentTypeError: 'float64' is not float32, float16 or bfloat16
+    """
+    names = [t.strip() for t in text.split(",")]
+    for name in names:
+        if name not in LOWER_PRECISIONS:
+            raise argparse.ArgumentTypeError(f"{name[:40]!r} is not float32, float16 or bfloat16")
+    if len(set(names)) != len(names):
+        raise argparse.ArgumentTypeError(f"{text[:80]!r} names a dtype twice")
+    return tuple(names)
 
 
 def add_parser(sub: argparse._SubParsersAction) -> None:
@@ -27,7 +66,8 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "  refattn golden --out goldens                      # the 79 conformance cases\n"
         "  refattn golden --suite kernels --out kgoldens     # 304 cases at kernel shapes\n"
         "  refattn golden --suite contract --out contract    # the contract's fixtures only\n"
-        "  refattn golden --out goldens --backend numpy      # machine-dependent float64",
+        "  refattn golden --out goldens --backend numpy      # machine-dependent float64\n"
+        "  refattn golden --out goldens --with-yardsticks float32,bfloat16  # for C++ tests",
     )
     p.add_argument("--out", required=True, help="bundle directory to write: absent, empty or "
                    "an earlier bundle (written as one transaction; a link, a file, a foreign "
@@ -47,6 +87,12 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--max-seconds", type=seconds_value, default=MAX_EXACT_SECONDS,
                    metavar="S", help="refuse, before any work, a bundle whose exact generation "
                    f"is estimated above S seconds in all (default {MAX_EXACT_SECONDS:g})")
+    p.add_argument("--with-yardsticks", type=dtype_list, default=(), metavar="DTYPES",
+                   help="also store in each case's manifest entry the yardsticks of the "
+                   "float32/float16/bfloat16 rule for " + ", ".join(DEFAULT_NAMES) + " (the "
+                   "naive algorithm's error in each of the comma-separated DTYPES, e.g. "
+                   "float32,bfloat16), which the C++ header's refattn::compare reads; refattn "
+                   "verify recomputes them and fails a bundle whose stored ones differ")
     p.add_argument("--quiet", action="store_true",
                    help="no progress bar (one is drawn only on a terminal anyway)")
     p.set_defaults(func=run)
@@ -66,10 +112,17 @@ def run(args: argparse.Namespace) -> int:
     earlier = _earlier_cases(Path(args.out))
     cases = build_suite(args.suite)
     backend = args.backend or default_generator(args.suite)
-    path = write_bundle(args.out, cases, suite=args.suite, backend=backend,
-                        force=args.force, progress=False if args.quiet else None,
-                        max_seconds=args.max_seconds)
-    print(f"wrote {len(cases)} case(s) of suite {args.suite!r} ({backend}) to "
+    progress = False if args.quiet else None
+    dtypes = tuple(getattr(args, "with_yardsticks", ()) or ())
+    if dtypes:
+        path = _write_with_yardsticks(Path(args.out), cases, dtypes, suite=args.suite,
+                                      backend=backend, force=args.force, progress=progress,
+                                      max_seconds=args.max_seconds)
+    else:
+        path = write_bundle(args.out, cases, suite=args.suite, backend=backend,
+                            force=args.force, progress=progress, max_seconds=args.max_seconds)
+    with_what = f", yardsticks {','.join(dtypes)}" if dtypes else ""
+    print(f"wrote {len(cases)} case(s) of suite {args.suite!r} ({backend}{with_what}) to "
           f"{path.parent} ({path.name})")
     removed = sorted(earlier - _earlier_cases(path.parent))  # the new bundle's ids
     if removed:  # the earlier bundle's own files, replaced: say which ones are gone
@@ -77,3 +130,28 @@ def run(args: argparse.Namespace) -> int:
         print(f"replaced the earlier bundle: removed {len(removed)} case file(s) that suite "
               f"{args.suite!r} does not have ({shown})")
     return 0
+
+
+def _write_with_yardsticks(out: Path, cases: Sequence[Any], dtypes: Sequence[str], *,
+                           suite: str, backend: str, force: bool, progress: bool | None,
+                           max_seconds: float) -> Path:
+    """:func:`write_bundle` with each entry's ``yardsticks``: one transaction on ``out``,
+    whose lock is held from before the arithmetic to the commit."""
+    with BundleTransaction(out, force=force) as tx, tempfile.TemporaryDirectory(
+            prefix="refattn-golden-") as scratch:
+        staged = write_bundle(Path(scratch) / "bundle", cases, suite=suite, backend=backend,
+                              progress=progress, max_seconds=max_seconds).parent
+        shown = str(staged / "manifest.json")
+        manifest = check_schema(parse_manifest(read_confined(
+            staged, "manifest.json", max_bytes=MAX_MANIFEST_BYTES, what="bundle manifest"),
+            shown))
+        for entry in manifest["cases"].values():
+            data = read_confined(staged, entry["file"], max_bytes=MAX_CASE_BYTES,
+                                 what="case file")
+            spec = case_spec(load_bytes(data, entry["file"], manifest=manifest,
+                                        file_name=Path(entry["file"]).name))
+            entry["yardsticks"] = {d: yardstick_table(spec, d, DEFAULT_NAMES) for d in dtypes}
+            tx.add(entry["file"], data)
+            del data, spec  # one case in memory at a time
+        tx.commit({"manifest.json": dump_json(manifest)})
+    return tx.out / "manifest.json"

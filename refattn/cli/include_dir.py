@@ -18,10 +18,10 @@ def add_parser(sub: argparse._SubParsersAction) -> None:
         "include-dir", help="print the folder of refattn.hpp and refattn.h (for -I)",
         description="Print the folder holding refattn.hpp (the C++17 reader of golden bundles "
         "and the tolerance rule) and refattn.h (its C API), for a compiler's -I or CMake's "
-        "include_directories.",
+        "include_directories: g++ -std=c++17 -I\"$(refattn include-dir)\" test.cpp, or "
+        "cmake -DREFATTN_INCLUDE=\"$(refattn include-dir)\" ..",
         epilog="examples:\n"
-        "  g++ -std=c++17 -I\"$(refattn include-dir)\" test.cpp\n"
-        "  cmake -DREFATTN_INCLUDE=\"$(refattn include-dir)\" ..\n"
+        "  refattn include-dir                               # /path/to/refattn/include\n"
         "  refattn include-dir --flag                        # -I/path/to/refattn/include",
     )
     p.add_argument("--flag", action="store_true", help="print it as a -I flag")

@@ -24,6 +24,7 @@ from refattn.cli import (
     plot,
     sweep,
     verify,
+    yardstick,
 )
 from refattn.errors import RefAttnError
 
@@ -31,7 +32,7 @@ __all__ = ["main"]
 
 #: subcommand modules, in help order
 COMMANDS = (golden, sweep, verify, compare, plot, mask, diagnostics, gradcheck, calibrate,
-            include_dir)
+            include_dir, yardstick)
 
 
 class _Parser(argparse.ArgumentParser):

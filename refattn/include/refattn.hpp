@@ -1091,8 +1091,31 @@ inline const std::string& manifest_v1() {
         "call": {"$ref": "#/$defs/call"},
         "reference_error": {"type": "object"},
         "guarantee": {"$ref": "#/$defs/guarantee"},
-        "quant": {"$ref": "#/$defs/quant"}
+        "quant": {"$ref": "#/$defs/quant"},
+        "yardsticks": {"$ref": "#/$defs/yardsticks"}
       }
+    },
+    "yardsticks": {
+      "description": "written by `refattn golden --with-yardsticks DTYPES` (schema 1.0 minor addition): per lower precision and tensor, the yardstick of the float32/float16/bfloat16 rule that the C++ header's refattn::compare multiplies by k: reference_error, the largest max|naive - golden| over the naive algorithm's saved-state routes run in that dtype, and natural_magnitude (0: none). The sha256s cover the case files, not this field: refattn verify recomputes every stored number and fails the case when one differs; Python's compare never reads them (docs/how-to/tolerances.md)",
+      "type": "object",
+      "propertyNames": {"enum": ["float32", "float16", "bfloat16"]},
+      "additionalProperties": {
+        "type": "object",
+        "propertyNames": {"type": "string", "pattern": "^[A-Za-z0-9_]{1,100}$"},
+        "additionalProperties": {
+          "type": "object",
+          "required": ["reference_error", "natural_magnitude"],
+          "properties": {"reference_error": {"$ref": "#/$defs/nonneg_float_record"},
+                         "natural_magnitude": {"$ref": "#/$defs/nonneg_float_record"}}
+        }
+      }
+    },
+    "nonneg_float_record": {
+      "description": "a float record of a finite non-negative number (no sign, no inf or nan)",
+      "type": "object",
+      "required": ["hex"],
+      "properties": {"hex": {"type": "string", "pattern": "^0x[01]\\.[0-9a-f]+p[+-][0-9]+$"},
+                     "decimal": {"type": "string"}}
     },
     "guarantee": {
       "description": "a float64-generated case (generator numpy or numba; schema 1.0 minor addition): per computed tensor, the bound it is within of the correctly rounded result, as refattn verify applies it (docs/verify.md). elementwise: the largest |stored - correctly rounded| at any element (1e-12 x kappa x the tensor's natural magnitude); normwise_relative: the largest ||stored - ref|| / ||ref||; equal: integer and boolean tensors. Verify computes its own bound from its recomputation and refuses a record that names another generator or rule or allows any tensor more than its own",

@@ -122,3 +122,42 @@ def test_mutated_case_files_only_raise_refattn_error(pristine, data, tmp_path):
             reader(path)
         except RefAttnError:
             pass
+
+
+# -- the manifest's tensor records against the file (issue 44: the header refused these) -------
+def _edited_manifest(pristine: Path, tmp_path: Path, edit) -> Path:
+    out = tmp_path / "b"
+    shutil.copytree(pristine, out)
+    manifest = json.loads((out / "manifest.json").read_text())
+    edit(manifest["cases"][LOOP7])
+    (out / "manifest.json").write_text(json.dumps(manifest))
+    return out / "cases" / f"{LOOP7}.safetensors"
+
+
+@pytest.mark.parametrize(("label", "edit", "words"), [
+    ("shape changed", lambda e: e["tensors"]["q"]["shape"].__setitem__(-1, 99),
+     ("tensor 'q'", ", 99]")),
+    ("shape of another rank", lambda e: e["tensors"]["q"].__setitem__(
+        "shape", [int(__import__("math").prod(e["tensors"]["q"]["shape"]))]), ("tensor 'q'",)),
+    ("dtype changed", lambda e: e["tensors"]["output"].__setitem__("dtype", "int64"),
+     ("tensor 'output'", "float64", "lists int64")),
+    ("a file tensor not listed", lambda e: e["tensors"].pop("output"),
+     ("'output'", "not listed in the bundle manifest")),
+])
+def test_load_refuses_a_manifest_record_the_file_contradicts(pristine, tmp_path, label, edit,
+                                                             words):
+    """Planted: the file's bytes and every sha256 are intact; only the manifest's record of a
+    tensor's shape or dtype (or its presence) changed, which the sha256s do not cover."""
+    path = _edited_manifest(pristine, tmp_path, edit)
+    with pytest.raises(RefAttnError) as caught:
+        load(path)
+    message = str(caught.value)
+    for word in (f"{LOOP7}.safetensors", *words):
+        assert word in message, (label, message)
+
+
+def test_load_accepts_the_records_as_written(pristine):
+    case = load(pristine / "cases" / f"{LOOP7}.safetensors")
+    entry = json.loads((pristine / "manifest.json").read_text())["cases"][LOOP7]
+    assert {n: list(t.shape) for n, t in case.tensors.items()} == {
+        n: r["shape"] for n, r in entry["tensors"].items()}

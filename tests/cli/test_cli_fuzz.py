@@ -31,7 +31,7 @@ def places(tmp_path_factory) -> dict[str, str]:
     return {"bundle": str(bundle), "file": str(root / "file.txt"), "fifo": str(root / "fifo"),
             "link": str(root / "link"), "case": str(case), "missing": str(root / "nope"),
             "fresh": str(root / "fresh"), "spec": str(root / "spec.toml"),
-            "bad_spec": str(root / "bad.toml")}
+            "bad_spec": str(root / "bad.toml"), "json": str(root / "yardsticks.json")}
 
 
 NUMBERS = ["0", "-1", "1", "2", "3", "2**64", "18446744073709551616", "1e400", "nan", "0.5",
@@ -50,9 +50,11 @@ OPTIONS = {
     "sweep": ["--out", "--force", "--quiet", "--timeout"],
     "plot": ["--case", "--candidate", "--dtype", "--tensor", "--quiet"],  # --out: see below
     "include-dir": ["--flag"],
+    "yardstick": ["--dtype", "--names", "--force"],  # --out: see below
 }
 CHOICES = ["upper_left", "lower_right", "contract", "numpy", "exact", "float32", "full",
-           "forward", "gradients", "directional", "central_difference", "excludes_query"]
+           "forward", "gradients", "directional", "central_difference", "excludes_query",
+           "bfloat16", "output,grad_q"]
 
 
 @st.composite
@@ -61,7 +63,8 @@ def argument_lists(draw, places: dict[str, str]) -> list[str]:
     tokens = st.sampled_from(NUMBERS) | st.sampled_from(CHOICES) | st.sampled_from(
         [places[k] for k in sorted(places)]) | st.sampled_from(OPTIONS[command])
     args = draw(st.lists(tokens, max_size=6))
-    if command in ("verify", "compare", "diagnostics", "sweep", "plot"):  # positional paths
+    if command in ("verify", "compare", "diagnostics", "sweep", "plot",
+                   "yardstick"):  # positional paths
         n = 2 if command == "compare" else 1
         args = draw(st.lists(st.sampled_from(sorted(places.values())), min_size=n,
                              max_size=n)) + args
@@ -74,6 +77,9 @@ def argument_lists(draw, places: dict[str, str]) -> list[str]:
             [places[k] for k in ("bundle", "file", "fifo", "link", "fresh")]))]
     if command == "plot":  # never a relative --out (it would write into the working directory)
         args += ["--out", places["fresh"]]
+    if command == "yardstick":  # never a relative --out either
+        args += ["--out", draw(st.sampled_from(
+            [places[k] for k in ("json", "file", "fifo", "link", "bundle")]))]
     if command == "gradcheck":  # bounded sizes: a fuzz run must stay quick
         args = [a for a in args if a != "--shape"] + ["--shape", draw(st.sampled_from(
             ["1,1,1,2,2,2,2", "1,2,1,2,3,2,2", "0,1,1,1,1,1,1", "1,1,1,1"]))]

@@ -266,8 +266,12 @@ def test_cross_check_lower_precision(gxx_build: Path, bundle: Path, tmp_path: Pa
         pytest.importorskip("ml_dtypes")
     cases = FLOAT32_CASES if dtype == "float32" else FLOAT32_CASES[:4]
     specs = [case_spec(bundle / "cases" / f"{c}.safetensors") for c in cases]
-    yard = tmp_path / "yardsticks.json"
-    yard.write_text(json.dumps(yardsticks(specs, dtype)))
+    yard = tmp_path / "yardsticks.json"  # written by the command users run
+    done = _run([sys.executable, "-m", "refattn", "yardstick", str(bundle), "--dtype", dtype,
+                 "--names", "output", "--out", str(yard)])
+    assert done.returncode == 0, done.stderr
+    written = json.loads(yard.read_text())["cases"]
+    assert {c: written[c] for c in cases} == yardsticks(specs, dtype)["cases"]
     lp = resolve_dtype(dtype)
     rng = np.random.default_rng(44)
     jobs, expected = [], []
@@ -292,17 +296,17 @@ def test_cross_check_lower_precision(gxx_build: Path, bundle: Path, tmp_path: Pa
                          str(yard)])
             expected.append((f"{spec.case_id} {label}",
                              compare({"output": cand}, spec, dtype=dtype)["output"]))
-    if dtype == "float32":  # the same yardsticks carried by the manifest's case entries
+    if dtype == "float32":  # the yardsticks stored by `refattn golden --with-yardsticks`
         embedded = tmp_path / "embedded"
-        (embedded / "cases").mkdir(parents=True)
-        manifest = json.loads((bundle / "manifest.json").read_text())
-        table = json.loads(yard.read_text())["cases"]
-        manifest["cases"] = {c: {**manifest["cases"][c], "yardsticks": table[c]} for c in cases}
-        (embedded / "manifest.json").write_text(json.dumps(manifest))
-        for c in cases:
-            shutil.copyfile(bundle / "cases" / f"{c}.safetensors",
-                            embedded / "cases" / f"{c}.safetensors")
-        check_schema(read_manifest(embedded / "manifest.json"))  # Python reads it too
+        done = _run([sys.executable, "-m", "refattn", "golden", "--suite", "conformance",
+                     "--out", str(embedded), "--quiet", "--with-yardsticks", "float32"])
+        assert done.returncode == 0, done.stderr
+        manifest = check_schema(read_manifest(embedded / "manifest.json"))  # Python reads it
+        for c in cases:  # the same case files, and the file's numbers for their output
+            assert (embedded / "cases" / f"{c}.safetensors").read_bytes() == (
+                bundle / "cases" / f"{c}.safetensors").read_bytes()
+            assert manifest["cases"][c]["yardsticks"]["float32"]["output"] == written[c][
+                "float32"]["output"]
         extra = [[*job[:1], str(embedded), *job[2:6], "-"] for job in jobs]
         jobs += extra
         expected += [(f"{label} (manifest yardsticks)", py) for label, py in expected]
@@ -466,6 +470,11 @@ def test_malformed_corpus_is_refused_by_both(gxx_build: Path, bundle: Path,
     assert not problems, "\n".join(problems[:20])
 
 
+#: a well-formed yardstick record (the malformed ones of _manifest_mutations change one part)
+YARD = {"reference_error": {"hex": "0x1.0p-20", "decimal": "9.5367431640625e-07"},
+        "natural_magnitude": {"hex": "0x1.0p+0", "decimal": "1.0"}}
+
+
 def _manifest_mutations(manifest: dict[str, Any], rng: random.Random
                         ) -> list[tuple[str, bytes]]:
     """Manifests the Python reader refuses, in the fields the header checks (the schema name
@@ -494,6 +503,16 @@ def _manifest_mutations(manifest: dict[str, Any], rng: random.Random
         ("case id", lambda m: m["cases"].__setitem__("bad/id", entry)),
         ("call missing", lambda m: m["cases"][LOOP7].pop("call")),
         ("flags an object", lambda m: m["cases"][LOOP7].__setitem__("flags", {})),
+        # the yardsticks `refattn golden --with-yardsticks` stores (manifest-v1.json)
+        ("yardsticks of float64", lambda m: m["cases"][LOOP7].__setitem__(
+            "yardsticks", {"float64": {"output": YARD}})),
+        ("yardstick negative", lambda m: m["cases"][LOOP7].__setitem__(
+            "yardsticks", {"float32": {"output": {**YARD, "reference_error": {
+                "hex": "-0x1.0p-20"}}}})),
+        ("yardstick without natural_magnitude", lambda m: m["cases"][LOOP7].__setitem__(
+            "yardsticks", {"float32": {"output": {"reference_error": {"hex": "0x1.0p-20"}}}})),
+        ("yardstick of a bad tensor name", lambda m: m["cases"][LOOP7].__setitem__(
+            "yardsticks", {"float32": {"out put": YARD}})),
     ]
     out = []
     for name, edit in edits:
@@ -560,7 +579,9 @@ def test_malformed_manifests_are_refused_by_both(gxx_build: Path, bundle: Path,
             refused += 1
             if row["ok"]:
                 problems.append(f"{name}: refused by Python, accepted by the header")
-            elif "manifest.json" not in row["error"]:
+            elif "manifest.json" not in row["error"] and not (  # a record the file
+                    f"{LOOP7}.safetensors" in row["error"]  # contradicts: both named
+                    and "the manifest lists" in row["error"]):
                 problems.append(f"{name}: the refusal does not name manifest.json: "
                                 f"{row['error']}")
             continue

@@ -100,6 +100,8 @@ HONEST_ARGV: dict[str, tuple[list[str], list[str]]] = {
     "gradcheck": ([], ["--shape", "1,1,1,2,2,2,2", "--mode", "directional", "--directions",
                        "1", "--quiet"]),
     "calibrate": ([], ["--show", "--repeats", "1"]),
+    "yardstick": (["@bundle"], ["--dtype", "float32", "--out", "@out"]),
+    "include-dir": ([], []),
 }
 
 #: options of the parser that get no boundary value, each with its reason

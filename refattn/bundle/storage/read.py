@@ -392,6 +392,24 @@ def load(path: str | os.PathLike, *, manifest: Mapping[str, Any] | None = None) 
     return load_bytes(data, str(path), manifest=manifest, file_name=path.name)
 
 
+def _same_record(arr: np.ndarray, rec: Mapping[str, Any], where: str) -> None:
+    """Refuse a tensor whose dtype or shape is not its manifest record's (the sha256 covers
+    the bytes, not how they are read: a record of another shape would be read differently by
+    a reader that trusts the manifest, as the C++ header does).
+
+    Examples
+    --------
+    >>> _same_record(np.zeros((2, 3)), {"dtype": "float64", "shape": [3, 2]}, "f: tensor 'q'")
+    Traceback (most recent call last):
+        ...
+    refattn.errors.RefAttnError: f: tensor 'q' is float64 [2, 3], the manifest lists float64 [3, 2]
+    """
+    shape, dtype = list(arr.shape), arr.dtype.name
+    if rec.get("dtype") != dtype or list(rec.get("shape", ())) != shape:
+        raise RefAttnError(f"{where} is {dtype} {shape}, the manifest lists "
+                           f"{str(rec.get('dtype'))[:20]} {str(rec.get('shape'))[:80]}")
+
+
 def load_bytes(data: bytes | bytearray, shown: str, *, manifest: Mapping[str, Any] | None = None,
                file_name: str | None = None) -> LoadedCase:
     """:func:`load` for bytes already read (``shown`` names them in messages)."""
@@ -421,6 +439,11 @@ def load_bytes(data: bytes | bytearray, shown: str, *, manifest: Mapping[str, An
                 raise RefAttnError(f"{shown}: tensor {name!r} listed in the manifest is missing")
             if rec["sha256"] != meta["tensors"].get(name):
                 raise RefAttnError(f"{shown}: tensor {name!r} sha256 differs from the manifest")
+            _same_record(tensors[name], rec, f"{shown}: tensor {name!r}")
+        unlisted = sorted(set(tensors) - set(entry["tensors"]))
+        if unlisted:
+            raise RefAttnError(f"{shown}: tensor {unlisted[0][:60]!r} is not listed in the "
+                               "bundle manifest")
     return LoadedCase(case_id=meta["case_id"], tensors=tensors, metadata=meta,
                       manifest_entry=entry)
 

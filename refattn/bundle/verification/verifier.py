@@ -1,17 +1,19 @@
 """Verify a golden bundle, reading straight through: bundle -> call -> engine -> compare -> report.
 
 Owns :func:`verify` (``refattn verify DIR``). For every case, in order and each step owned by
-one module: (1) the manifest is read from inside the bundle and validated against its
-published JSON Schema (:mod:`refattn.bundle.storage.manifest`); (2) each case file is read from
-inside the bundle only (no link followed, regular files only, size bounded), the file's and every
-tensor's sha256 are checked and the case is loaded (:mod:`refattn.bundle.storage.read`); (3) the
-call is rebuilt from the file (:mod:`refattn.bundle.golden.spec`) and the recorded conventions and
-flags are checked against it; (4) the exact generator recomputes it, whatever the manifest says made
-it, and every stored tensor is compared with the correctly rounded result: bit-identical, or
-within the documented float64 backend bound of it (:mod:`refattn.bundle.verification.recompute`,
-:mod:`refattn.bundle.golden.guarantee`); (5) the stored backward is checked against numeric
-derivatives (:mod:`refattn.bundle.verification.gradients`); (6) with ``exact``, every element is
-confirmed correctly rounded (:mod:`refattn.analysis.certificate`); (7) the verdicts are collected
+one module: (1) the manifest is read from inside the bundle and validated against its published
+JSON Schema (:mod:`refattn.bundle.storage.manifest`); (2) each case file is read from inside the
+bundle only (no link followed, regular files only, size bounded), the file's and every tensor's
+sha256 are checked and the case is loaded (:mod:`refattn.bundle.storage.read`); (3) the call is
+rebuilt from the file (:mod:`refattn.bundle.golden.spec`) and the recorded conventions and flags
+are checked against it, and any yardsticks the entry stores are recomputed and must equal the
+stored ones (:mod:`refattn.bundle.verification.yardsticks`); (4) the exact generator recomputes
+it, whatever the manifest says made it, and every stored tensor is compared with the correctly
+rounded result: bit-identical, or within the documented float64 backend bound of it
+(:mod:`refattn.bundle.verification.recompute`, :mod:`refattn.bundle.golden.guarantee`); (5) the
+stored backward is checked against numeric derivatives
+(:mod:`refattn.bundle.verification.gradients`); (6) with ``exact``, every element is confirmed
+correctly rounded (:mod:`refattn.analysis.certificate`); (7) the verdicts are collected
 (:mod:`refattn.bundle.verification.report`). No step reaches back up.
 """
 
@@ -45,6 +47,7 @@ from refattn.bundle.verification.gradients import (
 from refattn.bundle.verification.recompute import REQUIREMENTS, Unsupported, check_recorded
 from refattn.bundle.verification.recompute import recompute as recompute_case
 from refattn.bundle.verification.report import CaseResult, VerifyReport
+from refattn.bundle.verification.yardsticks import check_stored_yardsticks
 from refattn.engine import BACKENDS
 from refattn.engine.exact.backend import DEFAULT_MAX_SECONDS
 from refattn.errors import RefAttnError
@@ -116,6 +119,7 @@ def _verify_case(directory: Path, case_id: str, entry: Mapping[str, Any], manife
         if "grad_output" in spec.tensors:  # the cotangent is an input too: finite, or the case
             check_finite("grad_output", np.asarray(spec.tensors["grad_output"]))  # fails
         problems += _generator_claims(spec, manifest)
+        problems += check_stored_yardsticks(spec, entry)  # recomputed whatever the options
     except RefAttnError as exc:
         return CaseResult(case_id, checked, problems=(Problem(case_id, None, "file", str(exc)),))
     max_err = identical = grad_err = guarantee = backend_error = None
