@@ -68,9 +68,10 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     two buffers of K and V; dkdv: K and V (BKV x D each), two buffers of Q and G_O (BQ2 x D)
     and the dV accumulators (BKV x D); doubles, unpadded (the tiles are swizzled,
     kernels/tile.cuh). A dq on warp pairs (source.PAIRED: D = 128) adds the pairs' exchange
-    regions of partial sums (2 x BQ x BK); a dkdv on warp pairs keeps dV in registers and holds
-    instead those regions (2 x BKV x BQ2) and, with every feature compiled in, 6 of each warp's
-    8 dK n-tiles (3/4 x BKV x D); the debug emulator checks every shared access against these
+    regions of partial sums (2 x BQ x BK); a dkdv on warp pairs (D = 64 and 128) keeps dV in
+    registers and holds instead those regions (2 x BKV x BQ2) and, with every feature compiled
+    in, 6 of each warp's 8 dK n-tiles at D = 128 (3/4 x BKV x D), 2 of its 4 at D = 64
+    (1/2 x BKV x D); the debug emulator checks every shared access against these
     bytes (tests/gpu/test_warp_pairs.py). Above D = 128 the
     Q, G_O (forward, dq) and K, V (dkdv) tiles are not in shared memory (the warps read their
     own rows from global memory) and dkdv keeps half of its dK accumulators there instead
@@ -86,8 +87,10 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     229376
     >>> shared_bytes("forward", 256), shared_bytes("dq", 256), shared_bytes("dkdv", 256)
     (65536, 65536, 163840)
-    >>> shared_bytes("forward", 128, "plain")  # 16-row warps: 64 rows of Q, 16-key tiles
-    131072
+    >>> shared_bytes("forward", 128, "plain")  # 16-row warps: 64 rows of Q, 8-key tiles
+    98304
+    >>> shared_bytes("dkdv", 64)  # warp pairs: K, V, Q and G_O, the regions, half of dK
+    81920
     >>> shared_bytes("dkdv", 128, "plain")  # warp pairs, dK in registers
     139264
     >>> shared_bytes("forward", 256, "plain"), shared_bytes("dq", 256, "plain")  # 16-key tiles
@@ -103,7 +106,8 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
         # the A tiles, two buffers of the streamed ones, the exchange regions, (a dkdv with
         # every feature) three quarters of dK
         n = 2 * rows * D + 4 * tile * D + 2 * rows * tile + (
-            3 * rows * D // 4 if kernel == "dkdv" and features != "plain" else 0)
+            (3 * rows * D // 4 if D == 128 else rows * D // 2)
+            if kernel == "dkdv" and features != "plain" else 0)
     else:
         n = {"forward": own * rows * D + 4 * tile * D,
              "dq": own * 2 * rows * D + 4 * tile * D,
@@ -426,6 +430,11 @@ class _Launch:
                          dtype=np.uint64)
         if smem > 48 * 1024 and hasattr(fn, "max_dynamic_shared_size_bytes"):
             fn.max_dynamic_shared_size_bytes = smem  # CUDA: opt in above 48 KiB
+            if hasattr(fn, "preferred_shared_memory_carveout"):
+                # the largest shared-memory carveout (CUDA: cudaSharedmemCarveoutMaxShared, a
+                # percentage), so that two blocks of the 80-96 KiB instances (issue 43: two
+                # warps per scheduler) fit one SM, not the smallest carveout holding one block
+                fn.preferred_shared_memory_carveout = 100
         args = (self.device.to_device(table), self.device.to_device(self.ip),
                 self.device.to_device(self.rp))
         fn((*grid, 1, 1)[:3], (block, 1, 1), args, shared_mem=smem)

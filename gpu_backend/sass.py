@@ -9,7 +9,8 @@ What the counts mean for speed is :mod:`gpu_backend.perf_model`'s business.
 
 Loops come from the branch structure: a branch to an address at or before its own (a back edge)
 closes a loop whose body is the address range [target, the last such branch]. The *main loop*
-is the innermost such range that holds at least :data:`MAIN_LOOP_SHARE` of the kernel's hot
+is the smallest such loop whose natural loop (:func:`natural_loops`: its own blocks, wherever
+nvcc placed them) holds at least :data:`MAIN_LOOP_SHARE` of the kernel's hot
 multiply-adds (DMMA multiply-adds where the kernel has DMMA, else DFMA instructions) and whose
 trip count is not a compile-time constant: the loop over key (or query) tiles, not a loop over
 the head width. Its counts are those of one iteration along the *plain path*: of
@@ -17,11 +18,18 @@ the paths through the body's branches, the one doing the most DMMA work and, amo
 issuing the fewest instructions (the feature branches a plain call skips: bias, masks on
 partial tiles, dropout, softcap); a loop nested inside is weighted by its trip count where
 :func:`trip_count` recognises a constant counted loop, and counted once otherwise
-(``inner_trips`` says which). ``CALL.REL.NOINC`` sites are counted over the whole body: calls
-of a subroutine (the slow path of a double division, of a math function), not the
-``@P CALL.REL.NOINC <after the next>; BRA <x>`` pair with which sm_80 code leaves a loop
-through a reconvergence point (a call to the instruction after its own unconditional branch:
-control flow, no subroutine).
+(``inner_trips`` says which); a loop of cp.async copies (tile.cuh's ``for (e = tid; e <
+CHUNKS; e += NT)``, unrolled) is counted per trip, its start taken as thread 0's (issue 43).
+Such a loop that nvcc unrolls by u behind a remainder is counted right when u divides the
+thread's copy count; below u copies (CHUNKS < u NT: D = 32 tiles) it reads u where thread 0
+runs the remainder alone (a fully unrolled copy, as tile.cuh's hoisted one, is exact).
+Beside the work, an iteration's cp.async copies and the instructions that issue them,
+barriers, local-memory loads and stores (LDL/STL), global loads and the longest dependent
+DMMA chain are counted: the inputs of :mod:`gpu_backend.model_bounds`. ``CALL.REL.NOINC``
+sites are counted over the whole body: calls of a subroutine (the slow path of a double
+division, of a math function), not the ``@P CALL.REL.NOINC <after the next>; BRA <x>``
+pair with which sm_80 code leaves a loop through a reconvergence point (a call to the
+instruction after its own unconditional branch: control flow, no subroutine).
 """
 
 from __future__ import annotations
@@ -42,8 +50,8 @@ from pathlib import Path
 from refattn.errors import RefAttnError
 
 __all__ = ["MAIN_LOOP_SHARE", "Instruction", "KernelCounts", "LoopCounts", "disassemble",
-           "dmma_fma", "kernel_counts", "parse", "subroutine_calls", "tool_path",
-           "trip_count"]
+           "dmma_fma", "kernel_counts", "natural_loops", "parse", "subroutine_calls",
+           "tool_path", "trip_count"]
 
 #: share of a kernel's hot multiply-adds a loop must hold to be its main loop
 MAIN_LOOP_SHARE = 0.8
@@ -152,6 +160,14 @@ class LoopCounts:
     calls: int  # CALL.REL.NOINC sites
     inner_loops: int
     inner_trips: tuple[tuple[int, int, int | None], ...] = ()  # (start, end, trips or None)
+    ldgsts: int = 0  # cp.async (LDGSTS) instructions executed (per lane: 16 bytes each)
+    copy_instructions: int = 0  # instructions of the blocks that issue cp.async (no DMMA)
+    barriers: int = 0  # BAR.* (block barriers: __syncthreads, its _or / _and votes)
+    local_loads: int = 0  # LDL: local memory (the stack frame), per lane
+    local_stores: int = 0  # STL
+    local_bytes: int = 0  # per warp: bytes per lane x 32, loads and stores
+    ldg_bytes: int = 0  # global loads (LDG) per warp
+    dmma_chain: int = 0  # the most DMMAs accumulating into one register (a dependent chain)
 
     @property
     def lds_bytes_per_dmma_fma(self) -> float | None:
@@ -184,6 +200,11 @@ def _constant(token: str) -> int | None:
     if token in ("RZ", "URZ"):
         return 0
     return int(token, 0) if _INT.match(token) else None
+
+
+def _ops(i: Instruction) -> list[str]:
+    """The operands of ``i``, stripped of the ``.reuse`` (operand cache) flag."""
+    return [o.strip().removesuffix(".reuse") for o in i.operands.split(",")]
 
 
 def _dest(i: Instruction) -> str:
@@ -243,7 +264,7 @@ def trip_count(instrs: list[Instruction], start: int, end: int) -> int | None:
     body = [i for i in instrs if start <= i.address < end]
     setter = next((i for i in reversed(body) if _dest(i) == pred), None)
     if setter is not None and setter.opcode == "PLOP3.LUT":
-        ops = [o.strip() for o in setter.operands.split(",")]
+        ops = _ops(setter)
         if ops[1:4] != ["PT", "PT", "PT"] or ops[5:7] != ["0x80", "0x0"]:
             return None
         pred = ops[4]
@@ -252,34 +273,64 @@ def trip_count(instrs: list[Instruction], start: int, end: int) -> int | None:
     if setter is None or setter.base not in ("ISETP", "UISETP"):
         return None
     parts = setter.opcode.split(".")
-    ops = [o.strip() for o in setter.operands.split(",")]
+    ops = _ops(setter)
     if len(parts) < 2 or parts[1] not in _COMPARE or len(ops) < 4:
         return None
     reg, limit = ops[2], _constant(ops[3])
     adds = [i for i in body if i.opcode in _ADDS
-            and [o.strip() for o in i.operands.split(",")][:2] == [reg, reg]]
-    if limit is None or len(adds) != 1 or adds[0].address > setter.address:
+            and _ops(i)[:2] == [reg, reg]]
+    if limit is None or len(adds) != 1:
         return None
-    step = _constant(adds[0].operands.split(",")[2])
-    init = None
-    for i in reversed([i for i in instrs if i.address < start]):
-        ops_i = [o.strip() for o in i.operands.split(",")]
-        if _writes(i, reg):  # the last write before the loop, in address order
-            if not i.predicate and i.opcode in _MOVES and len(ops_i) > _MOVES[i.opcode]:
-                init = _constant(ops_i[_MOVES[i.opcode]])
-            elif not i.predicate and i.opcode == "CS2R" and ops_i[1:] == ["SRZ"]:
-                init = 0
-            break
+    after = adds[0].address > setter.address  # the compare reads the value before the add
+    step = _constant(_ops(adds[0])[2])
+    copy_loop = any(i.base == "LDGSTS" for i in body)
+    init = _start_value(instrs, reg, start, thread0=copy_loop)
     if init is None or not step:
         return None
     compare = _COMPARE[parts[1]]
     v, trips = init, 0
     while trips < 1 << 16:
-        v += step
         trips += 1
-        if compare(v, limit) == negated:  # the branch falls through: the loop ends
+        if after:
+            ends = compare(v, limit) == negated
+            v += step
+        else:
+            v += step
+            ends = compare(v, limit) == negated
+        if ends:  # the branch falls through: the loop ends
             return trips
     return None
+
+
+def _start_value(instrs: list[Instruction], reg: str, before: int, *, thread0: bool = False,
+                 depth: int = 0) -> int | None:
+    """The value of ``reg`` on entry to the code at ``before``: its last unpredicated write
+    in address order (a constant move, or ``CS2R R, SRZ``); with ``thread0`` (a cp.async
+    loop's counter, ``e = tid; e < CHUNKS; e += NT``) also through register moves and
+    constant adds (``VIADD``/``IADD3 R, Rx, c``) down to a register whose value is not a
+    constant, taken as 0: the block's thread 0, whose copy count is the largest."""
+    for i in reversed([i for i in instrs if i.address < before]):
+        if not _writes(i, reg):
+            continue
+        ops_i = _ops(i)
+        if i.predicate:
+            return 0 if thread0 else None
+        if i.opcode in _MOVES and len(ops_i) > _MOVES[i.opcode]:
+            value = _constant(ops_i[_MOVES[i.opcode]])
+            if value is None and thread0 and depth < 8 and _REG.match(ops_i[_MOVES[i.opcode]]):
+                return _start_value(instrs, ops_i[_MOVES[i.opcode]], i.address,
+                                    thread0=True, depth=depth + 1)
+            return value if value is not None else (0 if thread0 else None)
+        if i.opcode == "CS2R" and ops_i[1:] == ["SRZ"]:
+            return 0
+        if thread0 and i.opcode in _ADDS and depth < 8:
+            regs = [o for o in ops_i[1:] if _REG.match(o)]
+            consts = [_constant(o) for o in ops_i[1:] if not _REG.match(o)]
+            if len(regs) == 1 and consts and all(c is not None for c in consts):
+                base = _start_value(instrs, regs[0], i.address, thread0=True, depth=depth + 1)
+                return None if base is None else base + sum(c for c in consts if c)
+        return 0 if thread0 else None
+    return 0 if thread0 else None
 
 
 def _data_dependent(body: list[Instruction], position: int) -> bool:
@@ -292,23 +343,10 @@ def _data_dependent(body: list[Instruction], position: int) -> bool:
     return False
 
 
-def _plain_path(instrs: list[Instruction], start: int, end: int,
-                weight: dict[int, int], hot: str = "dmma_fma", heavy: bool = False) -> set[int]:
-    """Addresses on one iteration's path through [start, end] that does the most ``hot`` work
-    (DMMA multiply-adds, or DFMA instructions in a kernel without DMMA),
-    then the most cp.async copies (the next tile's prefetch); among those, it skips what a
-    branch on an integer condition can skip (features a plain call does not use) but not
-    what a branch on a floating-point compare (DSETP/FSETP: data, such as a masked score's
-    skipped exp) would skip.
-
-    The body's basic blocks form a DAG over forward branches and fall-throughs (back edges
-    of inner loops are not followed: their bodies count ``weight`` times; a branch out of
-    the range or to the loop head ends the path). A predicated branch has both successors.
-    """
-    body = [i for i in instrs if start <= i.address <= end]
-    if not body:
-        return set()
-    leaders = {body[0].address}
+def _blocks(body: list[Instruction], start: int, end: int) -> list[list[Instruction]]:
+    """The basic blocks of ``body`` (the instructions of [start, end]): a block starts at
+    the range's start, after a branch or exit, and at a forward branch's target."""
+    leaders = {body[0].address} if body else set()
     for n, i in enumerate(body):
         t = i.branch_target()
         if i.base in ("BRA", "BRX", "EXIT", "RET") and n + 1 < len(body):
@@ -320,7 +358,31 @@ def _plain_path(instrs: list[Instruction], start: int, end: int,
         if i.address in leaders:
             blocks.append([])
         blocks[-1].append(i)
+    return blocks
+
+
+def _plain_path(instrs: list[Instruction], start: int, end: int,
+                weight: dict[int, int], hot: str = "dmma_fma", heavy: bool = False,
+                copy_loops: tuple[tuple[int, int], ...] = ()) -> set[int]:
+    """Addresses on one iteration's path through [start, end] that does the most ``hot`` work
+    (DMMA multiply-adds, or DFMA instructions in a kernel without DMMA),
+    then the most cp.async copies (the next tile's prefetch: where the range holds a loop of
+    copies, ``copy_loops``, only that loop's copies count, not the remainder copies an
+    unrolled loop issues before it); among those, it skips what a
+    branch on an integer condition can skip (features a plain call does not use) but not
+    what a branch on a floating-point compare (DSETP/FSETP: data, such as a masked score's
+    skipped exp) would skip.
+
+    The body's basic blocks form a DAG over forward branches and fall-throughs (back edges
+    of inner loops are not followed: their bodies count ``weight`` times; a branch out of
+    the range or to the loop head ends the path). A predicated branch has both successors.
+    """
+    body = [i for i in instrs if start <= i.address <= end]
+    if not body:
+        return set()
+    blocks = _blocks(body, start, end)
     index = {b[0].address: n for n, b in enumerate(blocks)}
+    in_copy_loop = {i.address for s, e in copy_loops for i in body if s <= i.address <= e}
     position = {i.address: n for n, i in enumerate(body)}
     best: list[tuple[int, int, int, int | None]] = [(0, 0, 0, None)] * len(blocks)
     for n in range(len(blocks) - 1, -1, -1):
@@ -331,7 +393,10 @@ def _plain_path(instrs: list[Instruction], start: int, end: int,
         else:  # a kernel without DMMA: its DFMA work
             fma = sum(weight.get(i.address, 1) for i in block if i.base == "DFMA")
         cost = sum(weight.get(i.address, 1) for i in block if i.base != "NOP")
-        copies = sum(weight.get(i.address, 1) for i in block if i.base == "LDGSTS")
+        # copies outside a copy loop in a range that has one: the remainder an unrolled
+        # copy loop runs first (none for thread 0 when the unroll divides its count)
+        copies = sum(weight.get(i.address, 1) for i in block if i.base == "LDGSTS"
+                     and (not copy_loops or i.address in in_copy_loop))
         if heavy:  # the fp64-heaviest path: every branch that adds vector fp64 work taken
             copies = copies * 10**9 + sum(weight.get(i.address, 1) for i in block
                                           if i.base in ("DFMA", "DADD", "DMUL"))
@@ -354,10 +419,10 @@ def _plain_path(instrs: list[Instruction], start: int, end: int,
                       else (0, 0, 0, None))
         best[n] = (fma + f, copies + g, cost + c, s)
     path: set[int] = set()
-    n: int | None = 0
-    while n is not None:
-        path.update(i.address for i in blocks[n])
-        n = best[n][3]
+    cur: int | None = 0
+    while cur is not None:
+        path.update(i.address for i in blocks[cur])
+        cur = best[cur][3]
     return path
 
 
@@ -390,6 +455,118 @@ def subroutine_calls(instrs: list[Instruction], start: int, end: int) -> int:
     return n
 
 
+_TOKEN = re.compile(r"(?<![\w.])(U?R\d+|U?P\d)(\.64)?")
+
+
+def _registers(text: str) -> set[str]:
+    """The registers and predicates named in operand text (a ``.64`` operand names a pair).
+
+    >>> sorted(_registers("[R25+0x800], desc[UR8][R20.64], !P3"))
+    ['P3', 'R20', 'R21', 'R25', 'UR8']
+    """
+    out: set[str] = set()
+    for m in _TOKEN.finditer(text):
+        out.add(m.group(1))
+        if m.group(2) and m.group(1).lstrip("U").startswith("R"):
+            prefix = "UR" if m.group(1).startswith("U") else "R"
+            out.add(f"{prefix}{int(m.group(1).lstrip('U')[1:]) + 1}")
+    return out
+
+
+def _copy_slice(path: list[Instruction]) -> set[int]:
+    """The cp.async instructions of ``path`` (in address order) and, going backwards, every
+    instruction that writes a register or predicate one of them (or an instruction already
+    taken) reads: the copies' address and predicate arithmetic, plus the ``@!PT LDS`` pads
+    nvcc puts right before an LDGSTS.
+
+    >>> text = '''Function : k
+    ...   /*0000*/   IMAD.SHL.U32 R4, R0, 0x10, RZ ;
+    ...   /*0010*/   DMMA.884 R8, R20, R22, R8 ;
+    ...   /*0020*/   IADD3 R6, P0, R4, R2, RZ ;
+    ...   /*0030*/   @!PT LDS RZ, [RZ] ;
+    ...   /*0040*/   LDGSTS.E.BYPASS.128 [R5], desc[UR8][R6.64] ;'''
+    >>> sorted(_copy_slice(parse(text)["k"]))
+    [0, 32, 48, 64]
+    """
+    live: set[str] = set()
+    out: set[int] = set()
+    pad_ok = False
+    for i in reversed(path):
+        if i.base == "LDGSTS" and not i.never:
+            out.add(i.address)
+            live |= _registers(i.operands) | _registers(i.predicate)
+            pad_ok = True
+            continue
+        if i.never and pad_ok:
+            out.add(i.address)
+            continue
+        pad_ok = False
+        ops = _ops(i)
+        dests = _registers(ops[0]) if ops and ops[0] else set()
+        if len(ops) > 1 and re.fullmatch(r"U?P\d", ops[1]):  # a carry or second predicate
+            dests.add(ops[1])
+        if i.base == "DMMA" or not dests:
+            continue
+        for d in [d for d in dests if re.fullmatch(r"R\d+", d)]:
+            for k in range(1, 8):  # the rest of a wide destination (a pair, a quad)
+                if _writes(i, f"R{int(d[1:]) + k}"):
+                    dests.add(f"R{int(d[1:]) + k}")
+        if dests & live:
+            out.add(i.address)
+            live -= dests
+            live |= _registers(",".join(ops[1:])) | _registers(i.predicate)
+    return out
+
+
+def _dmma_chain(work: list[tuple[Instruction, int]]) -> int:
+    """The longest run of dependent DMMAs (``DMMA Rd, Ra, Rb, Rc``: Rd extends Rc's chain,
+    ``RZ`` or a register no DMMA wrote starts one) along ``work`` (instruction, weight) in
+    address order, a register move carrying a chain on and any other write to its register
+    ending it (a load, a zeroing). A run of instructions of weight t > 1 (an inner loop of t
+    trips) is followed t times, so a chain crosses the trips through whatever registers the
+    compiler rotates the accumulators in.
+
+    >>> text = '''Function : k
+    ...   /*0000*/   DMMA.884 R8, R20, R22, R8 ;
+    ...   /*0010*/   DMMA.884 R8, R20, R22, R8 ;
+    ...   /*0020*/   LDS.64 R8, [R0] ;
+    ...   /*0030*/   DMMA.884 R8, R20, R22, R8 ;'''
+    >>> ins = parse(text)["k"]
+    >>> _dmma_chain([(i, 1) for i in ins]), _dmma_chain([(i, 3) for i in ins])
+    (2, 3)
+    >>> _dmma_chain([(i, 3) for i in ins if i.base == "DMMA"])
+    9
+    >>> two = '''Function : k
+    ...   /*0000*/   DMMA.884 R8, R20, R22, RZ ;
+    ...   /*0010*/   DMMA.884 R12, R20, R22, R8 ;
+    ...   /*0020*/   LDS.64 R8, [R0] ;
+    ...   /*0030*/   DMMA.884 R8, R20, R22, R12 ;'''
+    >>> _dmma_chain([(i, 1) for i in parse(two)["k"]])
+    3
+    """
+    segments: list[tuple[list[Instruction], int]] = []
+    for i, w in work:
+        if segments and segments[-1][1] == w:
+            segments[-1][0].append(i)
+        else:
+            segments.append(([i], w))
+    current: Counter[str] = Counter()
+    best = 0
+    for seg, w in segments:
+        for _ in range(min(w, 4096) if any(i.base == "DMMA" for i in seg) else 1):
+            for i in seg:
+                ops = _ops(i)
+                if i.base == "DMMA" and len(ops) == 4:
+                    current[ops[0]] = current[ops[3]] + 1  # Rc may be another register
+                    best = max(best, current[ops[0]])
+                    continue
+                for r in [r for r in current if current[r] and _writes(i, r)]:
+                    current[r] = 0
+                if i.opcode in _MOVES and len(ops) > _MOVES[i.opcode] and not i.predicate:
+                    current[ops[0]] = current[ops[_MOVES[i.opcode]]]  # a move carries it
+    return best
+
+
 def _range_counts(instrs: list[Instruction], start: int, end: int,
                   loops: list[tuple[int, int]], *, expand: bool = False,
                   hot: str = "dmma_fma", heavy: bool = False) -> LoopCounts:
@@ -406,11 +583,21 @@ def _range_counts(instrs: list[Instruction], start: int, end: int,
                 if t and s <= i.address <= e:
                     w *= t
             weight[i.address] = w
-    path = _plain_path(instrs, start, end, weight, hot, heavy) if expand else set(weight)
+    copy_loops = tuple((s, e) for s, e in inner if any(
+        i.base == "LDGSTS" for i in instrs if s <= i.address <= e))
+    path = (_plain_path(instrs, start, end, weight, hot, heavy, copy_loops) if expand
+            else set(weight))
     calls = subroutine_calls(instrs, start, end)
     body = [(i, weight[i.address]) for i in instrs
             if i.address in path and i.base != "NOP"]
     work = [(i, w) for i, w in body if not i.never]  # what executes (issue: all of body)
+    ranged = [i for i in instrs if start <= i.address <= end]
+    copy_blocks = {i.address for b in _blocks(ranged, start, end)
+                   if any(i.base == "LDGSTS" and not i.never for i in b)
+                   and not any(i.base == "DMMA" for i in b) for i in b}
+    # in blocks that also compute: the copies and what computes their operands
+    copy_blocks |= _copy_slice([i for i, _ in body if i.address not in copy_blocks])
+    local = [(i, w) for i, w in work if i.base in ("LDL", "STL")]
     dmma: Counter[str] = Counter()
     lds: Counter[str] = Counter()
     for i, w in work:
@@ -427,7 +614,15 @@ def _range_counts(instrs: list[Instruction], start: int, end: int,
         32 * sum(w * lds_bytes(i.opcode) for i, w in work if i.base == "STS"),
         32 * sum(w * lds_bytes(i.opcode) for i, w in work if i.base == "LDGSTS"),
         calls, len(inner),
-        tuple((s, e, found[(s, e)]) for s, e in inner) if expand else ())
+        tuple((s, e, found[(s, e)]) for s, e in inner) if expand else (),
+        ldgsts=sum(w for i, w in work if i.base == "LDGSTS"),
+        copy_instructions=sum(w for i, w in body if i.address in copy_blocks),
+        barriers=sum(w for i, w in work if i.base == "BAR"),
+        local_loads=sum(w for i, w in local if i.base == "LDL"),
+        local_stores=sum(w for i, w in local if i.base == "STL"),
+        local_bytes=32 * sum(w * lds_bytes(i.opcode) for i, w in local),
+        ldg_bytes=32 * sum(w * lds_bytes(i.opcode) for i, w in work if i.base == "LDG"),
+        dmma_chain=_dmma_chain(work))
 
 
 def kernel_counts(name: str, instrs: list[Instruction]) -> KernelCounts:
@@ -469,11 +664,19 @@ def kernel_counts(name: str, instrs: list[Instruction]) -> KernelCounts:
             return prefix[bisect.bisect_right(addresses, e)] - prefix[
                 bisect.bisect_left(addresses, s)]
 
-        candidates = [(e - s, s, e) for s, e in loops
-                      if share(s, e) >= MAIN_LOOP_SHARE * hot_total
-                      and trip_count(instrs, s, e) is None]
+        hot_of = {i.address: ((dmma_fma(i.opcode) if i.base == "DMMA" else 0)
+                              if weight == "dmma_fma" else int(i.base == "DFMA"))
+                  for i in instrs}
+        bodies = natural_loops(instrs)
+        candidates = []
+        for s, e in loops:
+            if share(s, e) < MAIN_LOOP_SHARE * hot_total or trip_count(instrs, s, e) is not None:
+                continue
+            body = bodies.get(s, set())  # the loop's own code, wherever nvcc placed it
+            if sum(hot_of[a] for a in body) >= MAIN_LOOP_SHARE * hot_total:
+                candidates.append((len(body), e - s, s, e))
         if candidates:
-            _, s, e = min(candidates)
+            *_, s, e = min(candidates)
             main = _range_counts(instrs, s, e, loops, expand=True, hot=weight)
             heavy = _range_counts(instrs, s, e, loops, expand=True, hot=weight, heavy=True)
         else:
@@ -484,6 +687,70 @@ def kernel_counts(name: str, instrs: list[Instruction]) -> KernelCounts:
                      f"{main.inner_loops - unknown} weighted by their trip counts, "
                      f"{unknown} counted once (trip count not a constant)")
     return KernelCounts(name, total, tuple(loops), main, tuple(notes), heavy)
+
+
+def natural_loops(instrs: list[Instruction]) -> dict[int, set[int]]:
+    """The instructions (addresses) of each loop, by its head: the head and every instruction
+    of a basic block from which a back edge (a branch to an address at or before its own) is
+    reached without passing the head: the natural loop of the control-flow graph, which holds
+    a loop's own code wherever the compiler laid it out, and not the unrelated code that lies
+    between a head and a far latch in address order. A head that the function's entry can
+    get around to reach its latch does not dominate it: no natural loop, not listed.
+
+    >>> text = '''Function : k
+    ...   /*0000*/   MOV R1, R2 ;
+    ...   /*0010*/   @P0 BRA 0x40 ;
+    ...   /*0020*/   DMMA.884 R4, R4, R6, R4 ;
+    ...   /*0030*/   EXIT ;
+    ...   /*0040*/   DADD R8, R8, R8 ;
+    ...   /*0050*/   BRA 0x0 ;'''
+    >>> sorted(natural_loops(parse(text)["k"])[0])
+    [0, 16, 64, 80]
+    """
+    if not instrs:
+        return {}
+    leaders = {instrs[0].address}
+    for n, i in enumerate(instrs):
+        t = i.branch_target()
+        if t is not None:
+            leaders.add(t)
+        if i.base in ("BRA", "BRX", "EXIT", "RET") and n + 1 < len(instrs):
+            leaders.add(instrs[n + 1].address)
+    blocks: list[list[Instruction]] = []
+    for i in instrs:
+        if i.address in leaders or not blocks:
+            blocks.append([])
+        blocks[-1].append(i)
+    index = {b[0].address: n for n, b in enumerate(blocks)}
+    preds: list[list[int]] = [[] for _ in blocks]
+    latches: dict[int, list[int]] = {}
+    for n, b in enumerate(blocks):
+        last = b[-1]
+        t = last.branch_target()
+        succ = []
+        if t is not None and t in index:
+            succ.append(index[t])
+            if t <= last.address:
+                latches.setdefault(index[t], []).append(n)
+        ends = last.base in ("EXIT", "RET", "BRX") or (last.base == "BRA")
+        if (not ends or last.predicate) and n + 1 < len(blocks):
+            succ.append(n + 1)
+        for m in succ:
+            preds[m].append(n)
+    out: dict[int, set[int]] = {}
+    for head, tails in latches.items():
+        seen = {head}
+        stack = [t for t in tails if t != head]
+        seen.update(stack)
+        while stack:
+            for m in preds[stack.pop()]:
+                if m not in seen:
+                    seen.add(m)
+                    stack.append(m)
+        if head != 0 and 0 in seen:  # the entry reaches a latch around the head: the head
+            continue  # does not dominate it, no natural loop (a jump into a loop's middle)
+        out[blocks[head][0].address] = {i.address for n in seen for i in blocks[n]}
+    return out
 
 
 def _wheel_bins() -> list[str]:
@@ -519,11 +786,12 @@ def disassemble(cubin: bytes) -> str:
             f"SASS: {' and '.join(missing)} not found; pip install "
             + " ".join(f"nvidia-cuda-{t}" for t in missing)
             + " (or put the CUDA toolkit's bin on PATH)")
-    env = {**os.environ, "NVDISASM_PATH": str(Path(tools["nvdisasm"]).parent)}
+    cuobjdump, nvdisasm = str(tools["cuobjdump"]), str(tools["nvdisasm"])
+    env = {**os.environ, "NVDISASM_PATH": str(Path(nvdisasm).parent)}
     with tempfile.TemporaryDirectory() as tmp:
         path = Path(tmp) / "k.cubin"
         path.write_bytes(cubin)
-        proc = subprocess.run([tools["cuobjdump"], "-sass", str(path)], capture_output=True,
+        proc = subprocess.run([cuobjdump, "-sass", str(path)], capture_output=True,
                               text=True, env=env, timeout=300)
     if proc.returncode != 0:
         raise RefAttnError(f"SASS: cuobjdump failed: {proc.stderr.strip()[-2000:]}")

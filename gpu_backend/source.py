@@ -19,25 +19,26 @@ MAIN = "attention.cu"
 #: the tensor-core kernels' instances, as attention.cu's entry points instantiate them:
 #: kind -> head width D -> (MR, tile). A block is 4 warps of 8 MR rows: BQ = 32 MR query rows
 #: (forward, dq: the tile is BK keys) or BKV = 32 MR keys (dkdv: the tile is BQ2 queries);
-#: the general kernels at D = 128 pair their 8-row warps into 16-row ones that split the tile
-#: or the head width (forward.cuh, backward.cuh: SPLIT; :data:`PAIRED`), with the same BQ or
-#: BKV (:func:`gpu_backend.launch.shared_bytes`).
+#: the general kernels at D = 128 (and the dk/dv at D = 64) pair their 8-row warps into 16-row
+#: ones that split the tile or the head width (forward.cuh, backward.cuh: SPLIT;
+#: :data:`PAIRED`), with the same BQ or BKV (:func:`gpu_backend.launch.shared_bytes`).
 #: Above D = 128 (:data:`A_GLOBAL_ABOVE`) the warps read their own rows (the A operand: Q, G_O;
 #: K, V in dkdv) from global memory instead of a shared tile.
 INSTANCES: dict[str, dict[int, tuple[int, int]]] = {
     "forward": {32: (2, 24), 64: (2, 32), 128: (1, 32), 256: (1, 8)},
     "dq": {32: (2, 16), 64: (2, 16), 128: (1, 16), 256: (1, 8)},
-    "dkdv": {32: (2, 32), 64: (2, 16), 128: (1, 16), 256: (1, 8)},
+    "dkdv": {32: (2, 32), 64: (1, 16), 128: (1, 16), 256: (1, 8)},
 }
 #: the plain instances (call.cuh's feature switches, F = 0): compiled without the softcap,
 #: bias and dropout code, kind -> D -> (MR, tile) as INSTANCES; a call that uses none of those
 #: features runs them (launch.plan), any other call the INSTANCES one ("general"). Only where
 #: the model shows a gain, to bound compile time; at D = 128 the plain forward and dq have
-#: 16-row warps (the general ones would spill), the plain dk/dv warp pairs as the general
+#: 16-row warps (the general ones would spill), the forward with 8-key tiles (96 KiB: two
+#: blocks, two warps per scheduler on an H100/H200), the plain dk/dv warp pairs as the general
 #: one's, with dK in registers (:data:`PAIRED`); at D = 256 the forward and dq have 16-key
 #: tiles (the dk/dv's gain is the wide instance's, :data:`WIDE`).
 PLAIN: dict[str, dict[int, tuple[int, int]]] = {
-    "forward": {64: (2, 32), 128: (2, 16), 256: (1, 16)},
+    "forward": {64: (2, 32), 128: (2, 8), 256: (1, 16)},
     "dq": {64: (2, 32), 128: (2, 16), 256: (1, 16)},
     "dkdv": {64: (2, 32), 128: (1, 16)},
 }
@@ -55,7 +56,7 @@ WIDE: dict[str, dict[int, tuple[int, int]]] = {
 #: the dV accumulators, with every feature compiled in beside 6 of each warp's 8 dK n-tiles
 #: (launch.shared_bytes)
 PAIRED: dict[str, dict[str, tuple[int, ...]]] = {
-    "general": {"forward": (128,), "dq": (128,), "dkdv": (128,)},
+    "general": {"forward": (128,), "dq": (128,), "dkdv": (64, 128)},
     "plain": {"dkdv": (128,)},
     "wide": {"dq": (128,)},
 }

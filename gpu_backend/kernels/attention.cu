@@ -102,8 +102,9 @@ __device__ void refattn_trace_backward(const unsigned long long* x, const long l
 // compares). The tiles are chosen for 0 spills (ptxas, sm_80 and sm_90) and every block up to
 // D = 128 within an A100's 163 KiB: dq keeps S and dP (2 x BK / 8 x 2 MR doubles per lane) beside its
 // dQ accumulator, its pairs at D = 128 (16-key tiles, 136 KiB) half of dQ's columns; dk/dv keeps dV
-// in shared memory (refattn_mma_pb_shared), MR = 2 at D = 32 and 64; its pairs at D = 128 keep dV
-// in registers and 6 of each warp's 8 dK n-tiles in shared memory (160 KiB).
+// in shared memory (refattn_mma_pb_shared), MR = 2 at D = 32; its pairs at D = 64 and 128 keep dV
+// in registers and 2 of each warp's 4 dK n-tiles (D = 64: 80 KiB, two blocks per SM on an
+// H100/H200, two warps per scheduler) or 6 of its 8 (D = 128: 160 KiB) in shared memory.
 // At D = 256 (REFATTN_A_GLOBAL) the warps read their A rows from global memory and the tiles are
 // 8 wide; the dk/dv instance needs 160 KiB of shared memory (half of dK in registers), within an
 // A100's 163 KiB; launch.plan refuses a device with less, naming the limit.
@@ -114,13 +115,16 @@ extern "C" __global__ void attention_forward_d128(REFATTN_ARGS) { refattn_forwar
 extern "C" __global__ void attention_forward_d256(REFATTN_ARGS) { refattn_forward<256, 1, 8>(x, ip, rp); }
 // the plain forward instances (feature set F = 0: no softcap, bias or dropout code, call.cuh),
 // run for calls without those features; 16-row warps at D = 128 too (the general instance spills
-// there), 16-key tiles at D = 256 (128 KiB; with every feature they spill 100 bytes on sm_90).
+// there) with 8-key tiles (96 KiB: two blocks per SM on an H100/H200, so two warps per
+// scheduler overlap one's softmax and copies with the other's products; 16-key tiles, 128 KiB,
+// allowed one), 16-key tiles at D = 256 (128 KiB; with every feature they spill 100 bytes on
+// sm_90).
 // The general instance at D = 32 has 24-key tiles (32 keys spill 32 bytes on sm_90).
 extern "C" __global__ void attention_forward_plain_d64(REFATTN_ARGS) {
     refattn_forward<64, 2, 32, 0>(x, ip, rp);
 }
 extern "C" __global__ void attention_forward_plain_d128(REFATTN_ARGS) {
-    refattn_forward<128, 2, 16, 0>(x, ip, rp);
+    refattn_forward<128, 2, 8, 0>(x, ip, rp);
 }
 extern "C" __global__ void attention_forward_plain_d256(REFATTN_ARGS) {
     refattn_forward<256, 1, 16, 0>(x, ip, rp);
@@ -130,7 +134,7 @@ extern "C" __global__ void attention_dq_d64(REFATTN_ARGS) { refattn_dq<64, 2, 16
 extern "C" __global__ void attention_dq_d128(REFATTN_ARGS) { refattn_dq<128, 1, 16, REFATTN_F_ALL, 2>(x, ip, rp); }
 extern "C" __global__ void attention_dq_d256(REFATTN_ARGS) { refattn_dq<256, 1, 8>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d32(REFATTN_ARGS) { refattn_dkdv<32, 2, 32>(x, ip, rp); }
-extern "C" __global__ void attention_dkdv_d64(REFATTN_ARGS) { refattn_dkdv<64, 2, 16>(x, ip, rp); }
+extern "C" __global__ void attention_dkdv_d64(REFATTN_ARGS) { refattn_dkdv<64, 1, 16, REFATTN_F_ALL, 2>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d128(REFATTN_ARGS) { refattn_dkdv<128, 1, 16, REFATTN_F_ALL, 2>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d256(REFATTN_ARGS) { refattn_dkdv<256, 1, 8>(x, ip, rp); }
 // The plain backward instances (F = 0: no softcap, bias, bias gradient or dropout code), run for

@@ -167,13 +167,22 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
         const unsigned keep = DROPOUT && c.drop_mode == 2
                                   ? refattn_keep_bits_rows<MRW, NTW>(c, bh, row, j0, t)
                                   : 0u;
+        // SELECT: every element is evaluated and the invisible ones' results discarded by a
+        // select (no branch per element: a warp's lanes run the same instructions, and the SASS
+        // analysis sees a plain call's elementwise work on its path); the feature lines are read
+        // at a clamped row and column, so an element past Q or K reads in range. Otherwise
+        // (where the select spilled: 24 bytes on sm_90 with every feature at D = 256, 8 on
+        // sm_80 without, 72-80 in the plain instance at D = 128 on sm_90) only the visible
+        // elements are evaluated, behind a branch. Same results either way.
+        constexpr bool SELECT =
+            D == 256 ? F == 0 && REFATTN_MMA_ARCH >= 900 : !(D == 128 && F == 0);
         REFATTN_UNROLL
         for (int mr = 0; mr < MRW; ++mr) {
-            const int i = row + 8 * mr;
+            const int i = row + 8 * mr, ic = SELECT && i >= Q ? Q - 1 : i;
             const RefattnLine bias_i =
-                BIAS ? refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, i) : RefattnLine{};
+                BIAS ? refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, ic) : RefattnLine{};
             const RefattnLine z_i =
-                DROPOUT ? refattn_line<false>(c.z, ip, P_Z_S0, b, h, i) : RefattnLine{};
+                DROPOUT ? refattn_line<false>(c.z, ip, P_Z_S0, b, h, ic) : RefattnLine{};
             double* gbias_i = gbias + (bh * c.Q + i) * c.K;  // per element (bias mode 1)
             REFATTN_UNROLL
             for (int nt = 0; nt < NTW; ++nt) {
@@ -181,18 +190,33 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
                 for (int sb = 0; sb < 2; ++sb) {
                     const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
                     const int bit = (nt * MRW + mr) * 2 + sb;
-                    double ds = 0.0;
-                    const bool seen = i < Q && j < K &&
-                                      (cls == REFATTN_FULL || ((bits >> bit) & 1u));
-                    if (seen) {
+                    if constexpr (SELECT) {
+                        // (a column past K is invisible in a PARTIAL tile and never in a FULL
+                        // one; a row past Q is never stored)
+                        const bool seen = cls == REFATTN_FULL || ((bits >> bit) & 1u);
                         const RefattnGradElement r = refattn_grad_element<F>(
-                            c, s[e], dp[e], bias_i, j, lse_i[mr], d_i[mr], keep, bit, z_i);
-                        acc_pg[mr] += r.p * r.gp;
-                        if (BIAS && gbias_mode == 1) gbias_i[j] = r.g_s;
-                        if (BIAS && gbias_mode == 3) acc_gb[mr] += r.g_s;
-                        ds = r.ds;
+                            c, s[e], dp[e], bias_i, j < K ? j : K - 1, lse_i[mr], d_i[mr], keep,
+                            bit, z_i);
+                        // (+0.0 for an invisible element leaves the sums' bits as they were:
+                        // they start at +0.0, so none is ever -0.0)
+                        acc_pg[mr] += seen ? r.p * r.gp : 0.0;
+                        if (BIAS && gbias_mode == 1 && seen && i < Q) gbias_i[j] = r.g_s;
+                        if (BIAS && gbias_mode == 3) acc_gb[mr] += seen ? r.g_s : 0.0;
+                        s[e] = seen ? r.ds : 0.0;
+                    } else {
+                        double ds = 0.0;
+                        const bool seen = i < Q && j < K &&
+                                          (cls == REFATTN_FULL || ((bits >> bit) & 1u));
+                        if (seen) {
+                            const RefattnGradElement r = refattn_grad_element<F>(
+                                c, s[e], dp[e], bias_i, j, lse_i[mr], d_i[mr], keep, bit, z_i);
+                            acc_pg[mr] += r.p * r.gp;
+                            if (BIAS && gbias_mode == 1) gbias_i[j] = r.g_s;
+                            if (BIAS && gbias_mode == 3) acc_gb[mr] += r.g_s;
+                            ds = r.ds;
+                        }
+                        s[e] = ds;
                     }  // (the host zero-fills a per-element bias gradient)
-                    s[e] = ds;
                 }
             }
         }
@@ -286,10 +310,14 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     // above D = 128 dK (64 doubles a lane) is kept half in shared memory (BKV x D / 2 after dV):
     // its n-tiles 0 .. DKR - 1 in registers, DKR .. DT - 1 in the warp's own shared region
     // (all 32 in registers spilled 940 / 276 bytes, 24 spilled 168 on sm_80); a paired warp with
-    // every feature keeps 2 of its 8 in registers, beside dV's 8 (3 to 8 spilled 64-804 bytes,
-    // docs/gpu.md), a plain one (F = 0) all 8
-    constexpr int DKR = D > 128 ? DT / 2 : SPLIT == 2 && F != 0 ? DTW / 4 : DTW;
+    // every feature keeps 2 of its 8 in registers at D = 128, beside dV's 8 (3 to 8 spilled
+    // 64-804 bytes, docs/gpu.md), 2 of its 4 at D = 64 (all 4 spilled 40 bytes on sm_90), a
+    // plain one (F = 0) all of them
+    constexpr int DKR = D > 128 ? DT / 2 : SPLIT == 2 && F != 0 ? DTW / (D == 128 ? 4 : 2) : DTW;
     constexpr bool DK_SHARED = DKR < DTW;
+    // refattn_mma_pb_shared's loop over unrolled n-tile pairs, but for the plain instance at
+    // D = 64 (it spilled 16 bytes on sm_90 there: single n-tiles, the offsets selected)
+    [[maybe_unused]] constexpr bool PB_PAIRS = !(F == 0 && D == 64);
     // the warp's region of dK's n-tiles DKR .. DTW - 1 (DK_SHARED), after the BKV x D of dV
     // (SPLIT = 1) or the two exchange regions (SPLIT = 2)
     auto sDK = sG + 2 * BQ2 * D + (SPLIT == 1 ? BKV * D : 2 * REFATTN_WARPS * NTW * 32 * W) +
@@ -363,41 +391,73 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
             }
             const double* lse_h = c.lse + bh * c.Q;  // read per element (L1), not kept
             const double* dvec_h = c.dvec + bh * c.Q;
+            // SELECT: every element evaluated, the invisible ones discarded by a select (as
+            // refattn_dq), the per-query reads and the feature lines at a clamped query and key;
+            // otherwise (the select spilled 16 and 24 bytes on sm_90 with every feature at D = 32
+            // and 128) only the visible ones, behind a branch: at D = 128 with the results
+            // selected after it and the reads clamped (the form below it spilled 44 bytes on
+            // sm_80 there), at D = 32 as before issue 43 (the other spilled 16 on sm_80)
+            constexpr bool SELECT = !(F != 0 && (D == 32 || D == 128));
             REFATTN_UNROLL
             for (int mr = 0; mr < MRW; ++mr) {
-                const int j = row + 8 * mr;
+                const int j = row + 8 * mr, jc = (SELECT || D == 128) && j >= K ? K - 1 : j;
                 const RefattnLine bias_j =
-                    BIAS ? refattn_line<true>(c.bias, ip, P_BIAS_S0, b, h, j) : RefattnLine{};
+                    BIAS ? refattn_line<true>(c.bias, ip, P_BIAS_S0, b, h, jc) : RefattnLine{};
                 const RefattnLine z_j =
-                    DROPOUT ? refattn_line<true>(c.z, ip, P_Z_S0, b, h, j) : RefattnLine{};
+                    DROPOUT ? refattn_line<true>(c.z, ip, P_Z_S0, b, h, jc) : RefattnLine{};
                 REFATTN_UNROLL
                 for (int nt = 0; nt < NTW; ++nt) {
                     REFATTN_UNROLL
                     for (int sb = 0; sb < 2; ++sb) {
                         const int e = nt * W + 2 * mr + sb, i = i0 + 8 * nt + 2 * t + sb;
                         const int bit = (nt * MRW + mr) * 2 + sb;
-                        double pz = 0.0, ds = 0.0;
-                        const bool seen = i < Q && j < K &&
-                                          (cls == REFATTN_FULL || ((bits >> bit) & 1u));
-                        if (seen) {
+                        if constexpr (SELECT) {
+                            // (a query past Q is invisible in a PARTIAL tile and never in a
+                            // FULL one; a key past K is never stored)
+                            const bool seen = cls == REFATTN_FULL || ((bits >> bit) & 1u);
+                            const int ic = i < Q ? i : Q - 1;
                             const RefattnGradElement r = refattn_grad_element<F>(
-                                c, st[e], dpt[e], bias_j, i, lse_h[i], dvec_h[i], keep, bit, z_j);
-                            if (BIAS) gb[mr] += r.g_s;
-                            pz = r.p * r.z;
-                            ds = r.ds;
+                                c, st[e], dpt[e], bias_j, ic, lse_h[ic], dvec_h[ic], keep, bit,
+                                z_j);
+                            if (BIAS) gb[mr] += seen ? r.g_s : 0.0;  // (+0.0: bits unchanged)
+                            st[e] = seen ? r.p * r.z : 0.0;
+                            dpt[e] = seen ? r.ds : 0.0;
+                        } else if constexpr (D == 128) {
+                            const bool seen = cls == REFATTN_FULL || ((bits >> bit) & 1u);
+                            const int ic = i < Q ? i : Q - 1;
+                            RefattnGradElement r{0.0, 0.0, 0.0, 0.0, 0.0};
+                            if (seen)
+                                r = refattn_grad_element<F>(c, st[e], dpt[e], bias_j, ic,
+                                                            lse_h[ic], dvec_h[ic], keep, bit, z_j);
+                            if (BIAS) gb[mr] += seen ? r.g_s : 0.0;
+                            st[e] = seen ? r.p * r.z : 0.0;
+                            dpt[e] = seen ? r.ds : 0.0;
+                        } else {
+                            double pz = 0.0, ds = 0.0;
+                            const bool seen = i < Q && j < K &&
+                                              (cls == REFATTN_FULL || ((bits >> bit) & 1u));
+                            if (seen) {
+                                const RefattnGradElement r = refattn_grad_element<F>(
+                                    c, st[e], dpt[e], bias_j, i, lse_h[i], dvec_h[i], keep, bit,
+                                    z_j);
+                                if (BIAS) gb[mr] += r.g_s;
+                                pz = r.p * r.z;
+                                ds = r.ds;
+                            }
+                            st[e] = pz;
+                            dpt[e] = ds;
                         }
-                        st[e] = pz;
-                        dpt[e] = ds;
                     }
                 }
             }
             if constexpr (SPLIT == 1) {
-                refattn_mma_pb_shared<D, MR, NT>(sDV, st, sG + buf * BQ2 * D, lane, g, t);  // dV
+                refattn_mma_pb_shared<D, MR, NT, 0, DT, PB_PAIRS>(sDV, st, sG + buf * BQ2 * D,
+                                                                  lane, g, t);  // dV
                 // dK += dS^T Q
                 refattn_mma_pb<D, MR, NT, 0, DKR>(dka, dpt, sQ + buf * BQ2 * D, g, t);
                 if constexpr (DK_SHARED)
-                    refattn_mma_pb_shared<D, MR, NT, DKR, DT>(sDK, dpt, sQ + buf * BQ2 * D, lane,
-                                                              g, t);
+                    refattn_mma_pb_shared<D, MR, NT, DKR, DT, PB_PAIRS>(
+                        sDK, dpt, sQ + buf * BQ2 * D, lane, g, t);
             } else {
                 // dV's and dK's columns ow .. over both halves of the queries, P Z and dS
                 // exchanged in the partial sums' regions

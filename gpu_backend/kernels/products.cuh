@@ -203,30 +203,45 @@ __device__ __forceinline__ void refattn_pair_pb(double* out, double* p, S1 ex, S
 
 // the same product into an accumulator kept in shared memory (the warp's own region, in fragment
 // order: value e of lane l of n-tile dt at ((dt - DT0) 32 + l) 2 MR + e, 16-byte accesses), one
-// n-tile of D at a time (n-tiles DT0 .. DT1 - 1, the region holding those); for the dk/dv
-// kernel, whose two accumulators would not fit the registers
-template <int D, int MR, int NT, int DT0 = 0, int DT1 = D / 8, typename S1, typename S2>
+// n-tile of D at a time (n-tiles DT0 .. DT1 - 1, both even, the region holding those); for the
+// dk/dv kernel, whose two accumulators would not fit the registers. The loop over the n-tiles
+// stays rolled (code size, registers) and every index into the lane's column offsets lo[] is
+// a compile-time constant, so lo stays in registers (lo[2 s + (dt & 1)] indexed at run time
+// kept it in a 16-byte stack frame: one STL.128 per tile and two LDL per n-tile in the main
+// loop). PAIRS: the loop steps over n-tile pairs with the pair unrolled (fewest instructions);
+// otherwise it steps over single n-tiles and selects the pair member's offsets by the parity
+// of dt (two SEL per n-tile: for the plain dk/dv at D = 64, where the unrolled pair spilled 16
+// bytes on sm_90).
+template <int D, int MR, int NT, int DT0 = 0, int DT1 = D / 8, bool PAIRS = true, typename S1,
+          typename S2>
 __device__ __forceinline__ void refattn_mma_pb_shared(S1 acc, const double* p, S2 sb, int lane,
                                                       int g, int t) {
-    constexpr int W = 2 * MR;
+    static_assert(DT0 % 2 == 0 && DT1 % 2 == 0, "n-tile pairs: 16 columns of D at a time");
+    constexpr int W = 2 * MR, STEP = PAIRS ? 2 : 1;
     int lo[4];
     refattn_col_offsets<D>(lo, g, t);
     REFATTN_NO_UNROLL
-    for (int dt = DT0; dt < DT1; ++dt) {
-        double c[W];
+    for (int dp = DT0; dp < DT1; dp += STEP) {
         REFATTN_UNROLL
-        for (int e = 0; e < W; ++e) c[e] = acc[((dt - DT0) * 32 + lane) * W + e];
-        REFATTN_UNROLL
-        for (int nt = 0; nt < NT; ++nt) {
+        for (int q = 0; q < STEP; ++q) {
+            const int dt = dp + q;  // columns 16 (dt / 2) + 8 (dt & 1) + g
+            const bool odd = PAIRS ? q == 1 : (dt & 1) != 0;
+            const int col[2] = {odd ? lo[1] : lo[0], odd ? lo[3] : lo[2]};  // s = 0, 1
+            double c[W];
             REFATTN_UNROLL
-            for (int s = 0; s < 2; ++s) {
-                double a[MR];
-                refattn_p_fragment<MR>(a, p, nt, s);
-                refattn_mma_rows<MR>(c, a, sb[8 * nt * D + 16 * (dt >> 1) + lo[2 * s + (dt & 1)]]);
+            for (int e = 0; e < W; ++e) c[e] = acc[((dt - DT0) * 32 + lane) * W + e];
+            REFATTN_UNROLL
+            for (int nt = 0; nt < NT; ++nt) {
+                REFATTN_UNROLL
+                for (int s = 0; s < 2; ++s) {
+                    double a[MR];
+                    refattn_p_fragment<MR>(a, p, nt, s);
+                    refattn_mma_rows<MR>(c, a, sb[8 * nt * D + 16 * (dt >> 1) + col[s]]);
+                }
             }
+            REFATTN_UNROLL
+            for (int e = 0; e < W; ++e) acc[((dt - DT0) * 32 + lane) * W + e] = c[e];
         }
-        REFATTN_UNROLL
-        for (int e = 0; e < W; ++e) acc[((dt - DT0) * 32 + lane) * W + e] = c[e];
     }
 }
 

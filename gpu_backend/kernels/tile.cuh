@@ -51,16 +51,36 @@ __device__ __forceinline__ int refattn_swz(int r, int c) {
 
 // rows row0 .. row0 + R - 1 of a (rows x D) row-major matrix starting at src (src already
 // offset to the matrix) into the swizzled tile dst with 16-byte cp.async, zeros past `rows`;
-// the NT threads of the block share the R D / 2 chunks. Only issues the copies: the caller
-// commits and waits.
+// the NT threads of the block (tid < NT) share the R D / 2 chunks, thread tid taking chunks
+// tid + NT k, k = 0 .. R D / (2 NT) - 1: row r0 + RS k, columns c0, c0 + 1 (RS = NT / (D / 2)
+// rows per step). Only issues the copies: the caller commits and waits.
+//
+// The address arithmetic is hoisted out of the copies: r0, c0, the global row pointer and the
+// shared base are computed once per tile, and since the swizzle of row r depends on r & 7 only,
+// the P = 8 / gcd(RS, 8) distinct swizzled columns of the thread's rows are too (1 at D <= 32,
+// 2 at D = 64, 4 at D = 128, 8 at D = 256); each copy then costs its row test and the
+// cp.async, both addresses a register plus a compile-time immediate (the loop unrolled). A row
+// past `rows` is copied with the ignore-src predicate set (refattn_cp_async16_at): 16 zero bytes
+// written and its (out-of-range) source address ignored completely (PTX ISA, cp.async); a
+// select of an in-range address instead cost about 4 more instructions per copy. Before, a
+// rolled loop with a signed division and 64-bit index arithmetic per chunk cost about 33
+// instructions per 16-byte copy.
 template <int R, int D, int NT, typename Dst>
 __device__ __forceinline__ void refattn_load_tile_async(Dst dst, const double* src, int row0,
                                                         int rows, int tid) {
-    constexpr int CHUNKS = R * D / 2, PER_ROW = D / 2;
-    for (int e = tid; e < CHUNKS; e += NT) {
-        const int r = e / PER_ROW, c = 2 * (e % PER_ROW);  // powers of two: shifts
-        const bool valid = row0 + r < rows;
-        const double* from = valid ? src + (static_cast<long long>(row0 + r) * D + c) : src;
-        refattn_cp_async16(dst + refattn_swz<D>(r, c), from, valid);
-    }
+    constexpr int PER_ROW = D / 2, CHUNKS = R * D / 2, STEPS = CHUNKS / NT, RS = NT / PER_ROW;
+    static_assert(CHUNKS % NT == 0 && NT % PER_ROW == 0,
+                  "every thread copies the same number of whole 16-byte chunks");
+    constexpr int P = RS % 8 == 0 ? 1 : RS % 4 == 0 ? 2 : RS % 2 == 0 ? 4 : 8;
+    const unsigned u = static_cast<unsigned>(tid);  // unsigned: shifts, not signed division
+    const int r0 = static_cast<int>(u / PER_ROW), c0 = static_cast<int>(2 * (u % PER_ROW));
+    const int left = rows - row0 - r0;  // step k's row is in range iff RS k < left
+    const double* from = src + (static_cast<long long>(row0 + r0) * D + c0);
+    const auto base = refattn_shared_base(dst);
+    int sw[P];  // the swizzled offset of (r0 + RS k, c0) for k mod P, less RS k D
+    REFATTN_UNROLL
+    for (int k = 0; k < P; ++k) sw[k] = refattn_swz<D>(r0 + RS * k, c0) - RS * k * D;
+    REFATTN_UNROLL
+    for (int k = 0; k < STEPS; ++k)
+        refattn_cp_async16_at(base, sw[k % P] + RS * k * D, from + RS * k * D, RS * k < left);
 }

@@ -349,3 +349,184 @@ def test_a_counter_zeroed_as_half_of_a_register_pair():
     ins = sass.parse(PAIR_INIT)["k"]
     assert sass.trip_count(ins, 0x20, 0x50) == 4
     assert sass.trip_count(ins, 0x70, 0x90) is None
+
+
+# -- copy loops per trip, natural loops, local memory (issue 43) -----------------------------
+
+COPY_LOOP = """
+                Function : attention_forward_d64
+        /*0000*/                   S2R R13, SR_TID.X ;
+        /*0010*/                   IMAD.MOV.U32 R39, RZ, RZ, RZ ;
+        /*0020*/                   DMMA.884 R8, R20, R22, R8 ;
+        /*0030*/                   ISETP.NE.AND P2, PT, R5, RZ, PT ;
+        /*0040*/              @!P2 BRA 0x80 ;
+        /*0050*/                   VIADD R16, R13, 0x80 ;
+        /*0060*/                   LDGSTS.E.BYPASS.128 [R17], desc[UR8][R18.64] ;
+        /*0070*/                   NOP ;
+        /*0080*/                   IMAD.MOV.U32 R16, RZ, RZ, R13 ;
+        /*0090*/                   IMAD.SHL.U32 R17, R16.reuse, 0x10, RZ ;
+        /*00a0*/                   LDGSTS.E.BYPASS.128 [R17], desc[UR8][R18.64] ;
+        /*00b0*/                   LDGSTS.E.BYPASS.128 [R17+0x800], desc[UR8][R18.64] ;
+        /*00c0*/                   LDGSTS.E.BYPASS.128 [R17+0x1000], desc[UR8][R18.64] ;
+        /*00d0*/                   LDGSTS.E.BYPASS.128 [R17+0x1800], desc[UR8][R18.64] ;
+        /*00e0*/                   ISETP.GE.AND P3, PT, R16.reuse, 0x200, PT ;
+        /*00f0*/                   VIADD R16, R16, 0x200 ;
+        /*0100*/              @!P3 BRA 0x90 ;
+        /*0110*/                   BAR.SYNC.DEFER_BLOCKING 0x0 ;
+        /*0120*/                   DMMA.884 R8, R20, R22, R8 ;
+        /*0130*/               @P0 BRA 0x20 ;
+        /*0140*/                   EXIT ;
+"""
+
+
+def test_an_unrolled_copy_loop_counts_once_per_trip():
+    """nvcc's shape of tile.cuh's ``for (e = tid; e < 1024; e += 128)`` unrolled by 4: the
+    counter starts at the thread index (thread 0: 0), is compared before its add of 512
+    (``.reuse`` flags on the operands), so thread 0 runs 2 trips of 4 copies = 1024 / 128 = 8
+    copies; the remainder copy before the loop (none for thread 0: 8 is a multiple of 4) is
+    skipped. One iteration of the main loop: 0x20, 0x30, 0x40, 0x80 (4), the copy loop's 8
+    instructions twice, 0x110-0x130 (3): 23 instructions, 17 of them the copies' (the loop's
+    16 and its counter's start at 0x80, in the same basic block)."""
+    ins = sass.parse(COPY_LOOP)["attention_forward_d64"]
+    assert sass.trip_count(ins, 0x90, 0x100) == 2
+    m = sass.kernel_counts("f", ins).main_loop
+    assert (m.start, m.end) == (0x20, 0x130)
+    assert m.ldgsts == 8 and m.ldgsts_bytes == 8 * 32 * 16
+    assert m.instructions == 4 + 2 * 8 + 3
+    assert m.copy_instructions == 17 and m.barriers == 1 and m.dmma_fma == 2 * 256
+    assert m.inner_trips == ((0x90, 0x100, 2),)
+    # the same loop of shared-memory loads is no copy loop: its start (a thread index) is
+    # unknown, and it is counted once
+    plain = COPY_LOOP.replace("LDGSTS.E.BYPASS.128 [R17", "LDS.64 R30, [R17").replace(
+        "], desc[UR8][R18.64]", "]")
+    assert sass.trip_count(sass.parse(plain)["attention_forward_d64"], 0x90, 0x100) is None
+
+
+FAR_LATCH = """
+                Function : k
+        /*0000*/                   IMAD.MOV.U32 R39, RZ, RZ, RZ ;
+        /*0010*/                   LDGSTS.E.BYPASS.128 [R5], desc[UR8][R6.64] ;
+        /*0020*/                   DMMA.884 R8, R20, R22, R8 ;
+        /*0030*/                   DADD R2, R2, R4 ;
+        /*0040*/               @P3 BRA 0xb0 ;
+        /*0050*/                   DMMA.884 R8, R20, R22, R8 ;
+        /*0060*/                   DMMA.884 R8, R20, R22, R8 ;
+        /*0070*/                   DMMA.884 R8, R20, R22, R8 ;
+        /*0080*/                   DMMA.884 R8, R20, R22, R8 ;
+        /*0090*/               @P0 BRA 0x10 ;
+        /*00a0*/                   EXIT ;
+        /*00b0*/                   DMUL R2, R2, R4 ;
+        /*00c0*/                   BRA 0x50 ;
+"""
+
+
+def test_the_main_loop_is_a_natural_loop_not_an_address_range():
+    """A branch from 0xc0 back to 0x50 spans [0x50, 0xc0], smaller than the tile loop
+    [0x10, 0x90] and holding 4 of the 5 DMMAs (80%); but 0x50 does not dominate 0xc0 (the
+    entry reaches it through 0x40 around 0x50): no loop. The tile loop, with its copy, is the
+    main loop (as nvcc lays out the general dk/dv at D = 32 and 64)."""
+    ins = sass.parse(FAR_LATCH)["k"]
+    assert sass.kernel_counts("k", ins).loops == ((0x10, 0x90), (0x50, 0xC0))
+    assert set(sass.natural_loops(ins)) == {0x10}
+    m = sass.kernel_counts("k", ins).main_loop
+    assert (m.start, m.end) == (0x10, 0x90) and m.ldgsts == 1
+
+
+PROBES = r"""
+#include "tile.cuh"
+template <int R, int D>
+__device__ void copyloop(const double* src, double* out, int n, int rows) {
+    extern __shared__ __align__(16) double smem[];
+    const int tid = threadIdx.x;
+    double acc[2] = {0.0, 0.0};
+#pragma unroll 1
+    for (int it = 0; it < n; ++it) {
+        refattn_load_tile_async<R, D, 128>(smem + (it & 1) * R * D, src, it * R, rows, tid);
+        refattn_cp_async_commit();
+        refattn_cp_async_wait<0>();
+        __syncthreads();
+        refattn_mma_m8n8k4(acc, smem[tid], smem[tid + 128]);
+        __syncthreads();
+    }
+    out[tid] = acc[0] + acc[1];
+}
+#define PROBE(R, D) extern "C" __global__ void copy_r##R##_d##D(const double* s, double* o, \
+    int n, int r) { copyloop<R, D>(s, o, n, r); }
+PROBE(8, 32) PROBE(32, 64) PROBE(16, 128) PROBE(32, 128) PROBE(8, 256)
+
+extern "C" __global__ void localprobe(const double* p, double* out, int n, int k) {
+    double lo[4] = {p[0], p[1], p[2], p[3]};
+    double acc[2] = {0.0, 0.0};
+#pragma unroll 1
+    for (int it = 0; it < n; ++it) {
+        refattn_mma_m8n8k4(acc, lo[(it + k) & 3], lo[(it + 3 * k) & 3]);
+        lo[(it + 2 * k) & 3] = acc[0];
+    }
+    out[threadIdx.x] = acc[0] + acc[1] + lo[k & 3];
+}
+"""
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_the_kernels_copy_routine_and_a_stack_array_counted_from_real_sass(tmp_path, arch):
+    """tile.cuh's ``refattn_load_tile_async<R, D, 128>`` in a loop of unknown trip count with
+    one m8n8k4: per iteration R D / 2 / 128 copies (the source's trip count: 1, 8, 8, 16, 8),
+    one DMMA, two barriers; where the body has no inner loop its instruction count equals the
+    lines of the disassembly between its first instruction and its back edge (counted here
+    from the text). A run-time indexed ``double lo[4]`` (the dk/dv's) is a stack frame: LDL and
+    STL in the loop."""
+    _tools()
+    (tmp_path / "q.cu").write_text(PROBES)
+    proc = subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-std=c++17", "-Xptxas", "-v",
+                           f"-I{KERNEL_DIR}", "-o", str(tmp_path / "q.cubin"),
+                           str(tmp_path / "q.cu")], check=True, capture_output=True, text=True)
+    resources = compile_check._parse(proc.stdout + proc.stderr)
+    text = sass.disassemble((tmp_path / "q.cubin").read_bytes())
+    fns = sass.parse(text)
+    for R, D in ((8, 32), (32, 64), (16, 128), (32, 128), (8, 256)):
+        name = f"copy_r{R}_d{D}"
+        m = sass.kernel_counts(name, fns[name]).main_loop
+        assert m.ldgsts == R * D // 2 // 128, (name, m.ldgsts)
+        assert sum(m.dmma.values()) == 1 and m.barriers == 2, name
+        assert m.ldgsts <= m.copy_instructions < m.instructions, name
+        assert m.local_loads == m.local_stores == 0, name
+        if not m.inner_loops:
+            body = text.split(f"Function : {name}")[1].split("Function :")[0]
+            lines = [int(a, 16) for a, op in re.findall(r"/\*([0-9a-f]{4,})\*/\s+(?:@!?U?P\w+\s+)?"
+                                                          r"([A-Z][\w.]*)", body) if op != "NOP"]
+            assert m.instructions == sum(1 for a in lines if m.start <= a <= m.end), name
+    m = sass.kernel_counts("localprobe", fns["localprobe"]).main_loop
+    assert m.local_loads >= 1 and m.local_stores >= 1 and m.local_bytes >= 32 * 8 * 2
+    assert resources["localprobe"].stack_bytes > 0
+    assert resources["copy_r32_d64"].stack_bytes == 0
+
+
+def test_both_bounds_for_every_instance(report):
+    """Every hot instance at D = 64, 128 and 256 on both architectures has an optimistic and a
+    pessimistic fraction of the DMMA peak from its SASS, 0 < pessimistic <= optimistic; its
+    main loop's cp.async copies equal the sources' tile sizes; a main loop with local memory
+    belongs to a kernel with a stack frame (ptxas, independently); the composition of forward
+    and backward is given under both bounds; and compile_check judges D <= 128 only."""
+    model = perf_model.model(sass=report)
+    n = 0
+    for arch, roles in model["sass"].items():
+        for role, per in roles.items():
+            for key, e in per.items():
+                p = e["pessimistic"]
+                assert 0 < p["fraction_of_dmma_peak"] <= e["fraction_of_dmma_peak"], (
+                    arch, role, key)
+                assert p["cycles"] >= e["cycles"] - 1e-9
+                assert p["warps_per_smsp"] >= 1 and p["serial"] > p["tensor"] > 0
+                assert p["copies_sass"] == p["copies_source"], (arch, role, key, p)
+                k = report["arches"][arch]["kernels"][e["kernel"]]
+                if p["local_loads"] + p["local_stores"]:
+                    assert k["stack_bytes"] > 0, (arch, e["kernel"])
+                assert k["judged"] == (perf_model.entry_dim(key) <= 128)
+                n += 1
+    assert n >= 30
+    for per in model["composition"].values():
+        for c in per.values():
+            assert c["pessimistic"]["fraction_of_dgemm"] <= c["optimistic"]["fraction_of_dgemm"]
+    text = perf_model.markdown(model)
+    assert "pessimistic: of peak" in text and "optimistic: of peak" in text
+    assert all(a in text for a in model["assumptions"]["bounds"])

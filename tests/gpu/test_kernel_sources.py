@@ -126,6 +126,12 @@ def test_every_kernel_compiles_without_spills_or_warnings(arch):
     for k in report.kernels.values():
         assert 0 < k.registers <= 255, k
         print(f"{arch} {k.kernel}: {k.registers} registers, {k.stack_bytes} B stack")
+    # no stack frame in a tensor-core kernel (issue 43: refattn_mma_pb_shared's column offsets
+    # indexed at run time kept a 16-byte frame, loaded and stored in the main loop, which
+    # ptxas does not call a spill)
+    frames = {k.kernel: k.stack_bytes for k in report.kernels.values()
+              if re.match(r"attention_(forward|dq|dkdv)_", k.kernel) and k.stack_bytes}
+    assert frames == {}, frames
 
 
 #: common.cuh compiled as host C++ (the device intrinsics it uses, by memcpy)
@@ -237,3 +243,86 @@ def test_the_branch_free_exp_is_within_one_ulp_of_numpy(tmp_path):
     nan = subprocess.run([str(exe)], input=f"{np.float64(np.nan).view(np.uint64):x}",
                          capture_output=True, text=True, check=True).stdout.split()
     assert np.isnan(np.array([int(nan[0], 16)], dtype=np.uint64).view(np.float64)[0])
+
+
+#: tile.cuh's refattn_load_tile_async compiled as host C++: every thread of a 128-thread block
+#: issues its copies into a recording stub, which prints (thread, shared offset, source offset,
+#: valid) per 16-byte copy
+TILE_PROGRAM = COMMON_PRELUDE.replace('#include "common.cuh"', "") + r"""
+#include <vector>
+#define REFATTN_UNROLL
+#define REFATTN_NO_UNROLL
+namespace emu {
+static int tid_now = 0;
+static const double* tile0 = nullptr;
+static const double* src0 = nullptr;
+inline void cp_async16(double& d0, double& d1, const double* src, bool valid) {
+    if (&d1 != &d0 + 1) std::printf("split\n");
+    std::printf("%d %ld %ld %d\n", tid_now, static_cast<long>(&d0 - tile0),
+                static_cast<long>(src - src0), valid ? 1 : 0);
+}
+inline void cp_async_commit() {}
+inline void cp_async_wait(int) {}
+inline void mma_f64(int, int, const double*, const double*, double*) {}
+}  // namespace emu
+#include "tile.cuh"
+#include <cstdlib>
+template <int R, int D>
+void run(int row0, int rows) {
+    std::vector<double> tile(R * D), matrix(1);
+    emu::tile0 = tile.data();
+    emu::src0 = matrix.data();
+    for (int tid = 0; tid < 128; ++tid) {
+        emu::tid_now = tid;
+        refattn_load_tile_async<R, D, 128>(tile.data(), matrix.data(), row0, rows, tid);
+    }
+}
+int main(int argc, char** argv) {
+    const int which = std::atoi(argv[1]), row0 = std::atoi(argv[2]), rows = std::atoi(argv[3]);
+    switch (which) {
+        case 0: run<8, 32>(row0, rows); break;
+        case 1: run<24, 32>(row0, rows); break;
+        case 2: run<16, 64>(row0, rows); break;
+        case 3: run<32, 64>(row0, rows); break;
+        case 4: run<8, 128>(row0, rows); break;
+        case 5: run<16, 128>(row0, rows); break;
+        case 6: run<64, 128>(row0, rows); break;
+        case 7: run<8, 256>(row0, rows); break;
+        case 8: run<16, 256>(row0, rows); break;
+    }
+    return 0;
+}
+"""
+TILE_SHAPES = ((8, 32), (24, 32), (16, 64), (32, 64), (8, 128), (16, 128), (64, 128),
+               (8, 256), (16, 256))
+
+
+def test_the_tile_copies_cover_each_chunk_once_swizzled_with_zeros_past_the_rows(tmp_path):
+    """refattn_load_tile_async (its copy addresses hoisted out of the loop, issue 43): for
+    tile shapes of the instances, the block's 128 threads copy every 16-byte chunk (r, c) of
+    the R x D tile exactly once, from element (row0 + r) D + c of the matrix, to the swizzled
+    offset r D + (c ^ 4 f(r)), f(r) = (r ^ (r >> 1)) & 3 (written here from tile.cuh's comment,
+    not from its code), valid exactly for the rows before `rows` (the others zero-filled, their
+    source ignored); and each thread issues the same number of copies."""
+    import collections
+    import itertools
+
+    exe = _host_binary(tmp_path, "tile", TILE_PROGRAM, "-Wno-unused-function")
+    for which, (R, D) in enumerate(TILE_SHAPES):
+        for row0, rows in ((0, 10**6), (2 * R, 2 * R + R // 2), (R, R + 1), (0, 0)):
+            out = subprocess.run([str(exe), str(which), str(row0), str(rows)],
+                                 capture_output=True, text=True, check=True).stdout.split("\n")
+            copies = [tuple(map(int, line.split())) for line in out if line]
+            assert len(copies) == R * D // 2, (R, D)
+            per_thread = collections.Counter(tid for tid, *_ in copies)
+            assert set(per_thread.values()) == {R * D // 2 // 128}, (R, D)
+            seen = {}
+            for _, dst, src, valid in copies:
+                r = dst // D  # the swizzle moves columns within a row
+                c = dst % D ^ (((r ^ (r >> 1)) & 3) << 2)
+                assert 0 <= r < R and c % 2 == 0, (R, D, dst)
+                assert valid == (row0 + r < rows), (R, D, r, rows)
+                assert src == (row0 + r) * D + c, (R, D, r, c, src)  # (ignored when not valid)
+                assert (r, c) not in seen, (R, D, r, c)
+                seen[(r, c)] = dst
+            assert set(seen) == set(itertools.product(range(R), range(0, D, 2)))
