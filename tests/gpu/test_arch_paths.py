@@ -38,6 +38,7 @@ import pytest
 import refattn
 from gpu_backend import launch
 from gpu_backend.emulator.module import EmulatedModule
+from gpu_backend.emulator_backend import EmulatorDevice
 from gpu_backend.source import KERNEL_DIR, KERNELS
 from refattn.dropout import Philox
 from refattn.masks import causal
@@ -76,11 +77,9 @@ NORMWISE, ELEMENTWISE = 1e-13, 1e-12
 _HELPERS = ("attention_row_dot_output", "attention_trace_forward", "attention_trace_backward")
 
 
-class ArchDevice:
+class ArchDevice(EmulatorDevice):
     """An emulated device: ``module`` (any arch, any source copy) and a shared-memory limit,
     recording the kernels it launches (a :class:`gpu_backend.launch.Device`)."""
-
-    xp = np
 
     def __init__(self, module: EmulatedModule, max_shared_bytes: int) -> None:
         self.module, self.max_shared_bytes = module, max_shared_bytes
@@ -91,18 +90,6 @@ class ArchDevice:
     def get_function(self, name: str) -> Any:
         self.kernels.append(name)
         return self.module.get_function(name)
-
-    def address(self, array: np.ndarray) -> int:
-        return int(array.ctypes.data)
-
-    def to_device(self, array: np.ndarray) -> np.ndarray:
-        return np.ascontiguousarray(array)
-
-    def to_host(self, array: np.ndarray) -> np.ndarray:
-        return np.asarray(array)
-
-    def free_bytes(self) -> None:
-        return None
 
     def describe(self) -> dict[str, Any]:
         return {"kind": "cuda_emulator", "arch": self.module.arch}

@@ -1,4 +1,5 @@
-"""Warp pairs (SPLIT = 2): the general forward, dq and dk/dv at D = 128 (forward.cuh,
+"""Warp pairs (SPLIT = 2): the general forward, dq and dk/dv at D = 128, the general dk/dv at
+D = 64 (dV in registers, half of dK in shared memory: two blocks per SM) (forward.cuh,
 backward.cuh) and the wide dq (H100/H200: 32-key tiles in 208 KiB). The two warps of a forward
 pair own the same 16 query rows and split the tile's keys for S and the output's columns for
 P V, swapping row maxima, P~ Z halves and row sums through shared memory. A dq pair (16 query
@@ -42,10 +43,11 @@ def _block_sparse() -> np.ndarray:
     return vis
 
 
-def _call(kind: str, rng: np.random.Generator) -> refattn.AttentionCall:
-    q = rng.standard_normal((1, 2, Q, 100))
-    k = rng.standard_normal((1, 1, K, 100))
-    v = rng.standard_normal((1, 1, K, 128))
+def _call(kind: str, rng: np.random.Generator, dk: int = 100,
+          dv: int = 128) -> refattn.AttentionCall:
+    q = rng.standard_normal((1, 2, Q, dk))
+    k = rng.standard_normal((1, 1, K, dk))
+    v = rng.standard_normal((1, 1, K, dv))
     sink = np.array([0.5, -1.0])
     if kind == "dense":  # a dense mask, dense dropout multipliers, sanitised rows
         vis = _block_sparse()
@@ -140,15 +142,29 @@ def test_the_d128_dkdv_on_warp_pairs_matches_the_reference(kind, limit):
     _assert_bit_identical(grads, ("grad_k", "grad_v", "grad_bias"))
 
 
-def _wrong_grads(directory, seeds=(0, 1, 2)) -> list[set[str]]:
+@pytest.mark.parametrize("kind", ["dense", "relation"])
+def test_the_d64_dkdv_on_warp_pairs_matches_the_reference(kind):
+    """The general dk/dv at D = 64 (pairs: dV in registers, half of dK in shared memory, 80 KiB)
+    with every feature: gradients of K, V and the bias; bit-identical run to run."""
+    rng = np.random.default_rng(64)
+    call = _call(kind, rng, 60, 64)
+    g_o = rng.standard_normal((1, 2, Q, 64))
+    t, grads, kernels = _backward_twice(H100_SHARED, call, g_o, "attention_dkdv")
+    assert kernels == [["attention_dkdv_d64"]] * 2
+    assert_matches_reference(call, g_o, t, grads[0], f"dkdv d64 pairs {kind}")
+    _assert_bit_identical(grads, ("grad_k", "grad_v", "grad_bias"))
+
+
+def _wrong_grads(directory, seeds=(0, 1, 2), widths=(100, 128)) -> list[set[str]]:
     """For each of the debug emulator's warp orders, the gradients of Q, K and V off the
-    reference's, on an A100's shared memory (the general dq and dk/dv, both on pairs). The dense
+    reference's, on an A100's shared memory (at D = 128 the general dq and dk/dv, both on
+    pairs; at D = 64 the dk/dv). The dense
     call: no Philox draws (warp shuffles) between the pairs' exchanges, so a warp runs from one
     exchange to the next without stopping (the emulator's threads run until a warp operation
     or a barrier) and a missing barrier between them shows in every warp order."""
     rng = np.random.default_rng(5)
-    call = _call("dense", rng)
-    g_o = rng.standard_normal((1, 2, Q, 128))
+    call = _call("dense", rng, *widths)
+    g_o = rng.standard_normal((1, 2, Q, widths[1]))
     want = refattn.backward(refattn.forward(call), g_o)
     wrong = []
     for seed in seeds:
@@ -160,10 +176,11 @@ def _wrong_grads(directory, seeds=(0, 1, 2)) -> list[set[str]]:
     return wrong
 
 
-def test_the_unmutated_pairs_are_right_in_every_warp_order():
+@pytest.mark.parametrize("widths", [(100, 128), (60, 64)], ids=["d128", "d64"])
+def test_the_unmutated_pairs_are_right_in_every_warp_order(widths):
     from gpu_backend.source import KERNEL_DIR
 
-    assert _wrong_grads(KERNEL_DIR) == [set()] * 3
+    assert _wrong_grads(KERNEL_DIR, widths=widths) == [set()] * 3
 
 
 @pytest.mark.parametrize(("old", "new", "grads"), [
@@ -188,10 +205,20 @@ def test_a_broken_pair_exchange_is_caught(tmp_path, old, new, grads):
 
 def test_a_pair_adding_its_own_partial_sum_is_caught(tmp_path):
     """The warp's own partial sum added to itself instead of the partner's (products.cuh):
-    S and dP wrong in both kernels, so are dQ, dK and dV, in every warp order."""
+    S and dP wrong in both kernels, so are dQ, dK and dV, in every warp order; at D = 64 (only
+    the dk/dv on pairs) dK and dV."""
     old = "refattn_pair_get<MR, NT>(part, ex, half ^ 1, warp, lane);"
     d = _mutated(tmp_path, old, old.replace("half ^ 1", "half"), "products.cuh")
     assert _wrong_grads(d) == [{"grad_q", "grad_k", "grad_v"}] * 3
+    assert _wrong_grads(d, widths=(60, 64)) == [{"grad_k", "grad_v"}] * 3
+
+
+def test_the_d64_dkdv_pairs_regions_barrier_is_caught(tmp_path):
+    """dk/dv at D = 64 on pairs: P Z written over partial sums the partner has not read yet
+    (backward.cuh's barrier removed), caught in every warp order in dK and dV."""
+    d = _mutated(tmp_path, "                __syncthreads();  // the regions free for P Z and dS\n",
+                 "", "backward.cuh")
+    assert all({"grad_k", "grad_v"} <= w for w in _wrong_grads(d, widths=(60, 64)))
 
 
 def test_the_paired_instances_are_the_ones_source_paired_lists():
@@ -205,4 +232,5 @@ def test_the_paired_instances_are_the_ones_source_paired_lists():
     found = {(fs or "general", kind, int(d)) for kind, fs, d in entries}
     assert found == {(fs, kind, d) for fs, kinds in PAIRED.items() for kind, dims in kinds.items()
                      for d in dims}
-    assert {("general", "dq", 128), ("general", "dkdv", 128), ("plain", "dkdv", 128)} <= found
+    assert {("general", "dq", 128), ("general", "dkdv", 128), ("plain", "dkdv", 128),
+            ("general", "dkdv", 64)} <= found
