@@ -38,6 +38,7 @@ from refattn.bundle.native import include_dir, yardsticks
 from refattn.bundle.storage.manifest import check_schema, read_manifest
 from refattn.bundle.storage.read import load
 from refattn.errors import RefAttnError
+from tests.bundle.test_fuzz_reader import _paths
 
 HERE = Path(__file__).resolve().parent
 #: the case the malformed corpus mutates (as tests/bundle/test_fuzz_reader.py does)
@@ -544,17 +545,6 @@ def _manifest_mutations(manifest: dict[str, Any], rng: random.Random
             node[path[-1]] = copy.deepcopy(rng.choice(values))
         out.append((f"mutated {k} at {'/'.join(map(str, path))[-60:]}", json.dumps(m).encode()))
     return out
-
-
-def _paths(node: Any, prefix: tuple[Any, ...] = ()) -> Any:
-    """Every path (tuple of keys/indices) into a JSON document."""
-    yield prefix
-    if isinstance(node, dict):
-        for k, v in node.items():
-            yield from _paths(v, (*prefix, k))
-    elif isinstance(node, list):
-        for i, v in enumerate(node):
-            yield from _paths(v, (*prefix, i))
 
 
 def test_malformed_manifests_are_refused_by_both(gxx_build: Path, bundle: Path,
