@@ -10,17 +10,15 @@ checksum); the C++ header reads the file with ``refattn::Bundle::load_yardsticks
 from __future__ import annotations
 
 import argparse
-import errno
 import json
 import os
 import re
 import stat
-import tempfile
 from pathlib import Path
 
 from refattn.bundle.comparison.tolerances import LOWER_PRECISIONS
 from refattn.bundle.native import DEFAULT_NAMES, bundle_yardsticks
-from refattn.bundle.storage.fsio import fsync_dir
+from refattn.bundle.storage.format import atomic_write
 from refattn.errors import RefAttnError
 
 __all__ = ["add_parser", "name_list", "run", "write_file"]
@@ -109,28 +107,12 @@ def write_file(path: Path, data: bytes, *, force: bool) -> None:
     parent = path.parent if str(path.parent) else Path(".")
     if not parent.is_dir():
         raise RefAttnError(f"--out {path}: the directory {parent} does not exist")
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:100]}.", suffix=".tmp", dir=parent)
     try:
-        with os.fdopen(fd, "wb") as fh:
-            fh.write(data)
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)
-        if force:
-            os.replace(tmp, path)
-        else:
-            try:
-                os.link(tmp, path)  # fails if the name appeared meanwhile
-            except OSError as exc:
-                if exc.errno == errno.EEXIST:
-                    raise RefAttnError(f"--out {path}: exists; pass --force to replace "
-                                       "it") from None
-                raise
-        fsync_dir(parent)
-    except OSError as exc:
-        raise RefAttnError(f"--out {path}: cannot write ({exc.strerror or exc})") from None
-    finally:
-        Path(tmp).unlink(missing_ok=True)
+        atomic_write(path, data, replace=force)
+    except FileExistsError:  # the name appeared after the check above
+        raise RefAttnError(f"--out {path}: exists; pass --force to replace it") from None
+    except RefAttnError as exc:
+        raise RefAttnError(f"--out {exc}") from None
 
 
 def run(args: argparse.Namespace) -> int:

@@ -49,22 +49,33 @@ def tensor_sha256(x: np.ndarray) -> str:
 
 
 @public
-def atomic_write(path: Path, data: bytes) -> None:
+def atomic_write(path: Path, data: bytes, *, replace: bool = True) -> None:
     """Write ``data`` to ``path`` via a fsynced temporary file in the same directory, a
-    rename and a fsync of the directory. An ``OSError`` (a full disk, a read-only directory)
-    removes the temporary file and becomes a :class:`~refattn.errors.RefAttnError` naming
-    ``path``."""
+    rename (``replace=False``: a hard link, so an existing name is refused atomically, never
+    replaced: ``FileExistsError``) and a fsync of the directory. Any other ``OSError`` (a full
+    disk, a read-only directory) removes the temporary file and becomes a
+    :class:`~refattn.errors.RefAttnError` naming ``path``."""
     path = Path(path)
     tmp = None
+    exists = False
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", suffix=".tmp", dir=path.parent)
+        fd, tmp = tempfile.mkstemp(prefix=f".{path.name[:100]}.", suffix=".tmp",
+                                   dir=path.parent)
         with os.fdopen(fd, "wb") as fh:
             fh.write(data)
             fh.flush()
             os.fsync(fh.fileno())
         os.chmod(tmp, 0o644)
-        os.replace(tmp, path)
+        if replace:
+            os.replace(tmp, path)
+        else:
+            try:
+                os.link(tmp, path)
+            except FileExistsError:
+                exists = True
+                raise
+            Path(tmp).unlink()
         dir_fd = os.open(path.parent, os.O_RDONLY)
         try:
             os.fsync(dir_fd)
@@ -73,6 +84,8 @@ def atomic_write(path: Path, data: bytes) -> None:
     except OSError as exc:
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+        if exists:
+            raise
         raise RefAttnError(f"{path}: cannot write ({exc.strerror or exc})") from None
     except BaseException:
         if tmp is not None:
