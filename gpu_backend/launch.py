@@ -67,8 +67,9 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     forward: Q (BQ x D) and two buffers of K and V (BK x D); dq: Q and G_O (BQ x D each) and
     two buffers of K and V; dkdv: K and V (BKV x D each), two buffers of Q and G_O (BQ2 x D)
     and the dV accumulators (BKV x D); doubles, unpadded (the tiles are swizzled,
-    kernels/tile.cuh). A dq on warp pairs (source.PAIRED: D = 128) adds the pairs' exchange
-    regions of partial sums (2 x BQ x BK); a dkdv on warp pairs (D = 64 and 128) keeps dV in
+    kernels/tile.cuh). A forward on warp pairs (source.PAIRED: D = 128) adds the pairs'
+    exchange region of partial S (BQ x BK), a dq on warp pairs the regions of partial S and dP
+    (2 x BQ x BK); a dkdv on warp pairs (D = 64 and 128) keeps dV in
     registers and holds instead those regions (2 x BKV x BQ2) and, with every feature compiled
     in, 6 of each warp's 8 dK n-tiles at D = 128 (3/4 x BKV x D), 2 of its 4 at D = 64
     (1/2 x BKV x D); the debug emulator checks every shared access against these
@@ -81,6 +82,8 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     --------
     >>> shared_bytes("forward", 64), shared_bytes("dq", 128), shared_bytes("dkdv", 128)
     (98304, 139264, 163840)
+    >>> shared_bytes("forward", 128)  # warp pairs, 16-key tiles: two blocks on an H100/H200
+    102400
     >>> shared_bytes("dq", 128, "wide")  # warp pairs, 32-key tiles
     212992
     >>> shared_bytes("dkdv", 256, "wide")  # 16-query tiles
@@ -102,7 +105,10 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     MR, tile = table[kernel][D]
     rows = 8 * MR * _WARPS  # BQ or BKV
     own = 0 if D > A_GLOBAL_ABOVE else 1  # the A tiles: in shared memory up to D = 128
-    if kernel != "forward" and D in PAIRED.get(features, {}).get(kernel, ()):
+    if kernel == "forward" and D in PAIRED.get(features, {}).get(kernel, ()):
+        # Q, two buffers of K and V, the exchange region of partial S (BQ x BK)
+        n = rows * D + 4 * tile * D + rows * tile
+    elif D in PAIRED.get(features, {}).get(kernel, ()):
         # the A tiles, two buffers of the streamed ones, the exchange regions, (a dkdv with
         # every feature) three quarters of dK
         n = 2 * rows * D + 4 * tile * D + 2 * rows * tile + (

@@ -25,7 +25,7 @@ MAIN = "attention.cu"
 #: Above D = 128 (:data:`A_GLOBAL_ABOVE`) the warps read their own rows (the A operand: Q, G_O;
 #: K, V in dkdv) from global memory instead of a shared tile.
 INSTANCES: dict[str, dict[int, tuple[int, int]]] = {
-    "forward": {32: (2, 24), 64: (2, 32), 128: (1, 32), 256: (1, 8)},
+    "forward": {32: (2, 24), 64: (2, 32), 128: (1, 16), 256: (1, 8)},
     "dq": {32: (2, 16), 64: (2, 16), 128: (1, 16), 256: (1, 8)},
     "dkdv": {32: (2, 32), 64: (1, 16), 128: (1, 16), 256: (1, 8)},
 }

@@ -111,7 +111,7 @@ __device__ void refattn_trace_backward(const unsigned long long* x, const long l
 #define REFATTN_ARGS const unsigned long long *x, const long long *ip, const double *rp
 extern "C" __global__ void attention_forward_d32(REFATTN_ARGS) { refattn_forward<32, 2, 24>(x, ip, rp); }
 extern "C" __global__ void attention_forward_d64(REFATTN_ARGS) { refattn_forward<64, 2, 32>(x, ip, rp); }
-extern "C" __global__ void attention_forward_d128(REFATTN_ARGS) { refattn_forward<128, 1, 32, REFATTN_F_ALL, 2>(x, ip, rp); }
+extern "C" __global__ void attention_forward_d128(REFATTN_ARGS) { refattn_forward<128, 1, 16, REFATTN_F_ALL, 2>(x, ip, rp); }
 extern "C" __global__ void attention_forward_d256(REFATTN_ARGS) { refattn_forward<256, 1, 8>(x, ip, rp); }
 // the plain forward instances (feature set F = 0: no softcap, bias or dropout code, call.cuh),
 // run for calls without those features; 16-row warps at D = 128 too (the general instance spills

@@ -180,9 +180,9 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
         for (int mr = 0; mr < MRW; ++mr) {
             const int i = row + 8 * mr, ic = SELECT && i >= Q ? Q - 1 : i;
             const RefattnLine bias_i =
-                BIAS ? refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, ic) : RefattnLine{};
+                BIAS ? refattn_line<false>(c.bias, ip + P_BIAS_S0, b, h, ic) : RefattnLine{};
             const RefattnLine z_i =
-                DROPOUT ? refattn_line<false>(c.z, ip, P_Z_S0, b, h, ic) : RefattnLine{};
+                DROPOUT ? refattn_line<false>(c.z, ip + P_Z_S0, b, h, ic) : RefattnLine{};
             double* gbias_i = gbias + (bh * c.Q + i) * c.K;  // per element (bias mode 1)
             REFATTN_UNROLL
             for (int nt = 0; nt < NTW; ++nt) {
@@ -402,9 +402,9 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
             for (int mr = 0; mr < MRW; ++mr) {
                 const int j = row + 8 * mr, jc = (SELECT || D == 128) && j >= K ? K - 1 : j;
                 const RefattnLine bias_j =
-                    BIAS ? refattn_line<true>(c.bias, ip, P_BIAS_S0, b, h, jc) : RefattnLine{};
+                    BIAS ? refattn_line<true>(c.bias, ip + P_BIAS_S0, b, h, jc) : RefattnLine{};
                 const RefattnLine z_j =
-                    DROPOUT ? refattn_line<true>(c.z, ip, P_Z_S0, b, h, jc) : RefattnLine{};
+                    DROPOUT ? refattn_line<true>(c.z, ip + P_Z_S0, b, h, jc) : RefattnLine{};
                 REFATTN_UNROLL
                 for (int nt = 0; nt < NTW; ++nt) {
                     REFATTN_UNROLL

@@ -203,12 +203,13 @@ struct RefattnLine {
     }
 };
 
+// (st: the operand's four strides, ip + P_BIAS_S0 or ip + P_Z_S0, or a copy of them in shared
+// memory)
 template <bool ROWS_ARE_KEYS>
-__device__ __forceinline__ RefattnLine refattn_line(const double* x, const long long* ip, int s0,
+__device__ __forceinline__ RefattnLine refattn_line(const double* x, const long long* st,
                                                     long long b, long long h, int row) {
     const int rs = ROWS_ARE_KEYS ? 3 : 2, cs = ROWS_ARE_KEYS ? 2 : 3;
-    return {x + (b * ip[s0] + h * ip[s0 + 1] + row * ip[s0 + rs]),
-            static_cast<int>(ip[s0 + cs])};
+    return {x + (b * st[0] + h * st[1] + row * st[rs]), static_cast<int>(st[cs])};
 }
 
 // the dropout multiplier of element bit `bit` of a tile: Philox keep bits, a dense Z (its line

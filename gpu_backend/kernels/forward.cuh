@@ -7,20 +7,28 @@
 
 // SPLIT = 2 pairs the warps (FlashAttention-2's 8-row warps would read the streamed K and V
 // for only 8 rows each, 1 byte per FMA at least): warps 2 p and 2 p + 1 own the same 16 rows
-// (MR = 2 each; the block's BQ = 32 MR rows are unchanged), the first half of the tile's keys
-// (S) and of O's columns (P V) going to the even warp, the second halves to the odd one. The
-// pair swaps its tile row maxima and its P~ Z halves through shared memory (the tile's K buffer,
-// free once every S is computed: two more barriers per tile) and its row sums at the end, so
-// each lane keeps no more than an 8-row warp's accumulators while every K and V double it reads
-// feeds 16 rows.
+// (MR = 2 each; the block's BQ = 32 MR rows are unchanged). For S they split the head width (the
+// even warp columns 0 .. D/2 - 1 of Q and K, the odd one the rest, each over the whole tile),
+// swap the partial sums of each other's half of the tile's keys through a small exchange region
+// and add them (refattn_pair_send / refattn_pair_add, as the dq pairs do), so each holds S whole
+// for its own half of the keys; they swap their tile row maxima (refattn_pair_rows), their P~ Z
+// halves through the tile's K buffer (free once every S is computed) and each computes half of
+// O's columns over all the tile's keys (refattn_pair_pb); their row sums are added at the end.
+// Each lane keeps no more than an 8-row warp's accumulators while every K and V double it reads
+// feeds 16 rows, and the 16-key tiles at D = 128 fit two blocks in an H100/H200's shared memory
+// (100 KiB each: two warps per scheduler) where a key split of S needed 32-key tiles (160 KiB)
+// to stay within 1 byte of shared memory per FMA.
 template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL, int SPLIT = 1>
 __device__ void refattn_forward(const unsigned long long* x, const long long* ip,
                                 const double* rp) {
-    static_assert(SPLIT == 1 || (SPLIT == 2 && MR == 1 && BK % 16 == 0 && D % 16 == 0),
-                  "a warp pair splits 16-key and 8-column n-tile pairs of 8-row warps' tiles");
+    static_assert(SPLIT == 1 || (SPLIT == 2 && MR == 1 && BK % 16 == 0 && D % 32 == 0 &&
+                                 !REFATTN_A_GLOBAL<D>),
+                  "a warp pair splits the head width, 16-key n-tile pairs and 8-column n-tiles of "
+                  "8-row warps' tiles, its Q rows in shared memory");
     constexpr int BQ = 8 * MR * REFATTN_WARPS, NT = BK / 8, DT = D / 8;
-    // per warp: MRW row blocks, NTW n-tiles of S (the pair's half of the keys, from column cw),
-    // DTW n-tiles of O (its half of the columns)
+    // per warp: MRW row blocks, NT n-tiles of S (over its half of D when paired), NTW of them
+    // its own (the pair's half of the keys, from column cw), DTW n-tiles of O (its half of the
+    // columns)
     constexpr int MRW = MR * SPLIT, NTW = NT / SPLIT, DTW = DT / SPLIT, W = 2 * MRW;
     constexpr bool SOFTCAP = (F & REFATTN_F_SOFTCAP) != 0, BIAS = (F & REFATTN_F_BIAS) != 0,
                    DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
@@ -43,6 +51,17 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     auto sQ = smem;                     // BQ x D (none when AG)
     auto sK = sQ + (AG ? 0 : BQ * D);   // 2 x BK x D
     auto sV = sK + 2 * BK * D;          // 2 x BK x D
+    // SPLIT = 2: the pairs' exchange region of the partial S of the partner's keys
+    // (refattn_pair_put's layout, 4 warps' worth of NTW n-tiles each)
+    auto sXS = sV + 2 * BK * D;
+    // the bias and Z strides (ip[P_BIAS_S0 ..], ip[P_Z_S0 ..]) for the lines made per row and
+    // tile: broadcast shared loads (copied before refattn_set_table_row's barrier) instead of
+    // four global loads of the same addresses per line (the model charges a global load 32
+    // lanes' bytes of L2 bandwidth, and the loop has no register to keep them in); above
+    // D = 128 (AG: 8-row warps at 1 byte of shared memory per FMA already) the global loads
+    __shared__ long long strides[8];
+    const long long* bias_st = AG ? ip + P_BIAS_S0 : strides;
+    const long long* z_st = AG ? ip + P_Z_S0 : strides + 4;
     const auto q_rows = refattn_rows_a<D>(sQ, wr, c.q + bh * c.Q * D, row, Q);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
     auto classify = [&](int kb, unsigned* bits) {
@@ -72,10 +91,17 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     // tile kb (and Q, copied before the loop) landed; cls FULL or PARTIAL
     auto compute = [&](int kb, int cls, unsigned bits) {
         const int j0 = kb * BK + cw, buf = kb & 1;  // j0: the warp's first key
-        double s[NTW * W];
+        double s[NT * W];
         REFATTN_UNROLL
-        for (int e = 0; e < NTW * W; ++e) s[e] = 0.0;
-        refattn_mma_abt<D, MRW, NTW>(s, q_rows, sK + buf * BK * D + cw * D, g, t);  // S = Q K^T
+        for (int e = 0; e < NT * W; ++e) s[e] = 0.0;
+        if constexpr (SPLIT == 1) {
+            refattn_mma_abt<D, MRW, NT>(s, q_rows, sK + buf * BK * D, g, t);  // S = Q K^T
+        } else {  // the warp's half of the head width, then the partner's partial sums added
+            refattn_mma_abt<D, MRW, NT, D / 2>(s, q_rows, sK + buf * BK * D, g, t, half * D / 2);
+            refattn_pair_send<MRW, NTW>(s, sXS, half, warp, lane);
+            __syncthreads();  // the partner's partial sums of this warp's keys written
+            refattn_pair_add<MRW, NTW>(s, sXS, half, warp, lane);
+        }
         const bool bias = BIAS && c.has_bias;
         unsigned keep = 0;  // the Philox keep bits (drop mode 2)
         auto draw = [&] {
@@ -89,7 +115,7 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
             // tail tile is PARTIAL, its column bits 0), so no load is predicated
             const int i = row + 8 * mr < Q ? row + 8 * mr : Q - 1;
             const RefattnLine bias_i =
-                BIAS ? refattn_line<false>(c.bias, ip, P_BIAS_S0, b, h, i) : RefattnLine{};
+                BIAS ? refattn_line<false>(c.bias, bias_st, b, h, i) : RefattnLine{};
             double tile_max = none;
             REFATTN_UNROLL
             for (int nt = 0; nt < NTW; ++nt) {
@@ -112,7 +138,7 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
         auto softmax = [&](int mr, double tile_max) {
             const int i = row + 8 * mr < Q ? row + 8 * mr : Q - 1;
             const RefattnLine z_i =
-                DROPOUT ? refattn_line<false>(c.z, ip, P_Z_S0, b, h, i) : RefattnLine{};
+                DROPOUT ? refattn_line<false>(c.z, z_st, b, h, i) : RefattnLine{};
             const double m_new = fmax(m[mr], tile_max);
             const double corr =
                 m_new == none ? 1.0 : (m[mr] == none ? 0.0 : refattn_exp(m[mr] - m_new));
@@ -152,8 +178,7 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
             double tile_max[MRW], other[MRW];
             REFATTN_UNROLL
             for (int mr = 0; mr < MRW; ++mr) other[mr] = tile_max[mr] = scores(mr);
-            // (after the tile loop's barrier; the exchange's barrier frees this K buffer: every
-            // S is computed)
+            // (after the partial sums' barrier: every S is computed, the K buffer is free)
             refattn_pair_rows<MRW>(other, warp, g);
             draw();  // (drawn before S, sm_90 spilled 4-8 bytes)
             REFATTN_UNROLL
@@ -163,11 +188,12 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
             refattn_mma_pb<D, MRW, NTW>(o, s, sV + buf * BK * D, g, t);  // O += P~ Z V
         } else {
             // O's columns ow .. += P~ Z V over both halves, exchanged in the K buffer (free: every
-            // S was computed before the max exchange's barrier)
+            // S was computed before the partial sums' barrier)
             refattn_pair_pb<D, MRW, NTW, DTW>(o, s, sK + buf * BK * D, sV + buf * BK * D, ow,
                                               warp, lane, g, t);
         }
     };
+    if (!AG && tid < 8) strides[tid] = ip[(tid < 4 ? P_BIAS_S0 : P_Z_S0 - 4) + tid];
     refattn_set_table_row<BQ, BK, false>(vis, b, h, i0, Q, K, tid);
     refattn_tile_loop(nkb, classify, load, compute, &done, &skipped);
     // the row sums over both halves of the keys (after the tile loop's closing barrier)

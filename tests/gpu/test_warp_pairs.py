@@ -1,11 +1,12 @@
 """Warp pairs (SPLIT = 2): the general forward, dq and dk/dv at D = 128, the general dk/dv at
 D = 64 (dV in registers, half of dK in shared memory: two blocks per SM) (forward.cuh,
-backward.cuh) and the wide dq (H100/H200: 32-key tiles in 208 KiB). The two warps of a forward
-pair own the same 16 query rows and split the tile's keys for S and the output's columns for
-P V, swapping row maxima, P~ Z halves and row sums through shared memory. A dq pair (16 query
-rows) or dk/dv pair (16 keys) splits the head width for its first products, swaps the partial
-sums of each other's half of the tile and adds them, then swaps dS (and P Z) and splits dQ's
-(dV's and dK's) columns; dq pairs add their row sums of row_dot and the bias gradient. Every
+backward.cuh) and the wide dq (H100/H200: 32-key tiles in 208 KiB). Every pair splits the head
+width for its first products, swaps the partial sums of each other's half of the tile and adds
+them. The two warps of a forward pair (16 query rows, 16-key tiles: two blocks per SM on an
+H100/H200) then swap row maxima, P~ Z halves and row sums through shared memory and split the
+output's columns for P V. A dq pair (16 query rows) or dk/dv pair (16 keys) swaps dS (and P Z)
+and splits dQ's (dV's and dK's) columns; dq pairs add their row sums of row_dot and the bias
+gradient. Every
 feature that touches those (the sink's share of the row sum, rows with nothing visible yet, a
 tail tile, dense and Philox dropout, softcap, masks, query_valid, GQA, every bias gradient mode)
 against the NumPy reference on the CPU emulator, and the emulator catching a pair's missing
@@ -69,7 +70,7 @@ def test_the_d128_forward_on_warp_pairs_matches_the_reference(kind):
     g_o = rng.standard_normal((1, 2, Q, 128))
     t = refattn.forward(call, backend="cuda_emulator", materialize=False)
     assert (t.materialized["head_width"], t.materialized["block_q"]) == (128, 32)
-    assert t.materialized["block_k"] == 32
+    assert t.materialized["block_k"] == 16
     g = refattn.backward(t, g_o)
     assert_matches_reference(call, g_o, t, g, f"pairs {kind}")
     again = refattn.forward(call, backend="cuda_emulator", materialize=False)
@@ -89,6 +90,24 @@ def test_a_missing_pair_barrier_is_caught(tmp_path):
     d = _mutated(tmp_path, put + "    __syncthreads();\n", put,
                  "products.cuh")  # (refattn_pair_pb)
     call = _call("relation", np.random.default_rng(1))
+    ref = refattn.forward(call).output
+    outs = _outputs(d, call)
+    assert any(not np.allclose(o, ref, rtol=1e-12, atol=1e-12) for o in outs)
+
+
+@pytest.mark.parametrize(("mutant", "original"), [
+    ("", "            __syncthreads();  // the partner's partial sums of this warp's keys "
+         "written\n"),
+    ("refattn_pair_add<MRW, NTW>(s, sXS, half ^ 1, warp, lane);",
+     "refattn_pair_add<MRW, NTW>(s, sXS, half, warp, lane);"),
+], ids=["no-partial-sums-barrier", "own-partial-sums-added"])
+def test_a_wrong_partial_sum_exchange_in_the_forward_is_caught(tmp_path, mutant, original):
+    """Mutations of the forward pair's S over split head widths: without the barrier between
+    the partial sums' writes and reads a warp adds whatever its partner has not yet written
+    (caught in some warp order), and adding the warp's own partial sums instead of its
+    partner's doubles half of every score."""
+    d = _mutated(tmp_path, original, mutant, "forward.cuh")
+    call = _call("relation", np.random.default_rng(3))
     ref = refattn.forward(call).output
     outs = _outputs(d, call)
     assert any(not np.allclose(o, ref, rtol=1e-12, atol=1e-12) for o in outs)
