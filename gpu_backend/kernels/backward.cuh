@@ -46,17 +46,18 @@ __device__ __forceinline__ RefattnGradElement refattn_grad_element(
 // tile's columns go out as soon as it is done (x1, x2: the exchange regions, free since the
 // tile loop's barrier), and after a barrier the partner's partial sums of the warp's own half
 // come in, so the first NT / 2 n-tiles of acc1 and acc2 hold the warp's own columns, whole
-template <int D, int MR, int NT, int SPLIT, typename A1, typename A2, typename S1, typename S2,
+template <int D, int MR, int NT, int SPLIT, bool UNROLL_K, typename A1, typename A2, typename S1,
+          typename S2,
           typename X, typename Between>
 __device__ __forceinline__ void refattn_first_products(double* acc1, A1 a1, S1 b1, double* acc2,
                                                        A2 a2, S2 b2, X x1, X x2, int half,
                                                        int warp, int lane, int g, int t,
                                                        Between between) {
     constexpr int KN = D / SPLIT, NTW = NT / SPLIT;
-    refattn_mma_abt<D, MR, NT, KN>(acc1, a1, b1, g, t, half * KN);
+    refattn_mma_abt<D, MR, NT, KN, UNROLL_K>(acc1, a1, b1, g, t, half * KN);
     if constexpr (SPLIT == 2) refattn_pair_send<MR, NTW>(acc1, x1, half, warp, lane);
     between();
-    refattn_mma_abt<D, MR, NT, KN>(acc2, a2, b2, g, t, half * KN);
+    refattn_mma_abt<D, MR, NT, KN, UNROLL_K>(acc2, a2, b2, g, t, half * KN);
     if constexpr (SPLIT == 2) {
         refattn_pair_send<MR, NTW>(acc2, x2, half, warp, lane);
         __syncthreads();  // the partner's partial sums of this warp's columns written
@@ -89,7 +90,8 @@ __device__ __forceinline__ void refattn_store_row(double* row, int t, double sca
 // tile's V buffer) and each accumulates half of dQ's columns over all the tile's keys,
 // ascending, and they add their row sums (row_dot, the bias gradient summed over keys) at the
 // end. Every streamed K and V double read feeds 16 rows.
-template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL, int SPLIT = 1>
+template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL, int SPLIT = 1,
+          bool UNROLL_K = false>
 __device__ void refattn_dq(const unsigned long long* x, const long long* ip, const double* rp) {
     static_assert(SPLIT == 1 || (SPLIT == 2 && MR == 1 && BK % 16 == 0 && D % 32 == 0 &&
                                  !REFATTN_A_GLOBAL<D>),
@@ -161,7 +163,8 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
         REFATTN_UNROLL
         for (int e = 0; e < NT * W; ++e) s[e] = dp[e] = 0.0;
         // S = Q K^T, dP = G_O V^T (a pair: each warp's own keys first, whole)
-        refattn_first_products<D, MRW, NT, SPLIT>(s, q_rows, sK + buf * BK * D, dp, g_rows,
+        refattn_first_products<D, MRW, NT, SPLIT, UNROLL_K>(s, q_rows, sK + buf * BK * D, dp,
+                                                            g_rows,
                                                   sV + buf * BK * D, sXS, sXD, half, warp,
                                                   lane, g, t, [] {});
         const unsigned keep = DROPOUT && c.drop_mode == 2
@@ -271,7 +274,8 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
 // all the tile's queries, ascending. dV stays in registers (no dV region), dK too but for 6 of
 // a warp's 8 n-tiles with every feature compiled in (in its shared region), and every streamed
 // Q and G_O double read feeds 16 keys.
-template <int D, int MR, int BQ2, unsigned F = REFATTN_F_ALL, int SPLIT = 1>
+template <int D, int MR, int BQ2, unsigned F = REFATTN_F_ALL, int SPLIT = 1,
+          bool UNROLL_K = false>
 __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                              const double* rp) {
     static_assert(SPLIT == 1 || (SPLIT == 2 && MR == 1 && BQ2 % 16 == 0 && D % 32 == 0 &&
@@ -380,7 +384,7 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
             REFATTN_UNROLL
             for (int e = 0; e < NT * W; ++e) st[e] = dpt[e] = 0.0;
             // S^T = K Q^T, dP^T = V G_O^T (a pair: each warp's own queries first, whole)
-            refattn_first_products<D, MRW, NT, SPLIT>(st, k_rows, sQ + buf * BQ2 * D, dpt, v_rows,
+            refattn_first_products<D, MRW, NT, SPLIT, UNROLL_K>(st, k_rows, sQ + buf * BQ2 * D, dpt, v_rows,
                                                       sG + buf * BQ2 * D, sXS, sXD, half, warp,
                                                       lane, g, t, [&] {
                                                           if constexpr (AG) keep = keep_bits();
@@ -461,11 +465,14 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
             } else {
                 // dV's and dK's columns ow .. over both halves of the queries, P Z and dS
                 // exchanged in the partial sums' regions
-                refattn_pair_put<MRW, NTW>(sXS, st, warp, lane);
-                refattn_pair_put<MRW, NTW>(sXD, dpt, warp, lane);
+                // exchanged in A fragment order (products.cuh), but at D = 64, where it spilled
+                // 576 bytes on sm_90
+                constexpr bool A_ORDER = D != 64;
+                refattn_pair_put<MRW, NTW, A_ORDER>(sXS, st, warp, lane);
+                refattn_pair_put<MRW, NTW, A_ORDER>(sXD, dpt, warp, lane);
                 __syncthreads();
-                refattn_pair_gather<MRW, NTW>(st, sXS, warp, lane);  // both halves, in order
-                refattn_pair_gather<MRW, NTW>(dpt, sXD, warp, lane);
+                refattn_pair_gather<MRW, NTW, A_ORDER>(st, sXS, warp, lane);  // both halves
+                refattn_pair_gather<MRW, NTW, A_ORDER>(dpt, sXD, warp, lane);
                 refattn_mma_pb<D, MRW, NT, 0, DTW>(dva, st, sG + buf * BQ2 * D + ow, g, t);
                 refattn_mma_pb<D, MRW, NT, 0, DKR>(dka, dpt, sQ + buf * BQ2 * D + ow, g, t);
                 if constexpr (DK_SHARED)

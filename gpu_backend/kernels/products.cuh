@@ -35,24 +35,33 @@ __device__ __forceinline__ auto refattn_rows_a(S1 tile, int first, const double*
 
 // C (8 MR x 8 NT per lane-set) += A . B^T over k = k0 .. k0 + KN - 1 (k ascending; k0 a
 // multiple of 16, every column by default): A element (mr, k) from a_at (refattn_rows_a), B rows
-// 8 nt + g of tile sb ("row" reads)
-template <int D, int MR, int NT, int KN = D, typename A, typename S2>
+// 8 nt + g of tile sb ("row" reads). UNROLL_K unrolls the k-steps, so every shared read is a
+// register plus a compile-time offset (k0 is folded into the lane's column offsets: the swizzle
+// moves only bits 2-3 of a column); without it nvcc keeps a loop whose reads each compute
+// their address (two or three integer instructions), which the instances that spill when
+// unrolled keep (attention.cu)
+template <int D, int MR, int NT, int KN = D, bool UNROLL_K = false, typename A, typename S2>
 __device__ __forceinline__ void refattn_mma_abt(double* acc, A a_at, S2 sb, int g, int t,
                                                 int k0 = 0) {
-    int lo[4];  // the swizzled index of (row g, column 4 n + t)
+    int lo[4];  // the swizzled index of (row g, column k0 + 4 n + t)
     REFATTN_UNROLL
-    for (int n = 0; n < 4; ++n) lo[n] = refattn_swz<D>(g, 4 * n + t);
-    for (int kk = 0; kk < KN; kk += 16) {
-        const int k16 = k0 + kk;
+    for (int n = 0; n < 4; ++n) lo[n] = refattn_swz<D>(g, 4 * n + t) + k0;
+    auto step = [&](int kk) {
         REFATTN_UNROLL
         for (int n = 0; n < 4; ++n) {
             double a[MR];
             REFATTN_UNROLL
-            for (int mr = 0; mr < MR; ++mr) a[mr] = a_at(mr, lo[n] + k16, k16 + 4 * n + t);
+            for (int mr = 0; mr < MR; ++mr) a[mr] = a_at(mr, lo[n] + kk, k0 + kk + 4 * n + t);
             REFATTN_UNROLL
             for (int nt = 0; nt < NT; ++nt)
-                refattn_mma_rows<MR>(acc + nt * 2 * MR, a, sb[8 * nt * D + lo[n] + k16]);
+                refattn_mma_rows<MR>(acc + nt * 2 * MR, a, sb[8 * nt * D + lo[n] + kk]);
         }
+    };
+    if constexpr (UNROLL_K) {
+        REFATTN_UNROLL
+        for (int kk = 0; kk < KN; kk += 16) step(kk);
+    } else {
+        for (int kk = 0; kk < KN; kk += 16) step(kk);
     }
 }
 
@@ -123,27 +132,43 @@ __device__ __forceinline__ void refattn_pair_sum(double* v, int warp, int g) {
 }
 
 // a warp pair's exchange region `ex` (SPLIT = 2, forward.cuh and backward.cuh): 4 warps' worth
-// of NT n-tiles each, warp w's n-tile nt at (w NT + nt) 32 W in fragment order (16-byte
-// accesses). refattn_pair_put writes the warp's NT n-tiles of p there.
-template <int MR, int NT, typename S1>
+// of NT n-tiles each, warp w's n-tile nt at (w NT + nt) 32 W, a lane's W = 2 MR values in A
+// fragment order (refattn_a_order: 16-byte accesses). refattn_pair_put writes the warp's NT
+// n-tiles of p there.
+//
+// A fragment order: the lane's element e = 2 mr + s of an n-tile (C layout) at s MR + mr, so
+// the A fragment of k-step s (refattn_p_fragment: e = s, 2 + s at MR = 2) is two adjacent
+// doubles, which one 16-byte read puts in the register quad an m16n8k4 reads. In C order
+// they are not adjacent, and ptxas copied the pair into a fresh quad for every DMMA that used
+// it (four moves a DMMA: 216 a tile in the dk/dv at D = 128)
+template <int MR>
+__device__ __forceinline__ constexpr int refattn_a_order(int e) {
+    return (e % 2) * MR + e / 2;
+}
+
+template <int MR, int NT, bool A_ORDER = true, typename S1>
 __device__ __forceinline__ void refattn_pair_put(S1 ex, const double* p, int warp, int lane) {
     constexpr int W = 2 * MR;
     REFATTN_UNROLL
     for (int nt = 0; nt < NT; ++nt) {
         REFATTN_UNROLL
-        for (int e = 0; e < W; ++e) ex[((warp * NT + nt) * 32 + lane) * W + e] = p[nt * W + e];
+        for (int e = 0; e < W; ++e)
+            ex[((warp * NT + nt) * 32 + lane) * W + (A_ORDER ? refattn_a_order<MR>(e) : e)] =
+                p[nt * W + e];
     }
 }
 
 // half k of the pair's exchanged n-tiles (warp (warp & ~1) + k's NT n-tiles) into p
-template <int MR, int NT, typename S1>
+template <int MR, int NT, bool A_ORDER = true, typename S1>
 __device__ __forceinline__ void refattn_pair_get(double* p, S1 ex, int k, int warp, int lane) {
     constexpr int W = 2 * MR;
     const int w = (warp & ~1) + k;
     REFATTN_UNROLL
     for (int nt = 0; nt < NT; ++nt) {
         REFATTN_UNROLL
-        for (int e = 0; e < W; ++e) p[nt * W + e] = ex[((w * NT + nt) * 32 + lane) * W + e];
+        for (int e = 0; e < W; ++e)
+            p[nt * W + e] =
+                ex[((w * NT + nt) * 32 + lane) * W + (A_ORDER ? refattn_a_order<MR>(e) : e)];
     }
 }
 
@@ -163,7 +188,7 @@ __device__ __forceinline__ void refattn_pair_send(double* acc, S1 ex, int half, 
         part[e] = half ? acc[e] : acc[NT * W + e];
         acc[e] = half ? acc[NT * W + e] : acc[e];
     }
-    refattn_pair_put<MR, NT>(ex, part, warp, lane);
+    refattn_pair_put<MR, NT, false>(ex, part, warp, lane);  // (C order: added, not multiplied)
 }
 
 template <int MR, int NT, typename S1>
@@ -171,17 +196,18 @@ __device__ __forceinline__ void refattn_pair_add(double* acc, S1 ex, int half, i
                                                  int lane) {
     constexpr int W = 2 * MR;
     double part[NT * W];
-    refattn_pair_get<MR, NT>(part, ex, half ^ 1, warp, lane);
+    refattn_pair_get<MR, NT, false>(part, ex, half ^ 1, warp, lane);
     REFATTN_UNROLL
     for (int e = 0; e < NT * W; ++e) acc[e] += part[e];
 }
 
 // both halves of the pair's exchanged n-tiles in ex, in order (the even warp's NT, then the
 // odd one's), into p (2 NT n-tiles)
-template <int MR, int NT, typename S1>
+template <int MR, int NT, bool A_ORDER = true, typename S1>
 __device__ __forceinline__ void refattn_pair_gather(double* p, S1 ex, int warp, int lane) {
     REFATTN_UNROLL
-    for (int k = 0; k < 2; ++k) refattn_pair_get<MR, NT>(p + k * NT * 2 * MR, ex, k, warp, lane);
+    for (int k = 0; k < 2; ++k)
+        refattn_pair_get<MR, NT, A_ORDER>(p + k * NT * 2 * MR, ex, k, warp, lane);
 }
 
 // a warp pair's O += P . B over the whole tile (forward): each warp of the pair holds P for

@@ -141,11 +141,13 @@ def test_the_features_are_read_from_the_kernel_parameters(name, features):
 
 def test_the_plain_table_matches_the_entry_points_and_the_devices_they_fit():
     """attention.cu's plain entry points instantiate refattn_<kind><D, MR, tile, 0> (no
-    feature bit) as source.PLAIN says; each fits an H100's shared memory, and those that do
-    not fit an A100's are the ones not built for sm_8x (REFATTN_SM90_ONLY)."""
+    feature bit; then SPLIT and UNROLL_K where given) as source.PLAIN says; each fits an
+    H100's shared memory, and those that do not fit an A100's are the ones not built for sm_8x
+    (REFATTN_SM90_ONLY)."""
     src = (KERNEL_DIR / "attention.cu").read_text()
     entries = re.findall(r"void attention_(\w+)_plain_d(\d+)\(REFATTN_ARGS\) \{\s*"
-                         r"(REFATTN_SM90_ONLY\()?refattn_\1<(\d+), (\d+), (\d+), 0(?:, 2)?>",
+                         r"(REFATTN_SM90_ONLY\()?refattn_\1<(\d+), (\d+), (\d+), 0"
+                         r"(?:, [12])?(?:, true)?>",
                          src)
     table = {(k, int(d)): (int(mr), int(tile)) for k, d, _, dd, mr, tile in entries
              if int(d) == int(dd)}

@@ -202,7 +202,7 @@ def test_the_sass_model_gives_both_bounds_and_the_occupancy():
     assert p["serial"] == pytest.approx(2682) and p["bound"] == "serial"
     assert p["fraction_of_dmma_peak"] == pytest.approx(e["dmma_cycles"] / 2682)
     assert p["copies_sass"] == 16 and p["copies_source"] == perf_model.source_copies(
-        "forward", 128) == 32
+        "forward", 128) == 16
     assert not e["pessimistic_target_met"]
     # the same loop with half the shared memory: 2 blocks, 2 warps per SMSP: the serial sum
     # halves (1341) under issue (1600): both bounds 1600

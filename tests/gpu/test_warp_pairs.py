@@ -113,6 +113,17 @@ def test_a_wrong_partial_sum_exchange_in_the_forward_is_caught(tmp_path, mutant,
     assert any(not np.allclose(o, ref, rtol=1e-12, atol=1e-12) for o in outs)
 
 
+def test_an_exchange_written_and_read_in_different_orders_is_caught(tmp_path):
+    """P~ Z, dS and P Z cross the pairs in A fragment order (products.cuh refattn_a_order):
+    written in C order and read in A order, the two middle values of every lane's n-tile trade
+    places (row g's second column with row g + 8's first), which the forward's P V shows."""
+    d = _mutated(tmp_path, "(A_ORDER ? refattn_a_order<MR>(e) : e)] =\n", "e] =\n",
+                 "products.cuh")  # (refattn_pair_put)
+    call = _call("relation", np.random.default_rng(4))
+    ref = refattn.forward(call).output
+    assert all(not np.allclose(o, ref, rtol=1e-12, atol=1e-12) for o in _outputs(d, call))
+
+
 def test_the_sink_counted_by_both_warps_of_a_pair_is_caught(tmp_path):
     """Mutation: the sink's exp(0) = 1 joins the row sum once; counted by both warps of the
     pair, every row's sum is 1 too large and the output too small."""
@@ -226,7 +237,7 @@ def test_a_pair_adding_its_own_partial_sum_is_caught(tmp_path):
     """The warp's own partial sum added to itself instead of the partner's (products.cuh):
     S and dP wrong in both kernels, so are dQ, dK and dV, in every warp order; at D = 64 (only
     the dk/dv on pairs) dK and dV."""
-    old = "refattn_pair_get<MR, NT>(part, ex, half ^ 1, warp, lane);"
+    old = "refattn_pair_get<MR, NT, false>(part, ex, half ^ 1, warp, lane);"
     d = _mutated(tmp_path, old, old.replace("half ^ 1", "half"), "products.cuh")
     assert _wrong_grads(d) == [{"grad_q", "grad_k", "grad_v"}] * 3
     assert _wrong_grads(d, widths=(60, 64)) == [{"grad_k", "grad_v"}] * 3
@@ -247,7 +258,8 @@ def test_the_paired_instances_are_the_ones_source_paired_lists():
 
     src = (KERNEL_DIR / "attention.cu").read_text()
     entries = re.findall(r"void attention_(\w+?)_(?:(plain|wide)_)?d(\d+)\(REFATTN_ARGS\) \{\s*"
-                         r"(?:REFATTN_SM90_ONLY\()?refattn_\1<\d+, \d+, \d+, \w+, 2>", src)
+                         r"(?:REFATTN_SM90_ONLY\()?refattn_\1<\d+, \d+, \d+, \w+, 2(?:, true)?>",
+                         src)
     found = {(fs or "general", kind, int(d)) for kind, fs, d in entries}
     assert found == {(fs, kind, d) for fs, kinds in PAIRED.items() for kind, dims in kinds.items()
                      for d in dims}
