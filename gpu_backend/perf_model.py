@@ -260,7 +260,7 @@ def source_copies(role: str, D: int, features: str = "general") -> int | None:
     chunks shared by the block's 128 threads). None for an instance the tables lack.
 
     >>> source_copies("forward", 64), source_copies("forward", 128), source_copies("dkdv", 64)
-    (16, 32, 8)
+    (16, 16, 8)
     """
     table = _TABLES.get(features, {}).get(role, {})
     if D not in table:
@@ -540,20 +540,36 @@ def model(*, sass: dict[str, Any] | None = None, dims: tuple[int, ...] = (64, 12
 def compositions(sass_part: dict[str, Any], dims: tuple[int, ...] = (64, 128)
                  ) -> dict[str, Any]:
     """Forward + backward (:func:`gpu_backend.model_bounds.composition`: 6 useful products
-    over the 9 run) under both bounds, per architecture, head width and feature set (the
-    general instances; the plain ones where all three roles have one)."""
+    over the 9 run) under both bounds, per architecture, head width and feature set, with the
+    instances a call runs on that architecture's devices (``launch.plan``): the general ones,
+    or a role's wide instance where the architecture has one built (only sm_90's devices hold
+    them); the plain ones where all three roles have one. ``kernels`` names the three.
+
+    >>> e = lambda n, f: {"kernel": n, "fraction_of_dmma_peak": f,
+    ...                   "pessimistic": {"fraction_of_dmma_peak": f}}
+    >>> part = {"sm_90": {"forward": {"D=128": e("fw", 0.6)}, "dkdv": {"D=128": e("dkdv", .6)},
+    ...         "dq": {"D=128": e("dq", 0.3), "D=128 wide": e("dq_wide", 0.6)}}}
+    >>> c = compositions(part, (128,))["sm_90"]["D=128"]
+    >>> c["kernels"], round(c["pessimistic"]["fraction_of_peak"], 2)
+    (['fw', 'dq_wide', 'dkdv'], 0.4)
+    """
     out: dict[str, Any] = {}
     for arch, roles in sass_part.items():
         for D in dims:
             for fs in ("general", "plain"):
                 key = entry_key(D, fs)
-                es = [roles.get(r, {}).get(key) for r in ("forward", "dq", "dkdv")]
+                es = []
+                for r in ("forward", "dq", "dkdv"):
+                    mine = roles.get(r, {})
+                    wide = mine.get(entry_key(D, "wide")) if fs == "general" else None
+                    es.append(wide if wide is not None and "pessimistic" in wide
+                              else mine.get(key))
                 if any(e is None or "pessimistic" not in e for e in es):
                     continue
-                opt = [float(e["fraction_of_dmma_peak"]) for e in es if e is not None]
-                pes = [float(e["pessimistic"]["fraction_of_dmma_peak"]) for e in es
-                       if e is not None]
+                opt = [float(e["fraction_of_dmma_peak"]) for e in es]
+                pes = [float(e["pessimistic"]["fraction_of_dmma_peak"]) for e in es]
                 out.setdefault(arch, {})[key] = {
+                    "kernels": [e["kernel"] for e in es],
                     "optimistic": model_bounds.composition(opt[0], opt[1], opt[2], arch),
                     "pessimistic": model_bounds.composition(pes[0], pes[1], pes[2], arch)}
     return out
@@ -659,7 +675,7 @@ def print_model(m: dict[str, Any]) -> None:
                 o, q = c["optimistic"], c["pessimistic"]
                 print(f"  {arch} {key:<12} of DMMA peak {o['fraction_of_peak']:.2f} / "
                       f"{q['fraction_of_peak']:.2f}, of DGEMM {o['fraction_of_dgemm']:.2f} / "
-                      f"{q['fraction_of_dgemm']:.2f}")
+                      f"{q['fraction_of_dgemm']:.2f}  ({', '.join(c['kernels'])})")
     print(f"targets met: {m['targets_met']}")
 
 
@@ -691,7 +707,8 @@ def markdown_bounds(m: dict[str, Any]) -> str:
     for arch, per in m.get("composition", {}).items():
         for key, c in per.items():
             o, q = c["optimistic"], c["pessimistic"]
-            lines.append(f"| {arch} | {key} | {o['fraction_of_peak']:.2f} / "
+            names = ", ".join(f"`{n.removeprefix('attention_')}`" for n in c["kernels"])
+            lines.append(f"| {arch} | {key}: {names} | {o['fraction_of_peak']:.2f} / "
                          f"{o['fraction_of_dgemm']:.2f} | {q['fraction_of_peak']:.2f} / "
                          f"{q['fraction_of_dgemm']:.2f} |")
     lines += ["", "Assumptions:", ""] + [f"- {a}" for a in m["assumptions"]["bounds"]]

@@ -130,13 +130,13 @@ extern "C" __global__ void attention_forward_plain_d256(REFATTN_ARGS) {
     refattn_forward<256, 1, 16, 0>(x, ip, rp);
 }
 extern "C" __global__ void attention_dq_d32(REFATTN_ARGS) { refattn_dq<32, 2, 16>(x, ip, rp); }
-extern "C" __global__ void attention_dq_d64(REFATTN_ARGS) { refattn_dq<64, 2, 16, REFATTN_F_ALL, 1, true>(x, ip, rp); }
-extern "C" __global__ void attention_dq_d128(REFATTN_ARGS) { refattn_dq<128, 1, 16, REFATTN_F_ALL, 2, true>(x, ip, rp); }
-extern "C" __global__ void attention_dq_d256(REFATTN_ARGS) { refattn_dq<256, 1, 8, REFATTN_F_ALL, 1, true>(x, ip, rp); }
+extern "C" __global__ void attention_dq_d64(REFATTN_ARGS) { refattn_dq<64, 2, 16, REFATTN_F_ALL, 1, 2>(x, ip, rp); }
+extern "C" __global__ void attention_dq_d128(REFATTN_ARGS) { refattn_dq<128, 1, 16, REFATTN_F_ALL, 2, 2>(x, ip, rp); }
+extern "C" __global__ void attention_dq_d256(REFATTN_ARGS) { refattn_dq<256, 1, 8, REFATTN_F_ALL, 1, 2>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d32(REFATTN_ARGS) { refattn_dkdv<32, 2, 32>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d64(REFATTN_ARGS) { refattn_dkdv<64, 1, 16, REFATTN_F_ALL, 2>(x, ip, rp); }
-extern "C" __global__ void attention_dkdv_d128(REFATTN_ARGS) { refattn_dkdv<128, 1, 16, REFATTN_F_ALL, 2, true>(x, ip, rp); }
-extern "C" __global__ void attention_dkdv_d256(REFATTN_ARGS) { refattn_dkdv<256, 1, 8, REFATTN_F_ALL, 1, true>(x, ip, rp); }
+extern "C" __global__ void attention_dkdv_d128(REFATTN_ARGS) { refattn_dkdv<128, 1, 16, REFATTN_F_ALL, 2, 2>(x, ip, rp); }
+extern "C" __global__ void attention_dkdv_d256(REFATTN_ARGS) { refattn_dkdv<256, 1, 8, REFATTN_F_ALL, 1, 2>(x, ip, rp); }
 // The plain backward instances (F = 0: no softcap, bias, bias gradient or dropout code), run for
 // calls without those features. At D = 128 the dq (16-row warps, 192 KiB) needs more shared
 // memory than an A100's 163 KiB, within an H100/H200's 227 KiB; launch.plan runs the general
@@ -150,13 +150,13 @@ extern "C" __global__ void attention_dkdv_d256(REFATTN_ARGS) { refattn_dkdv<256,
 #define REFATTN_SM90_ONLY(...) __VA_ARGS__
 #endif
 extern "C" __global__ void attention_dq_plain_d64(REFATTN_ARGS) {
-    refattn_dq<64, 2, 32, 0, 1, true>(x, ip, rp);
+    refattn_dq<64, 2, 32, 0, 1, 2>(x, ip, rp);
 }
 extern "C" __global__ void attention_dq_plain_d128(REFATTN_ARGS) {
-    REFATTN_SM90_ONLY(refattn_dq<128, 2, 16, 0, 1, true>(x, ip, rp));
+    REFATTN_SM90_ONLY(refattn_dq<128, 2, 16, 0, 1, 2>(x, ip, rp));
 }
 extern "C" __global__ void attention_dq_plain_d256(REFATTN_ARGS) {
-    refattn_dq<256, 1, 16, 0, 1, true>(x, ip, rp);
+    refattn_dq<256, 1, 16, 0, 1, 2>(x, ip, rp);
 }
 extern "C" __global__ void attention_dkdv_plain_d64(REFATTN_ARGS) {
     refattn_dkdv<64, 2, 32, 0>(x, ip, rp);
@@ -169,12 +169,12 @@ extern "C" __global__ void attention_dkdv_plain_d128(REFATTN_ARGS) {
 // (208 KiB: a streamed K or V double feeds 32 FMAs where the general instance's feeds 16, and
 // half the barriers per key), H100/H200 only
 extern "C" __global__ void attention_dq_wide_d128(REFATTN_ARGS) {
-    REFATTN_SM90_ONLY(refattn_dq<128, 1, 32, REFATTN_F_ALL, 2>(x, ip, rp));
+    REFATTN_SM90_ONLY(refattn_dq<128, 1, 32, REFATTN_F_ALL, 2, 1>(x, ip, rp));
 }
 // and the dk/dv at D = 256 with 16-query tiles (224 KiB: the dV and half-dK accumulators in
 // shared memory are read and written once per 16 queries instead of 8), H100/H200 only
 extern "C" __global__ void attention_dkdv_wide_d256(REFATTN_ARGS) {
-    REFATTN_SM90_ONLY(refattn_dkdv<256, 1, 16, REFATTN_F_ALL, 1, true>(x, ip, rp));
+    REFATTN_SM90_ONLY(refattn_dkdv<256, 1, 16, REFATTN_F_ALL, 1, 2>(x, ip, rp));
 }
 extern "C" __global__ void attention_row_dot_output(REFATTN_ARGS) {
     refattn_row_dot_output(x, ip, rp);

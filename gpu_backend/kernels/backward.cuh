@@ -46,7 +46,7 @@ __device__ __forceinline__ RefattnGradElement refattn_grad_element(
 // tile's columns go out as soon as it is done (x1, x2: the exchange regions, free since the
 // tile loop's barrier), and after a barrier the partner's partial sums of the warp's own half
 // come in, so the first NT / 2 n-tiles of acc1 and acc2 hold the warp's own columns, whole
-template <int D, int MR, int NT, int SPLIT, bool UNROLL_K, typename A1, typename A2, typename S1,
+template <int D, int MR, int NT, int SPLIT, int UNROLL_K, typename A1, typename A2, typename S1,
           typename S2,
           typename X, typename Between>
 __device__ __forceinline__ void refattn_first_products(double* acc1, A1 a1, S1 b1, double* acc2,
@@ -54,12 +54,16 @@ __device__ __forceinline__ void refattn_first_products(double* acc1, A1 a1, S1 b
                                                        int warp, int lane, int g, int t,
                                                        Between between) {
     constexpr int KN = D / SPLIT, NTW = NT / SPLIT;
-    refattn_mma_abt<D, MR, NT, KN, UNROLL_K>(acc1, a1, b1, g, t, half * KN);
-    if constexpr (SPLIT == 2) refattn_pair_send<MR, NTW>(acc1, x1, half, warp, lane);
+    // the own n-tiles first where the selects cost more (32 a product at NT = 4; at NT = 2 the
+    // swapped offsets spilled 76-260 bytes)
+    constexpr bool SWAP = SPLIT == 2 && NT >= 4;
+    const int swap = SWAP ? half : 0;
+    refattn_mma_abt<D, MR, NT, KN, (UNROLL_K >= 1)>(acc1, a1, b1, g, t, half * KN, swap);
+    if constexpr (SPLIT == 2) refattn_pair_send<MR, NTW, SWAP>(acc1, x1, half, warp, lane);
     between();
-    refattn_mma_abt<D, MR, NT, KN, UNROLL_K>(acc2, a2, b2, g, t, half * KN);
+    refattn_mma_abt<D, MR, NT, KN, (UNROLL_K == 2)>(acc2, a2, b2, g, t, half * KN, swap);
     if constexpr (SPLIT == 2) {
-        refattn_pair_send<MR, NTW>(acc2, x2, half, warp, lane);
+        refattn_pair_send<MR, NTW, SWAP>(acc2, x2, half, warp, lane);
         __syncthreads();  // the partner's partial sums of this warp's columns written
         refattn_pair_add<MR, NTW>(acc1, x1, half, warp, lane);
         refattn_pair_add<MR, NTW>(acc2, x2, half, warp, lane);
@@ -90,8 +94,7 @@ __device__ __forceinline__ void refattn_store_row(double* row, int t, double sca
 // tile's V buffer) and each accumulates half of dQ's columns over all the tile's keys,
 // ascending, and they add their row sums (row_dot, the bias gradient summed over keys) at the
 // end. Every streamed K and V double read feeds 16 rows.
-template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL, int SPLIT = 1,
-          bool UNROLL_K = false>
+template <int D, int MR, int BK, unsigned F = REFATTN_F_ALL, int SPLIT = 1, int UNROLL_K = 0>
 __device__ void refattn_dq(const unsigned long long* x, const long long* ip, const double* rp) {
     static_assert(SPLIT == 1 || (SPLIT == 2 && MR == 1 && BK % 16 == 0 && D % 32 == 0 &&
                                  !REFATTN_A_GLOBAL<D>),
@@ -274,8 +277,7 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
 // all the tile's queries, ascending. dV stays in registers (no dV region), dK too but for 6 of
 // a warp's 8 n-tiles with every feature compiled in (in its shared region), and every streamed
 // Q and G_O double read feeds 16 keys.
-template <int D, int MR, int BQ2, unsigned F = REFATTN_F_ALL, int SPLIT = 1,
-          bool UNROLL_K = false>
+template <int D, int MR, int BQ2, unsigned F = REFATTN_F_ALL, int SPLIT = 1, int UNROLL_K = 0>
 __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                              const double* rp) {
     static_assert(SPLIT == 1 || (SPLIT == 2 && MR == 1 && BQ2 % 16 == 0 && D % 32 == 0 &&
@@ -384,11 +386,11 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
             REFATTN_UNROLL
             for (int e = 0; e < NT * W; ++e) st[e] = dpt[e] = 0.0;
             // S^T = K Q^T, dP^T = V G_O^T (a pair: each warp's own queries first, whole)
-            refattn_first_products<D, MRW, NT, SPLIT, UNROLL_K>(st, k_rows, sQ + buf * BQ2 * D, dpt, v_rows,
-                                                      sG + buf * BQ2 * D, sXS, sXD, half, warp,
-                                                      lane, g, t, [&] {
-                                                          if constexpr (AG) keep = keep_bits();
-                                                      });
+            refattn_first_products<D, MRW, NT, SPLIT, UNROLL_K>(
+                st, k_rows, sQ + buf * BQ2 * D, dpt, v_rows, sG + buf * BQ2 * D, sXS, sXD, half,
+                warp, lane, g, t, [&] {
+                    if constexpr (AG) keep = keep_bits();
+                });
             if constexpr (SPLIT == 2) {
                 __syncthreads();  // the regions free for P Z and dS
                 keep = keep_bits();

@@ -39,10 +39,16 @@ __device__ __forceinline__ auto refattn_rows_a(S1 tile, int first, const double*
 // register plus a compile-time offset (k0 is folded into the lane's column offsets: the swizzle
 // moves only bits 2-3 of a column); without it nvcc keeps a loop whose reads each compute
 // their address (two or three integer instructions), which the instances that spill when
-// unrolled keep (attention.cu)
+// unrolled keep (attention.cu).
+//
+// swap (NT even; a warp pair's odd warp): the two halves of the n-tiles exchanged, n-tile nt of
+// acc from B rows 8 ((nt + NT / 2) mod NT) + g, so that acc's first NT / 2 n-tiles hold the
+// warp's own keys and its last NT / 2 its partner's (refattn_pair_send then needs no select)
 template <int D, int MR, int NT, int KN = D, bool UNROLL_K = false, typename A, typename S2>
 __device__ __forceinline__ void refattn_mma_abt(double* acc, A a_at, S2 sb, int g, int t,
-                                                int k0 = 0) {
+                                                int k0 = 0, int swap = 0) {
+    constexpr int HALF_ROWS = 8 * (NT / 2) * D;
+    const int off_lo = swap ? HALF_ROWS : 0, off_hi = swap ? -HALF_ROWS : 0;
     int lo[4];  // the swizzled index of (row g, column k0 + 4 n + t)
     REFATTN_UNROLL
     for (int n = 0; n < 4; ++n) lo[n] = refattn_swz<D>(g, 4 * n + t) + k0;
@@ -54,7 +60,9 @@ __device__ __forceinline__ void refattn_mma_abt(double* acc, A a_at, S2 sb, int 
             for (int mr = 0; mr < MR; ++mr) a[mr] = a_at(mr, lo[n] + kk, k0 + kk + 4 * n + t);
             REFATTN_UNROLL
             for (int nt = 0; nt < NT; ++nt)
-                refattn_mma_rows<MR>(acc + nt * 2 * MR, a, sb[8 * nt * D + lo[n] + kk]);
+                refattn_mma_rows<MR>(acc + nt * 2 * MR, a,
+                                     sb[8 * nt * D + (nt < NT / 2 ? off_lo : off_hi) + lo[n] +
+                                        kk]);
         }
     };
     if constexpr (UNROLL_K) {
@@ -172,23 +180,29 @@ __device__ __forceinline__ void refattn_pair_get(double* p, S1 ex, int k, int wa
     }
 }
 
-// the sums over the head width of a pair that splits it (SPLIT = 2 in backward.cuh): acc holds
-// the warp's partial sums over its half of the head width for the whole tile (2 NT n-tiles: the
-// even warp's queries or keys, then the odd one's). refattn_pair_send writes the partner's NT
-// n-tiles to `ex` (refattn_pair_put's layout) and moves the warp's own to acc's first NT;
-// after a barrier, refattn_pair_add adds the partner's partial sums of them (ex read back: half
-// = warp & 1, the warp's half).
-template <int MR, int NT, typename S1>
+// the sums over the head width of a pair that splits it (SPLIT = 2 in backward.cuh and
+// forward.cuh): acc holds the warp's partial sums over its half of the head width for the whole
+// tile (2 NT n-tiles: the even warp's queries or keys, then the odd one's; with SWAPPED, the
+// warp's own first: refattn_mma_abt's swap). refattn_pair_send writes the partner's NT n-tiles
+// to `ex` (refattn_pair_put's layout, the accumulators' order: they are added, not multiplied)
+// and moves the warp's own to acc's first NT (by a select per value unless SWAPPED); after a
+// barrier, refattn_pair_add adds the partner's partial sums of them (ex read back: half =
+// warp & 1, the warp's half).
+template <int MR, int NT, bool SWAPPED = false, typename S1>
 __device__ __forceinline__ void refattn_pair_send(double* acc, S1 ex, int half, int warp,
                                                   int lane) {
     constexpr int W = 2 * MR;
-    double part[NT * W];
-    REFATTN_UNROLL
-    for (int e = 0; e < NT * W; ++e) {
-        part[e] = half ? acc[e] : acc[NT * W + e];
-        acc[e] = half ? acc[NT * W + e] : acc[e];
+    if constexpr (SWAPPED) {
+        refattn_pair_put<MR, NT, false>(ex, acc + NT * W, warp, lane);
+    } else {
+        double part[NT * W];
+        REFATTN_UNROLL
+        for (int e = 0; e < NT * W; ++e) {
+            part[e] = half ? acc[e] : acc[NT * W + e];
+            acc[e] = half ? acc[NT * W + e] : acc[e];
+        }
+        refattn_pair_put<MR, NT, false>(ex, part, warp, lane);
     }
-    refattn_pair_put<MR, NT, false>(ex, part, warp, lane);  // (C order: added, not multiplied)
 }
 
 template <int MR, int NT, typename S1>

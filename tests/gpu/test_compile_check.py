@@ -527,6 +527,13 @@ def test_both_bounds_for_every_instance(report):
     for per in model["composition"].values():
         for c in per.values():
             assert c["pessimistic"]["fraction_of_dgemm"] <= c["optimistic"]["fraction_of_dgemm"]
+    # composed as run: an H100/H200 runs the wide dq for a call with a feature at D = 128, an
+    # A100 (sm_80: not built) the general one
+    comp = model["composition"]
+    assert comp["sm_90"]["D=128"]["kernels"] == [
+        "attention_forward_d128", "attention_dq_wide_d128", "attention_dkdv_d128"]
+    assert comp["sm_80"]["D=128"]["kernels"][1] == "attention_dq_d128"
+    assert comp["sm_90"]["D=64"]["kernels"][1] == "attention_dq_d64"
     text = perf_model.markdown(model)
     assert "pessimistic: of peak" in text and "optimistic: of peak" in text
     assert all(a in text for a in model["assumptions"]["bounds"])

@@ -147,7 +147,7 @@ def test_the_plain_table_matches_the_entry_points_and_the_devices_they_fit():
     src = (KERNEL_DIR / "attention.cu").read_text()
     entries = re.findall(r"void attention_(\w+)_plain_d(\d+)\(REFATTN_ARGS\) \{\s*"
                          r"(REFATTN_SM90_ONLY\()?refattn_\1<(\d+), (\d+), (\d+), 0"
-                         r"(?:, [12])?(?:, true)?>",
+                         r"(?:, [12])?(?:, [012])?>",
                          src)
     table = {(k, int(d)): (int(mr), int(tile)) for k, d, _, dd, mr, tile in entries
              if int(d) == int(dd)}

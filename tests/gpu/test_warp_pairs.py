@@ -185,10 +185,11 @@ def test_the_d64_dkdv_on_warp_pairs_matches_the_reference(kind):
     _assert_bit_identical(grads, ("grad_k", "grad_v", "grad_bias"))
 
 
-def _wrong_grads(directory, seeds=(0, 1, 2), widths=(100, 128)) -> list[set[str]]:
+def _wrong_grads(directory, seeds=(0, 1, 2), widths=(100, 128),
+                 shared=A100_SHARED) -> list[set[str]]:
     """For each of the debug emulator's warp orders, the gradients of Q, K and V off the
-    reference's, on an A100's shared memory (at D = 128 the general dq and dk/dv, both on
-    pairs; at D = 64 the dk/dv). The dense
+    reference's, on an A100's shared memory by default (at D = 128 the general dq and dk/dv,
+    both on pairs; at D = 64 the dk/dv; an H100's runs the wide dq at D = 128). The dense
     call: no Philox draws (warp shuffles) between the pairs' exchanges, so a warp runs from one
     exchange to the next without stopping (the emulator's threads run until a warp operation
     or a barrier) and a missing barrier between them shows in every warp order."""
@@ -199,18 +200,21 @@ def _wrong_grads(directory, seeds=(0, 1, 2), widths=(100, 128)) -> list[set[str]
     wrong = []
     for seed in seeds:
         dev = EmulatorDevice(directory, debug=True, seed=seed)
-        dev.max_shared_bytes = A100_SHARED
+        dev.max_shared_bytes = shared
         g = launch.backward(dev, launch.forward(dev, call, materialize=False), g_o)
         wrong.append({name for name in ("grad_q", "grad_k", "grad_v") if not np.allclose(
             getattr(g, name), getattr(want, name), rtol=1e-12, atol=1e-12)})
     return wrong
 
 
-@pytest.mark.parametrize("widths", [(100, 128), (60, 64)], ids=["d128", "d64"])
-def test_the_unmutated_pairs_are_right_in_every_warp_order(widths):
+@pytest.mark.parametrize(("widths", "shared"), [((100, 128), A100_SHARED),
+                                                ((100, 128), H100_SHARED),
+                                                ((60, 64), A100_SHARED)],
+                         ids=["d128", "d128-wide", "d64"])
+def test_the_unmutated_pairs_are_right_in_every_warp_order(widths, shared):
     from gpu_backend.source import KERNEL_DIR
 
-    assert _wrong_grads(KERNEL_DIR, widths=widths) == [set()] * 3
+    assert _wrong_grads(KERNEL_DIR, widths=widths, shared=shared) == [set()] * 3
 
 
 @pytest.mark.parametrize(("old", "new", "grads"), [
@@ -243,6 +247,17 @@ def test_a_pair_adding_its_own_partial_sum_is_caught(tmp_path):
     assert _wrong_grads(d, widths=(60, 64)) == [{"grad_k", "grad_v"}] * 3
 
 
+def test_the_wide_dq_s_swapped_n_tiles_are_checked(tmp_path):
+    """The wide dq (32-key tiles, NT = 4) computes the odd warp's own n-tiles first
+    (refattn_mma_abt's swap): with the second half's offset left unswapped the odd warp sends
+    its own keys' partial sums as its partner's, and dQ is wrong in every warp order on an
+    H100's shared memory (the A100's general dq, NT = 2, does not swap)."""
+    old = "off_hi = swap ? -HALF_ROWS : 0;"
+    d = _mutated(tmp_path, old, "off_hi = 0;", "products.cuh")
+    assert all("grad_q" in w for w in _wrong_grads(d, shared=H100_SHARED))
+    assert _wrong_grads(d, seeds=(0,)) == [set()]
+
+
 def test_the_d64_dkdv_pairs_regions_barrier_is_caught(tmp_path):
     """dk/dv at D = 64 on pairs: P Z written over partial sums the partner has not read yet
     (backward.cuh's barrier removed), caught in every warp order in dK and dV."""
@@ -258,7 +273,7 @@ def test_the_paired_instances_are_the_ones_source_paired_lists():
 
     src = (KERNEL_DIR / "attention.cu").read_text()
     entries = re.findall(r"void attention_(\w+?)_(?:(plain|wide)_)?d(\d+)\(REFATTN_ARGS\) \{\s*"
-                         r"(?:REFATTN_SM90_ONLY\()?refattn_\1<\d+, \d+, \d+, \w+, 2(?:, true)?>",
+                         r"(?:REFATTN_SM90_ONLY\()?refattn_\1<\d+, \d+, \d+, \w+, 2(?:, [012])?>",
                          src)
     found = {(fs or "general", kind, int(d)) for kind, fs, d in entries}
     assert found == {(fs, kind, d) for fs, kinds in PAIRED.items() for kind, dims in kinds.items()
