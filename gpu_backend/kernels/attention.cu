@@ -107,7 +107,11 @@ __device__ void refattn_trace_backward(const unsigned long long* x, const long l
 // H100/H200, two warps per scheduler) or 6 of its 8 (D = 128: 160 KiB) in shared memory.
 // At D = 256 (REFATTN_A_GLOBAL) the warps read their A rows from global memory and the tiles are
 // 8 wide; the dk/dv instance needs 160 KiB of shared memory (half of dK in registers), within an
-// A100's 163 KiB; launch.plan refuses a device with less, naming the limit.
+// A100's 163 KiB; launch.plan refuses a device with less, naming the limit. The forward's pairs
+// at D = 128 split the head width for S with 16-key tiles (100 KiB: two blocks per SM on an
+// H100/H200). The sixth template argument of refattn_dq and refattn_dkdv, UNROLL_K, unrolls the
+// k-steps of the first products (2: both, 1: the first only, 0: none), where it does not spill
+// (products.cuh refattn_mma_abt; docs/gpu.md "Unrolled k-steps").
 #define REFATTN_ARGS const unsigned long long *x, const long long *ip, const double *rp
 extern "C" __global__ void attention_forward_d32(REFATTN_ARGS) { refattn_forward<32, 2, 24>(x, ip, rp); }
 extern "C" __global__ void attention_forward_d64(REFATTN_ARGS) { refattn_forward<64, 2, 32>(x, ip, rp); }
