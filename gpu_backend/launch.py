@@ -22,7 +22,8 @@ from typing import Any, Protocol
 import numpy as np
 
 from gpu_backend.abi import INT_PARAMS, POINTERS, REAL_PARAMS
-from gpu_backend.source import A_GLOBAL_ABOVE, FEATURE_SETS, INSTANCES, PAIRED, kernel_name
+from gpu_backend.source import (A_GLOBAL_ABOVE, EXP_TABLE_DOUBLES, FEATURE_SETS, INSTANCES,
+                                PAIRED, kernel_name)
 from refattn.call import AttentionCall
 from refattn.call.gate import check_head_map
 from refattn.call.placement import operand_multipliers
@@ -76,14 +77,15 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     bytes (tests/gpu/test_warp_pairs.py). Above D = 128 the
     Q, G_O (forward, dq) and K, V (dkdv) tiles are not in shared memory (the warps read their
     own rows from global memory) and dkdv keeps half of its dK accumulators there instead
-    (BKV x D / 2: n-tiles 16 to 31; 0 to 15 in registers).
+    (BKV x D / 2: n-tiles 16 to 31; 0 to 15 in registers). A forward block up to D = 64 or on
+    warp pairs also holds its copy of the exp table (source.EXP_TABLE_DOUBLES, 4 KiB).
 
     Examples
     --------
     >>> shared_bytes("forward", 64), shared_bytes("dq", 128), shared_bytes("dkdv", 128)
-    (98304, 139264, 163840)
+    (102400, 139264, 163840)
     >>> shared_bytes("forward", 128)  # warp pairs, 16-key tiles: two blocks on an H100/H200
-    102400
+    106496
     >>> shared_bytes("dq", 128, "wide")  # warp pairs, 32-key tiles
     212992
     >>> shared_bytes("dkdv", 256, "wide")  # 16-query tiles
@@ -119,6 +121,8 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
              "dq": own * 2 * rows * D + 4 * tile * D,
              # dkdv: K and V, the dV accumulators; above D = 128 half of dK instead of K, V
              "dkdv": (3 * rows * D if own else rows * D + rows * D // 2) + 4 * tile * D}[kernel]
+    if kernel == "forward" and (D <= 64 or D in PAIRED.get(features, {}).get(kernel, ())):
+        n += EXP_TABLE_DOUBLES  # the block's copy of the exp table (forward.cuh: EXP_TABLE)
     return 8 * n
 
 

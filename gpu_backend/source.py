@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-__all__ = ["A_GLOBAL_ABOVE", "FEATURE_SETS", "INSTANCES", "KERNELS", "KERNEL_DIR", "PAIRED",
+__all__ = ["A_GLOBAL_ABOVE", "EXP_TABLE_DOUBLES", "FEATURE_SETS", "INSTANCES", "KERNELS", "KERNEL_DIR", "PAIRED",
            "PLAIN", "WIDE", "kernel_name", "source_hash", "translation_unit"]
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
@@ -24,6 +24,9 @@ MAIN = "attention.cu"
 #: :data:`PAIRED`), with the same BQ or BKV (:func:`gpu_backend.launch.shared_bytes`).
 #: Above D = 128 (:data:`A_GLOBAL_ABOVE`) the warps read their own rows (the A operand: Q, G_O;
 #: K, V in dkdv) from global memory instead of a shared tile.
+#: the doubles of a forward block's copy of the exp table (kernels/common.cuh's
+#: REFATTN_EXP_TABLE_DOUBLES: 32 pairs 2^(j/32) = hi + lo, 8 copies of each)
+EXP_TABLE_DOUBLES = 512
 INSTANCES: dict[str, dict[int, tuple[int, int]]] = {
     "forward": {32: (2, 24), 64: (2, 32), 128: (1, 16), 256: (1, 8)},
     "dq": {32: (2, 16), 64: (2, 16), 128: (1, 16), 256: (1, 8)},

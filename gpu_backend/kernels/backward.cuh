@@ -28,14 +28,13 @@ __device__ __forceinline__ RefattnGradElement refattn_grad_element(
     constexpr bool SOFTCAP = (F & REFATTN_F_SOFTCAP) != 0, BIAS = (F & REFATTN_F_BIAS) != 0,
                    DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     RefattnGradElement r;
-    double capped;
-    const double sc = refattn_score<SOFTCAP>(c, dot, &capped);
-    r.p = exp((BIAS && c.has_bias ? sc + bias.at(col) : sc) - lse);
+    double t;
+    r.p = exp(refattn_score<SOFTCAP>(c, dot, BIAS && c.has_bias ? bias.at(col) : 0.0, &t) - lse);
     r.z = DROPOUT && c.drop_mode != 0 ? refattn_tile_multiplier(c, keep, bit, z_line, col)
                                       : 1.0;
     r.gp = gpd * r.z;
     r.g_s = r.p * (r.gp - d);
-    r.ds = SOFTCAP ? r.g_s * refattn_cap_slope(c, sc) : r.g_s;
+    r.ds = SOFTCAP ? r.g_s * refattn_cap_slope(t) : r.g_s;  // (t = 0: slope 1)
     return r;
 }
 
@@ -293,8 +292,12 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     const RefattnCall c = refattn_call(x, ip, rp);
     const RefattnVisibility vis = refattn_visibility(x, ip);
     const long long gbias_mode = BIAS ? ip[P_GBIAS_MODE] : 0;
-    double* dk = reinterpret_cast<double*>(x[X_DK]);
-    double* dv = reinterpret_cast<double*>(x[X_DV]);
+    // the outputs' addresses, at D = 32 read after the loop (read before it, sm_80's instance
+    // kept both in a 16-byte stack frame across the loop; at D = 256 sm_90's spilled 56 bytes
+    // when they were read after it)
+    constexpr bool LATE_OUTPUTS = D == 32;
+    double* dk = LATE_OUTPUTS ? nullptr : reinterpret_cast<double*>(x[X_DK]);
+    double* dv = LATE_OUTPUTS ? nullptr : reinterpret_cast<double*>(x[X_DV]);
     double* gbias = reinterpret_cast<double*>(x[X_GBIAS]);
     long long* tiles = reinterpret_cast<long long*>(x[X_TILES]);
     const int tid = threadIdx.x, lane = tid & 31, g = lane >> 2, t = lane & 3, warp = tid >> 5;
@@ -497,6 +500,10 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
         }
     }
     refattn_cp_async_wait<0>();  // K and V when every head was skipped
+    if constexpr (LATE_OUTPUTS) {
+        dk = reinterpret_cast<double*>(x[X_DK]);
+        dv = reinterpret_cast<double*>(x[X_DV]);
+    }
     REFATTN_UNROLL
     for (int mr = 0; mr < MRW; ++mr) {
         const int j = row + 8 * mr;

@@ -15,7 +15,7 @@ struct RefattnCall {
     unsigned int key0, key1, offset;
     unsigned long long threshold;
     double post, softcap, keep;
-    double inv_softcap;  // 1 / softcap, computed once: the loops divide by refattn_div
+    double cap_scale;  // alpha / c, rounded once a call: the softcap's tanh(dot (alpha / c))
 };
 
 __device__ __forceinline__ RefattnCall refattn_call(const unsigned long long* x,
@@ -50,13 +50,18 @@ __device__ __forceinline__ RefattnCall refattn_call(const unsigned long long* x,
     c.post = rp[R_POST];
     c.softcap = rp[R_SOFTCAP];
     c.keep = rp[R_KEEP];
-    c.inv_softcap = c.has_softcap ? 1.0 / c.softcap : 1.0;
+    // (held within the finite range: where alpha / c overflows, dot times the largest double
+    // still saturates the tanh for every dot but a subnormal one, and a zero dot stays 0, not
+    // 0 * inf = NaN)
+    c.cap_scale = c.has_softcap ? fmax(fmin(c.post / c.softcap, 1.7976931348623157e308),
+                                       -1.7976931348623157e308)
+                                : 1.0;
     return c;
 }
 
 // Feature switches (FlashAttention-2's SOFTCAP_SWITCH / BOOL_SWITCH on Is_softcap, Is_dropout,
 // Has_alibi): F is a set of REFATTN_F_* bits, and an instance compiled without a bit holds none
-// of that feature's code (its per-element work: the softcap's tanh and division, the bias loads,
+// of that feature's code (its per-element work: the softcap's tanh, the bias loads,
 // the dropout multipliers). launch.plan runs a call on an instance whose F covers the features
 // the call uses (gpu_backend/source.py PLAIN: F = 0, for calls with no softcap, bias or
 // dropout); REFATTN_F_ALL is the general instance, which serves every call.
@@ -67,23 +72,20 @@ enum : unsigned {
     REFATTN_F_ALL = 7u,
 };
 
-// scores = post * dot, then c * tanh(scores / c) with a softcap; *capped gets the softcap's
-// input (the scaled score before the cap). SOFTCAP false (an instance compiled without the
-// softcap: the feature sets above) holds no softcap code.
+// the score of one element with its bias b (0.0 without one): alpha dot + b, or with a softcap
+// c tanh(dot (alpha / c)) + b, one fma applying alpha (or c) and adding b; *t gets the tanh (the
+// softcap's slope d score / d (alpha dot) is 1 - t^2, refattn_cap_slope), 0 without a softcap.
+// SOFTCAP false (an instance compiled without the softcap: the feature sets above) holds no
+// softcap code.
 template <bool SOFTCAP = true>
-__device__ __forceinline__ double refattn_score(const RefattnCall& c, double dot,
-                                                double* capped_input) {
-    double s = c.post == 1.0 ? dot : c.post * dot;  // alpha applied once, after the product
-    *capped_input = s;
-    if (SOFTCAP && c.has_softcap) s = c.softcap * tanh(refattn_div(s, c.softcap, c.inv_softcap));
-    return s;
-}
-
-// the finite preference added after the softcap, before visibility
-__device__ __forceinline__ double refattn_biased(const RefattnCall& c, const long long* ip,
-                                                 double s, long long b, long long h,
-                                                 long long i, long long j) {
-    return c.has_bias ? s + strided_at(c.bias, ip, P_BIAS_S0, b, h, i, j) : s;
+__device__ __forceinline__ double refattn_score(const RefattnCall& c, double dot, double b,
+                                                double* t) {
+    if (SOFTCAP && c.has_softcap) {
+        *t = tanh(dot * c.cap_scale);
+        return fma(c.softcap, *t, b);
+    }
+    *t = 0.0;
+    return fma(c.post, dot, b);
 }
 
 // the dropout multiplier Z of (b, h, i, j)
@@ -98,12 +100,8 @@ __device__ __forceinline__ double refattn_multiplier(const RefattnCall& c, const
     return 1.0;
 }
 
-// d scores / d softcap_input = 1 - tanh^2, from the capped score s
-__device__ __forceinline__ double refattn_cap_slope(const RefattnCall& c, double s) {
-    if (!c.has_softcap) return 1.0;
-    const double t = refattn_div(s, c.softcap, c.inv_softcap);
-    return 1.0 - t * t;
-}
+// d score / d softcap input = 1 - t^2, from refattn_score's tanh t
+__device__ __forceinline__ double refattn_cap_slope(double t) { return fma(-t, t, 1.0); }
 
 // -- tiles on the tensor cores ------------------------------------------------------------------
 // A block is NW = 4 warps. In the forward and dq kernels warp w owns the 8 MR query rows

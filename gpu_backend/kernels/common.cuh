@@ -66,6 +66,89 @@ __device__ __forceinline__ double refattn_exp(double x) {
     return x < -1000.0 ? 0.0 : (x == x ? scaled : x);  // a NaN stays NaN
 }
 
+// 2^(j/32), j = 0 .. 31, as pairs hi, lo: hi the nearest double, lo the nearest double to the
+// rest (hi + lo within 2^-106 of 2^(j/32); tests/gpu/test_kernel_sources.py checks them exactly)
+__constant__ double refattn_exp2_32[64] = {
+    0x1.0000000000000p+0, 0x0.0p+0,
+    0x1.059b0d3158574p+0, 0x1.d73e2a475b465p-55,
+    0x1.0b5586cf9890fp+0, 0x1.8a62e4adc610bp-54,
+    0x1.11301d0125b51p+0, -0x1.6c51039449b3ap-54,
+    0x1.172b83c7d517bp+0, -0x1.19041b9d78a76p-55,
+    0x1.1d4873168b9aap+0, 0x1.e016e00a2643cp-54,
+    0x1.2387a6e756238p+0, 0x1.9b07eb6c70573p-54,
+    0x1.29e9df51fdee1p+0, 0x1.612e8afad1255p-55,
+    0x1.306fe0a31b715p+0, 0x1.6f46ad23182e4p-55,
+    0x1.371a7373aa9cbp+0, -0x1.63aeabf42eae2p-54,
+    0x1.3dea64c123422p+0, 0x1.ada0911f09ebcp-55,
+    0x1.44e086061892dp+0, 0x1.89b7a04ef80d0p-59,
+    0x1.4bfdad5362a27p+0, 0x1.d4397afec42e2p-56,
+    0x1.5342b569d4f82p+0, -0x1.07abe1db13cadp-55,
+    0x1.5ab07dd485429p+0, 0x1.6324c054647adp-54,
+    0x1.6247eb03a5585p+0, -0x1.383c17e40b497p-54,
+    0x1.6a09e667f3bcdp+0, -0x1.bdd3413b26456p-54,
+    0x1.71f75e8ec5f74p+0, -0x1.16e4786887a99p-55,
+    0x1.7a11473eb0187p+0, -0x1.41577ee04992fp-55,
+    0x1.82589994cce13p+0, -0x1.d4c1dd41532d8p-54,
+    0x1.8ace5422aa0dbp+0, 0x1.6e9f156864b27p-54,
+    0x1.93737b0cdc5e5p+0, -0x1.75fc781b57ebcp-57,
+    0x1.9c49182a3f090p+0, 0x1.c7c46b071f2bep-56,
+    0x1.a5503b23e255dp+0, -0x1.d2f6edb8d41e1p-54,
+    0x1.ae89f995ad3adp+0, 0x1.7a1cd345dcc81p-54,
+    0x1.b7f76f2fb5e47p+0, -0x1.5584f7e54ac3bp-56,
+    0x1.c199bdd85529cp+0, 0x1.11065895048ddp-55,
+    0x1.cb720dcef9069p+0, 0x1.503cbd1e949dbp-56,
+    0x1.d5818dcfba487p+0, 0x1.2ed02d75b3707p-55,
+    0x1.dfc97337b9b5fp+0, -0x1.1a5cd4f184b5cp-54,
+    0x1.ea4afa2a490dap+0, -0x1.e9c23179c2893p-54,
+    0x1.f50765b6e4540p+0, 0x1.9d3e12dd8a18bp-54,
+};
+// a block's copy of the table (refattn_exp_table_fill): 32 pairs, 8 copies each
+constexpr int REFATTN_EXP_TABLE_DOUBLES = 512;
+
+// fills a block's copy of refattn_exp2_32 (REFATTN_EXP_TABLE_DOUBLES, 16-byte aligned): pair j
+// 8 times, copy l at doubles 16 j + 2 l. Lane l reads copy l % 8 (refattn_exp_table's tab), so the 8
+// lanes of a quarter warp (one 16-byte shared access's phase) read 8 different 16-byte bank
+// groups whatever their j: no bank conflict.
+template <typename S>
+__device__ __forceinline__ void refattn_exp_table_fill(S tab, int tid, int threads) {
+    for (int k = tid; k < REFATTN_EXP_TABLE_DOUBLES / 2; k += threads) {
+        tab[2 * k] = refattn_exp2_32[2 * (k >> 3)];
+        tab[2 * k + 1] = refattn_exp2_32[2 * (k >> 3) + 1];
+    }
+}
+
+// refattn_exp's e^x from a table of 2^(j/32) (Tang's method): x = (32 m + j) ln2/32 + r, k = 32 m + j = rint(32 x / ln2) by the
+// 1.5 2^52 shift, |r| <= ln2/64 (ln2/32 in two parts: k r exact enough), e^r - 1 = q = r +
+// r^2 P(r) with P Taylor's to r^4/6! (the first term left out, r^7/7!, is 3.5e-18 of e^r), and
+// e^x = 2^m (hi + (hi q + lo)) with hi + lo = 2^(j/32) (tab: the block's refattn_exp_table_fill
+// copy plus 2 (lane % 8) doubles, one conflict-free 16-byte read): 13 fp64 operations where
+// refattn_exp takes 16, for 16 bytes of shared memory. Below x = -707 (where 2^m e^r may be
+// subnormal) it is scaled as refattn_exp, in two exact steps; 0 below -1000, NaN for NaN.
+template <typename S>
+__device__ __forceinline__ double refattn_exp_table(double x, S tab) {
+    const double shift = 6755399441055744.0;  // 1.5 2^52: t's low word is k
+    const double t = fma(x, 46.16624130844683, shift);  // 32 / ln2
+    const double k = t - shift;
+    double r = fma(k, -0.02166084939249829, x);   // ln2 / 32, high part (ln 2's, / 32)
+    r = fma(k, -7.247021293269686e-19, r);        // low part
+    double p = fma(r, 1.0 / 720.0, 1.0 / 120.0);
+    p = fma(r, p, 1.0 / 24.0);
+    p = fma(r, p, 1.0 / 6.0);
+    p = fma(r, p, 0.5);
+    const double q = fma(r * r, p, r);
+    const int ki = static_cast<int>(__double_as_longlong(t));
+    const int j = 16 * (ki & 31);
+    const double hi = tab[j], lo = tab[j + 1];
+    const double e0 = hi + fma(hi, q, lo);
+    const bool tiny = x < -707.0;  // 2^m may be subnormal (m < -1021)
+    const int m = (ki >> 5) + (tiny ? 600 : 0);
+    const double e = __longlong_as_double(static_cast<long long>(
+        static_cast<unsigned long long>(__double_as_longlong(e0)) +
+        (static_cast<unsigned long long>(static_cast<long long>(m)) << 52)));
+    const double scaled = tiny ? e * 2.409919865102884e-181 : e;  // 2^-600
+    return x < -1000.0 ? 0.0 : (x == x ? scaled : x);  // a NaN stays NaN
+}
+
 // -- pointer slots (the first kernel argument: an array of device addresses) ---------------------
 enum RefattnPtr {
     X_Q, X_K, X_V, X_HEAD_MAP,                       // (B,Hq,Q,Dk) (B,Hkv,K,Dk) (B,Hkv,K,Dv) (Hq)

@@ -54,6 +54,16 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     // SPLIT = 2: the pairs' exchange region of the partial S of the partner's keys
     // (refattn_pair_put's layout, 4 warps' worth of NTW n-tiles each)
     auto sXS = sV + 2 * BK * D;
+    // the block's copy of the exp table (refattn_exp_table_fill), and the lane's copy in it,
+    // where its 16-byte reads keep the loop within 1 byte of shared memory per FMA (up to
+    // D = 64, and the warp pairs; launch.shared_bytes counts it for the same instances)
+    constexpr bool EXP_TABLE = D <= 64 || SPLIT == 2;
+    auto sE = sXS + (SPLIT == 2 ? BQ * BK : 0);
+    const auto exp_tab = sE + 2 * (lane & 7);
+    auto softmax_exp = [&](double x) {
+        if constexpr (EXP_TABLE) return refattn_exp_table(x, exp_tab);
+        else return refattn_exp(x);
+    };
     // the bias and Z strides (ip[P_BIAS_S0 ..], ip[P_Z_S0 ..]) for the lines made per row and
     // tile: broadcast shared loads (copied before refattn_set_table_row's barrier) instead of
     // four global loads of the same addresses per line (the model charges a global load 32
@@ -122,8 +132,8 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
                 REFATTN_UNROLL
                 for (int sb = 0; sb < 2; ++sb) {
                     const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
-                    double capped;  // alpha, a softcap c tanh(v / c); then the bias
-                    double v = refattn_score<SOFTCAP>(c, s[e], &capped);
+                    double t;  // alpha, a softcap c tanh(dot alpha / c); the bias
+                    double v = refattn_score<SOFTCAP>(c, s[e], 0.0, &t);
                     if (bias) v += bias_i.at(j < K ? j : K - 1);
                     const int bit = (nt * MRW + mr) * 2 + sb;
                     if (cls == REFATTN_PARTIAL && !((bits >> bit) & 1u)) v = none;
@@ -134,14 +144,29 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
             tile_max = fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 1));
             return fmax(tile_max, __shfl_xor_sync(0xffffffffu, tile_max, 2));
         };
+        // the row blocks' new maxima and O's rescale factors exp(m - m_new), one exp a lane:
+        // lane t of a quad computes row block t % MRW's, and the quad's lanes share them (each
+        // lane computed all MRW before)
+        auto rescale = [&](const double* tile_max, double* m_new, double* corr) {
+            double mo = m[0], mn = fmax(m[0], tile_max[0]);
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MRW; ++mr) {
+                m_new[mr] = fmax(m[mr], tile_max[mr]);
+                if (mr > 0 && t % MRW == mr) {
+                    mo = m[mr];
+                    mn = m_new[mr];
+                }
+            }
+            const double e = mn == none ? 1.0 : (mo == none ? 0.0 : softmax_exp(mo - mn));
+            REFATTN_UNROLL
+            for (int mr = 0; mr < MRW; ++mr)
+                corr[mr] = MRW == 1 ? e : __shfl_sync(0xffffffffu, e, (lane & ~3) | mr);
+        };
         // row block mr's P~ Z in place, its running max and sum, and O rescaled
-        auto softmax = [&](int mr, double tile_max) {
+        auto softmax = [&](int mr, double m_new, double corr) {
             const int i = row + 8 * mr < Q ? row + 8 * mr : Q - 1;
             const RefattnLine z_i =
                 DROPOUT ? refattn_line<false>(c.z, z_st, b, h, i) : RefattnLine{};
-            const double m_new = fmax(m[mr], tile_max);
-            const double corr =
-                m_new == none ? 1.0 : (m[mr] == none ? 0.0 : refattn_exp(m[mr] - m_new));
             // exp(-inf - m) = 0 for a masked score; a row with nothing visible yet subtracts 0
             // (FlashAttention-2's Check_inf), so no element tests for -inf
             const double m_use = m_new == none ? 0.0 : m_new;
@@ -151,7 +176,7 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
                 REFATTN_UNROLL
                 for (int sb = 0; sb < 2; ++sb) {
                     const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
-                    double p = refattn_exp(s[e] - m_use);
+                    double p = softmax_exp(s[e] - m_use);
                     part += p;
                     if (DROPOUT && c.drop_mode != 0)  // Z: a Philox keep bit, or dense Z
                         p *= c.drop_mode == 2
@@ -170,20 +195,24 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
                 o[dt * W + 2 * mr + 1] *= corr;
             }
         };
+        double tile_max[MRW], m_new[MRW], corr[MRW];
         if constexpr (SPLIT == 1) {
             draw();
             REFATTN_UNROLL
-            for (int mr = 0; mr < MRW; ++mr) softmax(mr, scores(mr));
-        } else {  // the pair's maximum over the whole tile row first
-            double tile_max[MRW], other[MRW];
+            for (int mr = 0; mr < MRW; ++mr) tile_max[mr] = scores(mr);
+        } else {  // the pair's maximum over the whole tile row
+            double other[MRW];
             REFATTN_UNROLL
             for (int mr = 0; mr < MRW; ++mr) other[mr] = tile_max[mr] = scores(mr);
             // (after the partial sums' barrier: every S is computed, the K buffer is free)
             refattn_pair_rows<MRW>(other, warp, g);
             draw();  // (drawn before S, sm_90 spilled 4-8 bytes)
             REFATTN_UNROLL
-            for (int mr = 0; mr < MRW; ++mr) softmax(mr, fmax(tile_max[mr], other[mr]));
+            for (int mr = 0; mr < MRW; ++mr) tile_max[mr] = fmax(tile_max[mr], other[mr]);
         }
+        rescale(tile_max, m_new, corr);
+        REFATTN_UNROLL
+        for (int mr = 0; mr < MRW; ++mr) softmax(mr, m_new[mr], corr[mr]);
         if constexpr (SPLIT == 1) {
             refattn_mma_pb<D, MRW, NTW>(o, s, sV + buf * BK * D, g, t);  // O += P~ Z V
         } else {
@@ -193,6 +222,7 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
                                               warp, lane, g, t);
         }
     };
+    if constexpr (EXP_TABLE) refattn_exp_table_fill(sE, tid, 32 * REFATTN_WARPS);
     if (!AG && tid < 8) strides[tid] = ip[(tid < 4 ? P_BIAS_S0 : P_Z_S0 - 4) + tid];
     refattn_set_table_row<BQ, BK, false>(vis, b, h, i0, Q, K, tid);
     refattn_tile_loop(nkb, classify, load, compute, &done, &skipped);

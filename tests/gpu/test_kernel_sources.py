@@ -13,7 +13,7 @@ import pytest
 
 from gpu_backend import abi
 from gpu_backend.compile_check import ARCHES, compile_report, toolchain
-from gpu_backend.source import KERNEL_DIR, KERNELS
+from gpu_backend.source import EXP_TABLE_DOUBLES, KERNEL_DIR, KERNELS
 from refattn.dropout import Philox
 from refattn.dropout.philox import philox4x32_10
 from tests.dropout.test_philox import _kat_rows
@@ -140,6 +140,7 @@ COMMON_PRELUDE = r"""
 #include <cstdio>
 #include <cstring>
 #define __device__
+#define __constant__
 #define __forceinline__ inline
 #define REFATTN_EMULATOR  // common.cuh's CUDA macros are not needed here
 static double __longlong_as_double(long long x) { double d; std::memcpy(&d, &x, 8); return d; }
@@ -201,13 +202,20 @@ def test_the_division_without_a_slow_path_is_the_correctly_rounded_quotient(tmp_
         assert np.count_nonzero((x * (1.0 / y))[ok] != want[ok]) > 100
 
 
+#: common.cuh's two softmax exps as host C++: refattn_exp(x), or (argv[1] = "table")
+#: refattn_exp_table(x, tab) from a block's copy filled as the forward fills it (128 threads),
+#: each x read by lane n % 32's copy
 EXP_PROGRAM = COMMON_PRELUDE + r"""
-int main() {
+#include <cstring>
+int main(int argc, char** argv) {
+    const bool table = argc > 1 && std::strcmp(argv[1], "table") == 0;
+    alignas(16) static double tab[REFATTN_EXP_TABLE_DOUBLES];
+    for (int tid = 0; tid < 128; ++tid) refattn_exp_table_fill(tab + 0, tid, 128);
     unsigned long long a;
-    while (std::scanf("%llx", &a) == 1) {
+    for (int n = 0; std::scanf("%llx", &a) == 1; ++n) {
         double x;
         std::memcpy(&x, &a, 8);
-        const double e = refattn_exp(x);
+        const double e = table ? refattn_exp_table(x, tab + 2 * (n % 32 & 7)) : refattn_exp(x);
         unsigned long long out;
         std::memcpy(&out, &e, 8);
         std::printf("%llx\n", out);
@@ -217,32 +225,107 @@ int main() {
 """
 
 
-def test_the_branch_free_exp_is_within_one_ulp_of_numpy(tmp_path):
-    """common.cuh's refattn_exp (the forward's softmax exp: CUDA's polynomial without its
-    slow-path branch) is within 1 ulp of NumPy's exp for x <= 709, the softmax's range
-    (x = s - m <= 0) included: the subnormal results (x < -708.4, scaled in two exact steps)
-    and the underflow to 0 (x < -745.13, -inf) too; most results are NumPy's bits; NaN stays
-    NaN (a score read before its tile landed must show)."""
-    exe = _host_binary(tmp_path, "exp", EXP_PROGRAM, "-ffp-contract=off")
+def _exp_bits(exe, x: np.ndarray, *args: str) -> np.ndarray:
+    text = "\n".join(f"{u:x}" for u in x.view(np.uint64))
+    out = subprocess.run([str(exe), *args], input=text, capture_output=True, text=True,
+                         check=True)
+    return np.array([int(w, 16) for w in out.stdout.split()], dtype=np.uint64).view(np.float64)
+
+
+def _exp_arguments() -> np.ndarray:
     rng = np.random.default_rng(24)
-    x = np.concatenate([
+    return np.concatenate([
         -rng.exponential(30.0, 40000), rng.uniform(-1e-6, 0.0, 5000),
         rng.uniform(-760.0, -700.0, 20000), rng.uniform(0.0, 709.0, 5000),
         [0.0, -0.0, -np.inf, -745.0, -745.1332191019411, -745.14, -708.39599609375,
-         np.nextafter(-708.39599609375, 0.0), -1000.0, -1000.5, -1e300, 709.0]])
-    text = "\n".join(f"{u:x}" for u in x.view(np.uint64))
-    out = subprocess.run([str(exe)], input=text, capture_output=True, text=True, check=True)
-    got = np.array([int(w, 16) for w in out.stdout.split()], dtype=np.uint64).view(np.float64)
+         np.nextafter(-708.39599609375, 0.0), -707.0, np.nextafter(-707.0, 0.0), -1000.0,
+         -1000.5, -1e300, 709.0]])
+
+
+def _exp_ulps(exe, *args: str) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    x = _exp_arguments()
+    got = _exp_bits(exe, x, *args)
     want = np.exp(x)
-    ulps = np.abs(got - want) / np.spacing(np.maximum(want, 5e-324))
+    return x, got, np.abs(got - want) / np.spacing(np.maximum(want, 5e-324))
+
+
+@pytest.mark.parametrize("which", ["polynomial", "table"])
+def test_the_branch_free_exps_are_within_one_ulp_of_numpy(tmp_path, which):
+    """common.cuh's refattn_exp (CUDA's polynomial without its slow-path branch) and
+    refattn_exp_table (Tang's table of 2^(j/32), the forward's exp up to D = 64 and on warp
+    pairs) are within 1 ulp of NumPy's exp for x <= 709, the softmax's range (x = s - m <= 0)
+    included: the subnormal results (scaled in two exact steps) and the underflow to 0
+    (x < -745.13, -inf) too; most results are NumPy's bits; NaN stays NaN (a score read before
+    its tile landed must show)."""
+    exe = _host_binary(tmp_path, "exp", EXP_PROGRAM, "-ffp-contract=off")
+    x, got, ulps = _exp_ulps(exe, which)
+    want = np.exp(x)
     assert ulps.max() <= 1.0, x[np.argmax(ulps)]
     assert np.mean(got == want) > 0.9
     sub = (want > 0) & (want < 2.2250738585072014e-308)
     assert sub.sum() > 1000 and np.all(got[sub] > 0) == np.all(want[sub] > 0)
     assert np.array_equal(got[want == 0], want[want == 0])  # 0 below -745.13 and at -inf
-    nan = subprocess.run([str(exe)], input=f"{np.float64(np.nan).view(np.uint64):x}",
-                         capture_output=True, text=True, check=True).stdout.split()
-    assert np.isnan(np.array([int(nan[0], 16)], dtype=np.uint64).view(np.float64)[0])
+    nan = _exp_bits(exe, np.array([np.nan]), which)
+    assert np.isnan(nan[0])
+
+
+@pytest.mark.parametrize(("which", "planted", "replacement"), [
+    ("table", "p = fma(r, p, 1.0 / 6.0);", "p = fma(r, p, 1.0 / 6.5);"),  # a wrong coefficient
+    ("table", "const double e0 = hi + fma(hi, q, lo);",
+     "const double e0 = hi + fma(hi, q, 0.0 * lo);"),  # the table's low parts dropped
+    ("table", "r = fma(k, -7.247021293269686e-19, r);", ""),  # ln2 / 32 without its low part
+    ("table", "const bool tiny = x < -707.0;", "const bool tiny = x < -708.5;"),  # too late
+    ("polynomial", "p = fma(r, p, 0.5000000000000012);", "p = fma(r, p, 0.5000000000012);"),
+])
+def test_a_planted_bug_in_an_exp_fails_its_check(tmp_path, which, planted, replacement):
+    """What the ulp check above catches: each planted bug puts an exp more than 1 ulp from
+    NumPy's or makes fewer than 90% of its results NumPy's bits."""
+    (tmp_path / "k").mkdir()
+    assert COMMON.count(planted) == 1
+    (tmp_path / "k" / "common.cuh").write_text(COMMON.replace(planted, replacement))
+    (tmp_path / "k" / "philox.cuh").write_text((KERNEL_DIR / "philox.cuh").read_text())
+    if not shutil.which("g++"):
+        pytest.skip("no g++ to build the host check")
+    (tmp_path / "exp.cpp").write_text(EXP_PROGRAM)
+    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-Wall", "-Werror",
+                    f"-I{tmp_path / 'k'}", str(tmp_path / "exp.cpp"), "-o",
+                    str(tmp_path / "exp")], check=True)
+    x, got, ulps = _exp_ulps(tmp_path / "exp", which)
+    assert ulps.max() > 1.0 or np.mean(got == np.exp(x)) <= 0.9
+
+
+def test_the_exp_table_is_two_to_the_j_over_32_and_its_copies_are_conflict_free(tmp_path):
+    """refattn_exp2_32's pairs: hi the double nearest hi + lo, and (hi + lo)^32 within
+    2^-100 of 2^j (exact rationals); the block's copy puts pair j at 16-byte slot 8 j + l for
+    every copy l, so the 8 lanes of a quarter warp (lane l reading copy l % 8) hit the 8
+    different 16-byte bank groups whatever their j."""
+    from fractions import Fraction
+
+    body = re.search(r"refattn_exp2_32\[64\] = \{(.*?)\};", COMMON, flags=re.S).group(1)
+    values = [float.fromhex(v) for v in re.findall(r"-?0x[0-9a-fp.+-]+", body)]
+    assert len(values) == 64
+    for j in range(32):
+        hi, lo = values[2 * j], values[2 * j + 1]
+        assert 1.0 <= hi < 2.0 and abs(lo) <= np.spacing(hi) / 2, j
+        err = (Fraction(hi) + Fraction(lo)) ** 32 / 2**j - 1
+        assert abs(err) < Fraction(1, 2**100), (j, float(err))
+    program = COMMON_PRELUDE + r"""
+int main() {
+    alignas(16) static double tab[REFATTN_EXP_TABLE_DOUBLES];
+    for (int tid = 0; tid < 128; ++tid) refattn_exp_table_fill(tab + 0, tid, 128);
+    for (int k = 0; k < REFATTN_EXP_TABLE_DOUBLES; ++k) std::printf("%a\n", tab[k]);
+    return 0;
+}
+"""
+    exe = _host_binary(tmp_path, "table", program)
+    out = subprocess.run([str(exe)], capture_output=True, text=True, check=True).stdout.split()
+    tab = np.array([float.fromhex(v) for v in out]).reshape(32, 8, 2)  # j, copy, (hi, lo)
+    np.testing.assert_array_equal(tab, np.broadcast_to(
+        np.array(values).reshape(32, 1, 2), (32, 8, 2)))
+    assert EXP_TABLE_DOUBLES == tab.size
+    slots = (np.arange(32)[:, None] * 8 + np.arange(8)[None, :]) % 8  # 16-byte slot's group
+    assert all(len(set(slots[j_of_lane, np.arange(8)])) == 8
+               for j_of_lane in np.random.default_rng(3).integers(0, 32, (100, 8)))
 
 
 #: tile.cuh's refattn_load_tile_async compiled as host C++: every thread of a 128-thread block
