@@ -121,9 +121,27 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
              "dq": own * 2 * rows * D + 4 * tile * D,
              # dkdv: K and V, the dV accumulators; above D = 128 half of dK instead of K, V
              "dkdv": (3 * rows * D if own else rows * D + rows * D // 2) + 4 * tile * D}[kernel]
-    if kernel == "forward" and (D <= 64 or D in PAIRED.get(features, {}).get(kernel, ())):
-        n += EXP_TABLE_DOUBLES  # the block's copy of the exp table (forward.cuh: EXP_TABLE)
+    if uses_exp_table(kernel, D, features):
+        n += EXP_TABLE_DOUBLES  # the block's copy of the exp table
     return 8 * n
+
+
+def uses_exp_table(kernel: str, D: int, features: str = "general") -> bool:
+    """Whether ``kernel``'s instance at head width D holds a copy of the exp table
+    (kernels/common.cuh's refattn_exp_table; forward.cuh's and backward.cuh's EXP_TABLE): the
+    forward up to D = 64 and on warp pairs (elsewhere its 16-byte reads would take the loop
+    above 1 byte of shared memory per FMA), the dq with its features (general and wide; the
+    plain one spilled with it at D = 128), no dk/dv (the general one at D = 128 would not fit
+    an A100).
+
+    >>> uses_exp_table("forward", 64), uses_exp_table("forward", 128, "plain")
+    (True, False)
+    >>> uses_exp_table("dq", 128), uses_exp_table("dq", 64, "plain"), uses_exp_table("dkdv", 64)
+    (True, False, False)
+    """
+    if kernel == "forward":
+        return D <= 64 or D in PAIRED.get(features, {}).get(kernel, ())
+    return kernel == "dq" and features != "plain"
 
 
 @dataclass(frozen=True)

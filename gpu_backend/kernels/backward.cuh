@@ -21,15 +21,17 @@ __device__ __forceinline__ double refattn_quad_sum(double v) {
 struct RefattnGradElement {
     double p, z, gp, g_s, ds;
 };
-template <unsigned F>
+template <unsigned F, typename Exp, typename Tanh>
 __device__ __forceinline__ RefattnGradElement refattn_grad_element(
     const RefattnCall& c, double dot, double gpd, const RefattnLine& bias, int col, double lse,
-    double d, unsigned keep, int bit, const RefattnLine& z_line) {
+    double d, unsigned keep, int bit, const RefattnLine& z_line, Exp exp_of, Tanh tanh_of) {
     constexpr bool SOFTCAP = (F & REFATTN_F_SOFTCAP) != 0, BIAS = (F & REFATTN_F_BIAS) != 0,
                    DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     RefattnGradElement r;
     double t;
-    r.p = exp(refattn_score<SOFTCAP>(c, dot, BIAS && c.has_bias ? bias.at(col) : 0.0, &t) - lse);
+    r.p = exp_of(refattn_score<SOFTCAP>(c, dot, BIAS && c.has_bias ? bias.at(col) : 0.0, &t,
+                                        tanh_of) -
+                 lse);
     r.z = DROPOUT && c.drop_mode != 0 ? refattn_tile_multiplier(c, keep, bit, z_line, col)
                                       : 1.0;
     r.gp = gpd * r.z;
@@ -128,6 +130,20 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     // SPLIT = 2: the pairs' exchange regions of the partial S and dP of the partner's keys
     // (refattn_pair_put's layout, 4 warps' worth of NTW n-tiles each)
     auto sXS = sV + 2 * BK * D, sXD = sXS + REFATTN_WARPS * NTW * 32 * W;
+    // the block's copy of the exp table (refattn_exp_table_fill) and the lane's copy in it,
+    // with a feature compiled in (launch.uses_exp_table: the plain instance spilled 8 bytes
+    // with it at D = 128 on sm_90, and went above 1 byte of shared memory per FMA at D = 256)
+    constexpr bool EXP_TABLE = F != 0;
+    auto sE = sXD + (SPLIT == 2 ? REFATTN_WARPS * NTW * 32 * W : 0);
+    const auto exp_tab = sE + 2 * (lane & 7);
+    auto p_exp = [&](double v) {
+        if constexpr (EXP_TABLE) return refattn_exp_table(v, exp_tab);
+        else return exp(v);
+    };
+    auto p_tanh = [&](double u) {
+        if constexpr (EXP_TABLE) return refattn_tanh_table(u, exp_tab);
+        else return refattn_tanh(u);
+    };
     const auto q_rows = refattn_rows_a<D>(sQ, wr, c.q + bh * c.Q * D, row, Q);
     const auto g_rows = refattn_rows_a<D>(sG, wr, c.g_o + bh * c.Q * D, row, Q);
     const bool evaluate = vis.mode != 0 || vis.has_sanitized;
@@ -201,7 +217,7 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
                         const bool seen = cls == REFATTN_FULL || ((bits >> bit) & 1u);
                         const RefattnGradElement r = refattn_grad_element<F>(
                             c, s[e], dp[e], bias_i, j < K ? j : K - 1, lse_i[mr], d_i[mr], keep,
-                            bit, z_i);
+                            bit, z_i, p_exp, p_tanh);
                         // (+0.0 for an invisible element leaves the sums' bits as they were:
                         // they start at +0.0, so none is ever -0.0)
                         acc_pg[mr] += seen ? r.p * r.gp : 0.0;
@@ -214,7 +230,8 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
                                           (cls == REFATTN_FULL || ((bits >> bit) & 1u));
                         if (seen) {
                             const RefattnGradElement r = refattn_grad_element<F>(
-                                c, s[e], dp[e], bias_i, j, lse_i[mr], d_i[mr], keep, bit, z_i);
+                                c, s[e], dp[e], bias_i, j, lse_i[mr], d_i[mr], keep, bit, z_i,
+                                p_exp, p_tanh);
                             acc_pg[mr] += r.p * r.gp;
                             if (BIAS && gbias_mode == 1) gbias_i[j] = r.g_s;
                             if (BIAS && gbias_mode == 3) acc_gb[mr] += r.g_s;
@@ -236,6 +253,7 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
             refattn_mma_pb<D, MRW, NT, 0, DTW>(dqa, s, sK + buf * BK * D + ow, g, t);
         }
     };
+    if constexpr (EXP_TABLE) refattn_exp_table_fill(sE, tid, 32 * REFATTN_WARPS);
     refattn_set_table_row<BQ, BK, false>(vis, b, h, i0, Q, K, tid);
     refattn_tile_loop(nkb, classify, load, compute, &done, &skipped);
     REFATTN_UNROLL
@@ -295,6 +313,15 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     // the outputs' addresses, at D = 32 read after the loop (read before it, sm_80's instance
     // kept both in a 16-byte stack frame across the loop; at D = 256 sm_90's spilled 56 bytes
     // when they were read after it)
+    // CUDA's exp (no room for the exp table at D = 128 on an A100); the softcap's tanh branch-
+    // free at D = 128 (a warp whose lanes take both of CUDA's tanh paths runs both, 33 fp64
+    // operations), CUDA's elsewhere (the branch-free one spilled 32 bytes at D = 64 and 8-24 at
+    // D = 256 on sm_90; the D = 64 instance stays bound by shared memory with both paths run)
+    auto p_exp = [](double v) { return exp(v); };
+    auto p_tanh = [](double u) {
+        if constexpr (D == 128) return refattn_tanh(u);
+        else return tanh(u);
+    };
     constexpr bool LATE_OUTPUTS = D == 32;
     double* dk = LATE_OUTPUTS ? nullptr : reinterpret_cast<double*>(x[X_DK]);
     double* dv = LATE_OUTPUTS ? nullptr : reinterpret_cast<double*>(x[X_DV]);
@@ -427,7 +454,7 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                             const int ic = i < Q ? i : Q - 1;
                             const RefattnGradElement r = refattn_grad_element<F>(
                                 c, st[e], dpt[e], bias_j, ic, lse_h[ic], dvec_h[ic], keep, bit,
-                                z_j);
+                                z_j, p_exp, p_tanh);
                             if (BIAS) gb[mr] += seen ? r.g_s : 0.0;  // (+0.0: bits unchanged)
                             st[e] = seen ? r.p * r.z : 0.0;
                             dpt[e] = seen ? r.ds : 0.0;
@@ -437,7 +464,8 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                             RefattnGradElement r{0.0, 0.0, 0.0, 0.0, 0.0};
                             if (seen)
                                 r = refattn_grad_element<F>(c, st[e], dpt[e], bias_j, ic,
-                                                            lse_h[ic], dvec_h[ic], keep, bit, z_j);
+                                                            lse_h[ic], dvec_h[ic], keep, bit, z_j,
+                                                            p_exp, p_tanh);
                             if (BIAS) gb[mr] += seen ? r.g_s : 0.0;
                             st[e] = seen ? r.p * r.z : 0.0;
                             dpt[e] = seen ? r.ds : 0.0;
@@ -448,7 +476,7 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
                             if (seen) {
                                 const RefattnGradElement r = refattn_grad_element<F>(
                                     c, st[e], dpt[e], bias_j, i, lse_h[i], dvec_h[i], keep, bit,
-                                    z_j);
+                                    z_j, p_exp, p_tanh);
                                 if (BIAS) gb[mr] += r.g_s;
                                 pz = r.p * r.z;
                                 ds = r.ds;

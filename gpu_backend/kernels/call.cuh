@@ -75,13 +75,13 @@ enum : unsigned {
 // the score of one element with its bias b (0.0 without one): alpha dot + b, or with a softcap
 // c tanh(dot (alpha / c)) + b, one fma applying alpha (or c) and adding b; *t gets the tanh (the
 // softcap's slope d score / d (alpha dot) is 1 - t^2, refattn_cap_slope), 0 without a softcap.
-// SOFTCAP false (an instance compiled without the softcap: the feature sets above) holds no
-// softcap code.
-template <bool SOFTCAP = true>
+// tanh_of: refattn_tanh, or refattn_tanh_table where the kernel holds the exp table. SOFTCAP false
+// (an instance compiled without the softcap: the feature sets above) holds no softcap code.
+template <bool SOFTCAP = true, typename Tanh>
 __device__ __forceinline__ double refattn_score(const RefattnCall& c, double dot, double b,
-                                                double* t) {
+                                                double* t, Tanh tanh_of) {
     if (SOFTCAP && c.has_softcap) {
-        *t = tanh(dot * c.cap_scale);
+        *t = tanh_of(dot * c.cap_scale);
         return fma(c.softcap, *t, b);
     }
     *t = 0.0;

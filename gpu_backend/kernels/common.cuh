@@ -117,6 +117,94 @@ __device__ __forceinline__ void refattn_exp_table_fill(S tab, int tid, int threa
     }
 }
 
+// an approximate reciprocal of x (about 20 bits: MUFU.RCP64H, the high word of 1 / x; the
+// callers refine it): on the CPU emulator 1 / x with the significand cut to its top 20 bits
+__device__ __forceinline__ double refattn_rcp_approx(double x) {
+#ifndef REFATTN_EMULATOR
+    double r;
+    asm("rcp.approx.ftz.f64 %0, %1;" : "=d"(r) : "d"(x));
+    return r;
+#else
+    return __longlong_as_double(__double_as_longlong(1.0 / x) &
+                                static_cast<long long>(0xffffffff00000000ULL));
+#endif
+}
+
+// tanh(u) without a branch and without the exp table (refattn_tanh_table's method, for the
+// kernels that have no room for the table): tanh |u| = E / (E + 2), E = e^(2a) - 1, a = |u| held
+// at 20, 2a = k ln2 + 2r (k = rint(2a / ln2) <= 58, |2r| <= ln2/2, ln2 in one part), e^(2r) - 1 =
+// q by Taylor's degree-13 polynomial in 2r (its first term left out is 1.2e-17 of q), E = 2^k q +
+// (2^k - 1), the quotient as refattn_tanh_table's: 23 fp64 operations, within 3 ulp of tanh.
+__device__ __forceinline__ double refattn_tanh(double u) {
+    const double shift = 6755399441055744.0;  // 1.5 2^52: t's low word is k
+    const long long sign = __double_as_longlong(u) & static_cast<long long>(0x8000000000000000ULL);
+    double a = __longlong_as_double(__double_as_longlong(u) ^ sign);
+    a = a > 20.0 ? 20.0 : a;  // (NaN stays NaN)
+    const double t = fma(a, 2.8853900817779268, shift);  // 2 / ln2
+    const double k = t - shift;
+    const double r = fma(k, -0.34657359027997264, a);  // ln2 / 2: 2a = k ln2 + 2r
+    double h = fma(r, 1.3155568711124266e-06, 8.551119662230774e-06);  // 2^n / n!, n = 13, 12
+    h = fma(r, h, 5.130671797338464e-05);
+    h = fma(r, h, 0.0002821869488536155);
+    h = fma(r, h, 0.0014109347442680777);
+    h = fma(r, h, 0.006349206349206349);
+    h = fma(r, h, 0.025396825396825397);
+    h = fma(r, h, 0.08888888888888889);
+    h = fma(r, h, 0.26666666666666666);
+    h = fma(r, h, 0.6666666666666666);
+    h = fma(r, h, 1.3333333333333333);
+    h = fma(r, h, 2.0);
+    h = fma(r, h, 2.0);
+    const double q = r * h;  // e^(2r) - 1
+    const double two_k = __longlong_as_double(
+        static_cast<long long>(static_cast<int>(__double_as_longlong(t)) + 1023) << 52);
+    const double e = fma(two_k, q, two_k - 1.0);  // e^(2a) - 1
+    const double d = e + 2.0;
+    const double r0 = refattn_rcp_approx(d);
+    double err = fma(-d, r0, 1.0);
+    err = fma(err, err, err);
+    const double th = e * fma(r0, err, r0);
+    return __longlong_as_double(__double_as_longlong(th) | sign);
+}
+
+// tanh(u) without a branch (CUDA's tanh branches on |u| >= 0.6536 between two paths, and a warp
+// whose lanes take both runs both: 33 fp64 operations), from the exp table (tab as
+// refattn_exp_table's): tanh |u| = E / (E + 2) with E = e^(2a) - 1, a = |u| held at 20 (tanh
+// rounds to 1 above 19.06), 2a = k ln2/32 + 2r (k = 32 m + j = rint(64 a / ln2), |r| <= ln2/128,
+// ln2/64 in one part: its error moves E by k 7e-19 relative, below an ulp of tanh), e^(2r) - 1 =
+// q by Taylor's degree-7 polynomial in r (4e-19 relative), E = 2^m (hi + hi q + lo) - 1 (hi 2^m
+// - 1 exact for m <= 52), the quotient by the reciprocal of E + 2 refined from
+// refattn_rcp_approx (cubic: e = 1 - d r0, r0 (1 + e + e^2)), u's sign copied: 18 fp64
+// operations, within 3 ulp of tanh (tests/gpu/test_kernel_sources.py).
+template <typename S>
+__device__ __forceinline__ double refattn_tanh_table(double u, S tab) {
+    const double shift = 6755399441055744.0;  // 1.5 2^52: t's low word is k
+    const long long sign = __double_as_longlong(u) & static_cast<long long>(0x8000000000000000ULL);
+    double a = __longlong_as_double(__double_as_longlong(u) ^ sign);
+    a = a > 20.0 ? 20.0 : a;  // (NaN stays NaN)
+    const double t = fma(a, 92.33248261689366, shift);  // 64 / ln2
+    const double k = t - shift;
+    const double r = fma(k, -0.010830424696249145, a);  // ln2 / 64
+    double h = fma(r, 8.0 / 315.0, 4.0 / 45.0);
+    h = fma(r, h, 4.0 / 15.0);
+    h = fma(r, h, 2.0 / 3.0);
+    h = fma(r, h, 4.0 / 3.0);
+    h = fma(r, h, 2.0);
+    h = fma(r, h, 2.0);
+    const double q = r * h;  // e^(2r) - 1
+    const int ki = static_cast<int>(__double_as_longlong(t));
+    const int j = 16 * (ki & 31);
+    const double hi = tab[j], lo = tab[j + 1];
+    const double two_m = __longlong_as_double(static_cast<long long>((ki >> 5) + 1023) << 52);
+    const double e = fma(fma(hi, q, lo), two_m, fma(hi, two_m, -1.0));  // e^(2a) - 1
+    const double d = e + 2.0;
+    const double r0 = refattn_rcp_approx(d);
+    double err = fma(-d, r0, 1.0);
+    err = fma(err, err, err);
+    const double th = e * fma(r0, err, r0);
+    return __longlong_as_double(__double_as_longlong(th) | sign);
+}
+
 // refattn_exp's e^x from a table of 2^(j/32) (Tang's method): x = (32 m + j) ln2/32 + r, k = 32 m + j = rint(32 x / ln2) by the
 // 1.5 2^52 shift, |r| <= ln2/64 (ln2/32 in two parts: k r exact enough), e^r - 1 = q = r +
 // r^2 P(r) with P Taylor's to r^4/6! (the first term left out, r^7/7!, is 3.5e-18 of e^r), and

@@ -64,6 +64,10 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
         if constexpr (EXP_TABLE) return refattn_exp_table(x, exp_tab);
         else return refattn_exp(x);
     };
+    auto softcap_tanh = [&](double u) {  // (both branch-free)
+        if constexpr (EXP_TABLE) return refattn_tanh_table(u, exp_tab);
+        else return refattn_tanh(u);
+    };
     // the bias and Z strides (ip[P_BIAS_S0 ..], ip[P_Z_S0 ..]) for the lines made per row and
     // tile: broadcast shared loads (copied before refattn_set_table_row's barrier) instead of
     // four global loads of the same addresses per line (the model charges a global load 32
@@ -133,7 +137,7 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
                 for (int sb = 0; sb < 2; ++sb) {
                     const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
                     double t;  // alpha, a softcap c tanh(dot alpha / c); the bias
-                    double v = refattn_score<SOFTCAP>(c, s[e], 0.0, &t);
+                    double v = refattn_score<SOFTCAP>(c, s[e], 0.0, &t, softcap_tanh);
                     if (bias) v += bias_i.at(j < K ? j : K - 1);
                     const int bit = (nt * MRW + mr) * 2 + sb;
                     if (cls == REFATTN_PARTIAL && !((bits >> bit) & 1u)) v = none;
