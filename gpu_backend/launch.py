@@ -130,9 +130,9 @@ def uses_exp_table(kernel: str, D: int, features: str = "general") -> bool:
     """Whether ``kernel``'s instance at head width D holds a copy of the exp table
     (kernels/common.cuh's refattn_exp_table; forward.cuh's and backward.cuh's EXP_TABLE): the
     forward up to D = 64 and on warp pairs (elsewhere its 16-byte reads would take the loop
-    above 1 byte of shared memory per FMA), the dq with its features (general and wide; the
-    plain one spilled with it at D = 128), no dk/dv (the general one at D = 128 would not fit
-    an A100).
+    above 1 byte of shared memory per FMA), the dq with its features up to D = 128 (general
+    and wide; the plain one spilled with it at D = 128, and at D = 256 its reads took the
+    loop above 1 byte per FMA), no dk/dv (the general one at D = 128 would not fit an A100).
 
     >>> uses_exp_table("forward", 64), uses_exp_table("forward", 128, "plain")
     (True, False)
@@ -141,7 +141,7 @@ def uses_exp_table(kernel: str, D: int, features: str = "general") -> bool:
     """
     if kernel == "forward":
         return D <= 64 or D in PAIRED.get(features, {}).get(kernel, ())
-    return kernel == "dq" and features != "plain"
+    return kernel == "dq" and features != "plain" and D <= 128
 
 
 @dataclass(frozen=True)

@@ -131,9 +131,10 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     // (refattn_pair_put's layout, 4 warps' worth of NTW n-tiles each)
     auto sXS = sV + 2 * BK * D, sXD = sXS + REFATTN_WARPS * NTW * 32 * W;
     // the block's copy of the exp table (refattn_exp_table_fill) and the lane's copy in it,
-    // with a feature compiled in (launch.uses_exp_table: the plain instance spilled 8 bytes
-    // with it at D = 128 on sm_90, and went above 1 byte of shared memory per FMA at D = 256)
-    constexpr bool EXP_TABLE = F != 0;
+    // with a feature compiled in up to D = 128 (launch.uses_exp_table: the plain instance
+    // spilled 8 bytes with it at D = 128 on sm_90; at D = 256 its reads took the loop above 1
+    // byte of shared memory per FMA)
+    constexpr bool EXP_TABLE = F != 0 && D <= 128;
     auto sE = sXD + (SPLIT == 2 ? REFATTN_WARPS * NTW * 32 * W : 0);
     const auto exp_tab = sE + 2 * (lane & 7);
     auto p_exp = [&](double v) {
