@@ -57,12 +57,11 @@ __device__ void refattn_trace_forward(const unsigned long long* x, const long lo
         double dot = 0.0;
         for (long long d = 0; d < c.Dk; ++d)
             dot += c.q[(bh * c.Q + i) * c.Dk + d] * c.k[((b * c.Hkv + hk) * c.K + j) * c.Dk + d];
-        // the bias added by the fma that applies the softcap (or alpha), as the kernels do
         double t;
-        const double biased = refattn_score(
-            c, dot, c.has_bias ? strided_at(c.bias, ip, P_BIAS_S0, b, h, i, j) : 0.0, &t,
-            [](double u) { return refattn_tanh(u); });
-        const double capped = c.post * dot, s = c.has_softcap ? c.softcap * t : capped;
+        const double s =
+            refattn_score(c, dot, 0.0, &t, [](double u) { return refattn_tanh(u); });
+        const double capped = c.post * dot;
+        const double biased = c.has_bias ? s + strided_at(c.bias, ip, P_BIAS_S0, b, h, i, j) : s;
         const bool seen = refattn_visible(vis, ip, b, h, i, j);
         const double p = seen ? exp(biased - c.lse[bh * c.Q + i]) : 0.0;
         const double z = refattn_multiplier(c, ip, b, h, i, j);

@@ -72,20 +72,23 @@ enum : unsigned {
     REFATTN_F_ALL = 7u,
 };
 
-// the score of one element with its bias b (0.0 without one): alpha dot + b, or with a softcap
-// c tanh(dot (alpha / c)) + b, one fma applying alpha (or c) and adding b; *t gets the tanh (the
-// softcap's slope d score / d (alpha dot) is 1 - t^2, refattn_cap_slope), 0 without a softcap.
-// tanh_of: refattn_tanh, or refattn_tanh_table where the kernel holds the exp table. SOFTCAP false
-// (an instance compiled without the softcap: the feature sets above) holds no softcap code.
-template <bool SOFTCAP = true, typename Tanh>
+// the score of one element: alpha dot, or with a softcap c tanh(dot (alpha / c)); *t gets the
+// tanh (the softcap's slope d score / d (alpha dot) is 1 - t^2, refattn_cap_slope), 0 without a
+// softcap. tanh_of: refattn_tanh, or refattn_tanh_table where the kernel holds the exp table.
+// BIASED: plus the bias b (0.0 without one) in the fma that applies c or alpha (the backward;
+// the forward adds it after: its loop split in two on sm_80 with fma(alpha, dot, 0.0) in the
+// plain instance at D = 128). SOFTCAP false (an instance compiled without the softcap: the
+// feature sets above) holds no softcap code.
+template <bool SOFTCAP = true, bool BIASED = false, typename Tanh>
 __device__ __forceinline__ double refattn_score(const RefattnCall& c, double dot, double b,
                                                 double* t, Tanh tanh_of) {
     if (SOFTCAP && c.has_softcap) {
         *t = tanh_of(dot * c.cap_scale);
-        return fma(c.softcap, *t, b);
+        return BIASED ? fma(c.softcap, *t, b) : c.softcap * *t;
     }
     *t = 0.0;
-    return fma(c.post, dot, b);
+    if (BIASED) return fma(c.post, dot, b);
+    return c.post == 1.0 ? dot : c.post * dot;  // alpha applied once, after the product
 }
 
 // the dropout multiplier Z of (b, h, i, j)
