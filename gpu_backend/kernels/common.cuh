@@ -170,7 +170,7 @@ __device__ __forceinline__ double refattn_tanh(double u) {
 // tanh(u) without a branch (CUDA's tanh branches on |u| >= 0.6536 between two paths, and a warp
 // whose lanes take both runs both: 33 fp64 operations), from the exp table (tab as
 // refattn_exp_table's): tanh |u| = E / (E + 2) with E = e^(2a) - 1, a = |u| held at 20 (tanh
-// rounds to 1 above 19.06), 2a = k ln2/32 + 2r (k = 32 m + j = rint(64 a / ln2), |r| <= ln2/128,
+// rounds to 1 above 19.1), 2a = k ln2/32 + 2r (k = 32 m + j = rint(64 a / ln2), |r| <= ln2/128,
 // ln2/64 in one part: its error moves E by k 7e-19 relative, below an ulp of tanh), e^(2r) - 1 =
 // q by Taylor's degree-7 polynomial in r (4e-19 relative), E = 2^m (hi + hi q + lo) - 1 (hi 2^m
 // - 1 exact for m <= 52), the quotient by the reciprocal of E + 2 refined from

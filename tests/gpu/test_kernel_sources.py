@@ -294,6 +294,78 @@ def test_a_planted_bug_in_an_exp_fails_its_check(tmp_path, which, planted, repla
     assert ulps.max() > 1.0 or np.mean(got == np.exp(x)) <= 0.9
 
 
+#: common.cuh's branch-free tanh as host C++: refattn_tanh(u), or (argv[1] = "table")
+#: refattn_tanh_table(u, tab) with the block's exp table as the kernels fill it
+TANH_PROGRAM = EXP_PROGRAM.replace(
+    "const double e = table ? refattn_exp_table(x, tab + 2 * (n % 32 & 7)) : refattn_exp(x);",
+    "const double e = table ? refattn_tanh_table(x, tab + 2 * (n % 32 & 7)) : refattn_tanh(x);")
+
+
+def _tanh_arguments() -> np.ndarray:
+    rng = np.random.default_rng(7)
+    x = np.concatenate([
+        rng.standard_normal(20000), rng.uniform(-25.0, 25.0, 20000),
+        10.0 ** rng.uniform(-320, 0, 5000), np.linspace(0.0, 1.0, 4001),
+        np.arange(1, 200) * np.log(2.0) / 64,  # reduction boundaries: j and m change
+        [0.0, 1e-300, 5e-324, 19.0, 19.06, 20.0, 20.5, 709.0, 1e300, np.inf]])
+    return np.concatenate([x, -x])
+
+
+@pytest.mark.parametrize("which", ["polynomial", "table"])
+def test_the_branch_free_tanhs_are_within_three_ulp_of_numpy(tmp_path, which):
+    """common.cuh's refattn_tanh and refattn_tanh_table (the softcap's tanh: one path for
+    every lane, where CUDA's tanh branches) are within 3 ulp of NumPy's tanh over normal,
+    uniform, tiny (subnormal included) and saturated arguments, keep the sign and -0.0, never
+    pass +-1 (within an ulp of it from |u| = 19.1 on, inf included), and give NaN for NaN;
+    most results are NumPy's bits."""
+    exe = _host_binary(tmp_path, "tanh", TANH_PROGRAM, "-ffp-contract=off")
+    u = _tanh_arguments()
+    got = _exp_bits(exe, u, which)
+    want = np.tanh(u)
+    ulps = np.abs(got - want) / np.spacing(np.maximum(np.abs(want), 5e-324))
+    assert ulps.max() <= 3.0, (u[np.argmax(ulps)], ulps.max())
+    assert np.mean(got == want) > 0.6
+    assert np.array_equal(np.signbit(got), np.signbit(want))  # -0.0 included
+    big = np.abs(u) >= 19.1  # tanh rounds to +-1: within an ulp below it, never past it
+    assert np.all(np.abs(got) <= 1.0) and np.all(np.abs(got[big] - np.sign(u[big])) <= 2**-53)
+    assert np.isnan(_exp_bits(exe, np.array([np.nan]), which)[0])
+
+
+@pytest.mark.parametrize(("which", "planted", "replacement"), [
+    ("table", "h = fma(r, h, 4.0 / 3.0);", "h = fma(r, h, 1.3);"),  # a wrong coefficient
+    ("table", "err = fma(err, err, err);", ""),  # one refinement short: about 2^-40
+    ("table", "const double e = fma(fma(hi, q, lo), two_m, fma(hi, two_m, -1.0));",
+     "const double e = fma(fma(hi, q, 0.0 * lo), two_m, fma(hi, two_m, -1.0));"),
+    ("table", "a = a > 20.0 ? 20.0 : a;", "a = a > 2000.0 ? 2000.0 : a;"),  # 2^m overflows
+    ("polynomial", "h = fma(r, h, 0.0014109347442680777);", "h = fma(r, h, 0.00141);"),
+    ("polynomial", "const double e = fma(two_k, q, two_k - 1.0);",
+     "const double e = two_k * (q + 1.0) - 1.0;"),  # cancels for small |u|
+])
+def test_a_planted_bug_in_a_tanh_fails_its_check(tmp_path, which, planted, replacement):
+    """What the tanh check above catches: each planted bug puts a tanh more than 3 ulp from
+    NumPy's (or NaN where it is finite)."""
+    (tmp_path / "k").mkdir()
+    start = COMMON.index("double refattn_tanh_table(double u" if which == "table"
+                         else "double refattn_tanh(double u")
+    end = COMMON.index("\n}\n", start)
+    assert COMMON[start:end].count(planted) == 1
+    (tmp_path / "k" / "common.cuh").write_text(
+        COMMON[:start] + COMMON[start:end].replace(planted, replacement) + COMMON[end:])
+    (tmp_path / "k" / "philox.cuh").write_text((KERNEL_DIR / "philox.cuh").read_text())
+    if not shutil.which("g++"):
+        pytest.skip("no g++ to build the host check")
+    (tmp_path / "tanh.cpp").write_text(TANH_PROGRAM)
+    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-Wall", "-Werror",
+                    f"-I{tmp_path / 'k'}", str(tmp_path / "tanh.cpp"), "-o",
+                    str(tmp_path / "tanh")], check=True)
+    u = _tanh_arguments()
+    got = _exp_bits(tmp_path / "tanh", u, which)
+    want = np.tanh(u)
+    with np.errstate(invalid="ignore"):
+        ulps = np.abs(got - want) / np.spacing(np.maximum(np.abs(want), 5e-324))
+    assert not np.all(ulps <= 3.0)  # (a NaN compares false)
+
+
 def test_the_exp_table_is_two_to_the_j_over_32_and_its_copies_are_conflict_free(tmp_path):
     """refattn_exp2_32's pairs: hi the double nearest hi + lo, and (hi + lo)^32 within
     2^-100 of 2^j (exact rationals); the block's copy puts pair j at 16-byte slot 8 j + l for
