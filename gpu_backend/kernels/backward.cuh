@@ -135,7 +135,7 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
     // spilled 8 bytes with it at D = 128 on sm_90; at D = 256 its reads took the loop above 1
     // byte of shared memory per FMA)
     constexpr bool EXP_TABLE = F != 0 && D <= 128;
-    auto sE = sXD + (SPLIT == 2 ? REFATTN_WARPS * NTW * 32 * W : 0);
+    auto sE = sXS + (SPLIT == 2 ? 2 * REFATTN_WARPS * NTW * 32 * W : 0);
     const auto exp_tab = sE + 2 * (lane & 7);
     auto p_exp = [&](double v) {
         if constexpr (EXP_TABLE) return refattn_exp_table(v, exp_tab);
