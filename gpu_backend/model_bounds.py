@@ -134,9 +134,14 @@ ASSUMPTIONS: list[str] = [
     "shared resources: fp64 pipe (DMMA and DFMA/DADD/DMUL add), issue (1 instruction per clock "
     "per SMSP), shared memory (128 B per clock per SM, bank model), L2 (streamed K/V or Q/G_O "
     "tiles and global loads from L2, the SM's share of its bandwidth)",
+    "both bounds charge one main-loop iteration along its fp64-heaviest path; a branch on a "
+    "floating-point compare diverges (lanes of a warp go both ways), so every block from it "
+    "to its reconvergence point (the BSSY target) is charged: both paths of CUDA's tanh",
     "not modelled: DRAM (K/V of a head assumed L2-resident), clock throttling, instruction "
     "cache misses, the tail of a grid (partial waves), local-memory latency (LDL/STL are "
-    "counted as instructions and reported)",
+    "counted as instructions and reported); the fp64 pipe is charged DMMA, DFMA, DADD and "
+    "DMUL only: DSETP compares and the F2F conversions of CUDA's exp and tanh (16 a clock per "
+    "SM on sm_80/sm_90, CUDA C Programming Guide) count as issue only",
     "constants marked 'measure' are assumptions until a lent GPU measures them "
     "(benchmarks/gpu.py micro-benchmarks)",
 ]

@@ -534,6 +534,57 @@ def test_both_bounds_for_every_instance(report):
         "attention_forward_d128", "attention_dq_wide_d128", "attention_dkdv_d128"]
     assert comp["sm_80"]["D=128"]["kernels"][1] == "attention_dq_d128"
     assert comp["sm_90"]["D=64"]["kernels"][1] == "attention_dq_d64"
+    # the general instances a wide one supersedes on sm_90 (launch.plan runs the wide one on
+    # every device it fits, and it is built only where it fits every device): reported there,
+    # their pessimistic target not judged; judged on sm_80, where they run
+    superseded = {(arch, e["kernel"], e["superseded_by"]) for arch, roles in model["sass"].items()
+                  for per in roles.values() for e in per.values() if "superseded_by" in e}
+    assert superseded == {("sm_90", "attention_dq_d128", "attention_dq_wide_d128"),
+                          ("sm_90", "attention_dkdv_d256", "attention_dkdv_wide_d256")}
+    for _, name, wide in superseded:
+        role, D = compile_check.kernel_role(name), perf_model.entry_dim(
+            "D=" + name.rsplit("_d", 1)[1])
+        need = launch.shared_bytes(role, D, "wide")
+        assert need <= compile_check.ARCH_SHARED_BYTES["sm_90"]
+        assert launch.plan(role, D, D, need).kernel == wide  # on every device that holds it
+    # the judged verdict: every entry at D <= 128 not superseded, and only those
+    judged = [e.get("pessimistic_target_met", False) for per in model["sass"]["sm_90"].values()
+              for key, e in per.items()
+              if perf_model.entry_dim(key) <= 128 and "superseded_by" not in e]
+    assert len(judged) == 12 and model["targets_met"]["sass_pessimistic"] == all(judged)
     text = perf_model.markdown(model)
+    assert "not run on sm_90: `dq_wide_d128` is" in text
     assert "pessimistic: of peak" in text and "optimistic: of peak" in text
     assert all(a in text for a in model["assumptions"]["bounds"])
+
+
+TANH_PROBES = r"""
+#include "common.cuh"
+extern "C" __global__ void cuda_tanh(double* p, int n) {
+#pragma unroll 1
+    for (int i = threadIdx.x; i < n; i += 32) p[i] = tanh(p[i]);
+}
+extern "C" __global__ void branch_free_tanh(double* p, int n) {
+#pragma unroll 1
+    for (int i = threadIdx.x; i < n; i += 32) p[i] = refattn_tanh(p[i]);
+}
+"""
+
+
+@pytest.mark.parametrize("arch", ["sm_90", "sm_80"])
+def test_both_paths_of_a_diverging_branch_are_charged_from_real_sass(tmp_path, arch):
+    """CUDA's tanh branches on |u| (a DSETP) between two paths, and a warp whose lanes go both
+    ways runs both: the fp64-heaviest path of a loop of tanh charges the vector fp64 work of
+    both (more than either alone, and more than the branch-free refattn_tanh's 23)."""
+    _tools()
+    (tmp_path / "t.cu").write_text(TANH_PROBES)
+    subprocess.run(["nvcc", f"-arch={arch}", "-cubin", "-std=c++17", f"-I{KERNEL_DIR}", "-o",
+                    str(tmp_path / "t.cubin"), str(tmp_path / "t.cu")], check=True,
+                   capture_output=True)
+    fns = sass.parse(sass.disassemble((tmp_path / "t.cubin").read_bytes()))
+    both = sass.kernel_counts("cuda_tanh", fns["cuda_tanh"]).heavy_loop
+    free = sass.kernel_counts("branch_free_tanh", fns["branch_free_tanh"]).heavy_loop
+    assert free.fp64_vector == 23, free.fp64_vector
+    assert both.fp64_vector >= 30, both.fp64_vector  # 20 + 13 on nvcc 13.0
+    body = [i for i in fns["cuda_tanh"] if both.start <= i.address <= both.end]
+    assert any(i.base == "BSSY" for i in body) and any(i.base == "DSETP" for i in body)
