@@ -59,7 +59,9 @@ __device__ void refattn_trace_forward(const unsigned long long* x, const long lo
             dot += c.q[(bh * c.Q + i) * c.Dk + d] * c.k[((b * c.Hkv + hk) * c.K + j) * c.Dk + d];
         double t;
         const double s =
-            refattn_score(c, dot, 0.0, &t, [](double u) { return refattn_tanh(u); });
+            refattn_score(c, dot, 0.0, &t, [](double u) {
+                return refattn_tanh_table<REFATTN_EXP_TABLE_GLOBAL>(u, refattn_exp2_32);
+            });
         const double capped = c.post * dot;
         const double biased = c.has_bias ? s + strided_at(c.bias, ip, P_BIAS_S0, b, h, i, j) : s;
         const bool seen = refattn_visible(vis, ip, b, h, i, j);
@@ -110,7 +112,7 @@ __device__ void refattn_trace_backward(const unsigned long long* x, const long l
 // At D = 256 (REFATTN_A_GLOBAL) the warps read their A rows from global memory and the tiles are
 // 8 wide; the dk/dv instance needs 160 KiB of shared memory (half of dK in registers), within an
 // A100's 163 KiB; launch.plan refuses a device with less, naming the limit. The forward's pairs
-// at D = 128 split the head width for S with 16-key tiles (100 KiB: two blocks per SM on an
+// at D = 128 split the head width for S with 16-key tiles (104 KiB: two blocks per SM on an
 // H100/H200). The sixth template argument of refattn_dq and refattn_dkdv, UNROLL_K, unrolls the
 // k-steps of the first products (2: both, 1: the first only, 0: none), where it does not spill
 // (products.cuh refattn_mma_abt; docs/gpu.md "Unrolled k-steps").
@@ -142,7 +144,7 @@ extern "C" __global__ void attention_dq_d256(REFATTN_ARGS) { refattn_dq<256, 1, 
 extern "C" __global__ void attention_dkdv_d32(REFATTN_ARGS) { refattn_dkdv<32, 2, 32>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d64(REFATTN_ARGS) { refattn_dkdv<64, 1, 16, REFATTN_F_ALL, 2>(x, ip, rp); }
 extern "C" __global__ void attention_dkdv_d128(REFATTN_ARGS) { refattn_dkdv<128, 1, 16, REFATTN_F_ALL, 2, 2>(x, ip, rp); }
-extern "C" __global__ void attention_dkdv_d256(REFATTN_ARGS) { refattn_dkdv<256, 1, 8, REFATTN_F_ALL, 1, 2>(x, ip, rp); }
+extern "C" __global__ void attention_dkdv_d256(REFATTN_ARGS) { refattn_dkdv<256, 1, 8, REFATTN_F_ALL, 1, 1>(x, ip, rp); }
 // The plain backward instances (F = 0: no softcap, bias, bias gradient or dropout code), run for
 // calls without those features. At D = 128 the dq (16-row warps, 192 KiB) needs more shared
 // memory than an A100's 163 KiB, within an H100/H200's 227 KiB; launch.plan runs the general

@@ -29,7 +29,7 @@ __device__ __forceinline__ RefattnGradElement refattn_grad_element(
                    DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     RefattnGradElement r;
     double t;
-    r.p = exp_of(refattn_score<SOFTCAP, true>(c, dot, BIAS && c.has_bias ? bias.at(col) : 0.0,
+    r.p = exp_of(refattn_score<SOFTCAP, BIAS>(c, dot, BIAS && c.has_bias ? bias.at(col) : 0.0,
                                               &t, tanh_of) -
                  lse);
     r.z = DROPOUT && c.drop_mode != 0 ? refattn_tile_multiplier(c, keep, bit, z_line, col)
@@ -141,9 +141,9 @@ __device__ void refattn_dq(const unsigned long long* x, const long long* ip, con
         if constexpr (EXP_TABLE) return refattn_exp_table(v, exp_tab);
         else return exp(v);
     };
-    auto p_tanh = [&](double u) {
-        if constexpr (EXP_TABLE) return refattn_tanh_table(u, exp_tab);
-        else return refattn_tanh(u);
+    auto p_tanh = [&](double u) {  // (the same bits either way)
+        if constexpr (EXP_TABLE) return refattn_tanh_table<REFATTN_EXP_TABLE_SHARED>(u, exp_tab);
+        else return refattn_tanh_table<REFATTN_EXP_TABLE_GLOBAL>(u, refattn_exp2_32);
     };
     const auto q_rows = refattn_rows_a<D>(sQ, wr, c.q + bh * c.Q * D, row, Q);
     const auto g_rows = refattn_rows_a<D>(sG, wr, c.g_o + bh * c.Q * D, row, Q);
@@ -314,14 +314,11 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     // the outputs' addresses, at D = 32 read after the loop (read before it, sm_80's instance
     // kept both in a 16-byte stack frame across the loop; at D = 256 sm_90's spilled 56 bytes
     // when they were read after it)
-    // CUDA's exp (no room for the exp table at D = 128 on an A100); the softcap's tanh branch-
-    // free at D = 128 (a warp whose lanes take both of CUDA's tanh paths runs both, 33 fp64
-    // operations), CUDA's elsewhere (the branch-free one spilled 32 bytes at D = 64 and 8-24 at
-    // D = 256 on sm_90; the D = 64 instance stays bound by shared memory with both paths run)
+    // CUDA's exp and the softcap's tanh from the global exp table (no room for the block's copy
+    // at D = 128 on an A100)
     auto p_exp = [](double v) { return exp(v); };
     auto p_tanh = [](double u) {
-        if constexpr (D == 128) return refattn_tanh(u);
-        else return tanh(u);
+        return refattn_tanh_table<REFATTN_EXP_TABLE_GLOBAL>(u, refattn_exp2_32);
     };
     constexpr bool LATE_OUTPUTS = D == 32;
     double* dk = LATE_OUTPUTS ? nullptr : reinterpret_cast<double*>(x[X_DK]);

@@ -74,10 +74,10 @@ enum : unsigned {
 
 // the score of one element: alpha dot, or with a softcap c tanh(dot (alpha / c)); *t gets the
 // tanh (the softcap's slope d score / d (alpha dot) is 1 - t^2, refattn_cap_slope), 0 without a
-// softcap. tanh_of: refattn_tanh, or refattn_tanh_table where the kernel holds the exp table.
-// BIASED: plus the bias b (0.0 without one) in the fma that applies c or alpha (the backward;
-// the forward adds it after: its loop split in two on sm_80 with fma(alpha, dot, 0.0) in the
-// plain instance at D = 128). SOFTCAP false (an instance compiled without the softcap: the
+// softcap. tanh_of: refattn_tanh_table (from the block's copy of the exp table or the global one).
+// BIASED: plus the bias b (0.0 without one) in the fma that applies c or alpha (the backward
+// with the bias compiled in; the forward adds it after: its loop split in two on sm_80 with
+// fma(alpha, dot, 0.0) in the plain instance at D = 128). SOFTCAP false (an instance compiled without the softcap: the
 // feature sets above) holds no softcap code.
 template <bool SOFTCAP = true, bool BIASED = false, typename Tanh>
 __device__ __forceinline__ double refattn_score(const RefattnCall& c, double dot, double b,

@@ -67,8 +67,10 @@ __device__ __forceinline__ double refattn_exp(double x) {
 }
 
 // 2^(j/32), j = 0 .. 31, as pairs hi, lo: hi the nearest double, lo the nearest double to the
-// rest (hi + lo within 2^-106 of 2^(j/32); tests/gpu/test_kernel_sources.py checks them exactly)
-__constant__ double refattn_exp2_32[64] = {
+// rest (hi + lo within 2^-106 of 2^(j/32); tests/gpu/test_kernel_sources.py checks them exactly),
+// in global memory: the blocks copy it to shared memory (refattn_exp_table_fill), and a kernel
+// without room for the copy reads it here (REFATTN_EXP_TABLE_GLOBAL: L1-resident 512 bytes)
+__device__ alignas(16) const double refattn_exp2_32[64] = {
     0x1.0000000000000p+0, 0x0.0p+0,
     0x1.059b0d3158574p+0, 0x1.d73e2a475b465p-55,
     0x1.0b5586cf9890fp+0, 0x1.8a62e4adc610bp-54,
@@ -104,11 +106,14 @@ __constant__ double refattn_exp2_32[64] = {
 };
 // a block's copy of the table (refattn_exp_table_fill): 32 pairs, 8 copies each
 constexpr int REFATTN_EXP_TABLE_DOUBLES = 512;
+// the doubles from one pair of the table to the next: in a block's copy (a lane reads its copy,
+// the table plus 2 (lane % 8)), and in refattn_exp2_32 itself
+constexpr int REFATTN_EXP_TABLE_SHARED = 16, REFATTN_EXP_TABLE_GLOBAL = 2;
 
 // fills a block's copy of refattn_exp2_32 (REFATTN_EXP_TABLE_DOUBLES, 16-byte aligned): pair j
-// 8 times, copy l at doubles 16 j + 2 l. Lane l reads copy l % 8 (refattn_exp_table's tab), so the 8
-// lanes of a quarter warp (one 16-byte shared access's phase) read 8 different 16-byte bank
-// groups whatever their j: no bank conflict.
+// 8 times, copy l at doubles 16 j + 2 l. Lane l reads copy l % 8 (the tab of refattn_exp_table
+// and refattn_tanh_table), so the 8 lanes of a quarter warp (one 16-byte shared access's phase)
+// read 8 different 16-byte bank groups whatever their j: no bank conflict.
 template <typename S>
 __device__ __forceinline__ void refattn_exp_table_fill(S tab, int tid, int threads) {
     for (int k = tid; k < REFATTN_EXP_TABLE_DOUBLES / 2; k += threads) {
@@ -130,53 +135,19 @@ __device__ __forceinline__ double refattn_rcp_approx(double x) {
 #endif
 }
 
-// tanh(u) without a branch and without the exp table (refattn_tanh_table's method, for the
-// kernels that have no room for the table): tanh |u| = E / (E + 2), E = e^(2a) - 1, a = |u| held
-// at 20, 2a = k ln2 + 2r (k = rint(2a / ln2) <= 58, |2r| <= ln2/2, ln2 in one part), e^(2r) - 1 =
-// q by Taylor's degree-13 polynomial in 2r (its first term left out is 1.2e-17 of q), E = 2^k q +
-// (2^k - 1), the quotient as refattn_tanh_table's: 23 fp64 operations, within 3 ulp of tanh.
-__device__ __forceinline__ double refattn_tanh(double u) {
-    const double shift = 6755399441055744.0;  // 1.5 2^52: t's low word is k
-    const long long sign = __double_as_longlong(u) & static_cast<long long>(0x8000000000000000ULL);
-    double a = __longlong_as_double(__double_as_longlong(u) ^ sign);
-    a = a > 20.0 ? 20.0 : a;  // (NaN stays NaN)
-    const double t = fma(a, 2.8853900817779268, shift);  // 2 / ln2
-    const double k = t - shift;
-    const double r = fma(k, -0.34657359027997264, a);  // ln2 / 2: 2a = k ln2 + 2r
-    double h = fma(r, 1.3155568711124266e-06, 8.551119662230774e-06);  // 2^n / n!, n = 13, 12
-    h = fma(r, h, 5.130671797338464e-05);
-    h = fma(r, h, 0.0002821869488536155);
-    h = fma(r, h, 0.0014109347442680777);
-    h = fma(r, h, 0.006349206349206349);
-    h = fma(r, h, 0.025396825396825397);
-    h = fma(r, h, 0.08888888888888889);
-    h = fma(r, h, 0.26666666666666666);
-    h = fma(r, h, 0.6666666666666666);
-    h = fma(r, h, 1.3333333333333333);
-    h = fma(r, h, 2.0);
-    h = fma(r, h, 2.0);
-    const double q = r * h;  // e^(2r) - 1
-    const double two_k = __longlong_as_double(
-        static_cast<long long>(static_cast<int>(__double_as_longlong(t)) + 1023) << 52);
-    const double e = fma(two_k, q, two_k - 1.0);  // e^(2a) - 1
-    const double d = e + 2.0;
-    const double r0 = refattn_rcp_approx(d);
-    double err = fma(-d, r0, 1.0);
-    err = fma(err, err, err);
-    const double th = e * fma(r0, err, r0);
-    return __longlong_as_double(__double_as_longlong(th) | sign);
-}
-
 // tanh(u) without a branch (CUDA's tanh branches on |u| >= 0.6536 between two paths, and a warp
-// whose lanes take both runs both: 33 fp64 operations), from the exp table (tab as
-// refattn_exp_table's): tanh |u| = E / (E + 2) with E = e^(2a) - 1, a = |u| held at 20 (tanh
+// whose lanes take both runs both: 33 fp64 operations), from the exp table (tab: a lane's copy
+// in the block's, STRIDE = REFATTN_EXP_TABLE_SHARED, or refattn_exp2_32 itself,
+// REFATTN_EXP_TABLE_GLOBAL: the same values, so every kernel computes the same bits and the
+// backward's recomputed scores are the forward's even where a softcap of 1e300 would turn an
+// ulp into exp(1e284)): tanh |u| = E / (E + 2) with E = e^(2a) - 1, a = |u| held at 20 (tanh
 // rounds to 1 above 19.1), 2a = k ln2/32 + 2r (k = 32 m + j = rint(64 a / ln2), |r| <= ln2/128,
 // ln2/64 in one part: its error moves E by k 7e-19 relative, below an ulp of tanh), e^(2r) - 1 =
 // q by Taylor's degree-7 polynomial in r (4e-19 relative), E = 2^m (hi + hi q + lo) - 1 (hi 2^m
 // - 1 exact for m <= 52), the quotient by the reciprocal of E + 2 refined from
 // refattn_rcp_approx (cubic: e = 1 - d r0, r0 (1 + e + e^2)), u's sign copied: 18 fp64
 // operations, within 3 ulp of tanh (tests/gpu/test_kernel_sources.py).
-template <typename S>
+template <int STRIDE, typename S>
 __device__ __forceinline__ double refattn_tanh_table(double u, S tab) {
     const double shift = 6755399441055744.0;  // 1.5 2^52: t's low word is k
     const long long sign = __double_as_longlong(u) & static_cast<long long>(0x8000000000000000ULL);
@@ -193,7 +164,7 @@ __device__ __forceinline__ double refattn_tanh_table(double u, S tab) {
     h = fma(r, h, 2.0);
     const double q = r * h;  // e^(2r) - 1
     const int ki = static_cast<int>(__double_as_longlong(t));
-    const int j = 16 * (ki & 31);
+    const int j = STRIDE * (ki & 31);
     const double hi = tab[j], lo = tab[j + 1];
     const double two_m = __longlong_as_double(static_cast<long long>((ki >> 5) + 1023) << 52);
     const double e = fma(fma(hi, q, lo), two_m, fma(hi, two_m, -1.0));  // e^(2a) - 1
@@ -205,9 +176,10 @@ __device__ __forceinline__ double refattn_tanh_table(double u, S tab) {
     return __longlong_as_double(__double_as_longlong(th) | sign);
 }
 
-// refattn_exp's e^x from a table of 2^(j/32) (Tang's method): x = (32 m + j) ln2/32 + r, k = 32 m + j = rint(32 x / ln2) by the
-// 1.5 2^52 shift, |r| <= ln2/64 (ln2/32 in two parts: k r exact enough), e^r - 1 = q = r +
-// r^2 P(r) with P Taylor's to r^4/6! (the first term left out, r^7/7!, is 3.5e-18 of e^r), and
+// refattn_exp's e^x from a table of 2^(j/32) (Tang's method): x = (32 m + j) ln2/32 + r with
+// k = 32 m + j = rint(32 x / ln2) by the 1.5 2^52 shift, |r| <= ln2/64 (ln2/32 in two parts),
+// e^r - 1 = q = r + r^2 P(r) with P Taylor's to r^4/6! (the first term left out, r^7/7!, is
+// 3.5e-18 of e^r), and
 // e^x = 2^m (hi + (hi q + lo)) with hi + lo = 2^(j/32) (tab: the block's refattn_exp_table_fill
 // copy plus 2 (lane % 8) doubles, one conflict-free 16-byte read): 13 fp64 operations where
 // refattn_exp takes 16, for 16 bytes of shared memory. Below x = -707 (where 2^m e^r may be

@@ -60,15 +60,16 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
     constexpr bool EXP_TABLE = D <= 64 || SPLIT == 2;
     auto sE = sXS + (SPLIT == 2 ? BQ * BK : 0);
     const auto exp_tab = sE + 2 * (lane & 7);
+    // the softmax's exp from the table up to D = 64 (on the D = 128 pairs the reads of both
+    // took the loop to 1.03 bytes of shared memory per FMA: refattn_exp there); the softcap's
+    // tanh from the table always (the block's copy, or the global one: the same bits)
     auto softmax_exp = [&](double x) {
-        if constexpr (EXP_TABLE) return refattn_exp_table(x, exp_tab);
+        if constexpr (EXP_TABLE && D <= 64) return refattn_exp_table(x, exp_tab);
         else return refattn_exp(x);
     };
-    // the softcap's tanh, branch-free: from the table up to D = 64 (on the D = 128 pairs its
-    // reads took the loop to 1.03 bytes of shared memory per FMA)
     auto softcap_tanh = [&](double u) {
-        if constexpr (EXP_TABLE && D <= 64) return refattn_tanh_table(u, exp_tab);
-        else return refattn_tanh(u);
+        if constexpr (EXP_TABLE) return refattn_tanh_table<REFATTN_EXP_TABLE_SHARED>(u, exp_tab);
+        else return refattn_tanh_table<REFATTN_EXP_TABLE_GLOBAL>(u, refattn_exp2_32);
     };
     // the bias and Z strides (ip[P_BIAS_S0 ..], ip[P_Z_S0 ..]) for the lines made per row and
     // tile: broadcast shared loads (copied before refattn_set_table_row's barrier) instead of

@@ -294,11 +294,13 @@ def test_a_planted_bug_in_an_exp_fails_its_check(tmp_path, which, planted, repla
     assert ulps.max() > 1.0 or np.mean(got == np.exp(x)) <= 0.9
 
 
-#: common.cuh's branch-free tanh as host C++: refattn_tanh(u), or (argv[1] = "table")
-#: refattn_tanh_table(u, tab) with the block's exp table as the kernels fill it
+#: common.cuh's branch-free tanh as host C++: refattn_tanh_table(u, tab) from the global table
+#: (refattn_exp2_32), or (argv[1] = "table") from a block's copy as the kernels fill it
 TANH_PROGRAM = EXP_PROGRAM.replace(
     "const double e = table ? refattn_exp_table(x, tab + 2 * (n % 32 & 7)) : refattn_exp(x);",
-    "const double e = table ? refattn_tanh_table(x, tab + 2 * (n % 32 & 7)) : refattn_tanh(x);")
+    "const double e = table ? refattn_tanh_table<REFATTN_EXP_TABLE_SHARED>("
+    "x, tab + 2 * (n % 32 & 7)) : refattn_tanh_table<REFATTN_EXP_TABLE_GLOBAL>(x, "
+    "refattn_exp2_32);")
 
 
 def _tanh_arguments() -> np.ndarray:
@@ -311,16 +313,18 @@ def _tanh_arguments() -> np.ndarray:
     return np.concatenate([x, -x])
 
 
-@pytest.mark.parametrize("which", ["polynomial", "table"])
-def test_the_branch_free_tanhs_are_within_three_ulp_of_numpy(tmp_path, which):
-    """common.cuh's refattn_tanh and refattn_tanh_table (the softcap's tanh: one path for
-    every lane, where CUDA's tanh branches) are within 3 ulp of NumPy's tanh over normal,
-    uniform, tiny (subnormal included) and saturated arguments, keep the sign and -0.0, never
-    pass +-1 (within an ulp of it from |u| = 19.1 on, inf included), and give NaN for NaN;
-    most results are NumPy's bits."""
+def test_the_branch_free_tanh_is_within_three_ulp_of_numpy_from_either_table(tmp_path):
+    """common.cuh's refattn_tanh_table (the softcap's tanh in every kernel: one path for every
+    lane, where CUDA's tanh branches) gives the same bits from a block's copy of the exp table
+    (any lane's copy) and from the global table, so the backward recomputes the forward's
+    scores exactly; it is within 3 ulp of NumPy's tanh over normal, uniform, tiny (subnormal
+    included) and saturated arguments, keeps the sign and -0.0, never passes +-1 (within an ulp
+    of it from |u| = 19.1 on, inf included), and gives NaN for NaN; most results are NumPy's
+    bits."""
     exe = _host_binary(tmp_path, "tanh", TANH_PROGRAM, "-ffp-contract=off")
     u = _tanh_arguments()
-    got = _exp_bits(exe, u, which)
+    got = _exp_bits(exe, u, "table")
+    np.testing.assert_array_equal(got.view(np.uint64), _exp_bits(exe, u).view(np.uint64))
     want = np.tanh(u)
     ulps = np.abs(got - want) / np.spacing(np.maximum(np.abs(want), 5e-324))
     assert ulps.max() <= 3.0, (u[np.argmax(ulps)], ulps.max())
@@ -328,25 +332,23 @@ def test_the_branch_free_tanhs_are_within_three_ulp_of_numpy(tmp_path, which):
     assert np.array_equal(np.signbit(got), np.signbit(want))  # -0.0 included
     big = np.abs(u) >= 19.1  # tanh rounds to +-1: within an ulp below it, never past it
     assert np.all(np.abs(got) <= 1.0) and np.all(np.abs(got[big] - np.sign(u[big])) <= 2**-53)
-    assert np.isnan(_exp_bits(exe, np.array([np.nan]), which)[0])
+    assert np.isnan(_exp_bits(exe, np.array([np.nan]))[0])
 
 
-@pytest.mark.parametrize(("which", "planted", "replacement"), [
-    ("table", "h = fma(r, h, 4.0 / 3.0);", "h = fma(r, h, 1.3);"),  # a wrong coefficient
-    ("table", "err = fma(err, err, err);", ""),  # one refinement short: about 2^-40
-    ("table", "const double e = fma(fma(hi, q, lo), two_m, fma(hi, two_m, -1.0));",
+@pytest.mark.parametrize(("planted", "replacement"), [
+    ("h = fma(r, h, 4.0 / 3.0);", "h = fma(r, h, 1.3);"),  # a wrong coefficient
+    ("err = fma(err, err, err);", ""),  # one refinement short: about 2^-40
+    ("const double e = fma(fma(hi, q, lo), two_m, fma(hi, two_m, -1.0));",
      "const double e = fma(fma(hi, q, 0.0 * lo), two_m, fma(hi, two_m, -1.0));"),
-    ("table", "a = a > 20.0 ? 20.0 : a;", "a = a > 2000.0 ? 2000.0 : a;"),  # 2^m overflows
-    ("polynomial", "h = fma(r, h, 0.0014109347442680777);", "h = fma(r, h, 0.00141);"),
-    ("polynomial", "const double e = fma(two_k, q, two_k - 1.0);",
-     "const double e = two_k * (q + 1.0) - 1.0;"),  # cancels for small |u|
+    ("a = a > 20.0 ? 20.0 : a;", "a = a > 2000.0 ? 2000.0 : a;"),  # 2^m overflows
+    ("const double e = fma(fma(hi, q, lo), two_m, fma(hi, two_m, -1.0));",
+     "const double e = two_m * (hi + fma(hi, q, lo)) - 1.0;"),  # cancels for small |u|
 ])
-def test_a_planted_bug_in_a_tanh_fails_its_check(tmp_path, which, planted, replacement):
-    """What the tanh check above catches: each planted bug puts a tanh more than 3 ulp from
+def test_a_planted_bug_in_the_tanh_fails_its_check(tmp_path, planted, replacement):
+    """What the tanh check above catches: each planted bug puts the tanh more than 3 ulp from
     NumPy's (or NaN where it is finite)."""
     (tmp_path / "k").mkdir()
-    start = COMMON.index("double refattn_tanh_table(double u" if which == "table"
-                         else "double refattn_tanh(double u")
+    start = COMMON.index("double refattn_tanh_table(double u")
     end = COMMON.index("\n}\n", start)
     assert COMMON[start:end].count(planted) == 1
     (tmp_path / "k" / "common.cuh").write_text(
@@ -359,7 +361,7 @@ def test_a_planted_bug_in_a_tanh_fails_its_check(tmp_path, which, planted, repla
                     f"-I{tmp_path / 'k'}", str(tmp_path / "tanh.cpp"), "-o",
                     str(tmp_path / "tanh")], check=True)
     u = _tanh_arguments()
-    got = _exp_bits(tmp_path / "tanh", u, which)
+    got = _exp_bits(tmp_path / "tanh", u)
     want = np.tanh(u)
     with np.errstate(invalid="ignore"):
         ulps = np.abs(got - want) / np.spacing(np.maximum(np.abs(want), 5e-324))
