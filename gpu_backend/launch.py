@@ -22,8 +22,14 @@ from typing import Any, Protocol
 import numpy as np
 
 from gpu_backend.abi import INT_PARAMS, POINTERS, REAL_PARAMS
-from gpu_backend.source import (A_GLOBAL_ABOVE, EXP_TABLE_DOUBLES, FEATURE_SETS, INSTANCES,
-                                PAIRED, kernel_name)
+from gpu_backend.source import (
+    A_GLOBAL_ABOVE,
+    EXP_TABLE_DOUBLES,
+    FEATURE_SETS,
+    INSTANCES,
+    PAIRED,
+    kernel_name,
+)
 from refattn.call import AttentionCall
 from refattn.call.gate import check_head_map
 from refattn.call.placement import operand_multipliers
@@ -77,17 +83,18 @@ def shared_bytes(kernel: str, D: int, features: str = "general") -> int:
     bytes (tests/gpu/test_warp_pairs.py). Above D = 128 the
     Q, G_O (forward, dq) and K, V (dkdv) tiles are not in shared memory (the warps read their
     own rows from global memory) and dkdv keeps half of its dK accumulators there instead
-    (BKV x D / 2: n-tiles 16 to 31; 0 to 15 in registers). A forward block up to D = 64 or on
-    warp pairs also holds its copy of the exp table (source.EXP_TABLE_DOUBLES, 4 KiB).
+    (BKV x D / 2: n-tiles 16 to 31; 0 to 15 in registers). A block of an instance that
+    :func:`uses_exp_table` also holds its copy of the exp table (source.EXP_TABLE_DOUBLES,
+    4 KiB).
 
     Examples
     --------
     >>> shared_bytes("forward", 64), shared_bytes("dq", 128), shared_bytes("dkdv", 128)
-    (102400, 139264, 163840)
+    (102400, 143360, 163840)
     >>> shared_bytes("forward", 128)  # warp pairs, 16-key tiles: two blocks on an H100/H200
     106496
     >>> shared_bytes("dq", 128, "wide")  # warp pairs, 32-key tiles
-    212992
+    217088
     >>> shared_bytes("dkdv", 256, "wide")  # 16-query tiles
     229376
     >>> shared_bytes("forward", 256), shared_bytes("dq", 256), shared_bytes("dkdv", 256)
@@ -199,7 +206,7 @@ def plan(kind: str, Dk: int, Dv: int, max_shared_bytes: int, device_name: str = 
     Examples
     --------
     >>> plan("forward", 40, 24, 232448)
-    Plan(kernel='attention_forward_d64', D=64, rows=64, tile=32, shared_bytes=98304, \
+    Plan(kernel='attention_forward_d64', D=64, rows=64, tile=32, shared_bytes=102400, \
 features='general')
     >>> plan("forward", 100, 128, 232448, features="plain").kernel
     'attention_forward_plain_d128'

@@ -439,8 +439,9 @@ def _plain_path(instrs: list[Instruction], start: int, end: int,
               if join is not None and join <= end else None)
         if jb is not None and jb > n and all(s is not None and s <= jb for s in succ):
             region = range(n + 1, jb)
-            options = [tuple(sum(parts) for parts in zip(
-                *(totals[k] for k in region), best[jb][:3], strict=False)) + (jb,)]
+            f3, g3, c3 = (sum(parts) for parts in zip(*(totals[k] for k in region),
+                                                       best[jb][:3], strict=True))
+            options = [(f3, g3, c3, jb)]
             diverged[n] = region
         f, g, c, s = (max(options, key=lambda o: (o[0], o[1], sign * o[2])) if options
                       else (0, 0, 0, None))

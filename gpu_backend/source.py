@@ -11,8 +11,9 @@ from __future__ import annotations
 import hashlib
 from pathlib import Path
 
-__all__ = ["A_GLOBAL_ABOVE", "EXP_TABLE_DOUBLES", "FEATURE_SETS", "INSTANCES", "KERNELS", "KERNEL_DIR", "PAIRED",
-           "PLAIN", "WIDE", "kernel_name", "source_hash", "translation_unit"]
+__all__ = ["A_GLOBAL_ABOVE", "EXP_TABLE_DOUBLES", "FEATURE_SETS", "INSTANCES", "KERNELS",
+           "KERNEL_DIR", "PAIRED", "PLAIN", "WIDE", "kernel_name", "source_hash",
+           "translation_unit"]
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 MAIN = "attention.cu"
@@ -47,7 +48,7 @@ PLAIN: dict[str, dict[int, tuple[int, int]]] = {
 }
 #: the wide instances: every feature compiled in, as INSTANCES, with larger tiles that only a
 #: device with more shared memory holds (launch.plan prefers them there, after a plain
-#: instance): the dq at D = 128 on warp pairs with 32-key tiles (208 KiB) and the dk/dv at
+#: instance): the dq at D = 128 on warp pairs with 32-key tiles (212 KiB) and the dk/dv at
 #: D = 256 with 16-query tiles (224 KiB), both H100/H200 only
 WIDE: dict[str, dict[int, tuple[int, int]]] = {
     "dq": {128: (1, 32)},

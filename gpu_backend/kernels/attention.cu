@@ -105,7 +105,7 @@ __device__ void refattn_trace_backward(const unsigned long long* x, const long l
 // SPLIT = 2 in forward.cuh and backward.cuh); source.py INSTANCES holds the same table (a test
 // compares). The tiles are chosen for 0 spills (ptxas, sm_80 and sm_90) and every block up to
 // D = 128 within an A100's 163 KiB: dq keeps S and dP (2 x BK / 8 x 2 MR doubles per lane) beside its
-// dQ accumulator, its pairs at D = 128 (16-key tiles, 136 KiB) half of dQ's columns; dk/dv keeps dV
+// dQ accumulator, its pairs at D = 128 (16-key tiles, 140 KiB) half of dQ's columns; dk/dv keeps dV
 // in shared memory (refattn_mma_pb_shared), MR = 2 at D = 32; its pairs at D = 64 and 128 keep dV
 // in registers and 2 of each warp's 4 dK n-tiles (D = 64: 80 KiB, two blocks per SM on an
 // H100/H200, two warps per scheduler) or 6 of its 8 (D = 128: 160 KiB) in shared memory.
@@ -174,7 +174,7 @@ extern "C" __global__ void attention_dkdv_plain_d128(REFATTN_ARGS) {
 }
 // the wide instances: every feature, for devices whose shared memory holds them (launch.plan
 // prefers them there, after a plain instance): the dq at D = 128 on warp pairs with 32-key tiles
-// (208 KiB: a streamed K or V double feeds 32 FMAs where the general instance's feeds 16, and
+// (212 KiB: a streamed K or V double feeds 32 FMAs where the general instance's feeds 16, and
 // half the barriers per key), H100/H200 only
 extern "C" __global__ void attention_dq_wide_d128(REFATTN_ARGS) {
     REFATTN_SM90_ONLY(refattn_dq<128, 1, 32, REFATTN_F_ALL, 2, 1>(x, ip, rp));
