@@ -29,7 +29,7 @@ __device__ __forceinline__ RefattnGradElement refattn_grad_element(
                    DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     RefattnGradElement r;
     double t;
-    r.p = exp_of(refattn_score<SOFTCAP, BIAS>(c, dot, BIAS && c.has_bias ? bias.at(col) : 0.0,
+    r.p = exp_of(refattn_score<SOFTCAP, true>(c, dot, BIAS && c.has_bias ? bias.at(col) : 0.0,
                                               &t, tanh_of) -
                  lse);
     r.z = DROPOUT && c.drop_mode != 0 ? refattn_tile_multiplier(c, keep, bit, z_line, col)

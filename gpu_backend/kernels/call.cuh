@@ -75,11 +75,13 @@ enum : unsigned {
 // the score of one element: alpha dot, or with a softcap c tanh(dot (alpha / c)); *t gets the
 // tanh (the softcap's slope d score / d (alpha dot) is 1 - t^2, refattn_cap_slope), 0 without a
 // softcap. tanh_of: refattn_tanh_table (from the block's copy of the exp table or the global one).
-// BIASED: plus the bias b (0.0 without one) in the fma that applies c or alpha (the backward
-// with the bias compiled in; the forward adds it after: its loop split in two on sm_80 with
-// fma(alpha, dot, 0.0) in the plain instance at D = 128). SOFTCAP false (an instance compiled without the softcap: the
-// feature sets above) holds no softcap code.
-template <bool SOFTCAP = true, bool BIASED = false, typename Tanh>
+// BIASED: plus the bias b (0.0 without one) in the fma that applies c or alpha (the backward;
+// the forward adds it after). ONE_SKIPPED: alpha = 1 not multiplied (the forward: without that
+// select, and with fma(alpha, dot, 0.0), its plain loop at D = 128 split in two on sm_80; in
+// the plain backward nvcc made the select a branch on alpha that duplicated the elementwise
+// code, and alpha dot alone spilled 8 bytes in sm_80's plain dq at D = 64). SOFTCAP false (an instance compiled without the softcap:
+// the feature sets above) holds no softcap code.
+template <bool SOFTCAP = true, bool BIASED = false, bool ONE_SKIPPED = false, typename Tanh>
 __device__ __forceinline__ double refattn_score(const RefattnCall& c, double dot, double b,
                                                 double* t, Tanh tanh_of) {
     if (SOFTCAP && c.has_softcap) {
@@ -88,7 +90,8 @@ __device__ __forceinline__ double refattn_score(const RefattnCall& c, double dot
     }
     *t = 0.0;
     if (BIASED) return fma(c.post, dot, b);
-    return c.post == 1.0 ? dot : c.post * dot;  // alpha applied once, after the product
+    if (ONE_SKIPPED && c.post == 1.0) return dot;
+    return c.post * dot;  // alpha applied once, after the product
 }
 
 // the dropout multiplier Z of (b, h, i, j)
