@@ -250,7 +250,7 @@ def kernel_shared_bytes(name: str) -> int | None:
     (:func:`gpu_backend.launch.shared_bytes`), None for a name that is not an instance.
 
     >>> kernel_shared_bytes("attention_dq_plain_d128"), kernel_shared_bytes("attention_dq_d64")
-    (196608, 98304)
+    (196608, 102400)
     """
     from gpu_backend.launch import shared_bytes
 
