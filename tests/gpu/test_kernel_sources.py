@@ -269,6 +269,20 @@ def test_the_branch_free_exps_are_within_one_ulp_of_numpy(tmp_path, which):
     assert np.isnan(nan[0])
 
 
+def _planted_binary(tmp_path, name, program, common_text):
+    """``program`` built as _host_binary does, against ``common_text`` as common.cuh."""
+    (tmp_path / "k").mkdir()
+    (tmp_path / "k" / "common.cuh").write_text(common_text)
+    (tmp_path / "k" / "philox.cuh").write_text((KERNEL_DIR / "philox.cuh").read_text())
+    if not shutil.which("g++"):
+        pytest.skip("no g++ to build the host check")
+    (tmp_path / f"{name}.cpp").write_text(program)
+    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-Wall", "-Werror",
+                    f"-I{tmp_path / 'k'}", str(tmp_path / f"{name}.cpp"), "-o",
+                    str(tmp_path / name)], check=True)
+    return tmp_path / name
+
+
 @pytest.mark.parametrize(("which", "planted", "replacement"), [
     ("table", "p = fma(r, p, 1.0 / 6.0);", "p = fma(r, p, 1.0 / 6.5);"),  # a wrong coefficient
     ("table", "const double e0 = hi + fma(hi, q, lo);",
@@ -280,17 +294,9 @@ def test_the_branch_free_exps_are_within_one_ulp_of_numpy(tmp_path, which):
 def test_a_planted_bug_in_an_exp_fails_its_check(tmp_path, which, planted, replacement):
     """What the ulp check above catches: each planted bug puts an exp more than 1 ulp from
     NumPy's or makes fewer than 90% of its results NumPy's bits."""
-    (tmp_path / "k").mkdir()
     assert COMMON.count(planted) == 1
-    (tmp_path / "k" / "common.cuh").write_text(COMMON.replace(planted, replacement))
-    (tmp_path / "k" / "philox.cuh").write_text((KERNEL_DIR / "philox.cuh").read_text())
-    if not shutil.which("g++"):
-        pytest.skip("no g++ to build the host check")
-    (tmp_path / "exp.cpp").write_text(EXP_PROGRAM)
-    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-Wall", "-Werror",
-                    f"-I{tmp_path / 'k'}", str(tmp_path / "exp.cpp"), "-o",
-                    str(tmp_path / "exp")], check=True)
-    x, got, ulps = _exp_ulps(tmp_path / "exp", which)
+    exe = _planted_binary(tmp_path, "exp", EXP_PROGRAM, COMMON.replace(planted, replacement))
+    x, got, ulps = _exp_ulps(exe, which)
     assert ulps.max() > 1.0 or np.mean(got == np.exp(x)) <= 0.9
 
 
@@ -347,21 +353,13 @@ def test_the_branch_free_tanh_is_within_three_ulp_of_numpy_from_either_table(tmp
 def test_a_planted_bug_in_the_tanh_fails_its_check(tmp_path, planted, replacement):
     """What the tanh check above catches: each planted bug puts the tanh more than 3 ulp from
     NumPy's (or NaN where it is finite)."""
-    (tmp_path / "k").mkdir()
     start = COMMON.index("double refattn_tanh_table(double u")
     end = COMMON.index("\n}\n", start)
     assert COMMON[start:end].count(planted) == 1
-    (tmp_path / "k" / "common.cuh").write_text(
-        COMMON[:start] + COMMON[start:end].replace(planted, replacement) + COMMON[end:])
-    (tmp_path / "k" / "philox.cuh").write_text((KERNEL_DIR / "philox.cuh").read_text())
-    if not shutil.which("g++"):
-        pytest.skip("no g++ to build the host check")
-    (tmp_path / "tanh.cpp").write_text(TANH_PROGRAM)
-    subprocess.run(["g++", "-std=c++17", "-O1", "-ffp-contract=off", "-Wall", "-Werror",
-                    f"-I{tmp_path / 'k'}", str(tmp_path / "tanh.cpp"), "-o",
-                    str(tmp_path / "tanh")], check=True)
+    exe = _planted_binary(tmp_path, "tanh", TANH_PROGRAM, COMMON[:start] + COMMON[
+        start:end].replace(planted, replacement) + COMMON[end:])
     u = _tanh_arguments()
-    got = _exp_bits(tmp_path / "tanh", u)
+    got = _exp_bits(exe, u)
     want = np.tanh(u)
     with np.errstate(invalid="ignore"):
         ulps = np.abs(got - want) / np.spacing(np.maximum(np.abs(want), 5e-324))
