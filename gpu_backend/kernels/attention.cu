@@ -58,10 +58,9 @@ __device__ void refattn_trace_forward(const unsigned long long* x, const long lo
         for (long long d = 0; d < c.Dk; ++d)
             dot += c.q[(bh * c.Q + i) * c.Dk + d] * c.k[((b * c.Hkv + hk) * c.K + j) * c.Dk + d];
         double t;
-        const double s =
-            refattn_score(c, dot, 0.0, &t, [](double u) {
-                return refattn_tanh_table<REFATTN_EXP_TABLE_GLOBAL>(u, refattn_exp2_32);
-            });
+        const double s = refattn_score(c, dot, &t, [](double u) {
+            return refattn_tanh_table<REFATTN_EXP_TABLE_GLOBAL>(u, refattn_exp2_32);
+        });
         const double capped = c.post * dot;
         const double biased = c.has_bias ? s + strided_at(c.bias, ip, P_BIAS_S0, b, h, i, j) : s;
         const bool seen = refattn_visible(vis, ip, b, h, i, j);

@@ -29,9 +29,8 @@ __device__ __forceinline__ RefattnGradElement refattn_grad_element(
                    DROPOUT = (F & REFATTN_F_DROPOUT) != 0;
     RefattnGradElement r;
     double t;
-    r.p = exp_of(refattn_score<SOFTCAP, true>(c, dot, BIAS && c.has_bias ? bias.at(col) : 0.0,
-                                              &t, tanh_of) -
-                 lse);
+    const double sc = refattn_score<SOFTCAP>(c, dot, &t, tanh_of);
+    r.p = exp_of(sc + (BIAS && c.has_bias ? bias.at(col) : 0.0) - lse);  // (+0.0: sc's bits)
     r.z = DROPOUT && c.drop_mode != 0 ? refattn_tile_multiplier(c, keep, bit, z_line, col)
                                       : 1.0;
     r.gp = gpd * r.z;
@@ -311,15 +310,15 @@ __device__ void refattn_dkdv(const unsigned long long* x, const long long* ip,
     const RefattnCall c = refattn_call(x, ip, rp);
     const RefattnVisibility vis = refattn_visibility(x, ip);
     const long long gbias_mode = BIAS ? ip[P_GBIAS_MODE] : 0;
-    // the outputs' addresses, at D = 32 read after the loop (read before it, sm_80's instance
-    // kept both in a 16-byte stack frame across the loop; at D = 256 sm_90's spilled 56 bytes
-    // when they were read after it)
     // CUDA's exp and the softcap's tanh from the global exp table (no room for the block's copy
     // at D = 128 on an A100)
     auto p_exp = [](double v) { return exp(v); };
     auto p_tanh = [](double u) {
         return refattn_tanh_table<REFATTN_EXP_TABLE_GLOBAL>(u, refattn_exp2_32);
     };
+    // the outputs' addresses, at D = 32 read after the loop (read before it, sm_80's instance
+    // kept both in a 16-byte stack frame across the loop; at D = 256 sm_90's spilled 56 bytes
+    // when they were read after it)
     constexpr bool LATE_OUTPUTS = D == 32;
     double* dk = LATE_OUTPUTS ? nullptr : reinterpret_cast<double*>(x[X_DK]);
     double* dv = LATE_OUTPUTS ? nullptr : reinterpret_cast<double*>(x[X_DV]);

@@ -74,22 +74,22 @@ enum : unsigned {
 
 // the score of one element: alpha dot, or with a softcap c tanh(dot (alpha / c)); *t gets the
 // tanh (the softcap's slope d score / d (alpha dot) is 1 - t^2, refattn_cap_slope), 0 without a
-// softcap. tanh_of: refattn_tanh_table (from the block's copy of the exp table or the global one).
-// BIASED: plus the bias b (0.0 without one) in the fma that applies c or alpha (the backward;
-// the forward adds it after). ONE_SKIPPED: alpha = 1 not multiplied (the forward: without that
-// select, and with fma(alpha, dot, 0.0), its plain loop at D = 128 split in two on sm_80; in
-// the plain backward nvcc made the select a branch on alpha that duplicated the elementwise
-// code, and alpha dot alone spilled 8 bytes in sm_80's plain dq at D = 64). SOFTCAP false (an instance compiled without the softcap:
-// the feature sets above) holds no softcap code.
-template <bool SOFTCAP = true, bool BIASED = false, bool ONE_SKIPPED = false, typename Tanh>
-__device__ __forceinline__ double refattn_score(const RefattnCall& c, double dot, double b,
-                                                double* t, Tanh tanh_of) {
+// softcap. tanh_of: refattn_tanh_table (from the block's copy of the exp table or the global
+// one: the same bits). Every kernel adds the bias to it the same way, after (the backward's
+// recomputed scores must be the forward's bits: an fma with the bias rounds once where the
+// forward rounds twice, and an ulp of a huge score is a factor of P). ONE_SKIPPED: alpha = 1
+// not multiplied (the same bits; the forward: without that select its plain loop at D = 128
+// split in two on sm_80; in the plain backward nvcc made it a branch on alpha that duplicated
+// the elementwise code). SOFTCAP false (an instance compiled without the softcap: the feature
+// sets above) holds no softcap code.
+template <bool SOFTCAP = true, bool ONE_SKIPPED = false, typename Tanh>
+__device__ __forceinline__ double refattn_score(const RefattnCall& c, double dot, double* t,
+                                                Tanh tanh_of) {
     if (SOFTCAP && c.has_softcap) {
         *t = tanh_of(dot * c.cap_scale);
-        return BIASED ? fma(c.softcap, *t, b) : c.softcap * *t;
+        return c.softcap * *t;
     }
     *t = 0.0;
-    if (BIASED) return fma(c.post, dot, b);
     if (ONE_SKIPPED && c.post == 1.0) return dot;
     return c.post * dot;  // alpha applied once, after the product
 }

@@ -139,9 +139,8 @@ __device__ void refattn_forward(const unsigned long long* x, const long long* ip
                 REFATTN_UNROLL
                 for (int sb = 0; sb < 2; ++sb) {
                     const int e = nt * W + 2 * mr + sb, j = j0 + 8 * nt + 2 * t + sb;
-                    double t;  // alpha, a softcap c tanh(dot alpha / c); the bias
-                    double v = refattn_score<SOFTCAP, false, true>(c, s[e], 0.0, &t,
-                                                                    softcap_tanh);
+                    double th;  // alpha, a softcap c tanh(dot alpha / c) (th: the tanh)
+                    double v = refattn_score<SOFTCAP, true>(c, s[e], &th, softcap_tanh);
                     if (bias) v += bias_i.at(j < K ? j : K - 1);
                     const int bit = (nt * MRW + mr) * 2 + sb;
                     if (cls == REFATTN_PARTIAL && !((bits >> bit) & 1u)) v = none;
