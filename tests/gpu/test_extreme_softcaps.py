@@ -116,6 +116,12 @@ PINNED = {
     "huge_cap_huge_scores": _case(softcap=1e300, scale=1e300, q_scale=0.5),
     "largest_cap": _case(softcap=1.7976931348623157e308, scale=1e300),
     "scores_could_overflow": _case(softcap=1e-310, q_scale=1e160, k_scale=1e160),
+    # scores near 1e300 and a bias near their ulp: a kernel that adds the bias in the fma that
+    # applies c (one rounding, where the forward rounds twice) recomputes scores an ulp off,
+    # exp(1e284) off the forward's lse (grad_k infinite in 8 of 40 places)
+    "huge_scores_and_a_bias_of_an_ulp": _case(
+        softcap=1e300, scale=1e300, seed=3,
+        bias=1e285 * np.random.default_rng(1).standard_normal((1, 2, 1, 5))),
 }
 #: refused by the gate for every backend: a subnormal softcap, scores that could overflow
 REFUSED = {"subnormal_cap_1e-310", "subnormal_cap_min", "subnormal_cap_zero_scores",
