@@ -17,6 +17,10 @@ __all__ = ["A_GLOBAL_ABOVE", "EXP_TABLE_DOUBLES", "FEATURE_SETS", "INSTANCES", "
 
 KERNEL_DIR = Path(__file__).resolve().parent / "kernels"
 MAIN = "attention.cu"
+#: the doubles of a block's copy of the exp table (kernels/common.cuh's
+#: REFATTN_EXP_TABLE_DOUBLES: 32 pairs 2^(j/32) = hi + lo, 8 copies of each;
+#: :func:`gpu_backend.launch.uses_exp_table` says which instances hold one)
+EXP_TABLE_DOUBLES = 512
 #: the tensor-core kernels' instances, as attention.cu's entry points instantiate them:
 #: kind -> head width D -> (MR, tile). A block is 4 warps of 8 MR rows: BQ = 32 MR query rows
 #: (forward, dq: the tile is BK keys) or BKV = 32 MR keys (dkdv: the tile is BQ2 queries);
@@ -25,9 +29,6 @@ MAIN = "attention.cu"
 #: :data:`PAIRED`), with the same BQ or BKV (:func:`gpu_backend.launch.shared_bytes`).
 #: Above D = 128 (:data:`A_GLOBAL_ABOVE`) the warps read their own rows (the A operand: Q, G_O;
 #: K, V in dkdv) from global memory instead of a shared tile.
-#: the doubles of a forward block's copy of the exp table (kernels/common.cuh's
-#: REFATTN_EXP_TABLE_DOUBLES: 32 pairs 2^(j/32) = hi + lo, 8 copies of each)
-EXP_TABLE_DOUBLES = 512
 INSTANCES: dict[str, dict[int, tuple[int, int]]] = {
     "forward": {32: (2, 24), 64: (2, 32), 128: (1, 16), 256: (1, 8)},
     "dq": {32: (2, 16), 64: (2, 16), 128: (1, 16), 256: (1, 8)},
