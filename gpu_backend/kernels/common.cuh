@@ -197,7 +197,7 @@ __device__ __forceinline__ double refattn_exp_table(double x, S tab) {
     p = fma(r, p, 0.5);
     const double q = fma(r * r, p, r);
     const int ki = static_cast<int>(__double_as_longlong(t));
-    const int j = 16 * (ki & 31);
+    const int j = REFATTN_EXP_TABLE_SHARED * (ki & 31);
     const double hi = tab[j], lo = tab[j + 1];
     const double e0 = hi + fma(hi, q, lo);
     const bool tiny = x < -707.0;  // 2^m may be subnormal (m < -1021)
