@@ -39,7 +39,8 @@ from refattn.engine.trace import FORWARD_NAMES, Gradients, Trace
 from refattn.errors import RefAttnError
 
 __all__ = ["Device", "Plan", "backward", "call_features", "dense_tile_bytes",
-           "dense_tile_classes", "dense_tile_counts", "forward", "plan", "shared_bytes"]
+           "dense_tile_classes", "dense_tile_counts", "forward", "plan", "shared_bytes",
+           "uses_exp_table"]
 
 _STREAM_SAVED = ("output", "row_max", "lse")
 _GRID_Y_MAX = 65535  # CUDA's limit on gridDim.y (blocks over B * Hq or B * Hkv)
